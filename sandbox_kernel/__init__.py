@@ -1,0 +1,27 @@
+"""sandbox-kernel: run Jupyter's IPython kernels inside hardened gVisor containers."""
+
+from ._version import __version__
+from .errors import (
+    ConfigurationError,
+    DockerOperationError,
+    DockerUnavailableError,
+    ImageNotFoundError,
+    KernelStartupError,
+    RuntimeMissingError,
+    SandboxKernelError,
+    WorkspaceError,
+)
+from .provisioner import SandboxProvisioner
+
+__all__ = [
+    "ConfigurationError",
+    "DockerOperationError",
+    "DockerUnavailableError",
+    "ImageNotFoundError",
+    "KernelStartupError",
+    "RuntimeMissingError",
+    "SandboxKernelError",
+    "SandboxProvisioner",
+    "WorkspaceError",
+    "__version__",
+]

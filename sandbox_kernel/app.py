@@ -1,0 +1,343 @@
+"""``jupyter sandbox-kernel``: install the kernelspec, build the image, check the host, run notebooks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_core.application import JupyterApp, base_aliases, base_flags
+from jupyter_core.paths import SYSTEM_JUPYTER_PATH
+from traitlets import Bool, Float, Unicode
+
+from ._version import __version__
+from .docker_api import SandboxDocker
+from .errors import ConfigurationError, SandboxKernelError
+from .policy import validate_kernelspec_config
+from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from .resources import data_path
+
+KERNEL_NAME = "sandboxed-python"
+DEBIAN_BASE = "sandbox-kernel-base:bookworm"
+
+
+class _SubApp(JupyterApp):
+    version = __version__
+
+    def fail(self, message: str) -> None:
+        """Print a user error to stderr and exit non-zero."""
+        print(f"error: {message}", file=sys.stderr)
+        self.exit(1)
+
+
+class InstallApp(_SubApp):
+    """Install the Sandboxed Python kernelspec."""
+
+    name = "jupyter-sandbox-kernel-install"
+    description = """Install the "Sandboxed Python" kernelspec, so that Jupyter offers it and
+    `KernelManager(kernel_name="sandboxed-python")` starts kernels inside gVisor.
+    By default it installs for all users (sys.prefix-independent system location);
+    use --user, --sys-prefix or --prefix to choose."""
+    examples = """
+    jupyter sandbox-kernel install --sys-prefix
+    jupyter sandbox-kernel install --user --name py-sandbox --display-name "Python (sandbox)"
+    jupyter sandbox-kernel install --image registry.example/sandbox-python:2 --replace
+    """
+
+    kernel_name = Unicode(KERNEL_NAME, config=True, help="Name (folder) of the installed kernelspec.")
+    display_name = Unicode("Sandboxed Python", config=True, help="Name shown in Jupyter's launcher.")
+    image = Unicode("", config=True, help=f"Kernel image the kernelspec uses (default {DEFAULT_IMAGE}).")
+    user = Bool(False, config=True, help="Install for the current user only.")
+    prefix = Unicode("", config=True, help="Install into PREFIX/share/jupyter/kernels.")
+    replace = Bool(False, config=True, help="Replace an existing kernelspec of the same name.")
+
+    aliases = {
+        **base_aliases,
+        "name": "InstallApp.kernel_name",
+        "display-name": "InstallApp.display_name",
+        "image": "InstallApp.image",
+        "prefix": "InstallApp.prefix",
+    }
+    flags = {
+        **base_flags,
+        "user": ({"InstallApp": {"user": True}}, "Install for the current user only."),
+        "sys-prefix": ({"InstallApp": {"prefix": sys.prefix}}, "Install into this Python environment."),
+        "replace": ({"InstallApp": {"replace": True}}, "Replace an existing kernelspec of the same name."),
+    }
+
+    def start(self) -> None:
+        if self.user and self.prefix:
+            self.fail("choose one of --user and --prefix/--sys-prefix")
+        source = data_path("kernelspecs") / KERNEL_NAME
+        spec = json.loads((source / "kernel.json").read_text())
+        spec["display_name"] = self.display_name
+        config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
+        if self.image:
+            config["image"] = self.image
+        try:
+            validate_kernelspec_config(config, self.kernel_name)
+        except ConfigurationError as exc:
+            self.fail(str(exc))
+        ksm = KernelSpecManager(parent=self)
+        dest_dir = self._destination(ksm)
+        if dest_dir.exists() and not self.replace:
+            self.fail(f"a kernelspec exists at {dest_dir}; add --replace to overwrite it")
+        with tempfile.TemporaryDirectory() as tmp:
+            staged = Path(tmp) / self.kernel_name
+            shutil.copytree(source, staged)
+            (staged / "kernel.json").write_text(json.dumps(spec, indent=2) + "\n")
+            try:
+                dest = ksm.install_kernel_spec(
+                    str(staged), self.kernel_name, user=self.user, prefix=self.prefix or None
+                )
+            except PermissionError as exc:
+                self.fail(f"{exc}; install with --user, --sys-prefix, or as root")
+        print(f"Installed kernelspec {self.kernel_name!r} ({self.display_name}) in {dest}")
+
+    def _destination(self, ksm: KernelSpecManager) -> Path:
+        """Where install_kernel_spec will put the spec (it replaces silently)."""
+        if self.user:
+            base = Path(ksm.user_kernel_dir)
+        elif self.prefix:
+            base = Path(self.prefix) / "share" / "jupyter" / "kernels"
+        else:
+            base = Path(SYSTEM_JUPYTER_PATH[0]) / "kernels"
+        return base / self.kernel_name.lower()
+
+
+class BuildImageApp(_SubApp):
+    """Build the kernel image from images/Dockerfile."""
+
+    name = "jupyter-sandbox-kernel-build-image"
+    description = """Build the kernel image (ipykernel, numpy, pandas, matplotlib; non-root user)
+    from the bundled images/Dockerfile, showing the build's progress.
+
+    The Dockerfile's base is a build argument. Sites with a registry use the default
+    (python:3.11-slim-bookworm). Sites without one pass --debian-base: the base is then
+    built from a Debian rootfs with debootstrap (as root, about a minute) unless it exists."""
+    examples = """
+    jupyter sandbox-kernel build-image
+    jupyter sandbox-kernel build-image --debian-base --if-missing
+    jupyter sandbox-kernel build-image --base my-registry/python:3.12 --tag sandbox-kernel/python:3.12
+    """
+
+    tag = Unicode(DEFAULT_IMAGE, config=True, help="Tag of the image to build.")
+    base = Unicode("", config=True, help="Base image (build argument BASE); must have python3 with venv.")
+    debian_base = Bool(
+        False, config=True, help=f"Use {DEBIAN_BASE}, building it from a Debian rootfs if it is missing."
+    )
+    if_missing = Bool(False, config=True, help="Do nothing if the tag already exists.")
+    no_cache = Bool(False, config=True, help="Build without Docker's layer cache.")
+
+    aliases = {**base_aliases, "tag": "BuildImageApp.tag", "base": "BuildImageApp.base"}
+    flags = {
+        **base_flags,
+        "debian-base": (
+            {"BuildImageApp": {"debian_base": True}},
+            "Build on a local Debian rootfs base (no registry).",
+        ),
+        "if-missing": ({"BuildImageApp": {"if_missing": True}}, "Skip if the image already exists."),
+        "no-cache": ({"BuildImageApp": {"no_cache": True}}, "Do not use the layer cache."),
+    }
+
+    def start(self) -> None:
+        import docker
+        from docker.errors import BuildError, DockerException, ImageNotFound
+
+        try:
+            client = docker.from_env()
+        except DockerException as exc:
+            self.fail(f"cannot reach the Docker daemon ({exc}); start dockerd first")
+        if self.if_missing and _image_exists(client, self.tag):
+            print(f"==> image {self.tag} already present")
+            return
+        images = data_path("images")
+        base = self.base
+        if self.debian_base:
+            base = base or DEBIAN_BASE
+            try:
+                client.images.get(base)
+            except ImageNotFound:
+                print(f"==> building the base image {base} from a Debian rootfs")
+                script = images / "base" / "build-debian-base.sh"
+                if subprocess.call(["bash", str(script), base]) != 0:  # noqa: S603, S607
+                    self.fail(f"building the base image {base} failed (see the output above)")
+        print(f"==> building {self.tag} from {images / 'Dockerfile'}" + (f" on {base}" if base else ""))
+        buildargs = {"BASE": base} if base else {}
+        try:
+            for chunk in client.api.build(
+                path=str(images),
+                tag=self.tag,
+                buildargs=buildargs,
+                rm=True,
+                forcerm=True,
+                nocache=self.no_cache,
+                decode=True,
+            ):
+                if "stream" in chunk:
+                    sys.stdout.write(chunk["stream"])
+                    sys.stdout.flush()
+                elif "status" in chunk:
+                    print(chunk["status"])
+                elif "error" in chunk:
+                    self.fail(f"image build failed: {chunk['error'].strip()}")
+        except (BuildError, DockerException) as exc:
+            self.fail(f"image build failed: {exc}")
+        print(f"==> built {self.tag}")
+
+
+def _image_exists(client: Any, tag: str) -> bool:
+    from docker.errors import ImageNotFound
+
+    try:
+        client.images.get(tag)
+    except ImageNotFound:
+        return False
+    return True
+
+
+class CheckApp(_SubApp):
+    """Check that this host can run sandboxed kernels."""
+
+    name = "jupyter-sandbox-kernel-check"
+    description = """Check that Docker is reachable, the gVisor runtime is registered with the
+    flags the bridge needs, the kernel image exists and the kernelspec is installed.
+    Exits non-zero, with the fix, if anything is missing."""
+
+    image = Unicode(DEFAULT_IMAGE, config=True, help="Image to look for.")
+    runtime = Unicode(DEFAULT_RUNTIME, config=True, help="Docker runtime to look for.")
+    aliases = {**base_aliases, "image": "CheckApp.image", "runtime": "CheckApp.runtime"}
+
+    def start(self) -> None:
+        failures = asyncio.run(self._check())
+        ksm = KernelSpecManager(parent=self)
+        try:
+            ksm.get_kernel_spec(KERNEL_NAME)
+            print(f"ok    kernelspec {KERNEL_NAME!r} installed")
+        except NoSuchKernel:
+            failures += 1
+            print(f"FAIL  kernelspec {KERNEL_NAME!r} is not installed: run `jupyter sandbox-kernel install`")
+        if failures:
+            self.exit(1)
+        print("This host is ready to run sandboxed kernels.")
+
+    async def _check(self) -> int:
+        docker_api = SandboxDocker()
+        checks = [
+            ("Docker daemon reachable", docker_api.client()),
+            (f"gVisor runtime {self.runtime!r} registered", docker_api.check_runtime(self.runtime)),
+            (f"kernel image {self.image!r} present", docker_api.check_image(self.image)),
+        ]
+        for label, check in checks:
+            try:
+                await check
+            except SandboxKernelError as exc:
+                print(f"FAIL  {label}: {exc}")
+                for _, rest in checks[checks.index((label, check)) + 1 :]:
+                    rest.close()
+                return 1
+            print(f"ok    {label}")
+        return 0
+
+
+class RunApp(_SubApp):
+    """Execute a notebook in a sandboxed kernel."""
+
+    name = "jupyter-sandbox-kernel-run"
+    description = """Execute a notebook with nbclient in a sandboxed kernel. The notebook's folder
+    is the kernel's workspace; the executed copy is written next to it (or to --output)
+    and each cell's printed output is echoed here."""
+    examples = """
+    jupyter sandbox-kernel run notebooks/demo.ipynb
+    jupyter sandbox-kernel run analysis.ipynb --output analysis.done.ipynb --timeout 600
+    """
+
+    kernel_name = Unicode(KERNEL_NAME, config=True, help="Kernelspec to run the notebook with.")
+    output = Unicode(
+        "", config=True, help="Where to write the executed notebook (default NAME.executed.ipynb)."
+    )
+    timeout = Float(600, config=True, help="Seconds each cell may run.")
+    aliases = {
+        **base_aliases,
+        "kernel": "RunApp.kernel_name",
+        "output": "RunApp.output",
+        "timeout": "RunApp.timeout",
+    }
+
+    def start(self) -> None:
+        import nbformat
+        from nbclient import NotebookClient
+        from nbclient.exceptions import CellExecutionError
+
+        if len(self.extra_args) != 1:
+            self.fail("give exactly one notebook: jupyter sandbox-kernel run NOTEBOOK.ipynb")
+        path = Path(self.extra_args[0]).resolve()
+        if not path.is_file():
+            self.fail(f"no such notebook: {path}")
+        output = Path(self.output).resolve() if self.output else path.with_suffix(".executed.ipynb")
+        nb = nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
+        client = NotebookClient(
+            nb,
+            kernel_name=self.kernel_name,
+            timeout=int(self.timeout),
+            resources={"metadata": {"path": str(path.parent)}},
+        )
+        print(f"==> executing {path} with the {self.kernel_name!r} kernel")
+        failed: BaseException | None = None
+        try:
+            client.execute()
+        except (CellExecutionError, SandboxKernelError, RuntimeError) as exc:
+            failed = exc
+        finally:
+            nbformat.write(nb, output)  # type: ignore[no-untyped-call]
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "stream":
+                    sys.stdout.write(out["text"])
+                elif "image/png" in out.get("data", {}):
+                    print("[image/png output]")
+        print(f"==> executed notebook: {output}")
+        if failed is not None:
+            self.fail(f"the notebook failed: {failed}")
+
+
+class SandboxKernelApp(JupyterApp):
+    """The ``jupyter sandbox-kernel`` command."""
+
+    name = "jupyter-sandbox-kernel"
+    version = __version__
+    description = """Run Jupyter's IPython kernels inside hardened gVisor containers.
+
+    Typical setup: build the image, install the kernelspec, check the host; then choose
+    "Sandboxed Python" in JupyterLab, or KernelManager(kernel_name="sandboxed-python")."""
+    examples = """
+    jupyter sandbox-kernel build-image --debian-base
+    jupyter sandbox-kernel install --sys-prefix
+    jupyter sandbox-kernel check
+    jupyter sandbox-kernel run notebooks/demo.ipynb
+    """
+    subcommands = {
+        "install": (InstallApp, "Install the Sandboxed Python kernelspec."),
+        "build-image": (BuildImageApp, "Build the kernel image, showing progress."),
+        "check": (CheckApp, "Check Docker, the gVisor runtime, the image and the kernelspec."),
+        "run": (RunApp, "Execute a notebook in a sandboxed kernel."),
+    }
+
+    def start(self) -> None:
+        if self.subapp is not None:
+            self.subapp.start()
+            return
+        print("No subcommand given; choose one of: " + ", ".join(self.subcommands), file=sys.stderr)
+        print(file=sys.stderr)
+        self.print_description()
+        self.print_subcommands()
+        self.exit(1)
+
+
+main = SandboxKernelApp.launch_instance

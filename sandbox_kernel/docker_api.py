@@ -1,0 +1,211 @@
+"""The one place that talks to Docker: async, non-blocking, with errors translated.
+
+docker-py is synchronous, so every call runs in a worker thread; a provisioner lives in
+the server's event loop and must never block it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from requests.exceptions import RequestException
+
+from .errors import (
+    DockerOperationError,
+    DockerUnavailableError,
+    ImageNotFoundError,
+    RuntimeMissingError,
+)
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: What docker-py raises when the daemon is gone: its own errors, or requests' ones
+#: once a connection had been made.
+_TRANSPORT_ERRORS = (DockerException, RequestException)
+
+#: Runtime flags the gVisor runtime must carry for the kernel's ipc sockets to work
+#: while the sandbox has no network.
+REQUIRED_RUNTIME_ARGS = ("--network=none", "--host-uds=create")
+
+
+def runtime_setup_hint(runtime: str) -> str:
+    """How to register the gVisor runtime, for error messages and ``check``."""
+    args = ", ".join(f'"{a}"' for a in REQUIRED_RUNTIME_ARGS)
+    return (
+        f'Add to /etc/docker/daemon.json: {{"runtimes": {{"{runtime}": {{"path": "/usr/bin/runsc", '
+        f'"runtimeArgs": [{args}]}}}}}} and reload dockerd (kill -HUP its pid), or run '
+        "`bash .ci/setup` from the sandbox-kernel checkout, which installs gVisor and does this."
+    )
+
+
+class SandboxDocker:
+    """Async facade over a docker-py client, created lazily on first use."""
+
+    def __init__(self, client_factory: Callable[[], Any] | None = None) -> None:
+        self._client_factory = client_factory or docker.from_env
+        self._client: Any = None
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def client(self) -> Any:
+        """The docker-py client, connecting on first use.
+
+        Raises:
+            DockerUnavailableError: the daemon cannot be reached.
+        """
+        if self._client is None:
+            try:
+                self._client = await self._call(self._client_factory)
+            except DockerException as exc:
+                msg = (
+                    f"Cannot reach the Docker daemon ({exc}). Start it (`dockerd &`, or "
+                    "`systemctl start docker`), or point DOCKER_HOST at a running one."
+                )
+                raise DockerUnavailableError(msg) from exc
+        return self._client
+
+    async def _api(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one Docker call, mapping transport failures to our errors."""
+        try:
+            return await self._call(fn, *args, **kwargs)
+        except NotFound:
+            raise
+        except APIError as exc:
+            msg = f"Docker failed to {what}: {exc.explanation or exc}"
+            raise DockerOperationError(msg) from exc
+        except _TRANSPORT_ERRORS as exc:
+            msg = f"Lost the Docker daemon while trying to {what}: {exc}. Is dockerd running?"
+            raise DockerUnavailableError(msg) from exc
+
+    async def check_runtime(self, runtime: str) -> None:
+        """Make sure ``runtime`` is registered, is gVisor, and carries our flags.
+
+        Raises:
+            RuntimeMissingError: with the daemon.json snippet that fixes it.
+        """
+        client = await self.client()
+        info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
+        runtimes = info.get("Runtimes") or {}
+        entry = runtimes.get(runtime)
+        if entry is None:
+            msg = (
+                f"The Docker daemon has no {runtime!r} runtime, so the kernel cannot run under "
+                f"gVisor (sandbox-kernel never falls back to runc). Registered runtimes: "
+                f"{', '.join(sorted(runtimes)) or 'none'}. {runtime_setup_hint(runtime)}"
+            )
+            raise RuntimeMissingError(msg)
+        path = str(entry.get("path", ""))
+        if "runsc" not in path.rsplit("/", 1)[-1]:
+            msg = (
+                f"The Docker runtime {runtime!r} runs {path!r}, which is not gVisor's runsc; "
+                f"refusing to start a sandboxed kernel with it. {runtime_setup_hint(runtime)}"
+            )
+            raise RuntimeMissingError(msg)
+        args = list(entry.get("runtimeArgs") or [])
+        missing = [a for a in REQUIRED_RUNTIME_ARGS if a not in args]
+        if missing:
+            msg = (
+                f"The gVisor runtime {runtime!r} lacks the flags {', '.join(missing)} "
+                f"(it has {args or 'none'}). {runtime_setup_hint(runtime)}"
+            )
+            raise RuntimeMissingError(msg)
+
+    async def check_image(self, image: str) -> None:
+        """Make sure ``image`` exists locally; it is never pulled.
+
+        Raises:
+            ImageNotFoundError: naming the command that builds it.
+        """
+        client = await self.client()
+        try:
+            await self._api(f"inspect image {image}", client.images.get, image)
+        except (ImageNotFound, NotFound) as exc:
+            msg = (
+                f"The kernel image {image!r} is not on this Docker host, and sandbox-kernel "
+                f"never pulls images. Build it with: jupyter sandbox-kernel build-image --tag {image}"
+            )
+            raise ImageNotFoundError(msg) from exc
+
+    async def create_and_start(self, create_kwargs: Mapping[str, Any]) -> Any:
+        """Create and start a container; remove it again if starting fails."""
+        client = await self.client()
+        container = await self._api("create the kernel container", client.containers.create, **create_kwargs)
+        try:
+            await self._api("start the kernel container", container.start)
+        except BaseException:
+            await self.remove(container.id)
+            raise
+        return container
+
+    async def state(self, container_id: str) -> tuple[str, int | None]:
+        """(status, exit code or None while running); ``("removed", 255)`` when gone."""
+        client = await self.client()
+        try:
+            attrs = await self._api(
+                "inspect the kernel container", client.api.inspect_container, container_id
+            )
+        except NotFound:
+            return "removed", 255
+        state = attrs.get("State") or {}
+        status = str(state.get("Status", "unknown"))
+        if status in ("created", "running", "paused", "restarting"):
+            return status, None
+        return status, int(state.get("ExitCode", 255))
+
+    async def oom_killed(self, container_id: str) -> bool:
+        client = await self.client()
+        try:
+            attrs = await self._api(
+                "inspect the kernel container", client.api.inspect_container, container_id
+            )
+        except NotFound:
+            return False
+        return bool((attrs.get("State") or {}).get("OOMKilled"))
+
+    async def signal(self, container_id: str, signum: int) -> bool:
+        """Send ``signum`` to the container's init; False if it is not running."""
+        client = await self.client()
+        try:
+            await self._call(client.api.kill, container_id, signal=int(signum))
+        except NotFound:
+            return False
+        except APIError as exc:
+            if exc.status_code == 409:  # not running
+                return False
+            msg = f"Docker failed to signal the kernel container: {exc.explanation or exc}"
+            raise DockerOperationError(msg) from exc
+        except _TRANSPORT_ERRORS as exc:
+            msg = f"Lost the Docker daemon while signalling the kernel: {exc}. Is dockerd running?"
+            raise DockerUnavailableError(msg) from exc
+        return True
+
+    async def logs(self, container_id: str, tail: int = 30) -> str:
+        """The container's last ``tail`` output lines, or "" if unavailable."""
+        client = await self.client()
+        try:
+            raw = await self._call(client.api.logs, container_id, tail=tail)
+        except _TRANSPORT_ERRORS:
+            return ""
+        return bytes(raw).decode("utf-8", "replace").strip()
+
+    async def remove(self, container_id: str) -> None:
+        """Force-remove a container; a missing one is fine."""
+        client = await self.client()
+        try:
+            await self._call(client.api.remove_container, container_id, force=True)
+        except NotFound:
+            return
+        except APIError as exc:
+            if exc.status_code == 409 and "already in progress" in str(exc.explanation):
+                return
+            log.warning("Could not remove container %s: %s", container_id[:12], exc)
+        except _TRANSPORT_ERRORS as exc:
+            log.warning("Could not remove container %s, Docker is unreachable: %s", container_id[:12], exc)

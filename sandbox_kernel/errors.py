@@ -1,0 +1,54 @@
+"""Errors raised by sandbox-kernel, each saying what happened and how to fix it.
+
+Exception tree::
+
+    SandboxKernelError
+    ├── ConfigurationError (ValueError)     a kernelspec or server setting is invalid
+    │   └── WorkspaceError                  the workspace cannot be mounted
+    ├── DockerUnavailableError              the Docker daemon cannot be reached
+    ├── RuntimeMissingError                 Docker has no usable gVisor runtime
+    ├── ImageNotFoundError (LookupError)    the kernel image is not on the Docker host
+    ├── DockerOperationError                a Docker call failed unexpectedly
+    └── KernelStartupError                  the container started but the kernel died
+"""
+
+from __future__ import annotations
+
+
+class SandboxKernelError(Exception):
+    """Base class of every error raised by sandbox-kernel."""
+
+
+class ConfigurationError(SandboxKernelError, ValueError):
+    """A kernelspec or server setting is invalid."""
+
+
+class WorkspaceError(ConfigurationError):
+    """The workspace folder cannot be mounted into the sandbox."""
+
+
+class DockerUnavailableError(SandboxKernelError):
+    """The Docker daemon cannot be reached."""
+
+
+class RuntimeMissingError(SandboxKernelError):
+    """The Docker daemon has no usable gVisor runtime registered."""
+
+
+class ImageNotFoundError(SandboxKernelError, LookupError):
+    """The kernel image does not exist on the Docker host (it is never pulled)."""
+
+
+class DockerOperationError(SandboxKernelError):
+    """A Docker API call failed for a reason not covered by a narrower error."""
+
+
+class KernelStartupError(SandboxKernelError):
+    """The sandbox container started, but the kernel in it exited or never came up.
+
+    ``logs`` holds the last lines the container printed.
+    """
+
+    def __init__(self, message: str, logs: str = "") -> None:
+        super().__init__(message)
+        self.logs = logs

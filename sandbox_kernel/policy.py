@@ -1,0 +1,314 @@
+"""Pure translation of a kernel's sandbox settings into Docker ``create`` arguments.
+
+Nothing here talks to Docker or starts anything, so the hardening can be unit-tested on
+the dictionaries it produces (the model is docker-py's ``_create_container_args``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from docker.types import Mount
+
+from .errors import ConfigurationError, WorkspaceError
+
+#: Where the workspace is mounted, and the kernel's working directory below it.
+CONTAINER_WORKSPACE = "/workspace"
+#: Per-kernel host folder holding the kernel's connection file and ipc sockets.
+CONTAINER_RUNTIME_DIR = "/run/sandbox-kernel"
+CONTAINER_CONNECTION_FILE = f"{CONTAINER_RUNTIME_DIR}/connection.json"
+#: ipykernel binds ``ipc://{IPC_PREFIX}-{port}`` for each channel.
+IPC_PREFIX = f"{CONTAINER_RUNTIME_DIR}/kernel"
+IPC_PORTS: Mapping[str, int] = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
+
+LABEL_MANAGED = "io.sandbox-kernel.managed"
+LABEL_KERNEL_ID = "io.sandbox-kernel.kernel-id"
+LABEL_KERNELSPEC = "io.sandbox-kernel.kernelspec"
+LABEL_RUNTIME_DIR = "io.sandbox-kernel.runtime-dir"
+
+#: The uid a kernel runs as when neither the server user nor the workspace owner is a
+#: usable (non-root) uid; the image's ``USER``.
+DEFAULT_KERNEL_UID = 1000
+
+#: Environment the sandbox always gets, whatever the server's: the root filesystem is
+#: read-only, so everything that wants a writable home uses the /tmp tmpfs.
+FIXED_ENV: Mapping[str, str] = {
+    "HOME": "/tmp",
+    "IPYTHONDIR": "/tmp/.ipython",
+    "MPLCONFIGDIR": "/tmp/.matplotlib",
+    "PYTHONUNBUFFERED": "1",
+}
+#: Never passed, even when a kernelspec or the allow-list names them: ipykernel exits
+#: when the process JPY_PARENT_PID names is not its parent, which inside a container
+#: it never is.
+NEVER_PASSED_ENV = frozenset({"JPY_PARENT_PID"})
+
+#: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
+KERNELSPEC_KEYS = frozenset({"image", "memory", "cpus", "tmp_size", "workspace_root", "pass_env"})
+
+#: Host folders that are never mounted as a workspace, nor is anything inside them.
+_SYSTEM_TREES = tuple(
+    Path(p)
+    for p in (
+        "/bin",
+        "/boot",
+        "/dev",
+        "/etc",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/proc",
+        "/run",
+        "/sbin",
+        "/sys",
+        "/usr",
+        "/var/run",
+        "/var/lib/docker",
+        "/var/lib/containerd",
+    )
+)
+#: Folders never mounted themselves (their subfolders may hold projects).
+_SYSTEM_DIRS = frozenset(
+    Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/opt", "/srv", "/mnt", "/tmp")
+)
+
+_SIZE_RE = re.compile(r"^[1-9][0-9]*[kmg]?$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything needed to create one kernel's container."""
+
+    kernel_id: str
+    kernelspec: str
+    image: str
+    runtime: str
+    command: list[str]
+    env: dict[str, str]
+    workspace: Path
+    workdir: str
+    runtime_dir: Path
+    uid: int
+    gid: int
+    memory: str = "2g"
+    cpus: float = 1.0
+    tmp_size: str = "256m"
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def container_name(self) -> str:
+        return f"sandbox-kernel-{self.kernel_id}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            LABEL_MANAGED: "true",
+            LABEL_KERNEL_ID: self.kernel_id,
+            LABEL_KERNELSPEC: self.kernelspec,
+            LABEL_RUNTIME_DIR: str(self.runtime_dir),
+            **self.extra_labels,
+        }
+
+
+def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
+    """Keyword arguments for ``docker.DockerClient.containers.create``.
+
+    Hardening, in order: gVisor runtime, a non-root uid, no capabilities, no new
+    privileges, read-only root with a small /tmp, an init process (PID 1 forwards
+    signals), no network at all, and no host path but the workspace and the kernel's
+    own runtime folder.
+    """
+    return {
+        "image": spec.image,
+        "command": spec.command,
+        "name": spec.container_name,
+        "hostname": "sandbox",
+        "labels": spec.labels,
+        "environment": spec.env,
+        "working_dir": spec.workdir,
+        "runtime": spec.runtime,
+        "user": f"{spec.uid}:{spec.gid}",
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "privileged": False,
+        "read_only": True,
+        "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={spec.tmp_size},mode=1777"},
+        "init": True,
+        "network_mode": "none",
+        "ipc_mode": "private",
+        "mounts": [
+            Mount(CONTAINER_WORKSPACE, str(spec.workspace), type="bind", read_only=False),
+            Mount(CONTAINER_RUNTIME_DIR, str(spec.runtime_dir), type="bind", read_only=False),
+        ],
+        "mem_limit": spec.memory,
+        "memswap_limit": spec.memory,
+        "nano_cpus": int(spec.cpus * 1_000_000_000),
+        "log_config": {"type": "json-file", "config": {"max-size": "10m", "max-file": "1"}},
+        "stdin_open": False,
+        "tty": False,
+        "detach": True,
+    }
+
+
+def sandbox_env(
+    env: Mapping[str, str], pass_env: Iterable[str], kernelspec_env: Iterable[str]
+) -> dict[str, str]:
+    """The environment the kernel gets: an allow-list, never the server's whole env.
+
+    ``env`` is the launch environment (the server's, with the kernelspec's ``env``
+    applied); only names in ``pass_env`` or set by the kernelspec itself survive.
+    """
+    allowed = (set(pass_env) | set(kernelspec_env)) - NEVER_PASSED_ENV
+    result = {name: env[name] for name in sorted(allowed) if name in env}
+    result.update(FIXED_ENV)
+    return result
+
+
+def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> list[str]:
+    """The command run in the container, from the kernelspec's ``argv``.
+
+    ``km.format_kernel_cmd`` would swap ``python`` for the server's interpreter and use
+    the host path of the connection file, so the command is built here instead.
+    """
+    if not argv:
+        msg = (
+            "The kernelspec's argv is empty; it must run ipykernel, "
+            "e.g. python -m ipykernel_launcher -f {connection_file}"
+        )
+        raise ConfigurationError(msg)
+    return [arg.replace("{connection_file}", CONTAINER_CONNECTION_FILE) for arg in argv] + list(
+        extra_arguments
+    )
+
+
+def resolve_workspace(
+    cwd: str | os.PathLike[str],
+    root: str | os.PathLike[str] | None,
+    runtime_parent: str | os.PathLike[str] | None = None,
+) -> tuple[Path, str]:
+    """Map the kernel's start folder to (host folder to mount, working dir inside).
+
+    Without a ``root`` the start folder itself is the workspace. With one, the root is
+    mounted and the start folder must lie inside it.
+
+    Raises:
+        WorkspaceError: the folder is missing, is or lies in a system folder, holds the
+            kernels' runtime folders, or is outside the root.
+    """
+    start = Path(cwd).resolve()
+    if not start.is_dir():
+        msg = f"The kernel's folder {str(start)!r} does not exist or is not a folder."
+        raise WorkspaceError(msg)
+    if root is None:
+        mount, rel = start, Path()
+    else:
+        mount = Path(root).expanduser().resolve()
+        if not mount.is_dir():
+            msg = (
+                f"The workspace root {str(mount)!r} does not exist. Create it, or fix "
+                "SandboxProvisioner.workspace_root (or the kernelspec's workspace_root)."
+            )
+            raise WorkspaceError(msg)
+        try:
+            rel = start.relative_to(mount)
+        except ValueError:
+            msg = (
+                f"The notebook's folder {str(start)!r} is outside the workspace root "
+                f"{str(mount)!r}, so the sandboxed kernel cannot start there. Move the "
+                "notebook under the workspace root, or change the root."
+            )
+            raise WorkspaceError(msg) from None
+    if (
+        mount in _SYSTEM_DIRS
+        or mount == Path.home().resolve()
+        or any(mount == tree or tree in mount.parents for tree in _SYSTEM_TREES)
+    ):
+        msg = (
+            f"Refusing to mount {str(mount)!r} (a system or home folder) as the kernel's workspace. "
+            "Start the kernel from a project folder, or set SandboxProvisioner.workspace_root."
+        )
+        raise WorkspaceError(msg)
+    if runtime_parent is not None:
+        private = Path(runtime_parent).resolve()
+        if mount == private or mount in private.parents:
+            msg = (
+                f"Refusing to mount {str(mount)!r} as the kernel's workspace: it contains "
+                f"{str(private)!r}, where other kernels keep their private sockets and keys."
+            )
+            raise WorkspaceError(msg)
+    workdir = CONTAINER_WORKSPACE if rel == Path() else f"{CONTAINER_WORKSPACE}/{rel.as_posix()}"
+    return mount, workdir
+
+
+def kernel_user(workspace: Path, configured_uid: int | None = None) -> tuple[int, int]:
+    """The (uid, gid) the kernel runs as; never 0.
+
+    Files the kernel writes must be readable and deletable by the host user, so the
+    kernel runs as the server's user when that is not root, else as the workspace's
+    owner when that is not root, else as :data:`DEFAULT_KERNEL_UID`.
+    """
+    if configured_uid is not None:
+        if configured_uid <= 0:
+            msg = f"kernel_uid={configured_uid!r} is not allowed: the kernel never runs as root."
+            raise ConfigurationError(msg)
+        return configured_uid, configured_uid
+    if os.getuid() != 0:
+        return os.getuid(), os.getgid()
+    st = workspace.stat()
+    if st.st_uid != 0:
+        return st.st_uid, st.st_gid
+    return DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID
+
+
+def can_write(path: Path, uid: int, gid: int) -> bool:
+    """Whether ``uid:gid`` may create files in ``path`` by its mode bits."""
+    st = path.stat()
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IWUSR)
+    if st.st_gid == gid:
+        return bool(st.st_mode & stat.S_IWGRP)
+    return bool(st.st_mode & stat.S_IWOTH)
+
+
+def container_connection_info(key: bytes, signature_scheme: str, kernel_name: str) -> dict[str, Any]:
+    """The connection file the kernel reads inside the sandbox: ipc sockets only."""
+    return {
+        "transport": "ipc",
+        "ip": IPC_PREFIX,
+        **{f"{channel}_port": port for channel, port in IPC_PORTS.items()},
+        "key": key.decode("ascii"),
+        "signature_scheme": signature_scheme,
+        "kernel_name": kernel_name,
+    }
+
+
+def validate_kernelspec_config(config: Mapping[str, Any], kernelspec: str = "") -> None:
+    """Reject keys a kernelspec may not set in ``metadata.kernel_provisioner.config``.
+
+    jupyter_client silently drops unknown keys; a misspelt limit must not pass unnoticed.
+
+    Raises:
+        ConfigurationError: naming the offending key and the allowed ones.
+    """
+    where = f"kernelspec {kernelspec!r}" if kernelspec else "the kernelspec"
+    for key in config:
+        if key not in KERNELSPEC_KEYS:
+            msg = (
+                f"{where} sets {key!r} in metadata.kernel_provisioner.config, which is not "
+                f"a setting a kernelspec may choose. Allowed: {', '.join(sorted(KERNELSPEC_KEYS))}."
+            )
+            raise ConfigurationError(msg)
+
+
+def validate_size(name: str, value: str) -> str:
+    """Check a Docker size string such as ``512m`` or ``2g``."""
+    if not _SIZE_RE.match(value):
+        msg = f"{name}={value!r} is not a size; use a number with an optional k, m or g suffix, like '512m'."
+        raise ConfigurationError(msg)
+    return value.lower()

@@ -1,0 +1,457 @@
+"""The ``sandbox-provisioner``: jupyter_client kernel provisioner running IPython in gVisor.
+
+Each kernel gets its own hardened Docker container under the gVisor runtime, with no
+network; its ZeroMQ channels are ipc sockets in a per-kernel host folder, relayed to
+clients on 127.0.0.1 by a :class:`~sandbox_kernel.bridge.KernelBridge`. See
+``shared/notes/provisioner-contract.md`` for the contract this implements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import zmq
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
+from traitlets import Float, Int, List, TraitError, Unicode, default, validate
+
+from .bridge import CHANNELS, CurveKeys, KernelBridge
+from .docker_api import SandboxDocker
+from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
+from .policy import (
+    CONTAINER_WORKSPACE,
+    IPC_PORTS,
+    IPC_PREFIX,
+    SandboxSpec,
+    can_write,
+    container_connection_info,
+    container_create_kwargs,
+    kernel_command,
+    kernel_user,
+    resolve_workspace,
+    sandbox_env,
+    validate_kernelspec_config,
+    validate_size,
+)
+
+DEFAULT_IMAGE = "sandbox-kernel/python:latest"
+DEFAULT_RUNTIME = "runsc-sandbox-kernel"
+
+
+class SandboxProvisioner(KernelProvisionerBase):
+    """Runs each kernel in its own gVisor container and bridges its channels to the host."""
+
+    IMAGE_ENV = "SANDBOX_KERNEL_IMAGE"
+    RUNTIME_ENV = "SANDBOX_KERNEL_RUNTIME"
+    WORKSPACE_ROOT_ENV = "SANDBOX_KERNEL_WORKSPACE_ROOT"
+
+    image = Unicode(
+        config=True,
+        help=f"""Docker image the kernel runs in. It must already exist on the Docker host:
+        images are never pulled. Build the default with `jupyter sandbox-kernel build-image`.
+        Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}.""",
+    )
+    docker_runtime = Unicode(
+        config=True,
+        help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
+        --host-uds=create. Starting a kernel fails if it is missing or is not runsc.
+        Default: ${RUNTIME_ENV}, else {DEFAULT_RUNTIME}.""",
+    )
+    workspace_root = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help=f"""Host folder mounted read-write at {CONTAINER_WORKSPACE}. The kernel's working
+        directory is the notebook's folder mapped into it; a notebook outside it is refused.
+        When unset, the folder the kernel is started in is the workspace.
+        Default: ${WORKSPACE_ROOT_ENV}, else unset.""",
+    )
+    pass_env = List(
+        Unicode(),
+        default_value=["LANG", "LC_ALL", "TZ"],
+        config=True,
+        help="""Names of environment variables passed from the server into the sandbox.
+        Nothing else of the server's environment enters it (variables the kernelspec's
+        own `env` sets are passed too). JPY_PARENT_PID is never passed.""",
+    )
+    memory = Unicode("2g", config=True, help="Memory limit of the kernel's container, e.g. '512m' or '2g'.")
+    cpus = Float(1.0, config=True, help="CPU limit of the kernel's container, in cores (e.g. 0.5).")
+    tmp_size = Unicode(
+        "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
+    )
+    kernel_uid = Int(
+        None,
+        allow_none=True,
+        config=True,
+        help="""Numeric uid (and gid) the kernel runs as. Unset: the server's uid when that
+        is not root, else the workspace owner's uid when that is not root, else 1000.
+        Never 0. Only a server running as root may choose a uid other than its own.""",
+    )
+    startup_timeout = Float(
+        60.0, config=True, help="Seconds to wait for the kernel in a new container to open its channels."
+    )
+    runtime_parent = Unicode(
+        config=True,
+        help="""Host folder under which each kernel gets a private runtime folder (its
+        connection file and ipc sockets). Keep the path short: unix socket paths are
+        limited to about 100 characters. Default: the system temp folder.""",
+    )
+
+    @default("image")
+    def _image_default(self) -> str:
+        return os.environ.get(self.IMAGE_ENV) or DEFAULT_IMAGE
+
+    @default("docker_runtime")
+    def _docker_runtime_default(self) -> str:
+        return os.environ.get(self.RUNTIME_ENV) or DEFAULT_RUNTIME
+
+    @default("workspace_root")
+    def _workspace_root_default(self) -> str | None:
+        return os.environ.get(self.WORKSPACE_ROOT_ENV) or None
+
+    @default("runtime_parent")
+    def _runtime_parent_default(self) -> str:
+        return tempfile.gettempdir()
+
+    @validate("memory", "tmp_size")
+    def _validate_size(self, proposal: dict[str, Any]) -> str:
+        try:
+            return validate_size(proposal["trait"].name, proposal["value"])
+        except ConfigurationError as exc:
+            raise TraitError(str(exc)) from None
+
+    @validate("cpus")
+    def _validate_cpus(self, proposal: dict[str, Any]) -> float:
+        value = float(proposal["value"])
+        if not 0 < value <= 64:
+            msg = f"cpus={value!r} is out of range; use a number of cores above 0, e.g. 1 or 0.5."
+            raise TraitError(msg)
+        return value
+
+    @validate("kernel_uid")
+    def _validate_kernel_uid(self, proposal: dict[str, Any]) -> int | None:
+        value: int | None = proposal["value"]
+        if value is not None and value <= 0:
+            msg = (
+                f"kernel_uid={value!r} is not allowed: the kernel never runs as root; use a uid such as 1000."
+            )
+            raise TraitError(msg)
+        return value
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # The base class declares connection_info as a shared class-level dict.
+        self.connection_info: KernelConnectionInfo = {}
+        self.container_id: str | None = None
+        self.exit_code: int | None = None
+        self.runtime_dir: Path | None = None
+        self.bridge: KernelBridge | None = None
+        self.docker = SandboxDocker()
+        self._spec: SandboxSpec | None = None
+        self._curve: CurveKeys | None = None
+
+    # ------------------------------------------------------------------ launch
+
+    @property
+    def has_process(self) -> bool:
+        return self.container_id is not None
+
+    @property
+    def kernel_name(self) -> str:
+        return str(getattr(self.parent, "kernel_name", "") or getattr(self.kernel_spec, "name", "") or "")
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """Validate the kernelspec and the Docker host, and plan the container.
+
+        Raises:
+            ConfigurationError: the kernelspec or a setting is invalid.
+            DockerUnavailableError, RuntimeMissingError, ImageNotFoundError: the host
+                is not ready; each message says how to fix it.
+        """
+        metadata = getattr(self.kernel_spec, "metadata", {}) or {}
+        validate_kernelspec_config(metadata.get("kernel_provisioner", {}).get("config", {}), self.kernel_name)
+        transport_encryption = kwargs.pop("transport_encryption", None)
+        extra_arguments = kwargs.pop("extra_arguments", [])
+        self._curve = self._curve_keys(transport_encryption)
+
+        await self.docker.check_runtime(self.docker_runtime)
+        await self.docker.check_image(self.image)
+
+        workspace, workdir = resolve_workspace(
+            kwargs.get("cwd") or os.getcwd(), self.workspace_root, self.runtime_parent
+        )
+        uid, gid = kernel_user(workspace, self.kernel_uid)
+        if os.getuid() not in (0, uid):
+            msg = (
+                f"kernel_uid={uid} differs from the server's uid {os.getuid()}; only a server "
+                "running as root can run kernels as another user. Unset kernel_uid."
+            )
+            raise ConfigurationError(msg)
+        if not can_write(workspace, uid, gid):
+            self.log.warning(
+                "The sandboxed kernel runs as uid %d, which cannot write to its workspace %s: "
+                "results cannot be saved there. Give uid %d write access to it, or set "
+                "SandboxProvisioner.kernel_uid to its owner's uid.",
+                uid,
+                workspace,
+                uid,
+            )
+        cmd = kernel_command(self.kernel_spec.argv, extra_arguments)
+        kwargs = await super().pre_launch(cmd=cmd, **kwargs)
+        self._spec = SandboxSpec(
+            kernel_id=str(self.kernel_id),
+            kernelspec=self.kernel_name,
+            image=self.image,
+            runtime=self.docker_runtime,
+            command=cmd,
+            env=sandbox_env(kwargs["env"], self.pass_env, self.kernel_spec.env),
+            workspace=workspace,
+            workdir=workdir,
+            runtime_dir=Path(),
+            uid=uid,
+            gid=gid,
+            memory=self.memory,
+            cpus=self.cpus,
+            tmp_size=self.tmp_size,
+        )
+        return kwargs
+
+    def _curve_keys(self, transport_encryption: str | None) -> CurveKeys | None:
+        """The CurveZMQ keypair for the client-facing sockets, if the client asked for it.
+
+        Mirrors LocalProvisioner: keys live on the manager and survive restarts. The
+        bridge terminates Curve; inside the sandbox the channels are local ipc sockets.
+        """
+        km = self.parent
+        if km is None or not hasattr(km, "_transport_encryption_policy"):
+            return None
+        policy = km._transport_encryption_policy(transport_encryption)
+        if policy == "disabled":
+            return None
+        if policy == "auto" and not km._kernel_supports_curve_encryption():
+            return None
+        if km.curve_publickey is None:
+            km.curve_publickey, km.curve_secretkey = zmq.curve_keypair()
+        return CurveKeys(public=km.curve_publickey, secret=km.curve_secretkey)
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        """Start the kernel's container and the bridge; return the client-side connection.
+
+        Raises:
+            KernelStartupError: the kernel exited or never opened its channels; carries
+                the container's last output. Nothing is left behind.
+        """
+        if self._spec is None:
+            msg = "launch_kernel() called before pre_launch()"
+            raise RuntimeError(msg)
+        km = self.parent
+        key: bytes = km.session.key if km is not None else b""
+        scheme: str = km.session.signature_scheme if km is not None else "hmac-sha256"
+        try:
+            runtime_dir = self._ensure_runtime_dir(self._spec.uid, self._spec.gid)
+            spec = replace(self._spec, runtime_dir=runtime_dir)
+            self._write_container_connection_file(spec, key, scheme)
+            container = await self.docker.create_and_start(container_create_kwargs(spec))
+            self.container_id = str(container.id)
+            self.exit_code = None
+            self.log.info(
+                "Sandboxed kernel %s: container %s (image %s, runtime %s, uid %d, workspace %s)",
+                self.kernel_id,
+                self.container_id[:12],
+                spec.image,
+                spec.runtime,
+                spec.uid,
+                spec.workspace,
+            )
+            ports = await self._ensure_bridge(runtime_dir)
+            await self._wait_until_ready(self.container_id, runtime_dir)
+        except BaseException:
+            await self._teardown(keep_bridge=False)
+            raise
+        info: dict[str, Any] = {
+            "transport": "tcp",
+            "ip": self.bridge.ip if self.bridge else "127.0.0.1",
+            **{f"{channel}_port": port for channel, port in ports.items()},
+            "key": key,
+            "signature_scheme": scheme,
+            "kernel_name": self.kernel_name,
+        }
+        if self._curve is not None:
+            info["curve_publickey"] = self._curve.public.decode("ascii")
+            info["curve_secretkey"] = self._curve.secret.decode("ascii")
+        self.connection_info = info  # type: ignore[assignment]
+        return self.connection_info
+
+    def _ensure_runtime_dir(self, uid: int, gid: int) -> Path:
+        """The kernel's private host folder for its connection file and sockets."""
+        if self.runtime_dir is None or not self.runtime_dir.is_dir():
+            self.runtime_dir = Path(tempfile.mkdtemp(prefix="sandbox-kernel-", dir=self.runtime_parent))
+        if os.getuid() == 0:
+            os.chown(self.runtime_dir, uid, gid)
+        return self.runtime_dir
+
+    def _write_container_connection_file(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
+        runtime_dir = spec.runtime_dir
+        info = container_connection_info(key, scheme, self.kernel_name)
+        path = runtime_dir / "connection.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
+        if os.getuid() == 0:
+            os.chown(path, spec.uid, spec.gid)
+
+    async def _ensure_bridge(self, runtime_dir: Path, ports: dict[str, int] | None = None) -> dict[str, int]:
+        if self.bridge is None:
+            endpoints = {c: f"ipc://{runtime_dir}/kernel-{IPC_PORTS[c]}" for c in CHANNELS}
+            self.bridge = KernelBridge(endpoints, ports=ports, curve=self._curve)
+        return self.bridge.start()
+
+    async def _wait_until_ready(self, container_id: str, runtime_dir: Path) -> None:
+        """Wait until the kernel has bound all its sockets, or fail with its logs."""
+        sockets = [runtime_dir / f"{Path(IPC_PREFIX).name}-{port}" for port in IPC_PORTS.values()]
+        deadline = time.monotonic() + self.startup_timeout
+        next_check = 0.0
+        while True:
+            if all(s.exists() for s in sockets):
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                _, code = await self.docker.state(container_id)
+                if code is not None:
+                    logs = await self.docker.logs(container_id)
+                    msg = (
+                        f"The sandboxed kernel exited during startup (exit code {code}, image "
+                        f"{self.image!r}). Its last output:\n{logs or '(no output)'}"
+                    )
+                    raise KernelStartupError(msg, logs)
+                next_check = now + 0.5
+            if now >= deadline:
+                logs = await self.docker.logs(container_id)
+                msg = (
+                    f"The sandboxed kernel did not open its channels within {self.startup_timeout:g} s "
+                    f"(image {self.image!r}); raise SandboxProvisioner.startup_timeout if the host is "
+                    f"slow. Its last output:\n{logs or '(no output)'}"
+                )
+                raise KernelStartupError(msg, logs)
+            await asyncio.sleep(0.05)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def poll(self) -> int | None:
+        """None while the container runs, else its exit code (cheap; never blocks the loop)."""
+        if self.container_id is None:
+            return self.exit_code if self.exit_code is not None else 0
+        try:
+            status, code = await self.docker.state(self.container_id)
+        except SandboxKernelError as exc:
+            self.log.warning("Cannot check sandboxed kernel %s: %s", self.kernel_id, exc)
+            return None
+        if code is not None and self.exit_code is None:
+            self.exit_code = code
+            if await self.docker.oom_killed(self.container_id):
+                self.log.warning(
+                    "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
+                )
+            else:
+                self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
+        return code
+
+    async def wait(self) -> int | None:
+        while True:
+            code = await self.poll()
+            if code is not None:
+                return code
+            await asyncio.sleep(0.1)
+
+    async def send_signal(self, signum: int) -> None:
+        """Deliver ``signum`` to the kernel via the container's init (which forwards it)."""
+        if self.container_id is not None:
+            await self.docker.signal(self.container_id, signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        await self.send_signal(signal.SIGKILL)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self.send_signal(signal.SIGTERM)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """Remove the container; unless restarting, also the bridge and runtime folder."""
+        await self._teardown(keep_bridge=restart)
+
+    async def _teardown(self, keep_bridge: bool) -> None:
+        if self.container_id is not None:
+            await self.docker.remove(self.container_id)
+            self.container_id = None
+        if keep_bridge:
+            if self.runtime_dir is not None and self.runtime_dir.is_dir():
+                # The next kernel binds the same paths; stale sockets must not be reached.
+                for leftover in self.runtime_dir.iterdir():
+                    leftover.unlink(missing_ok=True)
+            return
+        if self.bridge is not None:
+            await asyncio.to_thread(self.bridge.stop)
+            self.bridge = None
+        if self.runtime_dir is not None:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            self.runtime_dir = None
+
+    # ------------------------------------------------------------------ reconnecting
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        """What a later process needs to reach this same kernel again."""
+        info = await super().get_provisioner_info()
+        info.update(
+            {
+                "container_id": self.container_id,
+                "runtime_dir": str(self.runtime_dir) if self.runtime_dir else None,
+                "image": self.image,
+                "workspace": str(self._spec.workspace) if self._spec else None,
+                "workdir": self._spec.workdir if self._spec else None,
+            }
+        )
+        info["connection_info"] = {
+            k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()
+        }
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        """Reattach to a running kernel: same container, same client ports."""
+        await super().load_provisioner_info(provisioner_info)
+        self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
+        self.container_id = provisioner_info["container_id"]
+        runtime_dir = provisioner_info.get("runtime_dir")
+        self.runtime_dir = Path(runtime_dir) if runtime_dir else None
+        if self.runtime_dir is not None:
+            info = self.connection_info
+            pub, sec = info.get("curve_publickey"), info.get("curve_secretkey")
+            if pub and sec:
+                self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
+            ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
+            await self._ensure_bridge(self.runtime_dir, ports)
+
+    def resolve_path(self, path: str) -> str | None:
+        """Map a path the kernel reports (e.g. /workspace/x.py) to the host, within the workspace."""
+        if self._spec is None:
+            return None
+        workspace = self._spec.workspace
+        p = Path(path)
+        if p.is_absolute():
+            try:
+                p = workspace / p.relative_to(CONTAINER_WORKSPACE)
+            except ValueError:
+                return None
+        else:
+            p = workspace / Path(self._spec.workdir).relative_to(CONTAINER_WORKSPACE) / p
+        resolved = p.resolve()
+        if not resolved.is_relative_to(workspace) or not resolved.exists():
+            return None
+        return resolved.as_posix()

@@ -1,0 +1,203 @@
+"""Real kernels in real gVisor containers, driven through jupyter_client as users drive them.
+
+These tests never skip: without Docker, the gVisor runtime or the image they fail with
+the command that fixes it (`bash .ci/setup`). Deselect them explicitly with
+``-m "not integration"`` on a machine that cannot run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from jupyter_client import KernelManager
+from jupyter_client.blocking.client import BlockingKernelClient
+
+from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.policy import LABEL_KERNEL_ID, LABEL_MANAGED
+from sandbox_kernel.provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from sandbox_kernel.resources import data_path
+
+KERNEL = "sandboxed-python"
+SANDBOX_UID = 1000
+
+
+def runsc_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line.strip() for line in out.splitlines() if "runsc" in line and "ps -eo" not in line]
+
+
+def runtime_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("sandbox-kernel-*")}
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> Iterator[docker.DockerClient]:
+    async def check() -> None:
+        api = SandboxDocker()
+        await api.check_runtime(DEFAULT_RUNTIME)
+        await api.check_image(DEFAULT_IMAGE)
+
+    try:
+        asyncio.run(check())
+    except SandboxKernelError as exc:
+        pytest.fail(
+            f"Integration tests need Docker with gVisor and the kernel image: {exc}\n"
+            "Run `bash .ci/setup` (as root), or deselect them with -m 'not integration'.",
+            pytrace=False,
+        )
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
+    """After the whole run: no sandbox container, runsc process or runtime folder remains."""
+    dirs_before = runtime_dirs()
+    yield
+    leftovers = docker_client.containers.list(all=True, filters={"label": LABEL_MANAGED})
+    for container in leftovers:
+        container.remove(force=True)
+    problems = [f"container {c.name}" for c in leftovers]
+    problems += [f"runtime folder {d}" for d in runtime_dirs() - dirs_before]
+    problems += [f"process {p}" for p in runsc_processes()]
+    if problems:
+        pytest.fail("Left behind after the tests: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def kernelspec_root(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Path:
+    """A Jupyter data folder holding the shipped kernelspec and test variants of it."""
+    root = tmp_path_factory.mktemp("jupyter-data")
+    kernels = root / "kernels"
+    kernels.mkdir()
+    shutil.copytree(data_path("kernelspecs") / KERNEL, kernels / KERNEL)
+    return root
+
+
+@pytest.fixture
+def jupyter_dirs(kernelspec_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("JUPYTER_PATH", str(kernelspec_root))
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    return kernelspec_root
+
+
+@pytest.fixture
+def make_kernelspec(jupyter_dirs: Path) -> Callable[..., str]:
+    """Write a variant of the shipped kernelspec: ``make_kernelspec("name", argv=[...], config={...})``."""
+    created: list[Path] = []
+
+    def make(name: str, argv: list[str] | None = None, config: dict[str, Any] | None = None) -> str:
+        spec = json.loads((jupyter_dirs / "kernels" / KERNEL / "kernel.json").read_text())
+        if argv is not None:
+            spec["argv"] = argv
+        if config is not None:
+            spec["metadata"]["kernel_provisioner"]["config"] = config
+        folder = jupyter_dirs / "kernels" / name
+        folder.mkdir(exist_ok=True)
+        (folder / "kernel.json").write_text(json.dumps(spec))
+        created.append(folder)
+        return name
+
+    yield make
+    for folder in created:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def make_workspace(path: Path) -> Path:
+    """A folder the sandbox's uid can write to, as a notebook folder would be."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.getuid() == 0:
+        os.chown(path, SANDBOX_UID, SANDBOX_UID)
+    return path
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    return make_workspace(tmp_path / "workspace")
+
+
+KernelStarter = Callable[..., tuple[KernelManager, BlockingKernelClient]]
+
+
+@pytest.fixture
+def start_kernel(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> Iterator[KernelStarter]:
+    """Start sandboxed kernels; each is shut down and proven gone afterwards."""
+    started: list[tuple[KernelManager, BlockingKernelClient]] = []
+
+    def start(
+        kernel_name: str = KERNEL,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+        **km_kwargs: Any,
+    ) -> tuple[KernelManager, BlockingKernelClient]:
+        km = KernelManager(kernel_name=kernel_name, **km_kwargs)
+        km.start_kernel(cwd=str(cwd or workspace), env=env if env is not None else dict(os.environ))
+        kc = km.client()
+        started.append((km, kc))
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        return km, kc
+
+    yield start
+    for km, kc in started:
+        kc.stop_channels()
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+        remaining = docker_client.containers.list(
+            all=True, filters={"label": f"{LABEL_KERNEL_ID}={km.kernel_id}"}
+        )
+        assert remaining == [], f"kernel {km.kernel_id} left containers behind: {remaining}"
+
+
+class Execution:
+    """What one execute request produced, collected from iopub."""
+
+    def __init__(self) -> None:
+        self.stdout = ""
+        self.stderr = ""
+        self.outputs: list[dict[str, Any]] = []
+        self.reply: dict[str, Any] = {}
+
+    def hook(self, msg: dict[str, Any]) -> None:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                self.stdout += content["text"]
+            else:
+                self.stderr += content["text"]
+        elif kind in ("display_data", "execute_result", "error"):
+            self.outputs.append({"type": kind, **content})
+
+    @property
+    def status(self) -> str:
+        return str(self.reply["content"]["status"])
+
+
+def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any) -> Execution:
+    """Execute ``code`` and wait for its reply and all its output."""
+    result = Execution()
+    result.reply = kc.execute_interactive(code, timeout=timeout, output_hook=result.hook, **kwargs)
+    return result
+
+
+def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
+    """Execute ``code``, insist it succeeded, and return its stdout."""
+    result = run(kc, code, timeout)
+    assert result.status == "ok", f"cell failed: {result.outputs}"
+    return result.stdout

@@ -1,0 +1,116 @@
+"""A broken setup fails at start with a clear error and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import docker
+import pytest
+from jupyter_client import KernelManager
+
+from sandbox_kernel.errors import (
+    ConfigurationError,
+    ImageNotFoundError,
+    KernelStartupError,
+    RuntimeMissingError,
+    WorkspaceError,
+)
+from sandbox_kernel.policy import LABEL_MANAGED
+
+from .conftest import KERNEL, KernelStarter, make_workspace, run_ok, runsc_processes, runtime_dirs
+
+
+def assert_clean(client: docker.DockerClient, dirs_before: set[str]) -> None:
+    assert client.containers.list(all=True, filters={"label": LABEL_MANAGED}) == []
+    assert runtime_dirs() - dirs_before == set()
+    deadline = time.monotonic() + 10
+    while runsc_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert runsc_processes() == []
+
+
+def test_kernel_that_exits_at_once_reports_its_output(
+    make_kernelspec: Callable[..., str], workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    name = make_kernelspec(
+        "broken-argv", argv=["python", "-c", "import sys; print('kernel cannot start: boom'); sys.exit(3)"]
+    )
+    dirs_before = runtime_dirs()
+    km = KernelManager(kernel_name=name)
+    with pytest.raises(KernelStartupError, match="exit code 3") as info:
+        km.start_kernel(cwd=str(workspace))
+    assert "kernel cannot start: boom" in str(info.value)
+    assert_clean(docker_client, dirs_before)
+
+
+def test_missing_image_is_never_pulled(
+    make_kernelspec: Callable[..., str], workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    image = "sandbox-kernel/not-built:never"
+    name = make_kernelspec("missing-image", config={"image": image})
+    dirs_before = runtime_dirs()
+    km = KernelManager(kernel_name=name)
+    with pytest.raises(ImageNotFoundError, match="jupyter sandbox-kernel build-image"):
+        km.start_kernel(cwd=str(workspace))
+    assert docker_client.images.list(name="sandbox-kernel/not-built") == []
+    assert_clean(docker_client, dirs_before)
+
+
+@pytest.mark.parametrize("runtime", ["no-such-runtime", "runc"])
+def test_no_gvisor_runtime_no_fallback(
+    runtime: str,
+    jupyter_dirs: Path,
+    workspace: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    docker_client: docker.DockerClient,
+) -> None:
+    monkeypatch.setenv("SANDBOX_KERNEL_RUNTIME", runtime)
+    dirs_before = runtime_dirs()
+    km = KernelManager(kernel_name=KERNEL)
+    with pytest.raises(RuntimeMissingError, match=r"daemon\.json"):
+        km.start_kernel(cwd=str(workspace))
+    assert_clean(docker_client, dirs_before)
+
+
+def test_unknown_kernelspec_setting_is_an_error(make_kernelspec: Callable[..., str], workspace: Path) -> None:
+    name = make_kernelspec("typo", config={"memroy": "1g"})
+    km = KernelManager(kernel_name=name)
+    with pytest.raises(ConfigurationError, match="'memroy'"):
+        km.start_kernel(cwd=str(workspace))
+
+
+def test_workspace_root_maps_the_notebook_folder(
+    start_kernel: KernelStarter, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = make_workspace(tmp_path / "projects")
+    notebook_dir = make_workspace(root / "team" / "analysis")
+    (notebook_dir / "data.csv").write_text("x\n1\n")
+    monkeypatch.setenv("SANDBOX_KERNEL_WORKSPACE_ROOT", str(root))
+    _, kc = start_kernel(cwd=notebook_dir)
+    out = run_ok(kc, "import os; print(os.getcwd()); print(open('data.csv').read().split()[1])")
+    assert out.split() == ["/workspace/team/analysis", "1"]
+
+
+def test_notebook_outside_workspace_root_is_refused(
+    jupyter_dirs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker_client: docker.DockerClient
+) -> None:
+    root = make_workspace(tmp_path / "projects")
+    elsewhere = make_workspace(tmp_path / "elsewhere")
+    monkeypatch.setenv("SANDBOX_KERNEL_WORKSPACE_ROOT", str(root))
+    dirs_before = runtime_dirs()
+    km = KernelManager(kernel_name=KERNEL)
+    with pytest.raises(WorkspaceError, match="outside the workspace root"):
+        km.start_kernel(cwd=str(elsewhere))
+    assert_clean(docker_client, dirs_before)
+
+
+def test_environment_is_not_inherited_by_default_start(start_kernel: KernelStarter) -> None:
+    os.environ["SANDBOX_TEST_SECRET"] = "nope"
+    try:
+        _, kc = start_kernel(env=None)
+        assert run_ok(kc, "import os; print('SANDBOX_TEST_SECRET' in os.environ)").strip() == "False"
+    finally:
+        del os.environ["SANDBOX_TEST_SECRET"]

@@ -1,0 +1,169 @@
+"""What code inside the sandbox can and cannot see or do."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import SANDBOX_UID, KernelStarter, run, run_ok
+
+
+def test_kernel_runs_under_gvisor_as_unprivileged_user(start_kernel: KernelStarter) -> None:
+    _, kc = start_kernel()
+    out = run_ok(
+        kc,
+        "import ctypes, os\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\n"
+        "no_new_privs = ctypes.CDLL(None).prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS\n"
+        "print(os.uname().release, os.getuid(), os.getgid())\n"
+        "print(status['CapEff'].strip(), status['CapBnd'].strip(), no_new_privs)\n"
+        "print(os.getcwd())",
+    )
+    release_uid, caps, cwd = out.splitlines()
+    release, uid, gid = release_uid.split()
+    assert release == "4.4.0", "the kernel is not running under gVisor"
+    assert int(uid) != 0
+    assert int(gid) != 0
+    assert caps == "0000000000000000 0000000000000000 1"
+    assert cwd == "/workspace"
+
+
+def test_writes_only_reach_workspace_and_tmp(start_kernel: KernelStarter, workspace: Path) -> None:
+    secret = workspace.parent / "next-to-workspace.txt"
+    secret.write_text("host only")
+    _, kc = start_kernel()
+    out = run_ok(
+        kc,
+        "import os\n"
+        "for path in ['/etc/x', '/usr/x', '/opt/kernel/x', '/x', '/run/x', '/home/x', '/var/x']:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x'); print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, e.errno)\n"
+        "open('/tmp/scratch', 'w').write('tmp ok')\n"
+        "os.makedirs('results', exist_ok=True)\n"
+        "open('results/out.csv', 'w').write('a,b\\n1,2\\n')\n"
+        "print(sorted(os.listdir('/workspace')))\n"
+        "print(os.path.exists('/var/run/docker.sock'), os.path.exists('/run/docker.sock'))\n"
+        "print(os.path.exists('/workspace/../next-to-workspace.txt'))",
+    )
+    assert "WROTE" not in out
+    assert out.count("denied") == 7
+    assert "['results']" in out
+    assert "False False\nFalse" in out
+    result = workspace / "results" / "out.csv"
+    assert result.read_text() == "a,b\n1,2\n"
+    owner = result.stat().st_uid
+    assert owner == (os.getuid() or SANDBOX_UID), "the host user must own what the kernel writes"
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """A TCP service the host offers on every interface (0.0.0.0)."""
+    server = socket.create_server(("0.0.0.0", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+    hits: list[str] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, addr = server.accept()
+            except TimeoutError:
+                continue
+            hits.append(addr[0])
+            conn.sendall(b"host secret")
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    # The host reaches its own service, so a refusal in the test is the sandbox's doing.
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as probe:
+        assert probe.recv(20) == b"host secret"
+    hits.clear()
+    yield port
+    stop.set()
+    thread.join()
+    server.close()
+    assert hits == [], f"the sandbox reached the host's service from {hits}"
+
+
+def host_addresses() -> list[str]:
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=False).stdout.split()
+    return [a for a in out if ":" not in a]
+
+
+def test_no_network_at_all(start_kernel: KernelStarter, host_server: int) -> None:
+    targets = [("1.1.1.1", 443), ("1.1.1.1", 53), ("172.17.0.1", host_server)]
+    targets += [(addr, host_server) for addr in host_addresses()]
+    _, kc = start_kernel()
+    out = run_ok(
+        kc,
+        "import socket\n"
+        f"for host, port in {targets!r}:\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=2).close(); print('REACHED', host, port)\n"
+        "    except OSError as e:\n"
+        "        print('blocked', host, port, type(e).__name__)\n"
+        "for name in ['example.com', 'pypi.org', 'localhost.localdomain']:\n"
+        "    try:\n"
+        "        socket.getaddrinfo(name, 443); print('RESOLVED', name)\n"
+        "    except OSError as e:\n"
+        "        print('no dns', name)\n"
+        "print('interfaces', sorted(n for _, n in socket.if_nameindex()))",
+        timeout=120,
+    )
+    assert "REACHED" not in out, out
+    assert "RESOLVED" not in out, out
+    assert out.count("blocked") == len(targets)
+    assert "interfaces ['lo']" in out
+
+
+def test_server_secrets_do_not_enter_the_sandbox(start_kernel: KernelStarter) -> None:
+    env = dict(os.environ)
+    env.update(
+        AWS_SECRET_ACCESS_KEY="aws-secret-123",
+        JUPYTER_TOKEN="jupyter-token-456",
+        JPY_PARENT_PID=str(os.getpid()),
+        TZ="Europe/Paris",
+    )
+    _, kc = start_kernel(env=env)
+    out = run_ok(
+        kc,
+        "import os, glob\n"
+        "print(sorted(os.environ))\n"
+        "blob = b''\n"
+        "for path in glob.glob('/proc/*/environ'):\n"
+        "    try:\n"
+        "        blob += open(path, 'rb').read()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(b'aws-secret-123' in blob, b'jupyter-token-456' in blob)\n"
+        "print(os.environ.get('TZ'))",
+    )
+    names, leaked, tz = out.splitlines()
+    for secret in ("AWS_SECRET_ACCESS_KEY", "JUPYTER_TOKEN", "JPY_PARENT_PID", "DOCKER_HOST"):
+        assert secret not in names
+    assert leaked == "False False"
+    assert tz == "Europe/Paris", "allow-listed variables pass"
+
+
+def test_matplotlib_figure_arrives_as_png(start_kernel: KernelStarter) -> None:
+    _, kc = start_kernel()
+    result = run(
+        kc,
+        "import matplotlib.pyplot as plt, numpy as np\n"
+        "x = np.linspace(0, 6, 50)\n"
+        "plt.plot(x, np.sin(x)); plt.title('sine'); plt.show()",
+    )
+    assert result.status == "ok"
+    pngs = [o["data"]["image/png"] for o in result.outputs if "image/png" in o.get("data", {})]
+    assert len(pngs) == 1
+    assert pngs[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature

@@ -1,0 +1,168 @@
+"""Interrupt, restart, auto-restart, shutdown and input, as a Jupyter client sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import docker
+import pytest
+import zmq
+from jupyter_client import AsyncKernelManager
+from jupyter_client.ioloop import AsyncIOLoopKernelManager
+
+from sandbox_kernel.policy import LABEL_KERNEL_ID
+
+from .conftest import KERNEL, KernelStarter, run, run_ok, runsc_processes
+
+
+def kernel_containers(client: docker.DockerClient, kernel_id: str) -> list[str]:
+    found = client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"})
+    return [c.id for c in found]
+
+
+def test_interrupt_stops_a_busy_cell_and_keeps_state(start_kernel: KernelStarter) -> None:
+    km, kc = start_kernel()
+    run_ok(kc, "x = 41")
+    msg_id = kc.execute("while True: pass")
+    time.sleep(1)  # let the loop start
+    sent = time.monotonic()
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=10)
+    elapsed = time.monotonic() - sent
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert elapsed < 2, f"interrupt took {elapsed:.2f} s"
+    assert run_ok(kc, "print(x + 1)").strip() == "42"
+
+
+def test_restart_gives_fresh_interpreter_same_workspace_no_old_container(
+    start_kernel: KernelStarter, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    km, kc = start_kernel()
+    run_ok(kc, "x = 1\nopen('kept.txt', 'w').write('survives restarts')")
+    before = kernel_containers(docker_client, km.kernel_id)
+    km.restart_kernel(now=False)
+    kc.wait_for_ready(timeout=60)  # the same client keeps working: ports are stable
+    after = kernel_containers(docker_client, km.kernel_id)
+    assert len(before) == len(after) == 1
+    assert before != after, "restart must replace the container"
+    result = run(kc, "x")
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "NameError"
+    assert run_ok(kc, "print(open('kept.txt').read())").strip() == "survives restarts"
+    assert (workspace / "kept.txt").read_text() == "survives restarts"
+
+
+def test_input_reaches_the_client(start_kernel: KernelStarter) -> None:
+    _, kc = start_kernel()
+    prompts: list[str] = []
+
+    def answer(msg: dict) -> None:
+        prompts.append(msg["content"]["prompt"])
+        kc.input("Ada")
+
+    result = run(kc, "name = input('name? ')\nprint('hello', name)", allow_stdin=True, stdin_hook=answer)
+    assert result.status == "ok"
+    assert prompts == ["name? "]
+    assert result.stdout.strip() == "hello Ada"
+
+
+def test_shutdown_leaves_nothing_behind(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    km, kc = start_kernel()
+    runtime_dir = km.provisioner.runtime_dir
+    assert runtime_dir is not None
+    assert runtime_dir.is_dir()
+    assert kernel_containers(docker_client, km.kernel_id)
+    kc.stop_channels()
+    km.shutdown_kernel()
+    assert kernel_containers(docker_client, km.kernel_id) == []
+    assert not runtime_dir.exists()
+    deadline = time.monotonic() + 10
+    while runsc_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert runsc_processes() == []
+    assert not os.path.exists(km.connection_file)
+
+
+async def test_dead_container_is_auto_restarted(jupyter_dirs: Path, workspace: Path) -> None:
+    client = docker.from_env()
+    km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
+    restarts: list[str] = []
+    await km.start_kernel(cwd=str(workspace))
+    km.add_restart_callback(lambda: restarts.append("restart"), "restart")  # needs the restarter
+    try:
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=60)
+        (first,) = kernel_containers(client, km.kernel_id)
+        client.containers.get(first).kill()  # from outside, as an OOM killer or admin would
+        deadline = time.monotonic() + 45
+        while not restarts and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert restarts, "jupyter_client's restarter did not notice the dead kernel"
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute_interactive("import os; print(os.uname().release)", timeout=30)
+        assert reply["content"]["status"] == "ok"
+        (second,) = kernel_containers(client, km.kernel_id)
+        assert second != first
+        kc.stop_channels()
+    finally:
+        await km.shutdown_kernel(now=True)
+    assert kernel_containers(client, km.kernel_id) == []
+
+
+async def test_docker_calls_never_block_the_event_loop(jupyter_dirs: Path, workspace: Path) -> None:
+    """A server's loop must keep ticking while kernels start, restart and stop."""
+    worst = 0.0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal worst
+        while not stop.is_set():
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            worst = max(worst, time.monotonic() - before - 0.01)
+
+    task = asyncio.create_task(ticker())
+    km = AsyncKernelManager(kernel_name=KERNEL)
+    try:
+        await km.start_kernel(cwd=str(workspace))
+        await km.restart_kernel(now=True)
+        assert await km.is_alive()
+    finally:
+        await km.shutdown_kernel(now=True)
+        stop.set()
+        await task
+    assert worst < 0.25, f"the event loop stalled for {worst:.3f} s"
+
+
+@pytest.mark.parametrize("encryption", ["required"])
+def test_curve_encryption_end_to_end(start_kernel: KernelStarter, encryption: str) -> None:
+    km, kc = start_kernel(transport_encryption=encryption)
+    info = km.get_connection_info()
+    assert info.get("curve_publickey")
+    assert info.get("curve_secretkey")
+    assert run_ok(kc, "print(6 * 7)").strip() == "42"
+    # A client that has the session key but not the Curve keys gets no answer.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndtimeo = 1000
+    sock.rcvtimeo = 3000
+    sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+    try:
+        try:
+            km.session.send(sock, "kernel_info_request", {})
+        except zmq.Again:
+            pass  # not even queued: no handshake completed
+        with pytest.raises(zmq.Again):
+            sock.recv_multipart()
+    finally:
+        sock.close()
+        ctx.term()

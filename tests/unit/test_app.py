@@ -1,0 +1,111 @@
+"""``jupyter sandbox-kernel``, run in-process: ``app.initialize([...]); app.start()``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel.app import (
+    KERNEL_NAME,
+    BuildImageApp,
+    CheckApp,
+    InstallApp,
+    RunApp,
+    SandboxKernelApp,
+)
+
+APPS = (SandboxKernelApp, InstallApp, BuildImageApp, CheckApp, RunApp)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_app_singletons() -> Iterator[None]:
+    """Subcommands are singletons (``instance()``); none may carry config between tests."""
+    for app in APPS:
+        app.clear_instance()
+    yield
+    for app in APPS:
+        app.clear_instance()
+
+
+def run(app_class: type[InstallApp] | type[SandboxKernelApp], *argv: str) -> None:
+    app = app_class()
+    app.initialize(list(argv))
+    app.start()
+
+
+def installed_spec(prefix: Path, name: str) -> dict[str, object]:
+    spec: dict[str, object] = json.loads(
+        (prefix / "share/jupyter/kernels" / name / "kernel.json").read_text()
+    )
+    return spec
+
+
+def test_install_writes_the_kernelspec_with_the_given_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "x", "--display-name", "X", "--image", "img:1")
+
+    spec = installed_spec(tmp_path, "x")
+    assert spec["display_name"] == "X"
+    assert spec["language"] == "python"
+    assert spec["argv"] == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    assert spec["metadata"] == {
+        "debugger": False,
+        "supported_encryption": "curve",
+        "kernel_provisioner": {"provisioner_name": "sandbox-provisioner", "config": {"image": "img:1"}},
+    }
+    assert (tmp_path / "share/jupyter/kernels/x/logo-64x64.png").is_file()
+    assert "Installed kernelspec 'x' (X)" in capsys.readouterr().out
+
+
+def test_install_without_an_image_leaves_the_provisioner_default(tmp_path: Path) -> None:
+    run(InstallApp, "--prefix", str(tmp_path))
+    spec = installed_spec(tmp_path, KERNEL_NAME)
+    assert spec["display_name"] == "Sandboxed Python"
+    assert spec["metadata"]["kernel_provisioner"]["config"] == {}  # type: ignore[index]
+
+
+def test_install_through_the_main_command(tmp_path: Path) -> None:
+    run(SandboxKernelApp, "install", "--prefix", str(tmp_path), "--name", "via-main", "--image", "img:2")
+    config = installed_spec(tmp_path, "via-main")["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"image": "img:2"}
+
+
+def test_install_with_user_and_prefix_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(InstallApp, "--user", "--prefix", str(tmp_path))
+    assert info.value.code == 1
+    assert "choose one of --user and --prefix" in capsys.readouterr().err
+    assert not (tmp_path / "share").exists()
+
+
+def test_install_with_replace_overwrites(tmp_path: Path) -> None:
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "x", "--image", "img:1")
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "x", "--image", "img:2", "--replace")
+    config = installed_spec(tmp_path, "x")["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"image": "img:2"}
+
+
+def test_installing_twice_without_replace_fails_with_a_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "x", "--image", "img:1")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        run(InstallApp, "--prefix", str(tmp_path), "--name", "x", "--image", "img:2")
+    assert info.value.code != 0
+    assert "--replace" in capsys.readouterr().err
+    config = installed_spec(tmp_path, "x")["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"image": "img:1"}
+
+
+def test_no_subcommand_exits_1_listing_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(SandboxKernelApp)
+    assert info.value.code == 1
+    captured = capsys.readouterr()
+    assert "No subcommand given; choose one of: install, build-image, check, run" in captured.err
+    assert "install" in captured.out

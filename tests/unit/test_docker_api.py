@@ -1,0 +1,285 @@
+"""SandboxDocker against a fake docker-py client: host checks and error translation."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import pytest
+import requests
+from docker.errors import APIError, DockerException, NotFound
+
+from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.errors import (
+    DockerOperationError,
+    DockerUnavailableError,
+    ImageNotFoundError,
+    RuntimeMissingError,
+)
+from sandbox_kernel.provisioner import DEFAULT_RUNTIME
+
+from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error
+
+# ---------------------------------------------------------------- the client
+
+
+async def test_the_client_is_created_lazily_and_once(client_factory: CountingFactory) -> None:
+    docker_api = SandboxDocker(client_factory=client_factory)
+    assert client_factory.calls == 0
+    first = await docker_api.client()
+    second = await docker_api.client()
+    assert first is second is client_factory.client
+    assert client_factory.calls == 1
+
+
+async def test_an_unreachable_daemon_is_docker_unavailable() -> None:
+    def factory() -> None:
+        raise DockerException("Error while fetching server API version: connection refused")
+
+    with pytest.raises(DockerUnavailableError, match="Cannot reach the Docker daemon") as info:
+        await SandboxDocker(client_factory=factory).client()
+    assert "DOCKER_HOST" in str(info.value)
+    assert "connection refused" in str(info.value)
+    assert isinstance(info.value.__cause__, DockerException)
+
+
+# ---------------------------------------------------------------- check_runtime
+
+
+async def test_a_registered_gvisor_runtime_passes(sandbox_docker: SandboxDocker) -> None:
+    await sandbox_docker.check_runtime(DEFAULT_RUNTIME)
+
+
+async def test_a_missing_runtime_names_it_and_gives_the_fix(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    del fake_client.runtimes[DEFAULT_RUNTIME]
+    with pytest.raises(RuntimeMissingError) as info:
+        await sandbox_docker.check_runtime(DEFAULT_RUNTIME)
+    message = str(info.value)
+    assert f"no {DEFAULT_RUNTIME!r} runtime" in message
+    assert "Registered runtimes: runc." in message
+    assert "never falls back to runc" in message
+    assert "/etc/docker/daemon.json" in message
+    assert f'"{DEFAULT_RUNTIME}": {{"path": "/usr/bin/runsc"' in message
+
+
+async def test_no_runtimes_at_all_says_none(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.runtimes = {}
+    with pytest.raises(RuntimeMissingError, match="Registered runtimes: none"):
+        await sandbox_docker.check_runtime(DEFAULT_RUNTIME)
+
+
+@pytest.mark.parametrize("path", ["runc", "/usr/bin/runc", "/usr/bin/crun", ""])
+async def test_a_runtime_that_is_not_runsc_is_refused(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, path: str
+) -> None:
+    fake_client.runtimes[DEFAULT_RUNTIME] = {
+        "path": path,
+        "runtimeArgs": ["--network=none", "--host-uds=create"],
+    }
+    with pytest.raises(RuntimeMissingError, match="which is not gVisor's runsc") as info:
+        await sandbox_docker.check_runtime(DEFAULT_RUNTIME)
+    assert repr(path) in str(info.value)
+    assert "/etc/docker/daemon.json" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "missing"),
+    [
+        (None, "--network=none, --host-uds=create"),
+        ([], "--network=none, --host-uds=create"),
+        (["--network=none"], "--host-uds=create"),
+        (["--host-uds=create", "--network=host"], "--network=none"),
+    ],
+)
+async def test_missing_runtime_args_are_named_with_the_fix(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, args: list[str] | None, missing: str
+) -> None:
+    entry: dict[str, object] = {"path": "/usr/bin/runsc"}
+    if args is not None:
+        entry["runtimeArgs"] = args
+    fake_client.runtimes[DEFAULT_RUNTIME] = entry
+    with pytest.raises(RuntimeMissingError) as info:
+        await sandbox_docker.check_runtime(DEFAULT_RUNTIME)
+    message = str(info.value)
+    assert f"lacks the flags {missing} " in message
+    assert '"runtimeArgs": ["--network=none", "--host-uds=create"]' in message
+
+
+# ---------------------------------------------------------------- check_image
+
+
+async def test_a_present_image_passes(sandbox_docker: SandboxDocker, fake_client: FakeDockerClient) -> None:
+    await sandbox_docker.check_image("img:1")
+    assert fake_client.called("images.get") == [(("img:1",), {})]
+
+
+async def test_a_missing_image_names_the_build_command_and_is_never_pulled(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    with pytest.raises(ImageNotFoundError) as info:
+        await sandbox_docker.check_image("registry.example/py:2")
+    message = str(info.value)
+    assert "'registry.example/py:2' is not on this Docker host" in message
+    assert "jupyter sandbox-kernel build-image --tag registry.example/py:2" in message
+    assert isinstance(info.value, LookupError)
+    assert isinstance(info.value.__cause__, NotFound)
+    assert fake_client.called("images.pull") == []
+    assert [name for name, _, _ in fake_client.calls] == ["images.get"]
+
+
+async def test_a_failing_image_lookup_is_not_reported_as_missing(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(name: str) -> None:
+        raise api_error(APIError, 500, "storage driver exploded")
+
+    monkeypatch.setattr(fake_client.images, "get", broken)
+    with pytest.raises(DockerOperationError, match="storage driver exploded"):
+        await sandbox_docker.check_image("img:1")
+
+
+# ---------------------------------------------------------------- containers
+
+
+async def test_create_and_start_passes_the_kwargs_through(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    container = await sandbox_docker.create_and_start({"image": "img:1", "runtime": DEFAULT_RUNTIME})
+    assert fake_client.called("containers.create") == [((), {"image": "img:1", "runtime": DEFAULT_RUNTIME})]
+    assert fake_client.states[container.id]["Status"] == "running"
+
+
+async def test_a_container_that_fails_to_start_is_removed(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.start_error = api_error(APIError, 500, "OCI runtime create failed: runsc did not start")
+    with pytest.raises(DockerOperationError, match="start the kernel container: OCI runtime create failed"):
+        await sandbox_docker.create_and_start({"image": "img:1"})
+    (container,) = fake_client.containers_created
+    assert fake_client.called("api.remove_container") == [((container.id,), {"force": True})]
+    assert fake_client.states == {}
+
+
+async def test_state_of_a_running_container_has_no_exit_code(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states["c1"] = dict(RUNNING)
+    assert await sandbox_docker.state("c1") == ("running", None)
+
+
+async def test_state_of_an_exited_container_has_its_exit_code(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states["c1"] = {"Status": "exited", "ExitCode": 137, "OOMKilled": True}
+    assert await sandbox_docker.state("c1") == ("exited", 137)
+    assert await sandbox_docker.oom_killed("c1") is True
+
+
+async def test_state_of_a_missing_container_is_removed(sandbox_docker: SandboxDocker) -> None:
+    assert await sandbox_docker.state("gone") == ("removed", 255)
+    assert await sandbox_docker.oom_killed("gone") is False
+
+
+async def test_an_inspect_failure_is_a_docker_operation_error(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.inspect_error = api_error(APIError, 500, "daemon is shutting down")
+    with pytest.raises(DockerOperationError, match="inspect the kernel container: daemon is shutting down"):
+        await sandbox_docker.state("c1")
+
+
+async def test_losing_the_daemon_is_docker_unavailable(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    # What docker.DockerClient(base_url="unix:///gone.sock", version="1.41").info() raises.
+    fake_client.inspect_error = requests.exceptions.ConnectionError("Connection aborted: FileNotFoundError")
+    with pytest.raises(DockerUnavailableError):
+        await sandbox_docker.state("c1")
+
+
+async def test_signal_reaches_a_running_container(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states["c1"] = dict(RUNNING)
+    assert await sandbox_docker.signal("c1", signal.SIGINT) is True
+    assert fake_client.called("api.kill") == [(("c1",), {"signal": int(signal.SIGINT)})]
+
+
+async def test_signal_to_a_stopped_container_returns_false(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states["c1"] = {"Status": "exited", "ExitCode": 0}
+    assert await sandbox_docker.signal("c1", signal.SIGTERM) is False
+
+
+async def test_signal_to_a_missing_container_returns_false(sandbox_docker: SandboxDocker) -> None:
+    assert await sandbox_docker.signal("gone", signal.SIGKILL) is False
+
+
+async def test_a_failing_signal_is_a_docker_operation_error(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(container_id: str, signal: int) -> None:
+        raise api_error(APIError, 500, "cannot kill: permission denied")
+
+    monkeypatch.setattr(fake_client.api, "kill", broken)
+    with pytest.raises(DockerOperationError, match="signal the kernel container: cannot kill"):
+        await sandbox_docker.signal("c1", signal.SIGTERM)
+
+
+async def test_logs_are_decoded_and_stripped(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states["c1"] = dict(RUNNING)
+    fake_client.logs["c1"] = b"Traceback\n  bad \xff byte\n\n"
+    assert await sandbox_docker.logs("c1", tail=5) == "Traceback\n  bad \ufffd byte"
+    assert fake_client.called("api.logs") == [(("c1",), {"tail": 5})]
+
+
+async def test_logs_of_a_missing_container_are_empty(sandbox_docker: SandboxDocker) -> None:
+    assert await sandbox_docker.logs("gone") == ""
+
+
+async def test_remove_forces_and_tolerates_a_missing_container(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states["c1"] = dict(RUNNING)
+    await sandbox_docker.remove("c1")
+    assert fake_client.states == {}
+    await sandbox_docker.remove("c1")
+    assert fake_client.called("api.remove_container") == [(("c1",), {"force": True})] * 2
+
+
+@pytest.mark.parametrize(
+    ("status", "explanation", "warned"),
+    [
+        (409, "removal of container c1 is already in progress", False),
+        (500, "driver failed to remove root filesystem", True),
+    ],
+)
+async def test_remove_failures_are_logged_not_raised(
+    sandbox_docker: SandboxDocker,
+    fake_client: FakeDockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    status: int,
+    explanation: str,
+    warned: bool,
+) -> None:
+    def failing(container_id: str, force: bool) -> None:
+        raise api_error(APIError, status, explanation)
+
+    monkeypatch.setattr(fake_client.api, "remove_container", failing)
+    with caplog.at_level(logging.WARNING, logger="sandbox_kernel.docker_api"):
+        await sandbox_docker.remove("c1")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if warned:
+        assert len(warnings) == 1
+        assert "Could not remove container c1" in warnings[0]
+        assert explanation in warnings[0]
+    else:
+        assert warnings == []

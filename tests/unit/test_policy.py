@@ -1,0 +1,397 @@
+"""The pure policy: Docker create arguments, the sandbox's environment, the workspace."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from docker.models.containers import _create_container_args
+
+from sandbox_kernel.errors import ConfigurationError, WorkspaceError
+from sandbox_kernel.policy import (
+    CONTAINER_CONNECTION_FILE,
+    CONTAINER_RUNTIME_DIR,
+    CONTAINER_WORKSPACE,
+    DEFAULT_KERNEL_UID,
+    FIXED_ENV,
+    IPC_PREFIX,
+    KERNELSPEC_KEYS,
+    LABEL_KERNEL_ID,
+    LABEL_KERNELSPEC,
+    LABEL_MANAGED,
+    LABEL_RUNTIME_DIR,
+    SandboxSpec,
+    container_connection_info,
+    container_create_kwargs,
+    kernel_command,
+    kernel_user,
+    resolve_workspace,
+    sandbox_env,
+    validate_kernelspec_config,
+    validate_size,
+)
+
+
+def make_spec(tmp_path: Path, **overrides: object) -> SandboxSpec:
+    values: dict[str, object] = {
+        "kernel_id": "k1",
+        "kernelspec": "sandboxed-python",
+        "image": "img:1",
+        "runtime": "runsc-sandbox-kernel",
+        "command": ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE],
+        "env": {"HOME": "/tmp"},
+        "workspace": tmp_path / "work",
+        "workdir": f"{CONTAINER_WORKSPACE}/sub",
+        "runtime_dir": tmp_path / "rt",
+        "uid": 1234,
+        "gid": 1235,
+        "memory": "512m",
+        "cpus": 0.5,
+        "tmp_size": "64m",
+    }
+    values.update(overrides)
+    return SandboxSpec(**values)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- container_create_kwargs
+
+
+class TestContainerCreateKwargs:
+    def test_runs_under_the_configured_gvisor_runtime(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path, runtime="my-runsc"))
+        assert kwargs["runtime"] == "my-runsc"
+
+    def test_runs_as_the_spec_uid_and_gid_not_root(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path))
+        assert kwargs["user"] == "1234:1235"
+        assert not kwargs["user"].startswith("0:")
+
+    def test_drops_privileges(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path))
+        assert kwargs["cap_drop"] == ["ALL"]
+        assert "cap_add" not in kwargs
+        assert kwargs["security_opt"] == ["no-new-privileges:true"]
+        assert kwargs["privileged"] is False
+
+    def test_root_filesystem_is_read_only_with_a_sized_tmp(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path, tmp_size="64m"))
+        assert kwargs["read_only"] is True
+        assert list(kwargs["tmpfs"]) == ["/tmp"]
+        options = kwargs["tmpfs"]["/tmp"].split(",")
+        assert "size=64m" in options
+        assert "nosuid" in options
+        assert "nodev" in options
+
+    def test_has_an_init_process_and_no_network(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path))
+        assert kwargs["init"] is True
+        assert kwargs["network_mode"] == "none"
+        assert "ports" not in kwargs
+        assert "network" not in kwargs
+
+    def test_mounts_exactly_the_workspace_and_the_runtime_dir(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path))
+        mounts = {m["Target"]: m for m in kwargs["mounts"]}
+        assert len(kwargs["mounts"]) == 2
+        assert mounts[CONTAINER_WORKSPACE]["Source"] == str(tmp_path / "work")
+        assert mounts[CONTAINER_RUNTIME_DIR]["Source"] == str(tmp_path / "rt")
+        assert {m["Type"] for m in kwargs["mounts"]} == {"bind"}
+        assert "volumes" not in kwargs
+        assert "devices" not in kwargs
+
+    def test_never_mounts_the_docker_socket(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path))
+        sources = [m["Source"] for m in kwargs["mounts"]]
+        assert not [s for s in sources if "docker.sock" in s or s in ("/run", "/var/run", "/")]
+
+    def test_labels_identify_the_kernel(self, tmp_path: Path) -> None:
+        spec = make_spec(tmp_path, extra_labels={"io.example.test": "yes"})
+        labels = container_create_kwargs(spec)["labels"]
+        assert labels == {
+            LABEL_MANAGED: "true",
+            LABEL_KERNEL_ID: "k1",
+            LABEL_KERNELSPEC: "sandboxed-python",
+            LABEL_RUNTIME_DIR: str(tmp_path / "rt"),
+            "io.example.test": "yes",
+        }
+
+    def test_limits_memory_swap_and_cpus(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path, memory="512m", cpus=0.5))
+        assert kwargs["mem_limit"] == "512m"
+        assert kwargs["memswap_limit"] == "512m"
+        assert kwargs["nano_cpus"] == 500_000_000
+
+    def test_name_command_env_and_workdir_come_from_the_spec(self, tmp_path: Path) -> None:
+        spec = make_spec(tmp_path)
+        kwargs = container_create_kwargs(spec)
+        assert kwargs["name"] == "sandbox-kernel-k1"
+        assert kwargs["command"] == spec.command
+        assert kwargs["environment"] == {"HOME": "/tmp"}
+        assert kwargs["working_dir"] == f"{CONTAINER_WORKSPACE}/sub"
+        assert kwargs["image"] == "img:1"
+
+    def test_docker_py_accepts_the_arguments(self, tmp_path: Path) -> None:
+        """What containers.create does with them before any HTTP call: no unknown
+        argument, and the host config the daemon receives carries the hardening."""
+        create = _create_container_args({**container_create_kwargs(make_spec(tmp_path)), "version": "1.41"})
+        host = create["host_config"]
+        assert host["Runtime"] == "runsc-sandbox-kernel"
+        assert host["NetworkMode"] == "none"
+        assert host["CapDrop"] == ["ALL"]
+        assert host["ReadonlyRootfs"] is True
+        assert host["Init"] is True
+        assert host["NanoCpus"] == 500_000_000
+        assert host["Memory"] == 512 * 1024 * 1024
+        assert host.get("Privileged", False) is False
+        assert "Binds" not in host
+        assert create["user"] == "1234:1235"
+
+
+# ---------------------------------------------------------------- sandbox_env
+
+SERVER_ENV = {
+    "PATH": "/usr/bin",
+    "LANG": "C.UTF-8",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",
+    "JUPYTER_TOKEN": "server-token",
+    "JPY_PARENT_PID": "4242",
+    "HOME": "/root",
+    "MY_SETTING": "on",
+}
+
+
+class TestSandboxEnv:
+    def test_server_secrets_are_dropped(self) -> None:
+        env = sandbox_env(SERVER_ENV, pass_env=["LANG"], kernelspec_env=[])
+        assert "AWS_SECRET_ACCESS_KEY" not in env
+        assert "JUPYTER_TOKEN" not in env
+        assert "PATH" not in env
+        assert "aws-secret" not in env.values()
+
+    def test_only_allow_listed_and_kernelspec_names_pass(self) -> None:
+        env = sandbox_env(SERVER_ENV, pass_env=["LANG", "TZ"], kernelspec_env=["MY_SETTING"])
+        assert env == {"LANG": "C.UTF-8", "MY_SETTING": "on", **FIXED_ENV}
+
+    @pytest.mark.parametrize(
+        ("pass_env", "kernelspec_env"),
+        [(["JPY_PARENT_PID"], []), ([], ["JPY_PARENT_PID"])],
+        ids=["allow-listed", "kernelspec-env"],
+    )
+    def test_jpy_parent_pid_is_never_passed(self, pass_env: list[str], kernelspec_env: list[str]) -> None:
+        env = sandbox_env(SERVER_ENV, pass_env=pass_env, kernelspec_env=kernelspec_env)
+        assert "JPY_PARENT_PID" not in env
+
+    def test_fixed_env_wins_over_the_server_and_the_kernelspec(self) -> None:
+        env = sandbox_env(
+            {**SERVER_ENV, "PYTHONUNBUFFERED": "0"},
+            pass_env=["HOME"],
+            kernelspec_env=["PYTHONUNBUFFERED"],
+        )
+        assert env["HOME"] == "/tmp"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        assert env["IPYTHONDIR"] == "/tmp/.ipython"
+
+    def test_allowed_names_missing_from_the_env_are_not_invented(self) -> None:
+        env = sandbox_env({"LANG": "C"}, pass_env=["LANG", "TZ"], kernelspec_env=["NOT_SET"])
+        assert env == {"LANG": "C", **FIXED_ENV}
+
+
+# ---------------------------------------------------------------- resolve_workspace
+
+
+class TestResolveWorkspace:
+    def test_without_a_root_the_start_folder_is_the_workspace(self, tmp_path: Path) -> None:
+        project = tmp_path / "project"
+        project.mkdir()
+        assert resolve_workspace(project, None) == (project.resolve(), CONTAINER_WORKSPACE)
+
+    def test_with_a_root_the_start_folder_maps_below_the_mount(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        (root / "a" / "b").mkdir(parents=True)
+        assert resolve_workspace(root / "a" / "b", root) == (root.resolve(), f"{CONTAINER_WORKSPACE}/a/b")
+
+    def test_the_root_itself_maps_to_the_workspace(self, tmp_path: Path) -> None:
+        assert resolve_workspace(tmp_path, tmp_path) == (tmp_path.resolve(), CONTAINER_WORKSPACE)
+
+    def test_a_folder_outside_the_root_is_refused_with_a_fix(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        elsewhere = tmp_path / "elsewhere"
+        root.mkdir()
+        elsewhere.mkdir()
+        with pytest.raises(WorkspaceError, match="outside the workspace root") as info:
+            resolve_workspace(elsewhere, root)
+        message = str(info.value)
+        assert str(elsewhere) in message
+        assert str(root) in message
+        assert "Move the notebook under the workspace root" in message
+
+    def test_a_symlink_escaping_the_root_is_resolved_and_refused(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        outside = tmp_path / "outside"
+        root.mkdir()
+        outside.mkdir()
+        (root / "link").symlink_to(outside)
+        with pytest.raises(WorkspaceError, match="outside the workspace root"):
+            resolve_workspace(root / "link", root)
+
+    def test_a_symlink_within_the_root_maps_to_its_target(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        (root / "real").mkdir(parents=True)
+        (root / "link").symlink_to(root / "real")
+        assert resolve_workspace(root / "link", root)[1] == f"{CONTAINER_WORKSPACE}/real"
+
+    @pytest.mark.parametrize("root", [None, "/"])
+    def test_the_filesystem_root_is_refused(self, tmp_path: Path, root: str | None) -> None:
+        cwd = "/" if root is None else tmp_path
+        with pytest.raises(WorkspaceError, match="system or home folder"):
+            resolve_workspace(cwd, root)
+
+    @pytest.mark.parametrize("folder", ["/etc", "/usr", "/var/lib/docker"])
+    def test_system_folders_are_refused(self, folder: str) -> None:
+        if not Path(folder).is_dir():
+            pytest.skip(f"{folder} does not exist on this machine")
+        with pytest.raises(WorkspaceError, match="Refusing to mount"):
+            resolve_workspace(folder, None)
+
+    def test_the_home_folder_is_refused(self, jupyter_dirs: dict[str, Path]) -> None:
+        home = jupyter_dirs["HOME"]
+        with pytest.raises(WorkspaceError, match="system or home folder"):
+            resolve_workspace(home, None)
+        with pytest.raises(WorkspaceError, match="system or home folder"):
+            resolve_workspace(home / ".", home)
+
+    def test_a_folder_below_home_is_fine(self, jupyter_dirs: dict[str, Path]) -> None:
+        project = jupyter_dirs["HOME"] / "project"
+        project.mkdir()
+        assert resolve_workspace(project, None) == (project.resolve(), CONTAINER_WORKSPACE)
+
+    def test_a_missing_start_folder_is_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(WorkspaceError, match="does not exist") as info:
+            resolve_workspace(tmp_path / "gone", None)
+        assert str(tmp_path / "gone") in str(info.value)
+
+    def test_a_file_is_not_a_start_folder(self, tmp_path: Path) -> None:
+        (tmp_path / "f").write_text("")
+        with pytest.raises(WorkspaceError, match="not a folder"):
+            resolve_workspace(tmp_path / "f", None)
+
+    def test_a_missing_root_is_refused_with_the_setting_to_fix(self, tmp_path: Path) -> None:
+        with pytest.raises(WorkspaceError, match=r"SandboxProvisioner\.workspace_root"):
+            resolve_workspace(tmp_path, tmp_path / "no-root")
+
+    def test_workspace_error_is_a_configuration_error(self) -> None:
+        assert issubclass(WorkspaceError, ConfigurationError)
+        assert issubclass(WorkspaceError, ValueError)
+
+
+# ---------------------------------------------------------------- kernel_command
+
+
+class TestKernelCommand:
+    def test_connection_file_is_the_in_container_path(self) -> None:
+        argv = ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        assert kernel_command(argv) == ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+
+    def test_python_is_not_swapped_for_the_servers_interpreter(self) -> None:
+        assert kernel_command(["python", "-V"])[0] == "python"
+
+    def test_extra_arguments_are_appended(self) -> None:
+        assert kernel_command(["python"], ["--debug"]) == ["python", "--debug"]
+
+    def test_an_empty_argv_is_a_configuration_error(self) -> None:
+        with pytest.raises(ConfigurationError, match="argv is empty"):
+            kernel_command([])
+
+
+# ---------------------------------------------------------------- validation
+
+
+class TestValidateKernelspecConfig:
+    def test_allowed_keys_pass(self) -> None:
+        validate_kernelspec_config(dict.fromkeys(KERNELSPEC_KEYS, "x"), "ks")
+
+    @pytest.mark.parametrize("key", ["memroy", "kernel_uid", "docker_runtime", "runtime_parent"])
+    def test_an_unknown_key_is_named_in_the_error(self, key: str) -> None:
+        with pytest.raises(ConfigurationError) as info:
+            validate_kernelspec_config({"image": "img:1", key: "x"}, "my-spec")
+        message = str(info.value)
+        assert repr(key) in message
+        assert "'my-spec'" in message
+        assert "Allowed: cpus, image, memory, pass_env, tmp_size, workspace_root." in message
+
+
+class TestValidateSize:
+    @pytest.mark.parametrize(("value", "expected"), [("512m", "512m"), ("2G", "2g"), ("1024", "1024")])
+    def test_sizes_are_accepted_and_lowercased(self, value: str, expected: str) -> None:
+        assert validate_size("memory", value) == expected
+
+    @pytest.mark.parametrize("value", ["lots", "", "0", "1.5g", "-1m", "2gb", "512 m"])
+    def test_non_sizes_are_refused_naming_the_setting(self, value: str) -> None:
+        with pytest.raises(ConfigurationError) as info:
+            validate_size("tmp_size", value)
+        assert f"tmp_size={value!r}" in str(info.value)
+
+
+# ---------------------------------------------------------------- kernel_user
+
+
+class TestKernelUser:
+    def test_a_configured_uid_is_used_for_uid_and_gid(self, tmp_path: Path) -> None:
+        assert kernel_user(tmp_path, 2000) == (2000, 2000)
+
+    def test_a_non_root_server_runs_kernels_as_itself(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(os, "getuid", lambda: 1500)
+        monkeypatch.setattr(os, "getgid", lambda: 1501)
+        assert kernel_user(tmp_path) == (1500, 1501)
+
+    def test_a_root_server_uses_the_workspace_owner(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        workspace = tmp_path / "ws"
+        workspace.mkdir()
+        if os.stat(workspace).st_uid == 0:
+            os.chown(workspace, 4242, 4343)
+        owner = os.stat(workspace)
+        monkeypatch.setattr(os, "getuid", lambda: 0)
+        assert kernel_user(workspace) == (owner.st_uid, owner.st_gid)
+        assert owner.st_uid != 0
+
+    def test_a_root_server_with_a_root_owned_workspace_uses_the_default(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        root_owned = Path("/")
+        assert root_owned.stat().st_uid == 0
+        monkeypatch.setattr(os, "getuid", lambda: 0)
+        assert kernel_user(root_owned) == (DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID)
+        assert DEFAULT_KERNEL_UID != 0
+
+    def test_a_configured_uid_of_zero_is_never_used(self, tmp_path: Path) -> None:
+        try:
+            uid, _ = kernel_user(tmp_path, 0)
+        except ConfigurationError:
+            return
+        assert uid != 0
+
+
+# ---------------------------------------------------------------- container_connection_info
+
+
+def test_container_connection_info_uses_ipc_in_the_runtime_dir() -> None:
+    info = container_connection_info(b"s3cret", "hmac-sha256", "sandboxed-python")
+    assert info == {
+        "transport": "ipc",
+        "ip": IPC_PREFIX,
+        "shell_port": 1,
+        "iopub_port": 2,
+        "stdin_port": 3,
+        "control_port": 4,
+        "hb_port": 5,
+        "key": "s3cret",
+        "signature_scheme": "hmac-sha256",
+        "kernel_name": "sandboxed-python",
+    }
+    assert IPC_PREFIX.startswith(f"{CONTAINER_RUNTIME_DIR}/")
+    assert isinstance(info["key"], str)

@@ -1,0 +1,437 @@
+"""SandboxProvisioner with a fake Docker client: settings, host checks, launch and cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from jupyter_client.kernelspec import KernelSpec
+from jupyter_client.provisioning.factory import KernelProvisionerFactory
+from traitlets import TraitError
+from traitlets.config import Config
+
+from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.errors import (
+    ConfigurationError,
+    DockerUnavailableError,
+    ImageNotFoundError,
+    KernelStartupError,
+    RuntimeMissingError,
+    WorkspaceError,
+)
+from sandbox_kernel.policy import (
+    CONTAINER_CONNECTION_FILE,
+    CONTAINER_RUNTIME_DIR,
+    CONTAINER_WORKSPACE,
+    IPC_PORTS,
+    IPC_PREFIX,
+)
+from sandbox_kernel.provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
+
+from .conftest import CountingFactory, FakeContainer, FakeDockerClient
+
+ARGV = ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+SERVER_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",
+    "JUPYTER_TOKEN": "server-token",
+    "JPY_PARENT_PID": "4242",
+}
+
+
+def kernel_spec(config: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> KernelSpec:
+    return KernelSpec(
+        argv=ARGV,
+        name="sandboxed-python",
+        display_name="Sandboxed Python",
+        language="python",
+        env=env or {},
+        metadata={
+            "kernel_provisioner": {"provisioner_name": "sandbox-provisioner", "config": config or {}},
+        },
+    )
+
+
+@pytest.fixture
+def runtime_parent(tmp_path: Path) -> Path:
+    path = tmp_path / "rt"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    path = tmp_path / "ws"
+    (path / "notebooks").mkdir(parents=True)
+    return path
+
+
+@pytest.fixture
+def make_provisioner(runtime_parent: Path, client_factory: CountingFactory) -> Any:
+    made: list[SandboxProvisioner] = []
+
+    def make(spec: KernelSpec | None = None, **traits: Any) -> SandboxProvisioner:
+        prov = SandboxProvisioner(
+            kernel_id="k1",
+            kernel_spec=spec or kernel_spec(),
+            parent=None,
+            runtime_parent=str(runtime_parent),
+            **traits,
+        )
+        prov.docker = SandboxDocker(client_factory=client_factory)
+        made.append(prov)
+        return prov
+
+    yield make
+    for prov in made:  # never leave a bridge thread behind, whatever the test did
+        if prov.bridge is not None:
+            prov.bridge.stop()
+
+
+def kernel_binds_its_sockets(container: FakeContainer) -> None:
+    """A well-behaved kernel: running, with its five ipc sockets in the runtime dir."""
+    container.client.run_container(container)
+    for port in IPC_PORTS.values():
+        (container.runtime_dir / f"{Path(IPC_PREFIX).name}-{port}").touch()
+
+
+def kernel_crashes(container: FakeContainer) -> None:
+    container.client.states[container.id] = {"Status": "exited", "ExitCode": 3}
+    container.client.logs[container.id] = b"boom"
+
+
+async def launch(prov: SandboxProvisioner, workspace: Path, **kwargs: Any) -> dict[str, Any]:
+    kw = await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV), **kwargs)
+    return dict(await prov.launch_kernel(**kw))
+
+
+# ---------------------------------------------------------------- settings
+
+
+class TestSettings:
+    def test_defaults(self) -> None:
+        prov = SandboxProvisioner()
+        assert prov.image == DEFAULT_IMAGE
+        assert prov.docker_runtime == DEFAULT_RUNTIME
+        assert prov.workspace_root is None
+        assert prov.memory == "2g"
+        assert prov.kernel_uid is None
+
+    def test_image_defaults_to_the_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("SANDBOX_KERNEL_IMAGE", "env/image:3")
+        assert SandboxProvisioner().image == "env/image:3"
+        monkeypatch.delenv("SANDBOX_KERNEL_IMAGE")
+        assert SandboxProvisioner().image == DEFAULT_IMAGE
+
+    def test_an_empty_image_variable_means_the_default(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("SANDBOX_KERNEL_IMAGE", "")
+        assert SandboxProvisioner().image == DEFAULT_IMAGE
+
+    def test_runtime_and_workspace_root_default_to_the_environment(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    ) -> None:
+        monkeypatch.setenv("SANDBOX_KERNEL_RUNTIME", "runsc-other")
+        monkeypatch.setenv("SANDBOX_KERNEL_WORKSPACE_ROOT", str(tmp_path))
+        prov = SandboxProvisioner()
+        assert prov.docker_runtime == "runsc-other"
+        assert prov.workspace_root == str(tmp_path)
+
+    def test_config_and_kernelspec_values_beat_the_environment(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("SANDBOX_KERNEL_IMAGE", "env/image:3")
+        config = Config({"SandboxProvisioner": {"image": "config/image:1"}})
+        assert SandboxProvisioner(config=config).image == "config/image:1"
+        assert SandboxProvisioner(config=config, image="spec/image:2").image == "spec/image:2"
+
+    @pytest.mark.parametrize(("trait", "value"), [("memory", "lots"), ("tmp_size", "1.5g"), ("memory", "0")])
+    def test_a_bad_size_is_a_trait_error_naming_the_setting(self, trait: str, value: str) -> None:
+        with pytest.raises(TraitError, match=f"{trait}={value!r} is not a size"):
+            SandboxProvisioner(**{trait: value})
+
+    def test_sizes_are_normalised(self) -> None:
+        assert SandboxProvisioner(memory="512M", tmp_size="1G").memory == "512m"
+
+    @pytest.mark.parametrize("cpus", [0, -1, 65])
+    def test_cpus_out_of_range_is_a_trait_error(self, cpus: float) -> None:
+        with pytest.raises(TraitError, match=r"cpus=.* is out of range"):
+            SandboxProvisioner(cpus=cpus)
+
+    def test_fractional_cpus_are_fine(self) -> None:
+        assert SandboxProvisioner(cpus=0.5).cpus == 0.5
+
+    @pytest.mark.parametrize("uid", [0, -5])
+    def test_kernel_uid_root_is_a_trait_error(self, uid: int) -> None:
+        with pytest.raises(TraitError, match="never runs as root"):
+            SandboxProvisioner(kernel_uid=uid)
+
+    def test_the_kernelspec_config_reaches_the_traits_through_jupyter_client(self) -> None:
+        """jupyter_client passes metadata.kernel_provisioner.config as constructor kwargs."""
+        factory = KernelProvisionerFactory.instance()
+        prov = factory.create_provisioner_instance("k1", kernel_spec({"memory": "1g", "cpus": 2}), None)
+        assert isinstance(prov, SandboxProvisioner)
+        assert (prov.memory, prov.cpus) == ("1g", 2.0)
+        with pytest.raises(TraitError, match="memory='lots'"):
+            factory.create_provisioner_instance("k1", kernel_spec({"memory": "lots"}), None)
+
+    def test_each_provisioner_has_its_own_connection_info(self) -> None:
+        first, second = SandboxProvisioner(), SandboxProvisioner()
+        first.connection_info["shell_port"] = 1
+        assert second.connection_info == {}
+
+
+# ---------------------------------------------------------------- pre_launch refusals
+
+
+def assert_nothing_created(fake_client: FakeDockerClient, runtime_parent: Path) -> None:
+    assert fake_client.called("containers.create") == []
+    assert list(runtime_parent.iterdir()) == []
+
+
+async def test_an_unknown_kernelspec_key_fails_before_docker_is_contacted(
+    make_provisioner: Any, client_factory: CountingFactory, runtime_parent: Path, workspace: Path
+) -> None:
+    prov = make_provisioner(kernel_spec({"image": "img:1", "memroy": "1g"}))
+    with pytest.raises(ConfigurationError, match="'memroy'") as info:
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert "'sandboxed-python'" in str(info.value)
+    assert client_factory.calls == 0
+    assert list(runtime_parent.iterdir()) == []
+
+
+async def test_a_missing_image_fails_before_anything_is_created(
+    make_provisioner: Any, fake_client: FakeDockerClient, runtime_parent: Path, workspace: Path
+) -> None:
+    prov = make_provisioner(image="not/built:1")
+    with pytest.raises(ImageNotFoundError, match="jupyter sandbox-kernel build-image --tag not/built:1"):
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert fake_client.called("images.pull") == []
+    assert_nothing_created(fake_client, runtime_parent)
+
+
+async def test_a_missing_runtime_fails_before_anything_is_created(
+    make_provisioner: Any, fake_client: FakeDockerClient, runtime_parent: Path, workspace: Path
+) -> None:
+    prov = make_provisioner(image="img:1", docker_runtime="runsc-missing")
+    with pytest.raises(RuntimeMissingError, match="no 'runsc-missing' runtime"):
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert_nothing_created(fake_client, runtime_parent)
+
+
+async def test_an_unreachable_daemon_fails_pre_launch(
+    runtime_parent: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from docker.errors import DockerException
+
+    def unreachable() -> None:
+        raise DockerException("connection refused")
+
+    prov = SandboxProvisioner(
+        kernel_id="k1", kernel_spec=kernel_spec(), parent=None, runtime_parent=str(runtime_parent)
+    )
+    prov.docker = SandboxDocker(client_factory=unreachable)
+    with pytest.raises(DockerUnavailableError):
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert list(runtime_parent.iterdir()) == []
+
+
+async def test_a_notebook_outside_the_workspace_root_fails_pre_launch(
+    make_provisioner: Any,
+    fake_client: FakeDockerClient,
+    runtime_parent: Path,
+    tmp_path: Path,
+    workspace: Path,
+) -> None:
+    prov = make_provisioner(image="img:1", workspace_root=str(workspace))
+    with pytest.raises(WorkspaceError, match="outside the workspace root"):
+        await prov.pre_launch(cwd=str(tmp_path), env=dict(SERVER_ENV))
+    assert_nothing_created(fake_client, runtime_parent)
+
+
+async def test_a_non_root_server_may_not_choose_another_uid(
+    make_provisioner: Any,
+    fake_client: FakeDockerClient,
+    runtime_parent: Path,
+    workspace: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prov = make_provisioner(image="img:1", kernel_uid=2000)
+    monkeypatch.setattr(os, "getuid", lambda: 1500)
+    with pytest.raises(ConfigurationError, match="only a server running as root"):
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert_nothing_created(fake_client, runtime_parent)
+
+
+async def test_launch_before_pre_launch_is_an_error(make_provisioner: Any) -> None:
+    with pytest.raises(RuntimeError, match="before pre_launch"):
+        await make_provisioner().launch_kernel(cmd=["python"])
+
+
+# ---------------------------------------------------------------- launch
+
+
+async def test_a_kernel_that_exits_at_once_fails_with_its_logs_and_leaves_nothing(
+    make_provisioner: Any, fake_client: FakeDockerClient, runtime_parent: Path, workspace: Path
+) -> None:
+    fake_client.on_start = kernel_crashes
+    prov = make_provisioner(image="img:1")
+    with pytest.raises(KernelStartupError, match="exit code 3") as info:
+        await launch(prov, workspace)
+    assert "boom" in str(info.value)
+    assert info.value.logs == "boom"
+    (container,) = fake_client.containers_created
+    assert fake_client.called("api.remove_container") == [((container.id,), {"force": True})]
+    assert fake_client.states == {}
+    assert list(runtime_parent.iterdir()) == []
+    assert prov.has_process is False
+    assert prov.bridge is None
+
+
+async def test_a_kernel_that_never_opens_its_channels_times_out(
+    make_provisioner: Any, fake_client: FakeDockerClient, runtime_parent: Path, workspace: Path
+) -> None:
+    prov = make_provisioner(image="img:1", startup_timeout=0.2)
+    with pytest.raises(KernelStartupError, match=r"did not open its channels within 0\.2 s"):
+        await launch(prov, workspace)
+    assert fake_client.states == {}
+    assert list(runtime_parent.iterdir()) == []
+
+
+async def test_a_launched_kernel_is_hardened_and_reachable_on_localhost(
+    make_provisioner: Any, fake_client: FakeDockerClient, runtime_parent: Path, workspace: Path
+) -> None:
+    fake_client.on_start = kernel_binds_its_sockets
+    prov = make_provisioner(
+        kernel_spec(env={"MY_SETTING": "on"}),
+        image="img:1",
+        memory="1g",
+        cpus=0.5,
+        workspace_root=str(workspace),
+    )
+    info = await launch(prov, workspace / "notebooks", extra_arguments=["--debug"])
+
+    (container,) = fake_client.containers_created
+    create = container.create_kwargs
+    runtime_dir = container.runtime_dir
+    assert runtime_dir.parent == runtime_parent
+    assert prov.has_process is True
+    assert prov.container_id == container.id
+
+    # What Docker is asked for.
+    assert create["image"] == "img:1"
+    assert create["runtime"] == DEFAULT_RUNTIME
+    assert create["command"] == [
+        "python",
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        CONTAINER_CONNECTION_FILE,
+        "--debug",
+    ]
+    assert create["network_mode"] == "none"
+    assert create["mem_limit"] == "1g"
+    assert create["nano_cpus"] == 500_000_000
+    assert not create["user"].startswith("0:")
+    assert create["working_dir"] == f"{CONTAINER_WORKSPACE}/notebooks"
+    assert {m["Target"]: m["Source"] for m in create["mounts"]} == {
+        CONTAINER_WORKSPACE: str(workspace.resolve()),
+        CONTAINER_RUNTIME_DIR: str(runtime_dir),
+    }
+    env = create["environment"]
+    assert env["LANG"] == "C.UTF-8"
+    assert env["MY_SETTING"] == "on"
+    for secret in ("AWS_SECRET_ACCESS_KEY", "JUPYTER_TOKEN", "JPY_PARENT_PID", "PATH"):
+        assert secret not in env
+
+    # What the kernel reads inside the sandbox.
+    conn_file = runtime_dir / "connection.json"
+    assert stat.S_IMODE(conn_file.stat().st_mode) == 0o600
+    assert json.loads(conn_file.read_text())["transport"] == "ipc"
+    assert json.loads(conn_file.read_text())["ip"] == IPC_PREFIX
+
+    # What clients get.
+    assert info["transport"] == "tcp"
+    assert info["ip"] == "127.0.0.1"
+    ports = [info[f"{c}_port"] for c in ("shell", "iopub", "stdin", "control", "hb")]
+    assert all(isinstance(p, int) and p > 0 for p in ports)
+    assert len(set(ports)) == 5
+    assert info["key"] == b""
+    assert info["kernel_name"] == "sandboxed-python"
+    assert "curve_publickey" not in info
+
+    # The manager's view of the running kernel.
+    assert await prov.poll() is None
+    await prov.send_signal(signal.SIGINT)
+    assert fake_client.called("api.kill") == [((container.id,), {"signal": int(signal.SIGINT)})]
+    assert (
+        prov.resolve_path(f"{CONTAINER_WORKSPACE}/notebooks")
+        == (workspace / "notebooks").resolve().as_posix()
+    )
+    assert prov.resolve_path("/etc/passwd") is None
+    assert prov.resolve_path(f"{CONTAINER_WORKSPACE}/../etc/passwd") is None
+
+    await prov.cleanup(restart=False)
+    assert fake_client.states == {}
+    assert prov.has_process is False
+    assert prov.bridge is None
+    assert not runtime_dir.exists()
+    assert await prov.poll() == 0
+
+
+async def test_poll_reports_the_exit_code_once_the_container_stops(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
+) -> None:
+    fake_client.on_start = kernel_binds_its_sockets
+    prov = make_provisioner(image="img:1")
+    await launch(prov, workspace)
+    fake_client.states[prov.container_id] = {"Status": "exited", "ExitCode": 137, "OOMKilled": True}
+    assert await prov.poll() == 137
+    assert await prov.wait() == 137
+    await prov.cleanup()
+
+
+async def test_a_restart_keeps_the_client_ports_and_the_runtime_dir(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
+) -> None:
+    fake_client.on_start = kernel_binds_its_sockets
+    prov = make_provisioner(image="img:1")
+    first = await launch(prov, workspace)
+    first_container = prov.container_id
+    runtime_dir = fake_client.containers_created[0].runtime_dir
+
+    await prov.cleanup(restart=True)
+    assert first_container not in fake_client.states
+    assert runtime_dir.is_dir()
+    assert list(runtime_dir.iterdir()) == []  # stale sockets are gone
+    assert prov.bridge is not None
+
+    second = await launch(prov, workspace)
+    assert prov.container_id != first_container
+    assert fake_client.containers_created[1].runtime_dir == runtime_dir
+    assert {k: v for k, v in second.items() if k.endswith("_port")} == {
+        k: v for k, v in first.items() if k.endswith("_port")
+    }
+    await prov.cleanup()
+    assert not runtime_dir.exists()
+
+
+async def test_a_bridge_port_is_freed_after_cleanup(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
+) -> None:
+    fake_client.on_start = kernel_binds_its_sockets
+    prov = make_provisioner(image="img:1")
+    info = await launch(prov, workspace)
+    await prov.cleanup()
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.bind(f"tcp://127.0.0.1:{info['shell_port']}")
+        sock.close()
+    finally:
+        ctx.term()
