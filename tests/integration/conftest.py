@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,41 @@ KERNEL = "sandboxed-python"
 SANDBOX_UID = 1000
 
 
-def runsc_processes() -> list[str]:
+def runsc_processes() -> set[str]:
+    """``pid args`` of every runsc process (sandbox, gofer, shim) on the host."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line.strip() for line in out.splitlines() if "runsc" in line and "ps -eo" not in line]
+    return {line.strip() for line in out.splitlines() if "runsc" in line and "ps -eo" not in line}
 
 
 def runtime_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("sandbox-kernel-*")}
+
+
+class HostState:
+    """Sandbox containers, runtime folders and runsc processes at one moment.
+
+    Comparing two snapshots (rather than expecting none at all) keeps the checks
+    exact when something else on the host runs sandboxed kernels too.
+    """
+
+    def __init__(self, client: docker.DockerClient) -> None:
+        self.client = client
+        self.containers = self._containers()
+        self.dirs = runtime_dirs()
+        self.processes = runsc_processes()
+
+    def _containers(self) -> set[str]:
+        return {c.name for c in self.client.containers.list(all=True, filters={"label": LABEL_MANAGED})}
+
+    def new_leftovers(self, settle: float = 10) -> list[str]:
+        """What exists now but did not then; runsc processes get ``settle`` s to exit."""
+        deadline = time.monotonic() + settle
+        while runsc_processes() - self.processes and time.monotonic() < deadline:
+            time.sleep(0.2)
+        found = [f"container {c}" for c in sorted(self._containers() - self.containers)]
+        found += [f"runtime folder {d}" for d in sorted(runtime_dirs() - self.dirs)]
+        found += [f"process {p}" for p in sorted(runsc_processes() - self.processes)]
+        return found
 
 
 @pytest.fixture(scope="session")
@@ -64,14 +93,12 @@ def docker_client() -> Iterator[docker.DockerClient]:
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
     """After the whole run: no sandbox container, runsc process or runtime folder remains."""
-    dirs_before = runtime_dirs()
+    before = HostState(docker_client)
     yield
-    leftovers = docker_client.containers.list(all=True, filters={"label": LABEL_MANAGED})
-    for container in leftovers:
-        container.remove(force=True)
-    problems = [f"container {c.name}" for c in leftovers]
-    problems += [f"runtime folder {d}" for d in runtime_dirs() - dirs_before]
-    problems += [f"process {p}" for p in runsc_processes()]
+    problems = before.new_leftovers()
+    for container in docker_client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
+        if container.name not in before.containers:
+            container.remove(force=True)
     if problems:
         pytest.fail("Left behind after the tests: " + "; ".join(problems), pytrace=False)
 

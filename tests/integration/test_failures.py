@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,18 +17,8 @@ from sandbox_kernel.errors import (
     RuntimeMissingError,
     WorkspaceError,
 )
-from sandbox_kernel.policy import LABEL_MANAGED
 
-from .conftest import KERNEL, KernelStarter, make_workspace, run_ok, runsc_processes, runtime_dirs
-
-
-def assert_clean(client: docker.DockerClient, dirs_before: set[str]) -> None:
-    assert client.containers.list(all=True, filters={"label": LABEL_MANAGED}) == []
-    assert runtime_dirs() - dirs_before == set()
-    deadline = time.monotonic() + 10
-    while runsc_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert runsc_processes() == []
+from .conftest import KERNEL, HostState, KernelStarter, make_workspace, run_ok
 
 
 def test_kernel_that_exits_at_once_reports_its_output(
@@ -38,12 +27,12 @@ def test_kernel_that_exits_at_once_reports_its_output(
     name = make_kernelspec(
         "broken-argv", argv=["python", "-c", "import sys; print('kernel cannot start: boom'); sys.exit(3)"]
     )
-    dirs_before = runtime_dirs()
+    before = HostState(docker_client)
     km = KernelManager(kernel_name=name)
     with pytest.raises(KernelStartupError, match="exit code 3") as info:
         km.start_kernel(cwd=str(workspace))
     assert "kernel cannot start: boom" in str(info.value)
-    assert_clean(docker_client, dirs_before)
+    assert before.new_leftovers() == []
 
 
 def test_missing_image_is_never_pulled(
@@ -51,12 +40,12 @@ def test_missing_image_is_never_pulled(
 ) -> None:
     image = "sandbox-kernel/not-built:never"
     name = make_kernelspec("missing-image", config={"image": image})
-    dirs_before = runtime_dirs()
+    before = HostState(docker_client)
     km = KernelManager(kernel_name=name)
     with pytest.raises(ImageNotFoundError, match="jupyter sandbox-kernel build-image"):
         km.start_kernel(cwd=str(workspace))
     assert docker_client.images.list(name="sandbox-kernel/not-built") == []
-    assert_clean(docker_client, dirs_before)
+    assert before.new_leftovers() == []
 
 
 @pytest.mark.parametrize("runtime", ["no-such-runtime", "runc"])
@@ -68,11 +57,11 @@ def test_no_gvisor_runtime_no_fallback(
     docker_client: docker.DockerClient,
 ) -> None:
     monkeypatch.setenv("SANDBOX_KERNEL_RUNTIME", runtime)
-    dirs_before = runtime_dirs()
+    before = HostState(docker_client)
     km = KernelManager(kernel_name=KERNEL)
     with pytest.raises(RuntimeMissingError, match=r"daemon\.json"):
         km.start_kernel(cwd=str(workspace))
-    assert_clean(docker_client, dirs_before)
+    assert before.new_leftovers() == []
 
 
 def test_unknown_kernelspec_setting_is_an_error(make_kernelspec: Callable[..., str], workspace: Path) -> None:
@@ -100,11 +89,11 @@ def test_notebook_outside_workspace_root_is_refused(
     root = make_workspace(tmp_path / "projects")
     elsewhere = make_workspace(tmp_path / "elsewhere")
     monkeypatch.setenv("SANDBOX_KERNEL_WORKSPACE_ROOT", str(root))
-    dirs_before = runtime_dirs()
+    before = HostState(docker_client)
     km = KernelManager(kernel_name=KERNEL)
     with pytest.raises(WorkspaceError, match="outside the workspace root"):
         km.start_kernel(cwd=str(elsewhere))
-    assert_clean(docker_client, dirs_before)
+    assert before.new_leftovers() == []
 
 
 def test_environment_is_not_inherited_by_default_start(start_kernel: KernelStarter) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -12,10 +13,11 @@ import pytest
 import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.ioloop import AsyncIOLoopKernelManager
+from jupyter_client.provisioning import KernelProvisionerFactory
 
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 
-from .conftest import KERNEL, KernelStarter, run, run_ok, runsc_processes
+from .conftest import KERNEL, HostState, KernelStarter, run, run_ok
 
 
 def kernel_containers(client: docker.DockerClient, kernel_id: str) -> list[str]:
@@ -74,6 +76,7 @@ def test_input_reaches_the_client(start_kernel: KernelStarter) -> None:
 def test_shutdown_leaves_nothing_behind(
     start_kernel: KernelStarter, docker_client: docker.DockerClient
 ) -> None:
+    before = HostState(docker_client)
     km, kc = start_kernel()
     runtime_dir = km.provisioner.runtime_dir
     assert runtime_dir is not None
@@ -83,10 +86,7 @@ def test_shutdown_leaves_nothing_behind(
     km.shutdown_kernel()
     assert kernel_containers(docker_client, km.kernel_id) == []
     assert not runtime_dir.exists()
-    deadline = time.monotonic() + 10
-    while runsc_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert runsc_processes() == []
+    assert before.new_leftovers() == []
     assert not os.path.exists(km.connection_file)
 
 
@@ -166,3 +166,37 @@ def test_curve_encryption_end_to_end(start_kernel: KernelStarter, encryption: st
     finally:
         sock.close()
         ctx.term()
+
+
+async def test_provisioner_info_reattaches_to_the_running_kernel(jupyter_dirs: Path, workspace: Path) -> None:
+    """What a restarted server needs: the saved info reaches the same kernel, state intact."""
+    first = AsyncKernelManager(kernel_name=KERNEL)
+    await first.start_kernel(cwd=str(workspace))
+    kc = first.client()
+    kc.start_channels()
+    await kc.wait_for_ready(timeout=60)
+    await kc.execute_interactive("x = 42", timeout=30)
+    kc.stop_channels()
+    saved = json.loads(json.dumps(await first.provisioner.get_provisioner_info()))
+    # The first server "exits": its bridge goes away, the container keeps running.
+    first.provisioner.bridge.stop()
+
+    second = AsyncKernelManager(kernel_name=KERNEL, kernel_id=saved["kernel_id"])
+    second.provisioner = KernelProvisionerFactory.instance().create_provisioner_instance(
+        saved["kernel_id"], second.kernel_spec, parent=second
+    )
+    await second.provisioner.load_provisioner_info(saved)
+    second.load_connection_info(saved["connection_info"])
+    try:
+        assert await second.is_alive()
+        kc = second.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=30)
+        outputs: list[dict] = []
+        reply = await kc.execute_interactive("print(x)", timeout=30, output_hook=outputs.append)
+        assert reply["content"]["status"] == "ok"
+        assert [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"] == ["42\n"]
+        kc.stop_channels()
+    finally:
+        await second.shutdown_kernel(now=True)
+        await first.provisioner.cleanup()

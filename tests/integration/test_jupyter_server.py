@@ -1,0 +1,164 @@
+"""The JupyterLab path: a real ``jupyter server`` process, its REST API and kernel websocket."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+from .conftest import KERNEL, make_workspace
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url
+        self.token = token
+        self.headers = {"Authorization": f"token {token}"}
+
+    def api(self, method: str, path: str, **kwargs: object) -> requests.Response:
+        response = requests.request(method, f"{self.url}{path}", headers=self.headers, timeout=60, **kwargs)
+        response.raise_for_status()
+        return response
+
+
+@pytest.fixture
+def jupyter_server(jupyter_dirs: Path, tmp_path: Path) -> Iterator[tuple[Server, Path]]:
+    root = make_workspace(tmp_path / "notebooks")
+    token = secrets.token_hex(16)
+    port = free_port()
+    env = {**os.environ, "JUPYTER_TOKEN": token}
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.port_retries=0",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    server = Server(f"http://127.0.0.1:{port}", token)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                server.api("GET", "/api/status")
+                break
+            except requests.RequestException:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        yield server, root
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+async def execute_over_websocket(server: Server, kernel_id: str, code: str) -> tuple[str, str]:
+    """Run ``code`` the way JupyterLab does; return (status, stdout)."""
+    ws_url = server.url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels"
+    conn = await websocket_connect(HTTPRequest(ws_url, headers=server.headers))
+    msg_id = uuid.uuid4().hex
+    conn.write_message(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id,
+                    "msg_type": "execute_request",
+                    "username": "analyst",
+                    "session": uuid.uuid4().hex,
+                    "version": "5.3",
+                    "date": "",
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "content": {
+                    "code": code,
+                    "silent": False,
+                    "store_history": True,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                    "stop_on_error": True,
+                },
+            }
+        )
+    )
+    stdout, status, idle = "", None, False
+    deadline = time.monotonic() + 60
+    while (status is None or not idle) and time.monotonic() < deadline:
+        raw = await conn.read_message()
+        assert raw is not None, "the server closed the kernel websocket"
+        msg = json.loads(raw)
+        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        kind = msg["msg_type"]
+        if kind == "stream":
+            stdout += msg["content"]["text"]
+        elif kind == "execute_reply":
+            status = msg["content"]["status"]
+        elif kind == "status" and msg["content"]["execution_state"] == "idle":
+            idle = True
+    conn.close()
+    assert status is not None, "no execute_reply within 60 s"
+    return status, stdout
+
+
+async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Server, Path]) -> None:
+    server, root = jupyter_server
+    folder = make_workspace(root / "project")
+    (folder / "data.csv").write_text("a,b\n1,2\n")
+    assert KERNEL in server.api("GET", "/api/kernelspecs").json()["kernelspecs"]
+    session = server.api(
+        "POST",
+        "/api/sessions",
+        json={"path": "project/analysis.ipynb", "type": "notebook", "kernel": {"name": KERNEL}},
+    ).json()
+    kernel_id = session["kernel"]["id"]
+    try:
+        status, out = await execute_over_websocket(
+            server,
+            kernel_id,
+            "import os; print(os.uname().release, os.getcwd(), open('data.csv').read().split()[1])\n"
+            "open('from-lab.txt', 'w').write('saved')",
+        )
+        assert status == "ok"
+        assert out.split() == ["4.4.0", "/workspace", "1,2"]
+        assert (folder / "from-lab.txt").read_text() == "saved"
+
+        server.api("POST", f"/api/kernels/{kernel_id}/restart")
+        status, out = await execute_over_websocket(server, kernel_id, "print(os.getcwd())")
+        assert status == "error", "a restarted kernel must not remember the old interpreter's names"
+        status, out = await execute_over_websocket(server, kernel_id, "print(open('from-lab.txt').read())")
+        assert (status, out) == ("ok", "saved\n")
+    finally:
+        server.api("DELETE", f"/api/sessions/{session['id']}")
