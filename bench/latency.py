@@ -18,9 +18,9 @@ Host memory is not measured: under gVisor the guest's memory lives in a memory f
 that the host processes' RSS/PSS does not reflect, so a fair figure needs the
 container's cgroup rather than a process-tree sum.
 
-Every kernel runs with a fresh temporary folder as its working directory (owned by
-uid 1000 when run as root, so the sandboxed kernel can write to it) and is shut down
-before the next one starts. Progress goes to stderr, the table (and, with ``--json``,
+All kernels run in one temporary working folder made for the run (owned by uid 1000
+when run as root, so the sandboxed kernel can write to it), one kernel at a time: each
+is shut down before the next one starts. Progress goes to stderr, the table (and, with ``--json``,
 the raw numbers) to stdout.
 
 Run from the project root::
