@@ -42,8 +42,8 @@ class InstallApp(_SubApp):
     name = "jupyter-sandbox-kernel-install"
     description = """Install the "Sandboxed Python" kernelspec, so that Jupyter offers it and
     `KernelManager(kernel_name="sandboxed-python")` starts kernels inside gVisor.
-    By default it installs for all users (sys.prefix-independent system location);
-    use --user, --sys-prefix or --prefix to choose."""
+    By default it installs system-wide (for all users, e.g. /usr/local/share/jupyter);
+    use --user, --sys-prefix or --prefix to choose another place."""
     examples = """
     jupyter sandbox-kernel install --sys-prefix
     jupyter sandbox-kernel install --user --name py-sandbox --display-name "Python (sandbox)"

@@ -64,6 +64,8 @@ def test_no_gvisor_runtime_no_fallback(
     assert before.new_leftovers() == []
 
 
+# traitlets warns about the unknown keyword before the provisioner can refuse it.
+@pytest.mark.filterwarnings("ignore:Passing unrecognized arguments:DeprecationWarning")
 def test_unknown_kernelspec_setting_is_an_error(make_kernelspec: Callable[..., str], workspace: Path) -> None:
     name = make_kernelspec("typo", config={"memroy": "1g"})
     km = KernelManager(kernel_name=name)
