@@ -14,13 +14,14 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
-from traitlets import Bool, Float, Unicode
+from traitlets import Bool, Float, Int, TraitError, Unicode
 
 from ._version import __version__
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, SandboxKernelError
+from .limits import Limits, check_within_ceilings
 from .policy import validate_kernelspec_config
-from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
 
 KERNEL_NAME = "sandboxed-python"
@@ -48,6 +49,7 @@ class InstallApp(_SubApp):
     jupyter sandbox-kernel install --sys-prefix
     jupyter sandbox-kernel install --user --name py-sandbox --display-name "Python (sandbox)"
     jupyter sandbox-kernel install --image registry.example/sandbox-python:2 --replace
+    jupyter sandbox-kernel install --name py-small --display-name "Python (small)" --memory 512m --cpus 0.5
     """
 
     kernel_name = Unicode(KERNEL_NAME, config=True, help="Name (folder) of the installed kernelspec.")
@@ -56,6 +58,10 @@ class InstallApp(_SubApp):
     user = Bool(False, config=True, help="Install for the current user only.")
     prefix = Unicode("", config=True, help="Install into PREFIX/share/jupyter/kernels.")
     replace = Bool(False, config=True, help="Replace an existing kernelspec of the same name.")
+    memory = Unicode("", config=True, help="Memory limit for its kernels, e.g. 512m (default: the server's).")
+    cpus = Float(0, config=True, help="CPU limit for its kernels, in cores (default: the server's).")
+    pids = Int(0, config=True, help="Most processes and threads per kernel (default: the server's).")
+    tmp_size = Unicode("", config=True, help="Size of each kernel's /tmp, e.g. 128m (default: the server's).")
 
     aliases = {
         **base_aliases,
@@ -63,6 +69,10 @@ class InstallApp(_SubApp):
         "display-name": "InstallApp.display_name",
         "image": "InstallApp.image",
         "prefix": "InstallApp.prefix",
+        "memory": "InstallApp.memory",
+        "cpus": "InstallApp.cpus",
+        "pids": "InstallApp.pids",
+        "tmp-size": "InstallApp.tmp_size",
     }
     flags = {
         **base_flags,
@@ -78,12 +88,10 @@ class InstallApp(_SubApp):
         spec = json.loads((source / "kernel.json").read_text())
         spec["display_name"] = self.display_name
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
-        if self.image:
-            config["image"] = self.image
-        try:
-            validate_kernelspec_config(config, self.kernel_name)
-        except ConfigurationError as exc:
-            self.fail(str(exc))
+        chosen = {"image": self.image, "memory": self.memory, "cpus": self.cpus, "pids": self.pids}
+        chosen["tmp_size"] = self.tmp_size
+        config.update({key: value for key, value in chosen.items() if value})
+        self._validate(config)
         ksm = KernelSpecManager(parent=self)
         dest_dir = self._destination(ksm)
         if dest_dir.exists() and not self.replace:
@@ -99,6 +107,32 @@ class InstallApp(_SubApp):
             except PermissionError as exc:
                 self.fail(f"{exc}; install with --user, --sys-prefix, or as root")
         print(f"Installed kernelspec {self.kernel_name!r} ({self.display_name}) in {dest}")
+
+    def _validate(self, config: dict[str, Any]) -> None:
+        """Check the spec's settings as a kernel start will, so a bad spec never lands.
+
+        Ceilings are the server's business; here only the defaults are known, so a
+        value above them is a warning, not an error.
+        """
+        try:
+            validate_kernelspec_config(config, self.kernel_name)
+            provisioner = SandboxProvisioner(**config)
+        except (ConfigurationError, TraitError) as exc:
+            self.fail(str(exc))
+        try:
+            check_within_ceilings(
+                Limits(provisioner.cpus, provisioner.memory, provisioner.pids, provisioner.tmp_size),
+                Limits(
+                    provisioner.max_cpus,
+                    provisioner.max_memory,
+                    provisioner.max_pids,
+                    provisioner.max_tmp_size,
+                ),
+            )
+        except ConfigurationError as exc:
+            print(
+                f"warning: {exc} Kernels of this spec start only where the server raises it.", file=sys.stderr
+            )
 
     def _destination(self, ksm: KernelSpecManager) -> Path:
         """Where install_kernel_spec will put the spec (it replaces silently)."""

@@ -7,16 +7,16 @@ the dictionaries it produces (the model is docker-py's ``_create_container_args`
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from docker.types import Mount
+from docker.types import Mount, Ulimit
 
 from .errors import ConfigurationError, WorkspaceError
+from .limits import size_bytes
 
 #: Where the workspace is mounted, and the kernel's working directory below it.
 CONTAINER_WORKSPACE = "/workspace"
@@ -44,13 +44,15 @@ FIXED_ENV: Mapping[str, str] = {
     "MPLCONFIGDIR": "/tmp/.matplotlib",
     "PYTHONUNBUFFERED": "1",
 }
+#: The kernel's effective limits, as JSON, for code in the sandbox to read.
+POLICY_ENV = "SANDBOX_KERNEL_POLICY"
 #: Never passed, even when a kernelspec or the allow-list names them: ipykernel exits
 #: when the process JPY_PARENT_PID names is not its parent, which inside a container
 #: it never is.
 NEVER_PASSED_ENV = frozenset({"JPY_PARENT_PID"})
 
 #: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
-KERNELSPEC_KEYS = frozenset({"image", "memory", "cpus", "tmp_size", "workspace_root", "pass_env"})
+KERNELSPEC_KEYS = frozenset({"image", "memory", "cpus", "pids", "tmp_size", "workspace_root", "pass_env"})
 
 #: Host folders that are never mounted as a workspace, nor is anything inside them.
 _SYSTEM_TREES = tuple(
@@ -78,8 +80,6 @@ _SYSTEM_DIRS = frozenset(
     Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/opt", "/srv", "/mnt", "/tmp")
 )
 
-_SIZE_RE = re.compile(r"^[1-9][0-9]*[kmg]?$", re.IGNORECASE)
-
 
 @dataclass(frozen=True)
 class SandboxSpec:
@@ -98,6 +98,7 @@ class SandboxSpec:
     gid: int
     memory: str = "2g"
     cpus: float = 1.0
+    pids: int = 256
     tmp_size: str = "256m"
     extra_labels: dict[str, str] = field(default_factory=dict)
 
@@ -149,6 +150,10 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "mem_limit": spec.memory,
         "memswap_limit": spec.memory,
         "nano_cpus": int(spec.cpus * 1_000_000_000),
+        # Docker's pids_limit counts gVisor's host threads, not the kernel's processes,
+        # and kills the whole sandbox silently when reached. RLIMIT_NPROC is enforced
+        # inside gVisor per (non-root) uid: a fork or thread bomb gets a clean EAGAIN.
+        "ulimits": [Ulimit(name="nproc", soft=spec.pids, hard=spec.pids)],
         "log_config": {"type": "json-file", "config": {"max-size": "10m", "max-file": "1"}},
         "stdin_open": False,
         "tty": False,
@@ -164,7 +169,7 @@ def sandbox_env(
     ``env`` is the launch environment (the server's, with the kernelspec's ``env``
     applied); only names in ``pass_env`` or set by the kernelspec itself survive.
     """
-    allowed = (set(pass_env) | set(kernelspec_env)) - NEVER_PASSED_ENV
+    allowed = (set(pass_env) | set(kernelspec_env)) - NEVER_PASSED_ENV - {POLICY_ENV}
     result = {name: env[name] for name in sorted(allowed) if name in env}
     result.update(FIXED_ENV)
     return result
@@ -308,7 +313,5 @@ def validate_kernelspec_config(config: Mapping[str, Any], kernelspec: str = "") 
 
 def validate_size(name: str, value: str) -> str:
     """Check a Docker size string such as ``512m`` or ``2g``."""
-    if not _SIZE_RE.match(value):
-        msg = f"{name}={value!r} is not a size; use a number with an optional k, m or g suffix, like '512m'."
-        raise ConfigurationError(msg)
+    size_bytes(name, value)
     return value.lower()

@@ -27,10 +27,12 @@ from traitlets import Float, Int, List, TraitError, Unicode, default, validate
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
+from .limits import Limits, check_within_ceilings
 from .policy import (
     CONTAINER_WORKSPACE,
     IPC_PORTS,
     IPC_PREFIX,
+    POLICY_ENV,
     SandboxSpec,
     can_write,
     container_connection_info,
@@ -85,8 +87,26 @@ class SandboxProvisioner(KernelProvisionerBase):
     )
     memory = Unicode("2g", config=True, help="Memory limit of the kernel's container, e.g. '512m' or '2g'.")
     cpus = Float(1.0, config=True, help="CPU limit of the kernel's container, in cores (e.g. 0.5).")
+    pids = Int(
+        256,
+        config=True,
+        help="""Most processes and threads the kernel's user may run (RLIMIT_NPROC); more
+        forks or threads fail with EAGAIN. ipykernel and numpy need a few dozen.""",
+    )
     tmp_size = Unicode(
         "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
+    )
+    max_cpus = Float(
+        2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
+    )
+    max_memory = Unicode(
+        "4g", config=True, help="Ceiling for `memory`: no kernelspec may ask for more. Server config only."
+    )
+    max_pids = Int(
+        1024, config=True, help="Ceiling for `pids`: no kernelspec may ask for more. Server config only."
+    )
+    max_tmp_size = Unicode(
+        "1g", config=True, help="Ceiling for `tmp_size`: no kernelspec may ask for more. Server config only."
     )
     kernel_uid = Int(
         None,
@@ -122,7 +142,7 @@ class SandboxProvisioner(KernelProvisionerBase):
     def _runtime_parent_default(self) -> str:
         return tempfile.gettempdir()
 
-    @validate("memory", "tmp_size")
+    @validate("memory", "tmp_size", "max_memory", "max_tmp_size")
     def _validate_size(self, proposal: dict[str, Any]) -> str:
         try:
             return validate_size(proposal["trait"].name, proposal["value"])
@@ -134,6 +154,17 @@ class SandboxProvisioner(KernelProvisionerBase):
         value = float(proposal["value"])
         if not 0 < value <= 64:
             msg = f"cpus={value!r} is out of range; use a number of cores above 0, e.g. 1 or 0.5."
+            raise TraitError(msg)
+        return value
+
+    @validate("pids", "max_pids")
+    def _validate_pids(self, proposal: dict[str, Any]) -> int:
+        value = int(proposal["value"])
+        if value < 16:
+            msg = (
+                f"{proposal['trait'].name}={value!r} is too low for ipykernel to start; "
+                "use at least 16 (the default is 256)."
+            )
             raise TraitError(msg)
         return value
 
@@ -182,6 +213,13 @@ class SandboxProvisioner(KernelProvisionerBase):
         transport_encryption = kwargs.pop("transport_encryption", None)
         extra_arguments = kwargs.pop("extra_arguments", [])
         self._curve = self._curve_keys(transport_encryption)
+        limits = Limits(cpus=self.cpus, memory=self.memory, pids=self.pids, tmp_size=self.tmp_size)
+        check_within_ceilings(
+            limits,
+            Limits(
+                cpus=self.max_cpus, memory=self.max_memory, pids=self.max_pids, tmp_size=self.max_tmp_size
+            ),
+        )
 
         await self.docker.check_runtime(self.docker_runtime)
         await self.docker.check_image(self.image)
@@ -213,7 +251,10 @@ class SandboxProvisioner(KernelProvisionerBase):
             image=self.image,
             runtime=self.docker_runtime,
             command=cmd,
-            env=sandbox_env(kwargs["env"], self.pass_env, self.kernel_spec.env),
+            env={
+                **sandbox_env(kwargs["env"], self.pass_env, self.kernel_spec.env),
+                POLICY_ENV: json.dumps({**limits.as_dict(), "network": "none", "image": self.image}),
+            },
             workspace=workspace,
             workdir=workdir,
             runtime_dir=Path(),
@@ -221,6 +262,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             gid=gid,
             memory=self.memory,
             cpus=self.cpus,
+            pids=self.pids,
             tmp_size=self.tmp_size,
         )
         return kwargs

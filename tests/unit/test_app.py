@@ -109,3 +109,57 @@ def test_no_subcommand_exits_1_listing_the_subcommands(capsys: pytest.CaptureFix
     captured = capsys.readouterr()
     assert "No subcommand given; choose one of: install, build-image, check, run" in captured.err
     assert "install" in captured.out
+
+
+def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -> None:
+    run(
+        InstallApp,
+        "--prefix",
+        str(tmp_path),
+        "--name",
+        "small",
+        "--display-name",
+        "Python (small)",
+        "--memory",
+        "512m",
+        "--cpus",
+        "0.5",
+        "--pids",
+        "64",
+        "--tmp-size",
+        "32m",
+    )
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "default")
+    small = installed_spec(tmp_path, "small")
+    assert small["display_name"] == "Python (small)"
+    assert small["metadata"]["kernel_provisioner"]["config"] == {  # type: ignore[index]
+        "memory": "512m",
+        "cpus": 0.5,
+        "pids": 64,
+        "tmp_size": "32m",
+    }
+    assert installed_spec(tmp_path, "default")["metadata"]["kernel_provisioner"]["config"] == {}  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--memory", "lots", "memory='lots' is not a size"),
+        ("--pids", "3", "pids=3 is too low"),
+        ("--cpus", "-1", "cpus=-1.0 is out of range"),
+    ],
+)
+def test_install_refuses_an_invalid_policy_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(InstallApp, "--prefix", str(tmp_path), "--name", "bad", option, value)
+    assert info.value.code == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "share/jupyter/kernels/bad").exists()
+
+
+def test_install_above_the_default_ceiling_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "big", "--memory", "64g")
+    assert "exceeds the server's ceiling of '4g'" in capsys.readouterr().err
+    assert installed_spec(tmp_path, "big")["metadata"]["kernel_provisioner"]["config"] == {"memory": "64g"}  # type: ignore[index]

@@ -311,14 +311,17 @@ class TestValidateKernelspecConfig:
     def test_allowed_keys_pass(self) -> None:
         validate_kernelspec_config(dict.fromkeys(KERNELSPEC_KEYS, "x"), "ks")
 
-    @pytest.mark.parametrize("key", ["memroy", "kernel_uid", "docker_runtime", "runtime_parent"])
+    @pytest.mark.parametrize(
+        "key",
+        ["memroy", "kernel_uid", "docker_runtime", "runtime_parent", "max_memory", "max_cpus", "max_pids"],
+    )
     def test_an_unknown_key_is_named_in_the_error(self, key: str) -> None:
         with pytest.raises(ConfigurationError) as info:
             validate_kernelspec_config({"image": "img:1", key: "x"}, "my-spec")
         message = str(info.value)
         assert repr(key) in message
         assert "'my-spec'" in message
-        assert "Allowed: cpus, image, memory, pass_env, tmp_size, workspace_root." in message
+        assert f"Allowed: {', '.join(sorted(KERNELSPEC_KEYS))}." in message
 
 
 class TestValidateSize:
