@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -42,6 +42,11 @@ CHANNELS = tuple(_SOCKET_TYPES)
 _KERNEL_SIDE_IDENTITY = b"sandbox-kernel-bridge"
 
 
+#: Called in the bridge thread for every message: (channel, to_kernel, frames). It must
+#: be quick and must not keep the frames; it cannot change or stop the message.
+Tap = Callable[[str, bool, Sequence[zmq.Frame]], None]
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """The CurveZMQ keypair (Z85) clients use; the bridge is the Curve server."""
@@ -51,7 +56,13 @@ class CurveKeys:
 
 
 class KernelBridge:
-    """Relays a sandboxed kernel's ZeroMQ channels to clients on the host."""
+    """Relays a sandboxed kernel's ZeroMQ channels to clients on the host.
+
+    Client-facing sockets are bound once by :meth:`start` and live until :meth:`stop`.
+    Kernel-facing sockets belong to one kernel process: :meth:`detach` drops them (and
+    whatever was queued for a kernel that is gone), :meth:`attach` connects new ones to
+    the next kernel's endpoints.
+    """
 
     def __init__(
         self,
@@ -59,14 +70,21 @@ class KernelBridge:
         ip: str = "127.0.0.1",
         ports: Mapping[str, int] | None = None,
         curve: CurveKeys | None = None,
+        tap: Tap | None = None,
+        max_message_size: int = 256 * 1024 * 1024,
     ) -> None:
         self.ip = ip
+        self._tap = tap
         self._kernel_endpoints = dict(kernel_endpoints)
         self._requested_ports = dict(ports or {})
         self._curve = curve
+        self._max_message_size = max_message_size
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._fronts: dict[str, zmq.Socket[bytes]] = {}
+        self._backs: dict[str, zmq.Socket[bytes]] = {}
         self._thread: threading.Thread | None = None
         self._stop_tx: zmq.Socket[bytes] | None = None
+        self._stop_rx: zmq.Socket[bytes] | None = None
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
 
@@ -80,13 +98,18 @@ class KernelBridge:
         Returns the TCP port of each channel. Ports given to the constructor are reused
         (reconnecting to a kernel after a server restart); others are random.
         """
-        if self.running:
-            return self.ports
+        if self._context is None:
+            self._bind_fronts()
+        if not self.running:
+            self.attach(self._kernel_endpoints)
+        return self.ports
+
+    def _bind_fronts(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        pairs: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]] = {}
         try:
-            for channel, (front_type, back_type) in _SOCKET_TYPES.items():
+            for channel, (front_type, _) in _SOCKET_TYPES.items():
                 front = ctx.socket(front_type)
+                self._fronts[channel] = front
                 front.linger = 0
                 if self._curve is not None:
                     front.curve_secretkey = self._curve.secret
@@ -96,42 +119,75 @@ class KernelBridge:
                     # Forward every subscription, repeats included: ipykernel answers
                     # each with an iopub_welcome message.
                     front.setsockopt(zmq.XPUB_VERBOSE, 1)
+                else:
+                    # As ipykernel does: a client reconnecting with its old identity
+                    # (jupyter_server reuses the session id) takes over the route.
+                    front.setsockopt(zmq.ROUTER_HANDOVER, 1)
                 port = self._requested_ports.get(channel)
                 if port:
                     front.bind(f"tcp://{self.ip}:{port}")
                 else:
                     port = front.bind_to_random_port(f"tcp://{self.ip}")
                 self.ports[channel] = port
-
-                back = ctx.socket(back_type)
-                back.linger = 0
-                if back_type == zmq.DEALER:
-                    back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
-                back.connect(self._kernel_endpoints[channel])
-                pairs[channel] = (front, back)
-            stop_rx = ctx.socket(zmq.PAIR)
-            stop_rx.bind("inproc://stop")
+            self._stop_rx = ctx.socket(zmq.PAIR)
+            self._stop_rx.bind("inproc://stop")
             self._stop_tx = ctx.socket(zmq.PAIR)
             self._stop_tx.connect("inproc://stop")
         except BaseException:
             ctx.destroy(linger=0)
+            self._fronts = {}
             self.ports = {}
             raise
         self._context = ctx
+
+    def attach(self, kernel_endpoints: Mapping[str, str]) -> None:
+        """Connect fresh kernel-facing sockets to ``kernel_endpoints`` and relay."""
+        if self._context is None or self._stop_rx is None:
+            msg = "attach() before start()"
+            raise RuntimeError(msg)
+        self.detach()
+        self._kernel_endpoints = dict(kernel_endpoints)
+        for channel, (_, back_type) in _SOCKET_TYPES.items():
+            back = self._context.socket(back_type)
+            self._backs[channel] = back
+            back.linger = 0
+            # Bytes from the sandbox are untrusted: a peer sending a bigger message is
+            # disconnected, and fewer messages wait in the server's memory.
+            back.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
+            back.rcvhwm = 100
+            if back_type == zmq.DEALER:
+                back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
+            back.connect(self._kernel_endpoints[channel])
+            if back_type == zmq.XSUB:
+                # Clients subscribed through the previous kernel's socket; subscribe this
+                # one to everything so a restarted kernel's output reaches them.
+                back.send(b"\x01")
+        pairs = {channel: (self._fronts[channel], self._backs[channel]) for channel in CHANNELS}
         self._thread = threading.Thread(
-            target=self._relay, args=(pairs, stop_rx), name="sandbox-kernel-bridge", daemon=True
+            target=self._relay, args=(pairs, self._stop_rx), name="sandbox-kernel-bridge", daemon=True
         )
         self._thread.start()
-        return self.ports
+
+    def detach(self) -> None:
+        """Stop relaying and drop the kernel-facing sockets with anything queued in them."""
+        if self._thread is not None and self._stop_tx is not None:
+            self._stop_tx.send(b"")
+            self._thread.join(timeout=5)
+        self._thread = None
+        for back in self._backs.values():
+            back.close(linger=0)
+        self._backs = {}
 
     def _relay(
-        self, pairs: Mapping[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]], stop_rx: zmq.Socket[bytes]
+        self,
+        pairs: Mapping[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
+        stop_rx: zmq.Socket[bytes],
     ) -> None:
         poller = zmq.Poller()
-        route: dict[zmq.Socket[bytes], tuple[str, zmq.Socket[bytes]]] = {}
+        route: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]] = {}
         for channel, (front, back) in pairs.items():
-            route[front] = (channel, back)
-            route[back] = (channel, front)
+            route[front] = (channel, True, back)
+            route[back] = (channel, False, front)
             poller.register(front, zmq.POLLIN)
             poller.register(back, zmq.POLLIN)
         poller.register(stop_rx, zmq.POLLIN)
@@ -139,8 +195,9 @@ class KernelBridge:
             while True:
                 for sock, _ in poller.poll():
                     if sock is stop_rx:
+                        sock.recv()
                         return
-                    channel, peer = route[sock]
+                    channel, to_kernel, peer = route[sock]
                     # Drain what is queued, but bounded, so one busy channel cannot
                     # starve the others (or the stop request).
                     for _ in range(100):
@@ -149,6 +206,11 @@ class KernelBridge:
                         except zmq.Again:
                             break
                         self.messages[channel] += 1
+                        if self._tap is not None:
+                            try:
+                                self._tap(channel, to_kernel, frames)
+                            except Exception:
+                                log.exception("Bridge tap failed on a %s message", channel)
                         try:
                             peer.send_multipart(frames, zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -160,21 +222,15 @@ class KernelBridge:
                             log.debug("Bridge could not forward a %s message: %s", channel, exc)
         except zmq.ContextTerminated:
             return
-        finally:
-            for front, back in pairs.values():
-                front.close(linger=0)
-                back.close(linger=0)
-            stop_rx.close(linger=0)
 
     def stop(self) -> None:
         """Stop relaying and close every socket; the ports are free afterwards."""
-        if self._thread is not None and self._stop_tx is not None:
-            self._stop_tx.send(b"")
-            self._thread.join(timeout=5)
-        if self._stop_tx is not None:
-            self._stop_tx.close(linger=0)
-            self._stop_tx = None
+        self.detach()
+        for sock in [*self._fronts.values(), self._stop_tx, self._stop_rx]:
+            if sock is not None:
+                sock.close(linger=0)
+        self._fronts = {}
+        self._stop_tx = self._stop_rx = None
         if self._context is not None:
             self._context.term()
             self._context = None
-        self._thread = None

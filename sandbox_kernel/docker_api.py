@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 #: once a connection had been made.
 _TRANSPORT_ERRORS = (DockerException, RequestException)
 
-#: Runtime flags the gVisor runtime must carry for the kernel's ipc sockets to work
-#: while the sandbox has no network.
-REQUIRED_RUNTIME_ARGS = ("--network=none", "--host-uds=create")
+#: Runtime flags the gVisor runtime must carry: no network stack; the kernel may create
+#: (not open) host unix sockets, its ipc endpoints; and the container's seccomp profile
+#: is enforced (runsc ignores it otherwise).
+REQUIRED_RUNTIME_ARGS = ("--network=none", "--host-uds=create", "--oci-seccomp")
 
 
 def runtime_setup_hint(runtime: str) -> str:
@@ -197,15 +198,24 @@ class SandboxDocker:
         return bytes(raw).decode("utf-8", "replace").strip()
 
     async def remove(self, container_id: str) -> None:
-        """Force-remove a container; a missing one is fine."""
+        """Force-remove a container; a missing one is fine.
+
+        Raises:
+            DockerOperationError, DockerUnavailableError: it may still exist.
+        """
         client = await self.client()
         try:
-            await self._call(client.api.remove_container, container_id, force=True)
+            await self._api(
+                "remove the kernel container", client.api.remove_container, container_id, force=True
+            )
         except NotFound:
             return
-        except APIError as exc:
-            if exc.status_code == 409 and "already in progress" in str(exc.explanation):
+        except DockerOperationError as exc:
+            cause = exc.__cause__
+            if (
+                isinstance(cause, APIError)
+                and cause.status_code == 409
+                and "in progress" in str(cause.explanation)
+            ):
                 return
-            log.warning("Could not remove container %s: %s", container_id[:12], exc)
-        except _TRANSPORT_ERRORS as exc:
-            log.warning("Could not remove container %s, Docker is unreachable: %s", container_id[:12], exc)
+            raise

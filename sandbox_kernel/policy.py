@@ -6,7 +6,9 @@ the dictionaries it produces (the model is docker-py's ``_create_container_args`
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +53,28 @@ POLICY_ENV = "SANDBOX_KERNEL_POLICY"
 #: it never is.
 NEVER_PASSED_ENV = frozenset({"JPY_PARENT_PID"})
 
+#: System calls refused inside the sandbox (EPERM), on top of gVisor's own isolation.
+#: Links and device nodes first: the host's own code (jupyter_server saving a notebook,
+#: the bridge reconnecting a socket) follows paths in folders the kernel can write, so
+#: the kernel must not be able to make a path there lead anywhere else. The rest is
+#: defence in depth: nothing a notebook needs, everything an escape attempt tries.
+DENIED_SYSCALLS = (
+    "symlink", "symlinkat", "link", "linkat", "mknod", "mknodat",
+    "mount", "umount2", "pivot_root", "unshare", "setns", "ptrace",
+    "process_vm_readv", "process_vm_writev", "bpf", "perf_event_open", "userfaultfd",
+    "keyctl", "add_key", "request_key", "kexec_load", "init_module", "finit_module",
+    "delete_module", "acct", "swapon", "swapoff", "reboot", "syslog",
+    "open_by_handle_at", "name_to_handle_at",
+)  # fmt: skip
+#: The seccomp profile given to Docker; runsc applies it with --oci-seccomp.
+SECCOMP_PROFILE = json.dumps(
+    {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [{"names": list(DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
+    },
+    separators=(",", ":"),
+)
+
 #: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
 KERNELSPEC_KEYS = frozenset({"image", "memory", "cpus", "pids", "tmp_size", "workspace_root", "pass_env"})
 
@@ -73,12 +97,23 @@ _SYSTEM_TREES = tuple(
         "/var/run",
         "/var/lib/docker",
         "/var/lib/containerd",
+        "/var/log",
+        "/var/spool",
+        "/var/mail",
+        "/var/backups",
     )
 )
 #: Folders never mounted themselves (their subfolders may hold projects).
 _SYSTEM_DIRS = frozenset(
-    Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/opt", "/srv", "/mnt", "/tmp")
+    Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/var/tmp", "/opt", "/srv", "/mnt", "/tmp")
 )
+
+
+def _home_folders() -> set[Path]:
+    """Every account's home folder: mounting one hands its dotfiles to the kernel."""
+    homes = {Path(entry.pw_dir) for entry in pwd.getpwall() if entry.pw_dir not in ("", "/")}
+    homes.add(Path.home())
+    return {home.resolve() for home in homes}
 
 
 @dataclass(frozen=True)
@@ -136,7 +171,7 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "runtime": spec.runtime,
         "user": f"{spec.uid}:{spec.gid}",
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true"],
+        "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
         "privileged": False,
         "read_only": True,
         "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={spec.tmp_size},mode=1777"},
@@ -231,7 +266,7 @@ def resolve_workspace(
             raise WorkspaceError(msg) from None
     if (
         mount in _SYSTEM_DIRS
-        or mount == Path.home().resolve()
+        or mount in _home_folders()
         or any(mount == tree or tree in mount.parents for tree in _SYSTEM_TREES)
     ):
         msg = (
@@ -251,6 +286,21 @@ def resolve_workspace(
     return mount, workdir
 
 
+def ensure_outside_workspace(path: str | os.PathLike[str], workspace: Path, setting: str) -> None:
+    """Refuse a host file the sandbox must not reach (e.g. the audit log) inside its workspace.
+
+    Raises:
+        WorkspaceError: naming the setting to change.
+    """
+    resolved = Path(path).expanduser().resolve()
+    if resolved == workspace or workspace in resolved.parents:
+        msg = (
+            f"{setting}={str(path)!r} lies inside the kernel's workspace {str(workspace)!r}, where "
+            f"sandboxed code could read or rewrite it. Point {setting} outside every workspace."
+        )
+        raise WorkspaceError(msg)
+
+
 def kernel_user(workspace: Path, configured_uid: int | None = None) -> tuple[int, int]:
     """The (uid, gid) the kernel runs as; never 0.
 
@@ -267,7 +317,8 @@ def kernel_user(workspace: Path, configured_uid: int | None = None) -> tuple[int
         return os.getuid(), os.getgid()
     st = workspace.stat()
     if st.st_uid != 0:
-        return st.st_uid, st.st_gid
+        # Never group 0 either, even for a folder owned by alice:root.
+        return st.st_uid, st.st_gid or st.st_uid
     return DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID
 
 

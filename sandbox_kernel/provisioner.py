@@ -22,8 +22,10 @@ from typing import Any
 import zmq
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
+from jupyter_core.paths import jupyter_data_dir
 from traitlets import Float, Int, List, TraitError, Unicode, default, validate
 
+from .audit import AuditLog, ExecutionAuditor
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
@@ -37,6 +39,7 @@ from .policy import (
     can_write,
     container_connection_info,
     container_create_kwargs,
+    ensure_outside_workspace,
     kernel_command,
     kernel_user,
     resolve_workspace,
@@ -55,6 +58,7 @@ class SandboxProvisioner(KernelProvisionerBase):
     IMAGE_ENV = "SANDBOX_KERNEL_IMAGE"
     RUNTIME_ENV = "SANDBOX_KERNEL_RUNTIME"
     WORKSPACE_ROOT_ENV = "SANDBOX_KERNEL_WORKSPACE_ROOT"
+    AUDIT_LOG_ENV = "SANDBOX_KERNEL_AUDIT_LOG"
 
     image = Unicode(
         config=True,
@@ -65,7 +69,7 @@ class SandboxProvisioner(KernelProvisionerBase):
     docker_runtime = Unicode(
         config=True,
         help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
-        --host-uds=create. Starting a kernel fails if it is missing or is not runsc.
+        --host-uds=create --oci-seccomp. Starting a kernel fails if it is missing or is not runsc.
         Default: ${RUNTIME_ENV}, else {DEFAULT_RUNTIME}.""",
     )
     workspace_root = Unicode(
@@ -119,6 +123,17 @@ class SandboxProvisioner(KernelProvisionerBase):
     startup_timeout = Float(
         60.0, config=True, help="Seconds to wait for the kernel in a new container to open its channels."
     )
+    audit_log = Unicode(
+        config=True,
+        help=f"""JSON-lines file on the host recording every execute_request a sandboxed
+        kernel receives (time, kernel id, kernelspec, username, session, code, status,
+        duration). It must lie outside every workspace. Empty string: no audit log.
+        Default: ${AUDIT_LOG_ENV}, else JUPYTER_DATA_DIR/sandbox-kernel/audit.jsonl.""",
+    )
+    audit_log_max_bytes = Int(
+        50 * 1024 * 1024, config=True, help="Rotate the audit log when it reaches this size (bytes)."
+    )
+    audit_log_backups = Int(10, config=True, help="Rotated audit log files to keep (audit.jsonl.1, ...).")
     runtime_parent = Unicode(
         config=True,
         help="""Host folder under which each kernel gets a private runtime folder (its
@@ -137,6 +152,13 @@ class SandboxProvisioner(KernelProvisionerBase):
     @default("workspace_root")
     def _workspace_root_default(self) -> str | None:
         return os.environ.get(self.WORKSPACE_ROOT_ENV) or None
+
+    @default("audit_log")
+    def _audit_log_default(self) -> str:
+        env = os.environ.get(self.AUDIT_LOG_ENV)
+        if env is not None:
+            return env
+        return os.path.join(jupyter_data_dir(), "sandbox-kernel", "audit.jsonl")
 
     @default("runtime_parent")
     def _runtime_parent_default(self) -> str:
@@ -184,11 +206,16 @@ class SandboxProvisioner(KernelProvisionerBase):
         self.connection_info: KernelConnectionInfo = {}
         self.container_id: str | None = None
         self.exit_code: int | None = None
+        # A server-owned 0700 folder for the provisioner's life, holding one kernel-owned
+        # folder per launch (connection file and ipc sockets), mounted into the sandbox.
         self.runtime_dir: Path | None = None
+        self.launch_dir: Path | None = None
+        self._launches = 0
         self.bridge: KernelBridge | None = None
         self.docker = SandboxDocker()
         self._spec: SandboxSpec | None = None
         self._curve: CurveKeys | None = None
+        self._auditor: ExecutionAuditor | None = None
 
     # ------------------------------------------------------------------ launch
 
@@ -227,6 +254,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         workspace, workdir = resolve_workspace(
             kwargs.get("cwd") or os.getcwd(), self.workspace_root, self.runtime_parent
         )
+        if self.audit_log:
+            ensure_outside_workspace(self.audit_log, workspace, "SandboxProvisioner.audit_log")
         uid, gid = kernel_user(workspace, self.kernel_uid)
         if os.getuid() not in (0, uid):
             msg = (
@@ -299,8 +328,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         key: bytes = km.session.key if km is not None else b""
         scheme: str = km.session.signature_scheme if km is not None else "hmac-sha256"
         try:
-            runtime_dir = self._ensure_runtime_dir(self._spec.uid, self._spec.gid)
-            spec = replace(self._spec, runtime_dir=runtime_dir)
+            launch_dir = await asyncio.to_thread(self._new_launch_dir, self._spec.uid, self._spec.gid)
+            spec = replace(self._spec, runtime_dir=launch_dir)
             self._write_container_connection_file(spec, key, scheme)
             container = await self.docker.create_and_start(container_create_kwargs(spec))
             self.container_id = str(container.id)
@@ -314,10 +343,14 @@ class SandboxProvisioner(KernelProvisionerBase):
                 spec.uid,
                 spec.workspace,
             )
-            ports = await self._ensure_bridge(runtime_dir)
-            await self._wait_until_ready(self.container_id, runtime_dir)
+            ports = await self._attach_bridge(launch_dir)
+            await self._wait_until_ready(self.container_id, launch_dir)
+            await asyncio.to_thread(self._seal, launch_dir)
         except BaseException:
-            await self._teardown(keep_bridge=False)
+            try:
+                await self._teardown(keep_bridge=False)
+            except SandboxKernelError:
+                pass  # logged; the start's own error is the one to report
             raise
         info: dict[str, Any] = {
             "transport": "tcp",
@@ -333,29 +366,56 @@ class SandboxProvisioner(KernelProvisionerBase):
         self.connection_info = info  # type: ignore[assignment]
         return self.connection_info
 
-    def _ensure_runtime_dir(self, uid: int, gid: int) -> Path:
-        """The kernel's private host folder for its connection file and sockets."""
+    def _new_launch_dir(self, uid: int, gid: int) -> Path:
+        """A fresh folder for one kernel process, inside the server-only runtime folder.
+
+        The outer folder (0700, the server's) keeps other host users, including one
+        whose uid the kernel happens to share, away from the key and the sockets. A
+        fresh inner folder per launch means nothing the previous kernel left there can
+        disturb the next one.
+        """
         if self.runtime_dir is None or not self.runtime_dir.is_dir():
             self.runtime_dir = Path(tempfile.mkdtemp(prefix="sandbox-kernel-", dir=self.runtime_parent))
+        self._launches += 1
+        launch_dir = self.runtime_dir / f"run{self._launches}"
+        launch_dir.mkdir(mode=0o700)
         if os.getuid() == 0:
-            os.chown(self.runtime_dir, uid, gid)
-        return self.runtime_dir
+            os.chown(launch_dir, uid, gid)
+        self.launch_dir = launch_dir
+        return launch_dir
 
     def _write_container_connection_file(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
-        runtime_dir = spec.runtime_dir
         info = container_connection_info(key, scheme, self.kernel_name)
-        path = runtime_dir / "connection.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(
+            spec.runtime_dir / "connection.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
+        )
         with os.fdopen(fd, "w") as f:
+            if os.getuid() == 0:
+                os.fchown(f.fileno(), spec.uid, spec.gid)
             json.dump(info, f)
-        if os.getuid() == 0:
-            os.chown(path, spec.uid, spec.gid)
 
-    async def _ensure_bridge(self, runtime_dir: Path, ports: dict[str, int] | None = None) -> dict[str, int]:
+    @staticmethod
+    def _seal(launch_dir: Path) -> None:
+        """Once the kernel has bound its sockets, stop it adding or swapping entries.
+
+        Only a root server can hand the folder back to itself; otherwise the kernel
+        shares the server's uid and could undo any change.
+        """
+        if os.getuid() == 0:
+            os.chown(launch_dir, 0, 0)
+            launch_dir.chmod(0o755)
+
+    async def _attach_bridge(self, launch_dir: Path, ports: dict[str, int] | None = None) -> dict[str, int]:
+        """Connect the bridge to this launch's sockets; create it on the first launch."""
+        endpoints = {c: f"ipc://{launch_dir}/{Path(IPC_PREFIX).name}-{IPC_PORTS[c]}" for c in CHANNELS}
         if self.bridge is None:
-            endpoints = {c: f"ipc://{runtime_dir}/kernel-{IPC_PORTS[c]}" for c in CHANNELS}
-            self.bridge = KernelBridge(endpoints, ports=ports, curve=self._curve)
-        return self.bridge.start()
+            if self.audit_log and self._auditor is None:
+                log_file = AuditLog.open(self.audit_log, self.audit_log_max_bytes, self.audit_log_backups)
+                self._auditor = ExecutionAuditor(log_file, str(self.kernel_id), self.kernel_name)
+            self.bridge = KernelBridge(endpoints, ports=ports, curve=self._curve, tap=self._auditor)
+            return self.bridge.start()
+        await asyncio.to_thread(self.bridge.attach, endpoints)
+        return self.bridge.ports
 
     async def _wait_until_ready(self, container_id: str, runtime_dir: Path) -> None:
         """Wait until the kernel has bound all its sockets, or fail with its logs."""
@@ -430,21 +490,37 @@ class SandboxProvisioner(KernelProvisionerBase):
         await self._teardown(keep_bridge=restart)
 
     async def _teardown(self, keep_bridge: bool) -> None:
+        """Remove this kernel's container and files; the bridge's ports survive a restart.
+
+        Raises:
+            DockerOperationError: the container could not be removed (it is remembered,
+                so a later cleanup retries).
+        """
+        failure: SandboxKernelError | None = None
         if self.container_id is not None:
-            await self.docker.remove(self.container_id)
-            self.container_id = None
-        if keep_bridge:
-            if self.runtime_dir is not None and self.runtime_dir.is_dir():
-                # The next kernel binds the same paths; stale sockets must not be reached.
-                for leftover in self.runtime_dir.iterdir():
-                    leftover.unlink(missing_ok=True)
-            return
+            try:
+                await self.docker.remove(self.container_id)
+                self.container_id = None
+            except SandboxKernelError as exc:
+                self.log.error("Sandboxed kernel %s: %s", self.kernel_id, exc)
+                failure = exc
+        if self._auditor is not None:
+            self._auditor.abandon_pending("no reply: the kernel stopped or restarted")
         if self.bridge is not None:
-            await asyncio.to_thread(self.bridge.stop)
-            self.bridge = None
-        if self.runtime_dir is not None:
-            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+            # Whatever was queued for the dead kernel (a shutdown_request, say) must
+            # never reach the next one.
+            await asyncio.to_thread(self.bridge.detach if keep_bridge else self.bridge.stop)
+            if not keep_bridge:
+                self.bridge = None
+        doomed = self.launch_dir if keep_bridge else self.runtime_dir
+        if doomed is not None:
+            # The kernel may have left any number of files: never on the event loop.
+            await asyncio.to_thread(shutil.rmtree, doomed, True)
+        self.launch_dir = None
+        if not keep_bridge:
             self.runtime_dir = None
+        if failure is not None:
+            raise failure
 
     # ------------------------------------------------------------------ reconnecting
 
@@ -455,6 +531,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             {
                 "container_id": self.container_id,
                 "runtime_dir": str(self.runtime_dir) if self.runtime_dir else None,
+                "launch_dir": str(self.launch_dir) if self.launch_dir else None,
                 "image": self.image,
                 "workspace": str(self._spec.workspace) if self._spec else None,
                 "workdir": self._spec.workdir if self._spec else None,
@@ -470,15 +547,17 @@ class SandboxProvisioner(KernelProvisionerBase):
         await super().load_provisioner_info(provisioner_info)
         self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
         self.container_id = provisioner_info["container_id"]
-        runtime_dir = provisioner_info.get("runtime_dir")
+        runtime_dir, launch_dir = provisioner_info.get("runtime_dir"), provisioner_info.get("launch_dir")
         self.runtime_dir = Path(runtime_dir) if runtime_dir else None
-        if self.runtime_dir is not None:
+        self.launch_dir = Path(launch_dir) if launch_dir else None
+        if self.launch_dir is not None:
+            self._launches = int(self.launch_dir.name.removeprefix("run") or 0)
             info = self.connection_info
             pub, sec = info.get("curve_publickey"), info.get("curve_secretkey")
             if pub and sec:
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
-            await self._ensure_bridge(self.runtime_dir, ports)
+            await self._attach_bridge(self.launch_dir, ports)
 
     def resolve_path(self, path: str) -> str | None:
         """Map a path the kernel reports (e.g. /workspace/x.py) to the host, within the workspace."""

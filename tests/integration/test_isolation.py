@@ -41,7 +41,7 @@ def test_writes_only_reach_workspace_and_tmp(start_kernel: KernelStarter, worksp
     out = run_ok(
         kc,
         "import os\n"
-        "for path in ['/etc/x', '/usr/x', '/opt/kernel/x', '/x', '/run/x', '/home/x', '/var/x']:\n"
+        "for path in ['/etc/x', '/usr/x', '/opt/kernel/x', '/x', '/run/x', '/home/x', '/var/x', '/proc/x']:\n"
         "    try:\n"
         "        open(path, 'w').write('x'); print('WROTE', path)\n"
         "    except OSError as e:\n"
@@ -54,7 +54,7 @@ def test_writes_only_reach_workspace_and_tmp(start_kernel: KernelStarter, worksp
         "print(os.path.exists('/workspace/../next-to-workspace.txt'))",
     )
     assert "WROTE" not in out
-    assert out.count("denied") == 7
+    assert out.count("denied") == 8
     assert "['results']" in out
     assert "False False\nFalse" in out
     result = workspace / "results" / "out.csv"
@@ -167,3 +167,51 @@ def test_matplotlib_figure_arrives_as_png(start_kernel: KernelStarter) -> None:
     pngs = [o["data"]["image/png"] for o in result.outputs if "image/png" in o.get("data", {})]
     assert len(pngs) == 1
     assert pngs[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
+
+
+def test_kernel_cannot_make_links_or_device_nodes(start_kernel: KernelStarter) -> None:
+    """Host code follows paths in folders the kernel writes: no path there may lead elsewhere."""
+    _, kc = start_kernel()
+    out = run_ok(
+        kc,
+        "import os\n"
+        "open('target', 'w').write('x')\n"
+        "attempts = {\n"
+        "    'symlink in workspace': lambda: os.symlink('/etc/passwd', 'notebook.ipynb'),\n"
+        "    'symlink in /tmp': lambda: os.symlink('/etc', '/tmp/etc'),\n"
+        "    'symlink in runtime folder': lambda: os.symlink('/x', '/run/sandbox-kernel/kernel-9'),\n"
+        "    'hard link': lambda: os.link('target', 'hardlink'),\n"
+        "    'fifo': lambda: os.mkfifo('pipe.ipynb'),\n"
+        "}\n"
+        "for name, attempt in attempts.items():\n"
+        "    try:\n"
+        "        attempt(); print('ALLOWED', name)\n"
+        "    except OSError as e:\n"
+        "        print('denied', name, e.errno)",
+    )
+    assert "ALLOWED" not in out, out
+    assert out.count("denied") == 5
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root server can seal the runtime folder")
+def test_runtime_folder_is_sealed_once_the_kernel_is_up(start_kernel: KernelStarter) -> None:
+    km, kc = start_kernel()
+    out = run_ok(
+        kc,
+        "import os\n"
+        "for name, attempt in {\n"
+        "    'new file': lambda: open('/run/sandbox-kernel/junk', 'w'),\n"
+        "    'new folder': lambda: os.mkdir('/run/sandbox-kernel/d'),\n"
+        "    'swap a socket': lambda: os.rename('/run/sandbox-kernel/kernel-5', '/run/sandbox-kernel/x'),\n"
+        "    'remove a socket': lambda: os.unlink('/run/sandbox-kernel/kernel-1'),\n"
+        "}.items():\n"
+        "    try:\n"
+        "        attempt(); print('ALLOWED', name)\n"
+        "    except OSError as e:\n"
+        "        print('denied', name, e.errno)",
+    )
+    assert "ALLOWED" not in out, out
+    # ...and the next kernel gets a fresh folder anyway.
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert run_ok(kc, "print('up')").strip() == "up"

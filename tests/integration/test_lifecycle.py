@@ -200,3 +200,18 @@ async def test_provisioner_info_reattaches_to_the_running_kernel(jupyter_dirs: P
     finally:
         await second.shutdown_kernel(now=True)
         await first.provisioner.cleanup()
+
+
+def test_restarting_a_dead_kernel_gives_a_kernel_that_stays_up(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """The shutdown_request sent to the dead kernel must not reach (and stop) the new one."""
+    km, kc = start_kernel()
+    (container,) = kernel_containers(docker_client, km.kernel_id)
+    docker_client.containers.get(container).kill()
+    time.sleep(1)
+    km.restart_kernel(now=False)
+    kc.wait_for_ready(timeout=60)
+    time.sleep(3)
+    assert km.is_alive()
+    assert run_ok(kc, "print('alive')").strip() == "alive"

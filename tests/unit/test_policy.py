@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -71,7 +72,15 @@ class TestContainerCreateKwargs:
         kwargs = container_create_kwargs(make_spec(tmp_path))
         assert kwargs["cap_drop"] == ["ALL"]
         assert "cap_add" not in kwargs
-        assert kwargs["security_opt"] == ["no-new-privileges:true"]
+        no_new_privileges, seccomp = kwargs["security_opt"]
+        assert no_new_privileges == "no-new-privileges:true"
+        profile = json.loads(seccomp.removeprefix("seccomp="))
+        assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+        (rule,) = profile["syscalls"]
+        assert rule["action"] == "SCMP_ACT_ERRNO"
+        assert {"symlink", "symlinkat", "link", "linkat", "mknod", "mknodat", "mount", "ptrace"} <= set(
+            rule["names"]
+        )
         assert kwargs["privileged"] is False
 
     def test_root_filesystem_is_read_only_with_a_sized_tmp(self, tmp_path: Path) -> None:

@@ -318,7 +318,7 @@ async def test_a_launched_kernel_is_hardened_and_reachable_on_localhost(
     (container,) = fake_client.containers_created
     create = container.create_kwargs
     runtime_dir = container.runtime_dir
-    assert runtime_dir.parent == runtime_parent
+    assert runtime_dir.parent.parent == runtime_parent
     assert prov.has_process is True
     assert prov.container_id == container.id
 
@@ -395,29 +395,34 @@ async def test_poll_reports_the_exit_code_once_the_container_stops(
     await prov.cleanup()
 
 
-async def test_a_restart_keeps_the_client_ports_and_the_runtime_dir(
+async def test_a_restart_keeps_the_client_ports_with_a_fresh_launch_dir(
     make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
 ) -> None:
     fake_client.on_start = kernel_binds_its_sockets
     prov = make_provisioner(image="img:1")
     first = await launch(prov, workspace)
     first_container = prov.container_id
-    runtime_dir = fake_client.containers_created[0].runtime_dir
+    first_dir = fake_client.containers_created[0].runtime_dir
+    outer = first_dir.parent
+    assert outer.stat().st_mode & 0o777 == 0o700
+    assert outer.stat().st_uid == os.getuid()
 
     await prov.cleanup(restart=True)
     assert first_container not in fake_client.states
-    assert runtime_dir.is_dir()
-    assert list(runtime_dir.iterdir()) == []  # stale sockets are gone
+    assert not first_dir.exists()  # nothing the old kernel left can reach the next one
+    assert outer.is_dir()
     assert prov.bridge is not None
 
     second = await launch(prov, workspace)
     assert prov.container_id != first_container
-    assert fake_client.containers_created[1].runtime_dir == runtime_dir
+    second_dir = fake_client.containers_created[1].runtime_dir
+    assert second_dir.parent == outer
+    assert second_dir != first_dir
     assert {k: v for k, v in second.items() if k.endswith("_port")} == {
         k: v for k, v in first.items() if k.endswith("_port")
     }
     await prov.cleanup()
-    assert not runtime_dir.exists()
+    assert not outer.exists()
 
 
 async def test_a_bridge_port_is_freed_after_cleanup(

@@ -1,0 +1,183 @@
+"""The audit trail: one JSON line per execution, written on the host by the bridge.
+
+The bridge sees every ``execute_request`` a client sends, from any client, and the
+kernel's ``execute_reply``. Each finished (or abandoned) execution becomes one line::
+
+    {"time": "...", "kernel_id": "...", "kernelspec": "...", "username": "...",
+     "session": "...", "msg_id": "...", "code": "...", "status": "ok",
+     "duration": 0.012, "execution_count": 3}
+
+The file lives outside every mount of the sandbox. Replies come from the sandbox and are
+untrusted: only small frames are parsed, and anything malformed is recorded as such.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+_DELIMITER = b"<IDS|MSG>"
+#: Largest reply frame parsed; a kernel has no business sending a bigger execute_reply.
+_MAX_REPLY_FRAME = 64 * 1024
+#: Pending executions kept per kernel; beyond that the oldest are written as unanswered.
+_MAX_PENDING = 1000
+
+
+class AuditLog:
+    """An append-only JSON-lines file with size-based rotation, shared per path."""
+
+    _instances: dict[Path, AuditLog] = {}
+    _instances_lock = threading.Lock()
+
+    def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Rotation creates new files: keep them private whatever the umask.
+        old_umask = os.umask(0o077)
+        try:
+            handler = logging.handlers.RotatingFileHandler(
+                path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=False
+            )
+        finally:
+            os.umask(old_umask)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        self.path = path
+        self._logger = logging.getLogger(f"sandbox_kernel.audit.{len(self._instances)}")
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        self._logger.handlers = [handler]
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], max_bytes: int, backups: int) -> AuditLog:
+        """The one AuditLog of ``path`` in this process (rotation needs a single writer)."""
+        resolved = Path(path).expanduser().resolve()
+        with cls._instances_lock:
+            if resolved not in cls._instances:
+                cls._instances[resolved] = cls(resolved, max_bytes, backups)
+            return cls._instances[resolved]
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._logger.info(json.dumps(record, ensure_ascii=False, default=str))
+
+
+@dataclass
+class _Pending:
+    started: float
+    wall: str
+    username: str
+    session: str
+    code: str
+
+
+def _split(frames: Sequence[zmq.Frame]) -> list[bytes] | None:
+    """The message parts after the routing identities, or None if not a Jupyter message."""
+    for index, frame in enumerate(frames):
+        if len(frame) == len(_DELIMITER) and frame.bytes == _DELIMITER:
+            return [f.bytes for f in frames[index + 1 : index + 6]] if len(frames) >= index + 6 else None
+    return None
+
+
+def _load(raw: bytes, limit: int | None = None) -> dict[str, Any]:
+    if limit is not None and len(raw) > limit:
+        return {}
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ExecutionAuditor:
+    """Watches one kernel's shell traffic in the bridge thread and writes the audit lines."""
+
+    def __init__(self, log_file: AuditLog, kernel_id: str, kernelspec: str) -> None:
+        self._log = log_file
+        self._kernel_id = kernel_id
+        self._kernelspec = kernelspec
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame]) -> None:
+        if channel != "shell":
+            return
+        parts = _split(frames)
+        if parts is None:
+            return
+        if to_kernel:
+            self._request(parts)
+        else:
+            self._reply(parts)
+
+    def _request(self, parts: list[bytes]) -> None:
+        header = _load(parts[1])
+        if header.get("msg_type") != "execute_request":
+            return
+        content = _load(parts[4])
+        pending = _Pending(
+            started=time.monotonic(),
+            wall=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            username=str(header.get("username", "")),
+            session=str(header.get("session", "")),
+            code=str(content.get("code", "")),
+        )
+        with self._lock:
+            self._pending[str(header.get("msg_id", ""))] = pending
+            while len(self._pending) > _MAX_PENDING:
+                oldest = next(iter(self._pending))
+                self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
+
+    def _reply(self, parts: list[bytes]) -> None:
+        header = _load(parts[1], _MAX_REPLY_FRAME)
+        if header.get("msg_type") != "execute_reply":
+            return
+        msg_id = str(_load(parts[2], _MAX_REPLY_FRAME).get("msg_id", ""))
+        with self._lock:
+            pending = self._pending.pop(msg_id, None)
+        if pending is None:
+            return
+        content = _load(parts[4], _MAX_REPLY_FRAME)
+        status = content.get("status")
+        count = content.get("execution_count")
+        self._finish(
+            msg_id,
+            pending,
+            status if status in ("ok", "error", "aborted") else "malformed reply",
+            count if isinstance(count, int) else None,
+        )
+
+    def _finish(self, msg_id: str, pending: _Pending, status: str, execution_count: int | None) -> None:
+        record = {
+            "time": pending.wall,
+            "kernel_id": self._kernel_id,
+            "kernelspec": self._kernelspec,
+            "username": pending.username,
+            "session": pending.session,
+            "msg_id": msg_id,
+            "code": pending.code,
+            "status": status,
+            "duration": round(time.monotonic() - pending.started, 6),
+            "execution_count": execution_count,
+        }
+        try:
+            self._log.write(record)
+        except OSError as exc:
+            log.error("Cannot write the audit log %s: %s", self._log.path, exc)
+
+    def abandon_pending(self, reason: str) -> None:
+        """Write every execution still waiting for its reply (the kernel went away)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for msg_id, item in pending.items():
+            self._finish(msg_id, item, reason, None)

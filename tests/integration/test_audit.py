@@ -1,0 +1,83 @@
+"""Every execution, from any client, lands in the host's audit log, out of the sandbox's reach."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client import KernelManager
+from jupyter_client.session import Session
+
+from sandbox_kernel.errors import WorkspaceError
+
+from .conftest import KERNEL, KernelStarter, run, run_ok
+
+
+def audit_lines(path: Path, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count or time.monotonic() > deadline:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.1)
+
+
+def test_every_execution_from_every_client_is_audited(start_kernel: KernelStarter, tmp_path: Path) -> None:
+    km, kc = start_kernel()
+    audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
+    run_ok(kc, "x = 6 * 7")
+    assert run(kc, "1 / 0").status == "error"
+    # A second client, as an AI assistant would attach: its own session and user name.
+    other = km.client(session=Session(key=km.session.key, username="assistant-bot"))
+    other.start_channels()
+    try:
+        other.wait_for_ready(timeout=30)
+        run_ok(other, "print(x)")
+    finally:
+        other.stop_channels()
+
+    records = audit_lines(audit, 3)
+    codes = [r["code"] for r in records]
+    assert codes[-3:] == ["x = 6 * 7", "1 / 0", "print(x)"]
+    first, failed, third = records[-3:]
+    assert first["status"] == "ok"
+    assert failed["status"] == "error"
+    assert third["username"] == "assistant-bot"
+    assert third["session"] == other.session.session
+    for record in (first, failed, third):
+        assert record["kernel_id"] == km.kernel_id
+        assert record["kernelspec"] == KERNEL
+        assert 0 <= record["duration"] < 30
+        assert record["time"].endswith("+00:00")
+    assert audit.stat().st_mode & 0o077 == 0, "the audit log must be private to the server's user"
+
+    # The sandbox can neither see nor touch the log.
+    out = run_ok(
+        kc,
+        f"import os\nprint(os.path.exists({str(audit)!r}), os.path.exists({str(audit.parent)!r}))",
+    )
+    assert out.strip() == "False False"
+
+
+def test_an_execution_cut_short_by_a_dead_kernel_is_still_audited(
+    start_kernel: KernelStarter, tmp_path: Path
+) -> None:
+    km, kc = start_kernel()
+    audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
+    kc.execute("import time; time.sleep(600)")
+    time.sleep(1)
+    km.restart_kernel(now=True)
+    records = audit_lines(audit, 1)
+    assert records[-1]["code"] == "import time; time.sleep(600)"
+    assert records[-1]["status"].startswith("no reply")
+
+
+def test_an_audit_log_inside_the_workspace_is_refused(
+    jupyter_dirs: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDBOX_KERNEL_AUDIT_LOG", str(workspace / "audit.jsonl"))
+    with pytest.raises(WorkspaceError, match=r"SandboxProvisioner\.audit_log"):
+        KernelManager(kernel_name=KERNEL).start_kernel(cwd=str(workspace))
