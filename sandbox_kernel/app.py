@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
 
 KERNEL_NAME = "sandboxed-python"
+RECIPE_LABEL = "io.sandbox-kernel.recipe"
 DEBIAN_BASE = "sandbox-kernel-base:bookworm"
 
 
@@ -166,7 +168,11 @@ class BuildImageApp(_SubApp):
     debian_base = Bool(
         False, config=True, help=f"Use {DEBIAN_BASE}, building it from a Debian rootfs if it is missing."
     )
-    if_missing = Bool(False, config=True, help="Do nothing if the tag already exists.")
+    if_missing = Bool(
+        False,
+        config=True,
+        help="Do nothing if the tag exists and was built from the current recipe (images/).",
+    )
     no_cache = Bool(False, config=True, help="Build without Docker's layer cache.")
 
     aliases = {**base_aliases, "tag": "BuildImageApp.tag", "base": "BuildImageApp.base"}
@@ -176,7 +182,10 @@ class BuildImageApp(_SubApp):
             {"BuildImageApp": {"debian_base": True}},
             "Build on a local Debian rootfs base (no registry).",
         ),
-        "if-missing": ({"BuildImageApp": {"if_missing": True}}, "Skip if the image already exists."),
+        "if-missing": (
+            {"BuildImageApp": {"if_missing": True}},
+            "Skip if the image exists and was built from the current recipe.",
+        ),
         "no-cache": ({"BuildImageApp": {"no_cache": True}}, "Do not use the layer cache."),
     }
 
@@ -188,10 +197,15 @@ class BuildImageApp(_SubApp):
             client = docker.from_env()
         except DockerException as exc:
             self.fail(f"cannot reach the Docker daemon ({exc}); start dockerd first")
-        if self.if_missing and _image_exists(client, self.tag):
-            print(f"==> image {self.tag} already present")
-            return
         images = data_path("images")
+        recipe = _recipe_digest(images)
+        if self.if_missing:
+            built_from = _image_recipe(client, self.tag)
+            if built_from == recipe:
+                print(f"==> image {self.tag} already present, built from the current recipe")
+                return
+            if built_from is not None:
+                print(f"==> image {self.tag} was built from another recipe; rebuilding")
         base = self.base
         if self.debian_base:
             base = base or DEBIAN_BASE
@@ -209,6 +223,7 @@ class BuildImageApp(_SubApp):
                 path=str(images),
                 tag=self.tag,
                 buildargs=buildargs,
+                labels={RECIPE_LABEL: recipe},
                 rm=True,
                 forcerm=True,
                 nocache=self.no_cache,
@@ -226,14 +241,23 @@ class BuildImageApp(_SubApp):
         print(f"==> built {self.tag}")
 
 
-def _image_exists(client: Any, tag: str) -> bool:
+def _recipe_digest(images: Path) -> str:
+    """A digest of the image recipe (every file under images/), stored as a label."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in images.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(images).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _image_recipe(client: Any, tag: str) -> str | None:
+    """The recipe label of ``tag``; "" if it has none; None if there is no such image."""
     from docker.errors import ImageNotFound
 
     try:
-        client.images.get(tag)
+        image = client.images.get(tag)
     except ImageNotFound:
-        return False
-    return True
+        return None
+    return str((image.labels or {}).get(RECIPE_LABEL, ""))
 
 
 class CheckApp(_SubApp):
