@@ -100,9 +100,10 @@ def _load(raw: bytes, limit: int | None = None) -> dict[str, Any]:
 
 
 class ExecutionAuditor:
-    """Watches one kernel's shell traffic in the bridge thread and writes the audit lines."""
+    """Watches one kernel's shell traffic in the bridge thread: which executions are
+    running since when (for the wall-clock limit), and the audit lines (if logging)."""
 
-    def __init__(self, log_file: AuditLog, kernel_id: str, kernelspec: str) -> None:
+    def __init__(self, log_file: AuditLog | None, kernel_id: str, kernelspec: str) -> None:
         self._log = log_file
         self._kernel_id = kernel_id
         self._kernelspec = kernelspec
@@ -170,10 +171,19 @@ class ExecutionAuditor:
             "duration": round(time.monotonic() - pending.started, 6),
             "execution_count": execution_count,
         }
+        if self._log is None:
+            return
         try:
             self._log.write(record)
         except OSError as exc:
             log.error("Cannot write the audit log %s: %s", self._log.path, exc)
+
+    def oldest_pending_age(self) -> float | None:
+        """Seconds the longest-running execution has waited for its reply, if any."""
+        with self._lock:
+            if not self._pending:
+                return None
+            return time.monotonic() - min(p.started for p in self._pending.values())
 
     def abandon_pending(self, reason: str) -> None:
         """Write every execution still waiting for its reply (the kernel went away)."""

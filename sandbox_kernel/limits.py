@@ -40,6 +40,7 @@ class Limits:
     memory: str
     pids: int
     tmp_size: str
+    exec_timeout: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +70,14 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
             size_bytes("max_tmp_size", ceilings.tmp_size),
         ),
     ]
+    if ceilings.exec_timeout > 0 and not 0 < limits.exec_timeout <= ceilings.exec_timeout:
+        asked = "no limit" if limits.exec_timeout <= 0 else f"{limits.exec_timeout:g} s"
+        msg = (
+            f"exec_timeout={limits.exec_timeout!r} ({asked}) exceeds the server's ceiling of "
+            f"{ceilings.exec_timeout:g} s per execution (SandboxProvisioner.max_exec_timeout). Ask for at "
+            "most that in the kernelspec, or have the server's administrator raise the ceiling."
+        )
+        raise ConfigurationError(msg)
     for name, value, ceiling, amount, most in checks:
         if amount > most:
             msg = (
@@ -77,3 +86,37 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
                 "or have the server's administrator raise the ceiling."
             )
             raise ConfigurationError(msg)
+
+
+def exec_timeout_startup(limit: float) -> str:
+    """Python run at the kernel's start (as PYTHONSTARTUP) to enforce ``limit`` per execution.
+
+    A SIGALRM armed before each cell raises a TimeoutError that names the limit, so the
+    user gets a clear error and keeps the kernel. Code that blocks or ignores the signal
+    is the host's business: the provisioner interrupts, then kills the kernel.
+    """
+    return f"""\
+def _sandbox_kernel_exec_timeout(limit):
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError(
+            f"execution stopped: the wall-clock limit of {{limit:g}} s per execution was exceeded "
+            "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
+        )
+
+    def arm(info):
+        signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+
+    def disarm(result):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+    shell = get_ipython()  # noqa: F821
+    shell.events.register("pre_run_cell", arm)
+    shell.events.register("post_run_cell", disarm)
+
+
+_sandbox_kernel_exec_timeout({float(limit)!r})
+del _sandbox_kernel_exec_timeout
+"""

@@ -76,7 +76,11 @@ SECCOMP_PROFILE = json.dumps(
 )
 
 #: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
-KERNELSPEC_KEYS = frozenset({"image", "memory", "cpus", "pids", "tmp_size", "workspace_root", "pass_env"})
+KERNELSPEC_KEYS = frozenset(
+    {"image", "memory", "cpus", "pids", "tmp_size", "exec_timeout", "workspace_root", "pass_env"}
+)
+#: Where the kernel finds its start-up code (the per-execution wall-clock limit).
+CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
 
 #: Host folders that are never mounted as a workspace, nor is anything inside them.
 _SYSTEM_TREES = tuple(

@@ -29,8 +29,9 @@ from .audit import AuditLog, ExecutionAuditor
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
-from .limits import Limits, check_within_ceilings
+from .limits import Limits, check_within_ceilings, exec_timeout_startup
 from .policy import (
+    CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
     IPC_PORTS,
     IPC_PREFIX,
@@ -99,6 +100,24 @@ class SandboxProvisioner(KernelProvisionerBase):
     )
     tmp_size = Unicode(
         "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
+    )
+    exec_timeout = Float(
+        0.0,
+        config=True,
+        help="""Wall-clock limit of one execution, in seconds (0: none). The cell gets a
+        TimeoutError naming the limit; code that ignores it is interrupted, then the
+        kernel is killed (and restarted by Jupyter) `exec_kill_grace` seconds later.""",
+    )
+    exec_kill_grace = Float(
+        10.0,
+        config=True,
+        help="Seconds past `exec_timeout` before a runaway kernel is interrupted and then killed.",
+    )
+    max_exec_timeout = Float(
+        0.0,
+        config=True,
+        help="""Ceiling for `exec_timeout` (0: none). When set, every kernel must have a limit
+        at or below it. Server config only.""",
     )
     max_cpus = Float(
         2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
@@ -171,6 +190,14 @@ class SandboxProvisioner(KernelProvisionerBase):
         except ConfigurationError as exc:
             raise TraitError(str(exc)) from None
 
+    @validate("exec_timeout", "max_exec_timeout", "exec_kill_grace")
+    def _validate_seconds(self, proposal: dict[str, Any]) -> float:
+        value = float(proposal["value"])
+        if not 0 <= value <= 7 * 24 * 3600:
+            msg = f"{proposal['trait'].name}={value!r} is out of range; use seconds between 0 and a week."
+            raise TraitError(msg)
+        return value
+
     @validate("cpus")
     def _validate_cpus(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
@@ -216,6 +243,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         self._spec: SandboxSpec | None = None
         self._curve: CurveKeys | None = None
         self._auditor: ExecutionAuditor | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ launch
 
@@ -240,12 +268,10 @@ class SandboxProvisioner(KernelProvisionerBase):
         transport_encryption = kwargs.pop("transport_encryption", None)
         extra_arguments = kwargs.pop("extra_arguments", [])
         self._curve = self._curve_keys(transport_encryption)
-        limits = Limits(cpus=self.cpus, memory=self.memory, pids=self.pids, tmp_size=self.tmp_size)
+        limits = Limits(self.cpus, self.memory, self.pids, self.tmp_size, self.exec_timeout)
         check_within_ceilings(
             limits,
-            Limits(
-                cpus=self.max_cpus, memory=self.max_memory, pids=self.max_pids, tmp_size=self.max_tmp_size
-            ),
+            Limits(self.max_cpus, self.max_memory, self.max_pids, self.max_tmp_size, self.max_exec_timeout),
         )
 
         await self.docker.check_runtime(self.docker_runtime)
@@ -283,6 +309,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             env={
                 **sandbox_env(kwargs["env"], self.pass_env, self.kernel_spec.env),
                 POLICY_ENV: json.dumps({**limits.as_dict(), "network": "none", "image": self.image}),
+                **({"PYTHONSTARTUP": CONTAINER_STARTUP_FILE} if self.exec_timeout > 0 else {}),
             },
             workspace=workspace,
             workdir=workdir,
@@ -331,6 +358,10 @@ class SandboxProvisioner(KernelProvisionerBase):
             launch_dir = await asyncio.to_thread(self._new_launch_dir, self._spec.uid, self._spec.gid)
             spec = replace(self._spec, runtime_dir=launch_dir)
             self._write_container_connection_file(spec, key, scheme)
+            if self.exec_timeout > 0:
+                (launch_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(
+                    exec_timeout_startup(self.exec_timeout)
+                )
             container = await self.docker.create_and_start(container_create_kwargs(spec))
             self.container_id = str(container.id)
             self.exit_code = None
@@ -346,6 +377,8 @@ class SandboxProvisioner(KernelProvisionerBase):
             ports = await self._attach_bridge(launch_dir)
             await self._wait_until_ready(self.container_id, launch_dir)
             await asyncio.to_thread(self._seal, launch_dir)
+            if self.exec_timeout > 0:
+                self._watchdog = asyncio.create_task(self._enforce_exec_timeout(self.container_id))
         except BaseException:
             try:
                 await self._teardown(keep_bridge=False)
@@ -409,8 +442,12 @@ class SandboxProvisioner(KernelProvisionerBase):
         """Connect the bridge to this launch's sockets; create it on the first launch."""
         endpoints = {c: f"ipc://{launch_dir}/{Path(IPC_PREFIX).name}-{IPC_PORTS[c]}" for c in CHANNELS}
         if self.bridge is None:
-            if self.audit_log and self._auditor is None:
-                log_file = AuditLog.open(self.audit_log, self.audit_log_max_bytes, self.audit_log_backups)
+            if self._auditor is None:
+                log_file = (
+                    AuditLog.open(self.audit_log, self.audit_log_max_bytes, self.audit_log_backups)
+                    if self.audit_log
+                    else None
+                )
                 self._auditor = ExecutionAuditor(log_file, str(self.kernel_id), self.kernel_name)
             self.bridge = KernelBridge(endpoints, ports=ports, curve=self._curve, tap=self._auditor)
             return self.bridge.start()
@@ -445,6 +482,35 @@ class SandboxProvisioner(KernelProvisionerBase):
                 )
                 raise KernelStartupError(msg, logs)
             await asyncio.sleep(0.05)
+
+    async def _enforce_exec_timeout(self, container_id: str) -> None:
+        """Backstop for code that defeats the in-kernel limit: interrupt, then kill."""
+        limit, grace = self.exec_timeout, self.exec_kill_grace
+        interrupted = False
+        while self.container_id == container_id and self._auditor is not None:
+            await asyncio.sleep(0.5)
+            age = self._auditor.oldest_pending_age()
+            if age is None or age < limit + min(2.0, grace / 2):
+                interrupted = False
+                continue
+            if not interrupted:
+                self.log.warning(
+                    "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit; interrupting",
+                    self.kernel_id,
+                    limit,
+                )
+                await self.docker.signal(container_id, signal.SIGINT)
+                interrupted = True
+            elif age >= limit + grace:
+                self.log.warning(
+                    "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit and the "
+                    "interrupt; killing the kernel (Jupyter restarts it)",
+                    self.kernel_id,
+                    limit,
+                )
+                self._auditor.abandon_pending(f"killed: wall-clock limit of {limit:g} s exceeded")
+                await self.docker.signal(container_id, signal.SIGKILL)
+                return
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -497,6 +563,9 @@ class SandboxProvisioner(KernelProvisionerBase):
                 so a later cleanup retries).
         """
         failure: SandboxKernelError | None = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self.container_id is not None:
             try:
                 await self.docker.remove(self.container_id)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import docker
 import pytest
 from jupyter_client import KernelManager
+from jupyter_client.ioloop import AsyncIOLoopKernelManager
+from traitlets.config import Config
 
 from sandbox_kernel.errors import ConfigurationError
 
-from .conftest import HostState, KernelStarter, run, run_ok
+from .conftest import KERNEL, HostState, KernelStarter, run, run_ok
 
 
 def test_fork_bomb_gets_a_clean_error_and_the_kernel_survives(
@@ -77,6 +81,7 @@ def test_policy_is_visible_inside_without_host_details(
         "memory": "1g",
         "pids": 128,
         "tmp_size": "64m",
+        "exec_timeout": 0.0,
         "network": "none",
         "image": "sandbox-kernel/python:latest",
     }
@@ -107,3 +112,65 @@ def test_a_kernelspec_cannot_exceed_the_ceilings(
     with pytest.raises(ConfigurationError, match=message):
         KernelManager(kernel_name=name).start_kernel(cwd=str(workspace))
     assert before.new_leftovers() == []
+
+
+def test_a_cell_past_its_wall_clock_limit_gets_a_clear_error_and_the_kernel_lives(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
+    _, kc = start_kernel(kernel_name=name)
+    run_ok(kc, "x = 'kept'")
+    started = time.monotonic()
+    result = run(kc, "import time\ntime.sleep(60)")
+    elapsed = time.monotonic() - started
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "TimeoutError"
+    assert "wall-clock limit of 3 s per execution" in result.reply["content"]["evalue"]
+    assert 2.5 < elapsed < 8
+    assert run_ok(kc, "print(x)").strip() == "kept"  # the limit does not cost the kernel
+    assert run_ok(kc, "import time; time.sleep(2); print('fine')").strip() == "fine"  # re-armed per cell
+
+
+async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
+    make_kernelspec: Callable[..., str], workspace: Path, tmp_path: Path
+) -> None:
+    name = make_kernelspec("runaway", config={"exec_timeout": 2})
+    km = AsyncIOLoopKernelManager(
+        kernel_name=name, config=Config({"SandboxProvisioner": {"exec_kill_grace": 4}})
+    )
+    await km.start_kernel(cwd=str(workspace))
+    restarts: list[str] = []
+    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
+    try:
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=60)
+        kc.execute(
+            "import signal\n"
+            "signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "while True:\n"
+            "    pass"
+        )
+        deadline = time.monotonic() + 40
+        while not restarts and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert restarts, "the runaway kernel was not killed"
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute_interactive("print('back')", timeout=30)
+        assert reply["content"]["status"] == "ok"
+        kc.stop_channels()
+    finally:
+        await km.shutdown_kernel(now=True)
+    audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
+    statuses = [json.loads(line)["status"] for line in audit.read_text().splitlines()]
+    assert "killed: wall-clock limit of 2 s exceeded" in statuses
+
+
+@pytest.mark.filterwarnings("ignore:Passing unrecognized arguments:DeprecationWarning")
+def test_a_wall_clock_ceiling_requires_a_limit(workspace: Path, jupyter_dirs: Path) -> None:
+    km = KernelManager(kernel_name=KERNEL, config=Config({"SandboxProvisioner": {"max_exec_timeout": 600}}))
+    with pytest.raises(
+        ConfigurationError, match=r"exec_timeout=0.0 \(no limit\) exceeds the server's ceiling"
+    ):
+        km.start_kernel(cwd=str(workspace))

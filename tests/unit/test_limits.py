@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.limits import Limits, check_within_ceilings, size_bytes
+from sandbox_kernel.limits import Limits, check_within_ceilings, exec_timeout_startup, size_bytes
 
 CEILINGS = Limits(cpus=2.0, memory="4g", pids=1024, tmp_size="1g")
 
@@ -46,3 +46,32 @@ def test_a_limit_above_its_ceiling_is_refused_with_the_fix(limits: Limits, name:
     assert f"ceiling of {ceiling}" in message
     assert f"SandboxProvisioner.max_{name}" in message
     assert "administrator" in message
+
+
+@pytest.mark.parametrize(("asked", "ceiling"), [(0.0, 60.0), (61.0, 60.0)])
+def test_an_exec_timeout_above_its_ceiling_or_none_under_one_is_refused(asked: float, ceiling: float) -> None:
+    limits = Limits(cpus=1.0, memory="1g", pids=64, tmp_size="64m", exec_timeout=asked)
+    ceilings = Limits(cpus=2.0, memory="4g", pids=1024, tmp_size="1g", exec_timeout=ceiling)
+    with pytest.raises(ConfigurationError, match=r"SandboxProvisioner\.max_exec_timeout"):
+        check_within_ceilings(limits, ceilings)
+
+
+def test_without_an_exec_timeout_ceiling_any_limit_passes() -> None:
+    for asked in (0.0, 5.0, 86400.0):
+        check_within_ceilings(Limits(1.0, "1g", 64, "64m", asked), CEILINGS)
+
+
+def test_the_exec_timeout_startup_code_registers_and_names_the_limit() -> None:
+    registered: dict[str, object] = {}
+
+    class Events:
+        def register(self, event: str, callback: object) -> None:
+            registered[event] = callback
+
+    class Shell:
+        events = Events()
+
+    namespace: dict[str, object] = {"get_ipython": Shell}
+    exec(compile(exec_timeout_startup(2.5), "startup.py", "exec"), namespace)  # noqa: S102
+    assert set(registered) == {"pre_run_cell", "post_run_cell"}
+    assert "_sandbox_kernel_exec_timeout" not in namespace, "start-up code must not litter the user's names"
