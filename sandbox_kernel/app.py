@@ -20,7 +20,7 @@ from traitlets import Bool, Float, Int, TraitError, Unicode
 from ._version import __version__
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, SandboxKernelError
-from .limits import Limits, check_within_ceilings
+from .limits import check_within_ceilings
 from .policy import validate_kernelspec_config
 from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
@@ -64,6 +64,7 @@ class InstallApp(_SubApp):
     cpus = Float(0, config=True, help="CPU limit for its kernels, in cores (default: the server's).")
     pids = Int(0, config=True, help="Most processes and threads per kernel (default: the server's).")
     tmp_size = Unicode("", config=True, help="Size of each kernel's /tmp, e.g. 128m (default: the server's).")
+    exec_timeout = Float(0, config=True, help="Wall-clock seconds per execution (default: the server's).")
 
     aliases = {
         **base_aliases,
@@ -75,6 +76,7 @@ class InstallApp(_SubApp):
         "cpus": "InstallApp.cpus",
         "pids": "InstallApp.pids",
         "tmp-size": "InstallApp.tmp_size",
+        "exec-timeout": "InstallApp.exec_timeout",
     }
     flags = {
         **base_flags,
@@ -91,7 +93,7 @@ class InstallApp(_SubApp):
         spec["display_name"] = self.display_name
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
         chosen = {"image": self.image, "memory": self.memory, "cpus": self.cpus, "pids": self.pids}
-        chosen["tmp_size"] = self.tmp_size
+        chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout)
         config.update({key: value for key, value in chosen.items() if value})
         self._validate(config)
         ksm = KernelSpecManager(parent=self)
@@ -122,15 +124,7 @@ class InstallApp(_SubApp):
         except (ConfigurationError, TraitError) as exc:
             self.fail(str(exc))
         try:
-            check_within_ceilings(
-                Limits(provisioner.cpus, provisioner.memory, provisioner.pids, provisioner.tmp_size),
-                Limits(
-                    provisioner.max_cpus,
-                    provisioner.max_memory,
-                    provisioner.max_pids,
-                    provisioner.max_tmp_size,
-                ),
-            )
+            check_within_ceilings(provisioner.limits, provisioner.ceilings)
         except ConfigurationError as exc:
             print(
                 f"warning: {exc} Kernels of this spec start only where the server raises it.", file=sys.stderr

@@ -248,6 +248,16 @@ class SandboxProvisioner(KernelProvisionerBase):
     # ------------------------------------------------------------------ launch
 
     @property
+    def limits(self) -> Limits:
+        """What this kernel asks for (kernelspec values over the server's defaults)."""
+        return Limits(self.cpus, self.memory, self.pids, self.tmp_size, self.exec_timeout)
+
+    @property
+    def ceilings(self) -> Limits:
+        """The most the server allows; only server config sets these."""
+        return Limits(self.max_cpus, self.max_memory, self.max_pids, self.max_tmp_size, self.max_exec_timeout)
+
+    @property
     def has_process(self) -> bool:
         return self.container_id is not None
 
@@ -268,11 +278,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         transport_encryption = kwargs.pop("transport_encryption", None)
         extra_arguments = kwargs.pop("extra_arguments", [])
         self._curve = self._curve_keys(transport_encryption)
-        limits = Limits(self.cpus, self.memory, self.pids, self.tmp_size, self.exec_timeout)
-        check_within_ceilings(
-            limits,
-            Limits(self.max_cpus, self.max_memory, self.max_pids, self.max_tmp_size, self.max_exec_timeout),
-        )
+        limits = self.limits
+        check_within_ceilings(limits, self.ceilings)
 
         await self.docker.check_runtime(self.docker_runtime)
         await self.docker.check_image(self.image)

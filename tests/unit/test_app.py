@@ -128,6 +128,8 @@ def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -
         "64",
         "--tmp-size",
         "32m",
+        "--exec-timeout",
+        "120",
     )
     run(InstallApp, "--prefix", str(tmp_path), "--name", "default")
     small = installed_spec(tmp_path, "small")
@@ -137,6 +139,7 @@ def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -
         "cpus": 0.5,
         "pids": 64,
         "tmp_size": "32m",
+        "exec_timeout": 120.0,
     }
     assert installed_spec(tmp_path, "default")["metadata"]["kernel_provisioner"]["config"] == {}  # type: ignore[index]
 
