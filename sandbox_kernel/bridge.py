@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from .output import OutputLimiter
+
 log = logging.getLogger(__name__)
 
 #: Socket types of (client-facing, kernel-facing) per channel.
@@ -72,9 +74,11 @@ class KernelBridge:
         curve: CurveKeys | None = None,
         tap: Tap | None = None,
         max_message_size: int = 256 * 1024 * 1024,
+        output_limiter: OutputLimiter | None = None,
     ) -> None:
         self.ip = ip
         self._tap = tap
+        self._limiter = output_limiter
         self._kernel_endpoints = dict(kernel_endpoints)
         self._requested_ports = dict(ports or {})
         self._curve = curve
@@ -205,23 +209,31 @@ class KernelBridge:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self.messages[channel] += 1
-                        if self._tap is not None:
-                            try:
-                                self._tap(channel, to_kernel, frames)
-                            except Exception:
-                                log.exception("Bridge tap failed on a %s message", channel)
-                        try:
-                            peer.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            log.warning(
-                                "Bridge dropped a %s message: the receiver is not keeping up", channel
-                            )
-                        except zmq.ZMQError as exc:
-                            # A ROUTER cannot deliver to a peer that has gone away.
-                            log.debug("Bridge could not forward a %s message: %s", channel, exc)
+                        self._forward(channel, to_kernel, frames, peer)
         except zmq.ContextTerminated:
             return
+
+    def _forward(
+        self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame], peer: zmq.Socket[bytes]
+    ) -> None:
+        """Pass one message on: observed by the tap, capped by the output limiter."""
+        self.messages[channel] += 1
+        if self._tap is not None:
+            try:
+                self._tap(channel, to_kernel, frames)
+            except Exception:
+                log.exception("Bridge tap failed on a %s message", channel)
+        outgoing: list[Sequence[zmq.Frame | bytes]] = [frames]
+        if self._limiter is not None and channel == "iopub" and not to_kernel:
+            outgoing = self._limiter.admit(frames)
+        for message in outgoing:
+            try:
+                peer.send_multipart(message, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                log.warning("Bridge dropped a %s message: the receiver is not keeping up", channel)
+            except zmq.ZMQError as exc:
+                # A ROUTER cannot deliver to a peer that has gone away.
+                log.debug("Bridge could not forward a %s message: %s", channel, exc)
 
     def stop(self) -> None:
         """Stop relaying and close every socket; the ports are free afterwards."""

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
+from jupyter_client.session import Session
 from jupyter_core.paths import jupyter_data_dir
 from traitlets import Float, Int, List, TraitError, Unicode, default, validate
 
@@ -29,7 +30,8 @@ from .audit import AuditLog, ExecutionAuditor
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
-from .limits import Limits, check_within_ceilings, exec_timeout_startup
+from .limits import Limits, check_within_ceilings, exec_timeout_startup, size_bytes
+from .output import OutputLimiter
 from .policy import (
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
@@ -119,6 +121,13 @@ class SandboxProvisioner(KernelProvisionerBase):
         help="""Ceiling for `exec_timeout` (0: none). When set, every kernel must have a limit
         at or below it. Server config only.""",
     )
+    output_limit = Unicode(
+        "10m",
+        config=True,
+        help="""Most output (printed text, displays, errors) one execution may send to
+        clients, e.g. '10m'; past it the rest is dropped and clients get one notice.
+        Server config only.""",
+    )
     max_cpus = Float(
         2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
     )
@@ -183,7 +192,7 @@ class SandboxProvisioner(KernelProvisionerBase):
     def _runtime_parent_default(self) -> str:
         return tempfile.gettempdir()
 
-    @validate("memory", "tmp_size", "max_memory", "max_tmp_size")
+    @validate("memory", "tmp_size", "max_memory", "max_tmp_size", "output_limit")
     def _validate_size(self, proposal: dict[str, Any]) -> str:
         try:
             return validate_size(proposal["trait"].name, proposal["value"])
@@ -456,7 +465,14 @@ class SandboxProvisioner(KernelProvisionerBase):
                     else None
                 )
                 self._auditor = ExecutionAuditor(log_file, str(self.kernel_id), self.kernel_name)
-            self.bridge = KernelBridge(endpoints, ports=ports, curve=self._curve, tap=self._auditor)
+            km = self.parent
+            limiter = None
+            if km is not None:
+                signer = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
+                limiter = OutputLimiter(size_bytes("output_limit", self.output_limit), signer)
+            self.bridge = KernelBridge(
+                endpoints, ports=ports, curve=self._curve, tap=self._auditor, output_limiter=limiter
+            )
             return self.bridge.start()
         await asyncio.to_thread(self.bridge.attach, endpoints)
         return self.bridge.ports

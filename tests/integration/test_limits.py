@@ -174,3 +174,31 @@ def test_a_wall_clock_ceiling_requires_a_limit(workspace: Path, jupyter_dirs: Pa
         ConfigurationError, match=r"exec_timeout=0.0 \(no limit\) exceeds the server's ceiling"
     ):
         km.start_kernel(cwd=str(workspace))
+
+
+@pytest.mark.parametrize(
+    "flood",
+    [
+        "for _ in range(40):\n    print('x' * 100_000, flush=True)",  # 4 MB in large writes
+        "for i in range(1_000_000):\n    print(i)",  # a million tiny prints
+    ],
+)
+def test_output_floods_are_truncated_with_a_notice_and_the_client_stays_responsive(
+    flood: str, jupyter_dirs: Path, workspace: Path
+) -> None:
+    km = KernelManager(kernel_name=KERNEL, config=Config({"SandboxProvisioner": {"output_limit": "1m"}}))
+    km.start_kernel(cwd=str(workspace))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        result = run(kc, flood + "\nprint('the cell finished')", timeout=180)
+        assert result.status == "ok"
+        assert len(result.stdout) <= 1024**2
+        assert "Output truncated: this execution produced more than 1 MiB of output" in result.stderr
+        assert result.stderr.count("Output truncated") == 1
+        # The budget is per execution: the next cell's output arrives whole.
+        assert run_ok(kc, "print('next cell')").strip() == "next cell"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
