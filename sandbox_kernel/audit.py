@@ -73,19 +73,27 @@ class AuditLog:
 
 
 @dataclass
-class _Pending:
+class PendingExecution:
+    """An execute_request still waiting for its reply."""
+
     started: float
     wall: str
     username: str
     session: str
     code: str
+    #: The client's routing identities at the bridge, and the request's header: what a
+    #: reply on the kernel's behalf needs if the kernel never sends one.
+    idents: list[bytes]
+    header: dict[str, Any]
 
 
-def _split(frames: Sequence[zmq.Frame]) -> list[bytes] | None:
-    """The message parts after the routing identities, or None if not a Jupyter message."""
+def _split(frames: Sequence[zmq.Frame]) -> tuple[list[bytes], list[bytes]] | None:
+    """(routing identities, message parts), or None if not a Jupyter message."""
     for index, frame in enumerate(frames):
         if len(frame) == len(_DELIMITER) and frame.bytes == _DELIMITER:
-            return [f.bytes for f in frames[index + 1 : index + 6]] if len(frames) >= index + 6 else None
+            if len(frames) < index + 6:
+                return None
+            return [f.bytes for f in frames[:index]], [f.bytes for f in frames[index + 1 : index + 6]]
     return None
 
 
@@ -107,31 +115,34 @@ class ExecutionAuditor:
         self._log = log_file
         self._kernel_id = kernel_id
         self._kernelspec = kernelspec
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, PendingExecution] = {}
         self._lock = threading.Lock()
 
     def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame]) -> None:
         if channel != "shell":
             return
-        parts = _split(frames)
-        if parts is None:
+        split = _split(frames)
+        if split is None:
             return
+        idents, parts = split
         if to_kernel:
-            self._request(parts)
+            self._request(idents, parts)
         else:
             self._reply(parts)
 
-    def _request(self, parts: list[bytes]) -> None:
+    def _request(self, idents: list[bytes], parts: list[bytes]) -> None:
         header = _load(parts[1])
         if header.get("msg_type") != "execute_request":
             return
         content = _load(parts[4])
-        pending = _Pending(
+        pending = PendingExecution(
             started=time.monotonic(),
             wall=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
             username=str(header.get("username", "")),
             session=str(header.get("session", "")),
             code=str(content.get("code", "")),
+            idents=idents,
+            header=header,
         )
         with self._lock:
             self._pending[str(header.get("msg_id", ""))] = pending
@@ -158,7 +169,9 @@ class ExecutionAuditor:
             count if isinstance(count, int) else None,
         )
 
-    def _finish(self, msg_id: str, pending: _Pending, status: str, execution_count: int | None) -> None:
+    def _finish(
+        self, msg_id: str, pending: PendingExecution, status: str, execution_count: int | None
+    ) -> None:
         record = {
             "time": pending.wall,
             "kernel_id": self._kernel_id,
@@ -185,9 +198,13 @@ class ExecutionAuditor:
                 return None
             return time.monotonic() - min(p.started for p in self._pending.values())
 
-    def abandon_pending(self, reason: str) -> None:
-        """Write every execution still waiting for its reply (the kernel went away)."""
+    def abandon_pending(self, reason: str) -> list[PendingExecution]:
+        """Write every execution still waiting for its reply (the kernel went away).
+
+        Returns them, so their clients can be told.
+        """
         with self._lock:
             pending, self._pending = self._pending, {}
         for msg_id, item in pending.items():
             self._finish(msg_id, item, reason, None)
+        return list(pending.values())

@@ -89,6 +89,8 @@ class KernelBridge:
         self._thread: threading.Thread | None = None
         self._stop_tx: zmq.Socket[bytes] | None = None
         self._stop_rx: zmq.Socket[bytes] | None = None
+        self._inject_tx: zmq.Socket[bytes] | None = None
+        self._inject_rx: zmq.Socket[bytes] | None = None
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
 
@@ -137,6 +139,10 @@ class KernelBridge:
             self._stop_rx.bind("inproc://stop")
             self._stop_tx = ctx.socket(zmq.PAIR)
             self._stop_tx.connect("inproc://stop")
+            self._inject_rx = ctx.socket(zmq.PULL)
+            self._inject_rx.bind("inproc://inject")
+            self._inject_tx = ctx.socket(zmq.PUSH)
+            self._inject_tx.connect("inproc://inject")
         except BaseException:
             ctx.destroy(linger=0)
             self._fronts = {}
@@ -168,9 +174,21 @@ class KernelBridge:
                 back.send(b"\x01")
         pairs = {channel: (self._fronts[channel], self._backs[channel]) for channel in CHANNELS}
         self._thread = threading.Thread(
-            target=self._relay, args=(pairs, self._stop_rx), name="sandbox-kernel-bridge", daemon=True
+            target=self._relay,
+            args=(pairs, self._stop_rx, self._inject_rx),
+            name="sandbox-kernel-bridge",
+            daemon=True,
         )
         self._thread.start()
+
+    def inject(self, channel: str, message: Sequence[bytes]) -> None:
+        """Send a message to clients on ``channel`` as if the kernel had sent it.
+
+        For the provisioner's own notices (a kernel killed by a limit). Call it from one
+        thread only (the event loop's).
+        """
+        if self._inject_tx is not None:
+            self._inject_tx.send_multipart([channel.encode(), *message])
 
     def detach(self) -> None:
         """Stop relaying and drop the kernel-facing sockets with anything queued in them."""
@@ -186,6 +204,7 @@ class KernelBridge:
         self,
         pairs: Mapping[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
         stop_rx: zmq.Socket[bytes],
+        inject_rx: zmq.Socket[bytes] | None,
     ) -> None:
         poller = zmq.Poller()
         route: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]] = {}
@@ -195,12 +214,22 @@ class KernelBridge:
             poller.register(front, zmq.POLLIN)
             poller.register(back, zmq.POLLIN)
         poller.register(stop_rx, zmq.POLLIN)
+        if inject_rx is not None:
+            poller.register(inject_rx, zmq.POLLIN)
         try:
             while True:
                 for sock, _ in poller.poll():
                     if sock is stop_rx:
                         sock.recv()
                         return
+                    if inject_rx is not None and sock is inject_rx:
+                        target, *message = inject_rx.recv_multipart()
+                        front = pairs[target.decode()][0]
+                        try:
+                            front.send_multipart(message, zmq.NOBLOCK)
+                        except zmq.ZMQError as exc:
+                            log.debug("Bridge could not deliver a notice: %s", exc)
+                        continue
                     channel, to_kernel, peer = route[sock]
                     # Drain what is queued, but bounded, so one busy channel cannot
                     # starve the others (or the stop request).
@@ -238,11 +267,11 @@ class KernelBridge:
     def stop(self) -> None:
         """Stop relaying and close every socket; the ports are free afterwards."""
         self.detach()
-        for sock in [*self._fronts.values(), self._stop_tx, self._stop_rx]:
+        for sock in [*self._fronts.values(), self._stop_tx, self._stop_rx, self._inject_tx, self._inject_rx]:
             if sock is not None:
                 sock.close(linger=0)
         self._fronts = {}
-        self._stop_tx = self._stop_rx = None
+        self._stop_tx = self._stop_rx = self._inject_tx = self._inject_rx = None
         if self._context is not None:
             self._context.term()
             self._context = None

@@ -253,6 +253,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         self._curve: CurveKeys | None = None
         self._auditor: ExecutionAuditor | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        # Signs the provisioner's own messages to clients (notices, replies for the dead).
+        self._signer: Session | None = None
 
     # ------------------------------------------------------------------ launch
 
@@ -468,8 +470,8 @@ class SandboxProvisioner(KernelProvisionerBase):
             km = self.parent
             limiter = None
             if km is not None:
-                signer = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
-                limiter = OutputLimiter(size_bytes("output_limit", self.output_limit), signer)
+                self._signer = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
+                limiter = OutputLimiter(size_bytes("output_limit", self.output_limit), self._signer)
             self.bridge = KernelBridge(
                 endpoints, ports=ports, curve=self._curve, tap=self._auditor, output_limiter=limiter
             )
@@ -531,7 +533,11 @@ class SandboxProvisioner(KernelProvisionerBase):
                     self.kernel_id,
                     limit,
                 )
-                self._auditor.abandon_pending(f"killed: wall-clock limit of {limit:g} s exceeded")
+                self._abandon_executions(
+                    "WallClockLimitExceeded",
+                    f"killed: wall-clock limit of {limit:g} s per execution exceeded and the interrupt "
+                    "ignored; the kernel restarts without its state",
+                )
                 await self.docker.signal(container_id, signal.SIGKILL)
                 return
 
@@ -552,9 +558,46 @@ class SandboxProvisioner(KernelProvisionerBase):
                 self.log.warning(
                     "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
                 )
+                self._abandon_executions(
+                    "MemoryLimitExceeded",
+                    f"memory limit {self.memory} exceeded: the kernel was killed "
+                    "and restarts without its state",
+                )
             else:
                 self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
+                self._abandon_executions(
+                    "KernelDied", f"the kernel stopped (exit code {code}) before this execution finished"
+                )
         return code
+
+    def _abandon_executions(self, ename: str, reason: str) -> None:
+        """Record unfinished executions, and answer their clients on the kernel's behalf.
+
+        A client waiting for a reply from a kernel that is gone would wait forever (or
+        until its own timeout, with no idea why): it gets an error reply naming the cause.
+        """
+        if self._auditor is None:
+            return
+        abandoned = self._auditor.abandon_pending(f"no reply: {reason}")
+        if self.bridge is None or self._signer is None:
+            return
+        signer = self._signer
+        for execution in abandoned:
+            parent = execution.header
+            notice = signer.msg(
+                "stream", {"name": "stderr", "text": f"\n[sandbox-kernel] {reason}\n"}, parent
+            )
+            self.bridge.inject("iopub", signer.serialize(notice, ident=[b"stream.stderr"]))
+            content = {
+                "status": "error",
+                "ename": ename,
+                "evalue": reason,
+                "traceback": [f"{ename}: {reason}"],
+            }
+            reply = signer.msg("execute_reply", {**content, "execution_count": None}, parent)
+            self.bridge.inject("shell", signer.serialize(reply, ident=execution.idents))
+            idle = signer.msg("status", {"execution_state": "idle"}, parent)
+            self.bridge.inject("iopub", signer.serialize(idle, ident=[b"status"]))
 
     async def wait(self) -> int | None:
         while True:

@@ -145,17 +145,23 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         kc = km.client()
         kc.start_channels()
         await kc.wait_for_ready(timeout=60)
-        kc.execute(
+        started = time.monotonic()
+        reply = await kc.execute_interactive(
             "import signal\n"
             "signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
             "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "while True:\n"
-            "    pass"
+            "    pass",
+            timeout=60,
         )
-        deadline = time.monotonic() + 40
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "WallClockLimitExceeded"
+        assert "wall-clock limit of 2 s per execution exceeded" in reply["content"]["evalue"]
+        assert time.monotonic() - started < 2 + 4 + 5
+        deadline = time.monotonic() + 30
         while not restarts and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-        assert restarts, "the runaway kernel was not killed"
+        assert restarts, "the killed kernel was not restarted"
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
@@ -164,7 +170,9 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         await km.shutdown_kernel(now=True)
     audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
     statuses = [json.loads(line)["status"] for line in audit.read_text().splitlines()]
-    assert "killed: wall-clock limit of 2 s exceeded" in statuses
+    assert any(
+        s.startswith("no reply: killed: wall-clock limit of 2 s per execution exceeded") for s in statuses
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Passing unrecognized arguments:DeprecationWarning")
@@ -202,3 +210,31 @@ def test_output_floods_are_truncated_with_a_notice_and_the_client_stays_responsi
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("suicide", ["import os; os.kill(1, 9)", "import os; os.kill(os.getpid(), 9)"])
+async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
+    suicide: str, workspace: Path, jupyter_dirs: Path
+) -> None:
+    (workspace / "precious.csv").write_text("a,b\n1,2\n")
+    km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
+    await km.start_kernel(cwd=str(workspace))
+    try:
+        kc = km.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=60)
+        outputs: list[dict] = []
+        reply = await kc.execute_interactive(suicide, timeout=60, output_hook=outputs.append)
+        content = reply["content"]
+        assert content["status"] == "error"
+        assert content["ename"] == "KernelDied"
+        assert "the kernel stopped" in content["evalue"]
+        notices = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
+        assert any("[sandbox-kernel] the kernel stopped" in text for text in notices)
+        await kc.wait_for_ready(timeout=60)  # restarted by jupyter_client's restarter
+        again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=30)
+        assert again["content"]["status"] == "ok"
+        kc.stop_channels()
+    finally:
+        await km.shutdown_kernel(now=True)
+    assert (workspace / "precious.csv").read_text() == "a,b\n1,2\n"
