@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from ._version import __version__
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
+from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .policy import validate_kernelspec_config
 from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
@@ -298,6 +300,108 @@ class CheckApp(_SubApp):
         return 0
 
 
+def _human_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+class _KernelsApp(_SubApp):
+    runtime_parent = Unicode(
+        "", config=True, help="Where the servers keep runtime folders (default: the system temp folder)."
+    )
+
+    def kernels(self) -> list[SandboxedKernel]:
+        try:
+            return asyncio.run(list_kernels(SandboxDocker()))
+        except SandboxKernelError as exc:
+            self.fail(str(exc))
+            raise  # unreachable: fail() exits
+
+
+class ListApp(_KernelsApp):
+    """List the sandboxed kernels on this Docker host."""
+
+    name = "jupyter-sandbox-kernel-list"
+    description = """List the sandboxed kernels on this Docker host: kernel id, kernelspec, the
+    server that owns it (host/pid/start), workspace, age, memory limit, state. A kernel
+    whose server is gone is marked "orphaned"; `prune` removes those."""
+    json_output = Bool(False, config=True, help="Print JSON instead of a table.")
+    flags = {**base_flags, "json": ({"ListApp": {"json_output": True}}, "Print JSON instead of a table.")}
+
+    def start(self) -> None:
+        kernels = self.kernels()
+        if self.json_output:
+            rows = [
+                {**asdict(k), "orphaned": k.orphaned, "age_seconds": round(k.age_seconds)} for k in kernels
+            ]
+            print(json.dumps(rows, indent=2))
+            return
+        if not kernels:
+            print("No sandboxed kernels on this Docker host.")
+            return
+        header = ("KERNEL ID", "KERNELSPEC", "STATE", "AGE", "MEMORY", "OWNER", "WORKSPACE")
+        rows_text = [header] + [
+            (
+                k.kernel_id,
+                k.kernelspec,
+                "orphaned" if k.orphaned else k.state,
+                _human_age(k.age_seconds),
+                f"{k.memory_limit / 2**20:.0f}M" if k.memory_limit else "-",
+                k.owner,
+                k.workspace,
+            )
+            for k in kernels
+        ]
+        widths = [max(len(row[i]) for row in rows_text) for i in range(len(header))]
+        for row in rows_text:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+class StopApp(_KernelsApp):
+    """Stop and remove sandboxed kernels by kernel id."""
+
+    name = "jupyter-sandbox-kernel-stop"
+    description = """Stop and remove the sandboxed kernels whose kernel id starts with each
+    given ID (see `list`), with their runtime folders. The workspace is untouched."""
+    examples = "jupyter sandbox-kernel stop 3f2a9c1e"
+
+    def start(self) -> None:
+        if not self.extra_args:
+            self.fail("give one or more kernel ids (see `jupyter sandbox-kernel list`)")
+        kernels = self.kernels()
+        for prefix in self.extra_args:
+            matches = [k for k in kernels if k.kernel_id.startswith(prefix)]
+            if len(matches) != 1:
+                found = "no kernel" if not matches else f"{len(matches)} kernels"
+                self.fail(f"{found} with an id starting with {prefix!r}; see `jupyter sandbox-kernel list`")
+            try:
+                asyncio.run(remove_kernel(SandboxDocker(), matches[0], self.runtime_parent or None))
+            except SandboxKernelError as exc:
+                self.fail(str(exc))
+            print(f"Stopped {matches[0].kernel_id}")
+
+
+class PruneApp(_KernelsApp):
+    """Remove sandboxed kernels whose Jupyter server is gone."""
+
+    name = "jupyter-sandbox-kernel-prune"
+    description = """Remove the sandboxed kernels whose server process has died on this host
+    (orphans), with their runtime folders. Kernels of running servers are never touched.
+    A server also does this when it starts its first sandboxed kernel."""
+
+    def start(self) -> None:
+        try:
+            removed = asyncio.run(prune_orphans(SandboxDocker(), self.runtime_parent or None))
+        except SandboxKernelError as exc:
+            self.fail(str(exc))
+            return
+        for kernel in removed:
+            print(f"Removed orphaned kernel {kernel.kernel_id} (server {kernel.owner} is gone)")
+        print(f"{len(removed)} orphaned kernel(s) removed.")
+
+
 class RunApp(_SubApp):
     """Execute a notebook in a sandboxed kernel."""
 
@@ -379,6 +483,9 @@ class SandboxKernelApp(JupyterApp):
         "build-image": (BuildImageApp, "Build the kernel image, showing progress."),
         "check": (CheckApp, "Check Docker, the gVisor runtime, the image and the kernelspec."),
         "run": (RunApp, "Execute a notebook in a sandboxed kernel."),
+        "list": (ListApp, "List the sandboxed kernels on this Docker host (--json for JSON)."),
+        "stop": (StopApp, "Stop and remove sandboxed kernels by kernel id."),
+        "prune": (PruneApp, "Remove sandboxed kernels whose Jupyter server is gone."),
     }
 
     def start(self) -> None:

@@ -197,6 +197,24 @@ class SandboxDocker:
             return ""
         return bytes(raw).decode("utf-8", "replace").strip()
 
+    async def managed_containers(self) -> list[dict[str, Any]]:
+        """``docker inspect`` of every sandbox-kernel container, running or not."""
+        from .policy import LABEL_MANAGED
+
+        client = await self.client()
+        found = await self._api(
+            "list containers", client.api.containers, all=True, filters={"label": LABEL_MANAGED}
+        )
+        result = []
+        for summary in found:
+            try:
+                result.append(
+                    await self._api("inspect a container", client.api.inspect_container, summary["Id"])
+                )
+            except NotFound:
+                continue  # removed meanwhile
+        return result
+
     async def remove(self, container_id: str) -> None:
         """Force-remove a container; a missing one is fine.
 

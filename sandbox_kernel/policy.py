@@ -33,6 +33,8 @@ LABEL_MANAGED = "io.sandbox-kernel.managed"
 LABEL_KERNEL_ID = "io.sandbox-kernel.kernel-id"
 LABEL_KERNELSPEC = "io.sandbox-kernel.kernelspec"
 LABEL_RUNTIME_DIR = "io.sandbox-kernel.runtime-dir"
+LABEL_OWNER = "io.sandbox-kernel.owner"
+LABEL_WORKSPACE = "io.sandbox-kernel.workspace"
 
 #: The uid a kernel runs as when neither the server user nor the workspace owner is a
 #: usable (non-root) uid; the image's ``USER``.
@@ -152,6 +154,7 @@ class SandboxSpec:
             LABEL_KERNEL_ID: self.kernel_id,
             LABEL_KERNELSPEC: self.kernelspec,
             LABEL_RUNTIME_DIR: str(self.runtime_dir),
+            LABEL_WORKSPACE: str(self.workspace),
             **self.extra_labels,
         }
 

@@ -31,12 +31,14 @@ from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
 from .limits import Limits, check_within_ceilings, exec_timeout_startup, size_bytes
+from .orphans import prune_orphans, server_identity
 from .output import OutputLimiter
 from .policy import (
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
     IPC_PORTS,
     IPC_PREFIX,
+    LABEL_OWNER,
     POLICY_ENV,
     SandboxSpec,
     can_write,
@@ -338,8 +340,22 @@ class SandboxProvisioner(KernelProvisionerBase):
             cpus=self.cpus,
             pids=self.pids,
             tmp_size=self.tmp_size,
+            extra_labels={LABEL_OWNER: server_identity()},
         )
+        await self._sweep_orphans_once()
         return kwargs
+
+    _swept_orphans = False
+
+    async def _sweep_orphans_once(self) -> None:
+        """Remove kernels left by servers that died (once per server process)."""
+        if SandboxProvisioner._swept_orphans:
+            return
+        SandboxProvisioner._swept_orphans = True
+        try:
+            await prune_orphans(self.docker, self.runtime_parent)
+        except SandboxKernelError as exc:
+            self.log.warning("Could not remove orphaned sandboxed kernels: %s", exc)
 
     def _curve_keys(self, transport_encryption: str | None) -> CurveKeys | None:
         """The CurveZMQ keypair for the client-facing sockets, if the client asked for it.

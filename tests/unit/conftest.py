@@ -118,6 +118,10 @@ class FakeLowLevelAPI:
             raise self.client.inspect_error
         return {"Id": container_id, "State": dict(self._state(container_id))}
 
+    def containers(self, all: bool = False, filters: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        self.client.record("api.containers", all=all, filters=filters)
+        return [{"Id": container_id} for container_id in self.client.states]
+
     def kill(self, container_id: str, signal: int | None = None) -> None:
         self.client.record("api.kill", container_id, signal=signal)
         if self._state(container_id)["Status"] != "running":

@@ -122,6 +122,7 @@ class TestContainerCreateKwargs:
             LABEL_KERNEL_ID: "k1",
             LABEL_KERNELSPEC: "sandboxed-python",
             LABEL_RUNTIME_DIR: str(tmp_path / "rt"),
+            "io.sandbox-kernel.workspace": str(spec.workspace),
             "io.example.test": "yes",
         }
 

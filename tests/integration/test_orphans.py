@@ -1,0 +1,113 @@
+"""A server killed with SIGKILL leaves kernels behind; they are found and removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from sandbox_kernel.app import ListApp, PruneApp, SandboxKernelApp, StopApp
+from sandbox_kernel.provisioner import SandboxProvisioner
+
+from .conftest import KERNEL, HostState, KernelStarter, run_ok
+
+SERVER = """
+import sys, jupyter_client
+km = jupyter_client.KernelManager(kernel_name={kernel!r})
+km.start_kernel(cwd={cwd!r})
+print(km.kernel_id, km.provisioner.runtime_dir, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def start_doomed_server(workspace: Path) -> tuple[subprocess.Popen[str], str, Path]:
+    """A 'server' process that starts a sandboxed kernel and is then SIGKILLed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(kernel=KERNEL, cwd=str(workspace))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
+    assert proc.stdout is not None
+    kernel_id, runtime_dir = proc.stdout.readline().split()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    return proc, kernel_id, Path(runtime_dir)
+
+
+def cli(*argv: str) -> None:
+    """``jupyter sandbox-kernel ARGV``, in-process (subcommands are singletons: reset them)."""
+    for app_class in (SandboxKernelApp, ListApp, StopApp, PruneApp):
+        app_class.clear_instance()
+    app = SandboxKernelApp()
+    app.initialize(list(argv))
+    app.start()
+
+
+def test_prune_removes_what_a_killed_server_left(
+    jupyter_dirs: Path,
+    workspace: Path,
+    docker_client: docker.DockerClient,
+    capsys: pytest.CaptureFixture[str],
+    start_kernel: KernelStarter,
+) -> None:
+    _, live_kc = start_kernel()  # a kernel of a running server: never touched
+    before = HostState(docker_client)
+    _, kernel_id, runtime_dir = start_doomed_server(workspace)
+    assert runtime_dir.is_dir()
+    cli("list", "--json")
+    listed = {k["kernel_id"]: k for k in json.loads(capsys.readouterr().out)}
+    assert listed[kernel_id]["orphaned"] is True
+    assert listed[kernel_id]["workspace"] == str(workspace)
+    assert [k for k in listed.values() if k["orphaned"] is False], "the live kernel is listed too"
+
+    cli("prune")
+    assert f"Removed orphaned kernel {kernel_id}" in capsys.readouterr().out
+    assert not runtime_dir.exists()
+    assert before.new_leftovers() == []
+    assert run_ok(live_kc, "print('untouched')").strip() == "untouched"
+
+
+def test_the_next_server_start_sweeps_orphans(
+    jupyter_dirs: Path,
+    workspace: Path,
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+    start_kernel: KernelStarter,
+) -> None:
+    before = HostState(docker_client)
+    _, kernel_id, runtime_dir = start_doomed_server(workspace)
+    monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh server process
+    start_kernel()
+    deadline = time.monotonic() + 10
+    while runtime_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not runtime_dir.exists()
+    gone = docker_client.containers.list(
+        all=True, filters={"label": f"io.sandbox-kernel.kernel-id={kernel_id}"}
+    )
+    assert gone == []
+    leftovers = before.new_leftovers(settle=0)  # the kernel this test started is still running
+    assert not [x for x in leftovers if kernel_id in x or runtime_dir.name in x], leftovers
+
+
+def test_stop_removes_a_kernel_by_id(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    km, _ = start_kernel()
+    cli("stop", km.kernel_id[:8])
+    assert f"Stopped {km.kernel_id}" in capsys.readouterr().out
+    assert (
+        docker_client.containers.list(
+            all=True, filters={"label": f"io.sandbox-kernel.kernel-id={km.kernel_id}"}
+        )
+        == []
+    )
