@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,19 @@ def _isolated_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("SANDBOX_KERNEL_") or name == "DOCKER_HOST":
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cli_singletons() -> Iterator[None]:
+    """The CLI's subcommands are traitlets singletons: none may leak between tests."""
+    from sandbox_kernel.app import SandboxKernelApp
+
+    classes = [SandboxKernelApp, *(sub for sub, _ in SandboxKernelApp.subcommands.values())]
+    for app_class in classes:
+        app_class.clear_instance()
+    yield
+    for app_class in classes:
+        app_class.clear_instance()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from sandbox_kernel.app import ListApp, PruneApp, SandboxKernelApp, StopApp
+from sandbox_kernel.app import SandboxKernelApp
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 from .conftest import KERNEL, HostState, KernelStarter, run_ok
@@ -45,7 +45,7 @@ def start_doomed_server(workspace: Path) -> tuple[subprocess.Popen[str], str, Pa
 
 def cli(*argv: str) -> None:
     """``jupyter sandbox-kernel ARGV``, in-process (subcommands are singletons: reset them)."""
-    for app_class in (SandboxKernelApp, ListApp, StopApp, PruneApp):
+    for app_class in (SandboxKernelApp, *(sub for sub, _ in SandboxKernelApp.subcommands.values())):
         app_class.clear_instance()
     app = SandboxKernelApp()
     app.initialize(list(argv))
