@@ -27,11 +27,10 @@ from typing import Any
 
 import zmq
 
+from .wire import find_delimiter, load_dict
+
 log = logging.getLogger(__name__)
 
-_DELIMITER = b"<IDS|MSG>"
-#: Largest reply frame parsed; a kernel has no business sending a bigger execute_reply.
-_MAX_REPLY_FRAME = 64 * 1024
 #: Pending executions kept per kernel; beyond that the oldest are written as unanswered.
 _MAX_PENDING = 1000
 
@@ -89,22 +88,10 @@ class PendingExecution:
 
 def _split(frames: Sequence[zmq.Frame]) -> tuple[list[bytes], list[bytes]] | None:
     """(routing identities, message parts), or None if not a Jupyter message."""
-    for index, frame in enumerate(frames):
-        if len(frame) == len(_DELIMITER) and frame.bytes == _DELIMITER:
-            if len(frames) < index + 6:
-                return None
-            return [f.bytes for f in frames[:index]], [f.bytes for f in frames[index + 1 : index + 6]]
-    return None
-
-
-def _load(raw: bytes, limit: int | None = None) -> dict[str, Any]:
-    if limit is not None and len(raw) > limit:
-        return {}
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
+    index = find_delimiter(frames)
+    if index is None:
+        return None
+    return [f.bytes for f in frames[:index]], [f.bytes for f in frames[index + 1 : index + 6]]
 
 
 class ExecutionAuditor:
@@ -131,10 +118,10 @@ class ExecutionAuditor:
             self._reply(parts)
 
     def _request(self, idents: list[bytes], parts: list[bytes]) -> None:
-        header = _load(parts[1])
+        header = load_dict(parts[1], limit=None)
         if header.get("msg_type") != "execute_request":
             return
-        content = _load(parts[4])
+        content = load_dict(parts[4], limit=None)
         pending = PendingExecution(
             started=time.monotonic(),
             wall=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -151,15 +138,15 @@ class ExecutionAuditor:
                 self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
 
     def _reply(self, parts: list[bytes]) -> None:
-        header = _load(parts[1], _MAX_REPLY_FRAME)
+        header = load_dict(parts[1])
         if header.get("msg_type") != "execute_reply":
             return
-        msg_id = str(_load(parts[2], _MAX_REPLY_FRAME).get("msg_id", ""))
+        msg_id = str(load_dict(parts[2]).get("msg_id", ""))
         with self._lock:
             pending = self._pending.pop(msg_id, None)
         if pending is None:
             return
-        content = _load(parts[4], _MAX_REPLY_FRAME)
+        content = load_dict(parts[4])
         status = content.get("status")
         count = content.get("execution_count")
         self._finish(

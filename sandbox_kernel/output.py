@@ -8,7 +8,6 @@ once it is spent the rest is dropped and clients get one notice instead.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -16,23 +15,11 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-_DELIMITER = b"<IDS|MSG>"
+from .wire import find_delimiter, load_dict
+
 _OUTPUT_TYPES = frozenset({"stream", "display_data", "execute_result", "update_display_data", "error"})
-#: Headers are small; anything bigger is not parsed (and counted as output).
-_MAX_HEADER = 64 * 1024
 #: Executions tracked at once; the oldest are forgotten first.
 _MAX_TRACKED = 256
-
-
-def _load(frame: zmq.Frame | bytes) -> dict[str, Any]:
-    raw = frame.bytes if isinstance(frame, zmq.Frame) else frame
-    if len(raw) > _MAX_HEADER:
-        return {}
-    try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 class OutputLimiter:
@@ -46,16 +33,14 @@ class OutputLimiter:
 
     def admit(self, frames: Sequence[zmq.Frame]) -> list[Sequence[zmq.Frame | bytes]]:
         """The messages to send in place of ``frames``: itself, a notice, or nothing."""
-        index = next(
-            (i for i, f in enumerate(frames) if len(f) == len(_DELIMITER) and f.bytes == _DELIMITER), None
-        )
-        if index is None or len(frames) < index + 6:
+        index = find_delimiter(frames)
+        if index is None:
             return [frames]
-        header = _load(frames[index + 2])
+        header = load_dict(frames[index + 2])
         kind = header.get("msg_type")
-        parent = _load(frames[index + 3])
+        parent = load_dict(frames[index + 3])
         parent_id = str(parent.get("msg_id", ""))
-        if kind == "status" and _load(frames[index + 5]).get("execution_state") == "idle":
+        if kind == "status" and load_dict(frames[index + 5]).get("execution_state") == "idle":
             self._spent.pop(parent_id, None)
             self._noticed.discard(parent_id)
             return [frames]
