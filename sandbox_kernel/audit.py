@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 _MAX_PENDING = 1000
 
 
+class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """Creates every file (the first and each one after a rotation) mode 0600."""
+
+    def _open(self) -> Any:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        return os.fdopen(fd, self.mode.replace("w", "a"), encoding=self.encoding, errors=self.errors)
+
+
 class AuditLog:
     """An append-only JSON-lines file with size-based rotation, shared per path."""
 
@@ -43,14 +51,9 @@ class AuditLog:
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # Rotation creates new files: keep them private whatever the umask.
-        old_umask = os.umask(0o077)
-        try:
-            handler = logging.handlers.RotatingFileHandler(
-                path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=False
-            )
-        finally:
-            os.umask(old_umask)
+        handler = _PrivateRotatingFileHandler(
+            path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=False
+        )
         handler.setFormatter(logging.Formatter("%(message)s"))
         self.path = path
         self._logger = logging.getLogger(f"sandbox_kernel.audit.{len(self._instances)}")
@@ -68,7 +71,7 @@ class AuditLog:
             return cls._instances[resolved]
 
     def write(self, record: dict[str, Any]) -> None:
-        self._logger.info(json.dumps(record, ensure_ascii=False, default=str))
+        self._logger.info(json.dumps(record, ensure_ascii=True, default=str))
 
 
 @dataclass
@@ -84,6 +87,8 @@ class PendingExecution:
     #: reply on the kernel's behalf needs if the kernel never sends one.
     idents: list[bytes]
     header: dict[str, Any]
+    #: When the kernel said it began this one (its execute_input); queued ones have None.
+    running_since: float | None = None
 
 
 def _split(frames: Sequence[zmq.Frame]) -> tuple[list[bytes], list[bytes]] | None:
@@ -106,16 +111,29 @@ class ExecutionAuditor:
         self._lock = threading.Lock()
 
     def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame]) -> None:
-        if channel != "shell":
+        if channel not in ("shell", "iopub"):
             return
         split = _split(frames)
         if split is None:
             return
         idents, parts = split
-        if to_kernel:
+        if channel == "iopub":
+            if not to_kernel:
+                self._started(parts)
+        elif to_kernel:
             self._request(idents, parts)
         else:
             self._reply(parts)
+
+    def _started(self, parts: list[bytes]) -> None:
+        """The kernel announced it runs a request: its wall-clock starts now, not when queued."""
+        if load_dict(parts[1]).get("msg_type") != "execute_input":
+            return
+        msg_id = str(load_dict(parts[2]).get("msg_id", ""))
+        with self._lock:
+            pending = self._pending.get(msg_id)
+            if pending is not None and pending.running_since is None:
+                pending.running_since = time.monotonic()
 
     def _request(self, idents: list[bytes], parts: list[bytes]) -> None:
         header = load_dict(parts[1], limit=None)
@@ -131,8 +149,12 @@ class ExecutionAuditor:
             idents=idents,
             header=header,
         )
+        msg_id = str(header.get("msg_id", ""))
         with self._lock:
-            self._pending[str(header.get("msg_id", ""))] = pending
+            superseded = self._pending.pop(msg_id, None)
+            if superseded is not None:
+                self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
+            self._pending[msg_id] = pending
             while len(self._pending) > _MAX_PENDING:
                 oldest = next(iter(self._pending))
                 self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
@@ -178,12 +200,22 @@ class ExecutionAuditor:
         except OSError as exc:
             log.error("Cannot write the audit log %s: %s", self._log.path, exc)
 
-    def oldest_pending_age(self) -> float | None:
-        """Seconds the longest-running execution has waited for its reply, if any."""
+    def running(self) -> tuple[str, float] | None:
+        """(msg_id, seconds running) of the execution the kernel is running, if any.
+
+        Requests queued behind it do not count: "Run all" sends every cell at once.
+        """
         with self._lock:
-            if not self._pending:
-                return None
-            return time.monotonic() - min(p.started for p in self._pending.values())
+            running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
+        if not running:
+            return None
+        since, msg_id = min(running)
+        return msg_id, time.monotonic() - since
+
+    def current(self) -> PendingExecution | None:
+        """The oldest execution still waiting for its reply (host-known: clients sent it)."""
+        with self._lock:
+            return next(iter(self._pending.values()), None)
 
     def abandon_pending(self, reason: str) -> list[PendingExecution]:
         """Write every execution still waiting for its reply (the kernel went away).

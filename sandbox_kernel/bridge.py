@@ -195,6 +195,10 @@ class KernelBridge:
         if self._thread is not None and self._stop_tx is not None:
             self._stop_tx.send(b"")
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                # Never touch sockets a live thread still uses: wait it out.
+                log.warning("The bridge thread is slow to stop (a blocked audit write?); waiting")
+                self._thread.join()
         self._thread = None
         for back in self._backs.values():
             back.close(linger=0)

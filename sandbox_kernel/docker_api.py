@@ -181,6 +181,10 @@ class SandboxDocker:
         except APIError as exc:
             if exc.status_code == 409:  # not running
                 return False
+            # A container that is dying answers 500 ("cannot connect to control server").
+            _, code = await self.state(container_id)
+            if code is not None:
+                return False
             msg = f"Docker failed to signal the kernel container: {exc.explanation or exc}"
             raise DockerOperationError(msg) from exc
         except _TRANSPORT_ERRORS as exc:

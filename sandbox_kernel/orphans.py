@@ -1,10 +1,14 @@
 """Finding sandboxed kernels whose Jupyter server is gone, and removing them.
 
-Every container records which server process started it: host name, pid, and the
-pid's start time (so a recycled pid is not mistaken for the server). A kernel whose
-server has died on this host is an orphan: nothing will ever shut it down, so the next
-provisioner start in any server, and ``jupyter sandbox-kernel prune``, remove it along
-with its runtime folder.
+Every kernel records which server process owns it: host name, PID namespace, pid, and
+the pid's start time (so a recycled pid is not mistaken for the server). The container
+label names the server that started it; an ``owner`` file in its runtime folder names
+the current owner (a server that re-attaches with ``load_provisioner_info`` takes it
+over). A kernel whose owner has died, judged only from the same host and PID namespace,
+is an orphan: nothing will ever shut it down, so the next provisioner start in any
+server, and ``jupyter sandbox-kernel prune``, remove it along with its runtime folder.
+When in doubt (another host, another namespace, an unreadable /proc entry) a kernel is
+never judged orphaned.
 """
 
 from __future__ import annotations
@@ -26,31 +30,65 @@ from .policy import LABEL_KERNEL_ID, LABEL_KERNELSPEC, LABEL_OWNER, LABEL_RUNTIM
 log = logging.getLogger(__name__)
 
 
+_UNKNOWN = "?"
+OWNER_FILE = "owner"
+
+
 def _start_ticks(pid: int) -> str | None:
-    """When ``pid`` started (clock ticks since boot), or None if it does not exist."""
+    """When ``pid`` started (clock ticks since boot); None if it does not exist; "?" if unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    except OSError:
+        return _UNKNOWN  # e.g. /proc mounted with hidepid: alive or not, we cannot tell
     # The command name (field 2) may hold spaces and parentheses: split after its end.
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return _UNKNOWN
+
+
 def server_identity(pid: int | None = None) -> str:
-    """``host/pid/start`` of this process: who owns the kernels it starts."""
+    """``host/pid-namespace/pid/start`` of this process: who owns the kernels it starts."""
     pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}/{pid}/{_start_ticks(pid)}"
+    return f"{socket.gethostname()}/{_pid_namespace()}/{pid}/{_start_ticks(pid)}"
 
 
 def owner_is_gone(identity: str) -> bool:
-    """True only when the owner was on this host and that process no longer runs."""
+    """True only when the owner is known to have run here and that process is gone."""
     try:
-        host, pid, ticks = identity.rsplit("/", 2)
+        host, namespace, pid, ticks = identity.rsplit("/", 3)
     except ValueError:
         return False  # not ours to judge
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != socket.gethostname() or namespace != _pid_namespace() or namespace == _UNKNOWN:
         return False
-    return _start_ticks(int(pid)) != ticks
+    if not pid.isdigit():
+        return False
+    now = _start_ticks(int(pid))
+    return now != _UNKNOWN and now != ticks
+
+
+def write_owner(runtime_dir: Path) -> None:
+    """Record this process as the owner of the kernel whose runtime folder this is."""
+    path = runtime_dir / OWNER_FILE
+    tmp = runtime_dir / f".{OWNER_FILE}.{os.getpid()}"
+    tmp.write_text(server_identity())
+    tmp.replace(path)
+
+
+def _read_owner(launch_dir: str) -> str | None:
+    if not launch_dir:
+        return None
+    try:
+        with open(Path(launch_dir).parent / OWNER_FILE, "rb") as f:
+            return f.read(512).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -86,7 +124,7 @@ class SandboxedKernel:
             container_id=str(attrs.get("Id", "")),
             kernel_id=labels.get(LABEL_KERNEL_ID, ""),
             kernelspec=labels.get(LABEL_KERNELSPEC, ""),
-            owner=labels.get(LABEL_OWNER, ""),
+            owner=_read_owner(labels.get(LABEL_RUNTIME_DIR, "")) or labels.get(LABEL_OWNER, ""),
             workspace=labels.get(LABEL_WORKSPACE, ""),
             runtime_dir=labels.get(LABEL_RUNTIME_DIR, ""),
             state=str((attrs.get("State") or {}).get("Status", "unknown")),

@@ -9,7 +9,7 @@ once it is spent the rest is dropped and clients get one notice instead.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -17,45 +17,57 @@ from jupyter_client.session import Session
 
 from .wire import find_delimiter, load_dict
 
-_OUTPUT_TYPES = frozenset({"stream", "display_data", "execute_result", "update_display_data", "error"})
-#: Executions tracked at once; the oldest are forgotten first.
+#: Status messages this small always pass, so clients still see busy/idle after a cap.
+_SMALL_STATUS = 1024
+#: Budgets remembered at once; the oldest are forgotten first.
 _MAX_TRACKED = 256
+
+#: Who is executing now, as the host knows it: (msg_id, request header) of the oldest
+#: request a client sent that has no reply yet, or None while idle.
+CurrentExecution = Callable[[], "tuple[str, dict[str, Any]] | None"]
 
 
 class OutputLimiter:
-    """Lets through at most ``limit`` bytes of output per execution (per parent message)."""
+    """Lets through at most ``limit`` bytes of IOPub traffic per client request.
 
-    def __init__(self, limit: int, session: Session) -> None:
+    Everything the kernel publishes is charged, whatever type or parent it claims, to
+    the request the host knows is running (or to the idle time between requests): a
+    hostile kernel cannot open fresh budgets by inventing parents, announcing "idle" or
+    using non-output message types; only a new request from a client does.
+    """
+
+    def __init__(self, limit: int, session: Session, current: CurrentExecution) -> None:
         self.limit = limit
         self._session = session
+        self._current = current
         self._spent: OrderedDict[str, int] = OrderedDict()
         self._noticed: set[str] = set()
+        self._last: tuple[str, dict[str, Any]] = ("", {})
 
     def admit(self, frames: Sequence[zmq.Frame]) -> list[Sequence[zmq.Frame | bytes]]:
         """The messages to send in place of ``frames``: itself, a notice, or nothing."""
+        size = sum(len(f) for f in frames)
         index = find_delimiter(frames)
         if index is None:
+            return []  # not a Jupyter message: no client could use it
+        if size <= _SMALL_STATUS and load_dict(frames[index + 2]).get("msg_type") == "status":
             return [frames]
-        header = load_dict(frames[index + 2])
-        kind = header.get("msg_type")
-        parent = load_dict(frames[index + 3])
-        parent_id = str(parent.get("msg_id", ""))
-        if kind == "status" and load_dict(frames[index + 5]).get("execution_state") == "idle":
-            self._spent.pop(parent_id, None)
-            self._noticed.discard(parent_id)
-            return [frames]
-        if kind not in _OUTPUT_TYPES and header:
-            return [frames]
-        spent = self._spent.pop(parent_id, 0) + sum(len(f) for f in frames)
-        self._spent[parent_id] = spent
+        # Between requests, output is charged to the last one: its reply may overtake the
+        # tail of its output in the bridge, and idle output opens no budget of its own.
+        current = self._current()
+        if current is not None:
+            self._last = current
+        key, parent = self._last
+        spent = self._spent.pop(key, 0) + size
+        self._spent[key] = spent
         while len(self._spent) > _MAX_TRACKED:
             forgotten, _ = self._spent.popitem(last=False)
             self._noticed.discard(forgotten)
         if spent <= self.limit:
             return [frames]
-        if parent_id in self._noticed:
+        if key in self._noticed:
             return []
-        self._noticed.add(parent_id)
+        self._noticed.add(key)
         return [self._notice(parent)]
 
     def _notice(self, parent: dict[str, Any]) -> list[bytes]:

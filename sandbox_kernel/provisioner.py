@@ -31,7 +31,7 @@ from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .docker_api import SandboxDocker
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
 from .limits import Limits, check_within_ceilings, exec_timeout_startup, size_bytes
-from .orphans import prune_orphans, server_identity
+from .orphans import prune_orphans, server_identity, write_owner
 from .output import OutputLimiter
 from .policy import (
     CONTAINER_STARTUP_FILE,
@@ -443,6 +443,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         """
         if self.runtime_dir is None or not self.runtime_dir.is_dir():
             self.runtime_dir = Path(tempfile.mkdtemp(prefix="sandbox-kernel-", dir=self.runtime_parent))
+            write_owner(self.runtime_dir)
         self._launches += 1
         launch_dir = self.runtime_dir / f"run{self._launches}"
         launch_dir.mkdir(mode=0o700)
@@ -487,7 +488,9 @@ class SandboxProvisioner(KernelProvisionerBase):
             limiter = None
             if km is not None:
                 self._signer = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
-                limiter = OutputLimiter(size_bytes("output_limit", self.output_limit), self._signer)
+                limiter = OutputLimiter(
+                    size_bytes("output_limit", self.output_limit), self._signer, self._current_execution
+                )
             self.bridge = KernelBridge(
                 endpoints, ports=ports, curve=self._curve, tap=self._auditor, output_limiter=limiter
             )
@@ -524,38 +527,66 @@ class SandboxProvisioner(KernelProvisionerBase):
                 raise KernelStartupError(msg, logs)
             await asyncio.sleep(0.05)
 
+    def _current_execution(self) -> tuple[str, dict[str, Any]] | None:
+        """For the output cap: the request the host knows is running (bridge thread)."""
+        execution = self._auditor.current() if self._auditor is not None else None
+        if execution is None:
+            return None
+        return str(execution.header.get("msg_id", "")), execution.header
+
     async def _enforce_exec_timeout(self, container_id: str) -> None:
-        """Backstop for code that defeats the in-kernel limit: interrupt, then kill."""
+        """Backstop for code that defeats the in-kernel limit: interrupt, then kill.
+
+        Only the execution the kernel is running counts, from when it began; cells
+        queued behind it wait without spending their limit.
+        """
         limit, grace = self.exec_timeout, self.exec_kill_grace
-        interrupted = False
-        while self.container_id == container_id and self._auditor is not None:
-            await asyncio.sleep(0.5)
-            age = self._auditor.oldest_pending_age()
-            if age is None or age < limit + min(2.0, grace / 2):
-                interrupted = False
-                continue
-            if not interrupted:
-                self.log.warning(
-                    "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit; interrupting",
-                    self.kernel_id,
-                    limit,
-                )
-                await self.docker.signal(container_id, signal.SIGINT)
-                interrupted = True
-            elif age >= limit + grace:
-                self.log.warning(
-                    "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit and the "
-                    "interrupt; killing the kernel (Jupyter restarts it)",
-                    self.kernel_id,
-                    limit,
-                )
-                self._abandon_executions(
-                    "WallClockLimitExceeded",
-                    f"killed: wall-clock limit of {limit:g} s per execution exceeded and the interrupt "
-                    "ignored; the kernel restarts without its state",
-                )
-                await self.docker.signal(container_id, signal.SIGKILL)
-                return
+        interrupted: str | None = None
+        try:
+            while self.container_id == container_id and self._auditor is not None:
+                await asyncio.sleep(0.5)
+                running = self._auditor.running()
+                if running is None:
+                    continue
+                msg_id, age = running
+                if age < limit + min(2.0, grace / 2):
+                    continue
+                if interrupted != msg_id:
+                    self.log.warning(
+                        "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit; interrupting",
+                        self.kernel_id,
+                        limit,
+                    )
+                    await self.docker.signal(container_id, signal.SIGINT)
+                    interrupted = msg_id
+                elif age >= limit + grace:
+                    self.log.warning(
+                        "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit and the "
+                        "interrupt; killing the kernel (Jupyter restarts it)",
+                        self.kernel_id,
+                        limit,
+                    )
+                    await self.docker.signal(container_id, signal.SIGKILL)
+                    await self._wait_exited(container_id)
+                    self._abandon_executions(
+                        "WallClockLimitExceeded",
+                        f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
+                        "interrupt ignored; the kernel restarts without its state",
+                    )
+                    return
+        except SandboxKernelError as exc:
+            self.log.error("Sandboxed kernel %s: wall-clock enforcement failed: %s", self.kernel_id, exc)
+
+    async def _wait_exited(self, container_id: str, timeout: float = 10.0) -> None:
+        """Until the container has stopped, so nothing it still sends can follow our notices."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, code = await self.docker.state(container_id)
+            if code is not None:
+                break
+            await asyncio.sleep(0.1)
+        # Let the bridge pass on whatever the kernel sent before it died.
+        await asyncio.sleep(0.2)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -570,6 +601,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             return None
         if code is not None and self.exit_code is None:
             self.exit_code = code
+            await asyncio.sleep(0.2)  # let the bridge pass on what the kernel sent before it died
             if await self.docker.oom_killed(self.container_id):
                 self.log.warning(
                     "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
@@ -701,6 +733,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         runtime_dir, launch_dir = provisioner_info.get("runtime_dir"), provisioner_info.get("launch_dir")
         self.runtime_dir = Path(runtime_dir) if runtime_dir else None
         self.launch_dir = Path(launch_dir) if launch_dir else None
+        if self.runtime_dir is not None and self.runtime_dir.is_dir():
+            await asyncio.to_thread(write_owner, self.runtime_dir)  # this process owns it now
         if self.launch_dir is not None:
             self._launches = int(self.launch_dir.name.removeprefix("run") or 0)
             info = self.connection_info
@@ -709,6 +743,8 @@ class SandboxProvisioner(KernelProvisionerBase):
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             await self._attach_bridge(self.launch_dir, ports)
+            if self.exec_timeout > 0 and self.container_id:
+                self._watchdog = asyncio.create_task(self._enforce_exec_timeout(self.container_id))
 
     def resolve_path(self, path: str) -> str | None:
         """Map a path the kernel reports (e.g. /workspace/x.py) to the host, within the workspace."""

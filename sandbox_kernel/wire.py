@@ -33,7 +33,9 @@ def load_dict(frame: zmq.Frame | bytes, limit: int | None = MAX_SMALL_FRAME) -> 
     if limit is not None and len(raw) > limit:
         return {}
     try:
-        value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        # ipykernel decodes with errors="replace" and runs what it gets; so must we, or
+        # a stray invalid byte would hide a request from the audit log.
+        value = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 
 from sandbox_kernel.policy import LABEL_KERNEL_ID
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 from .conftest import KERNEL, HostState, KernelStarter, run, run_ok
 
@@ -215,3 +218,56 @@ def test_restarting_a_dead_kernel_gives_a_kernel_that_stays_up(
     time.sleep(3)
     assert km.is_alive()
     assert run_ok(kc, "print('alive')").strip() == "alive"
+
+
+DETACHED_SERVER = """
+import asyncio, json, os, sys
+from jupyter_client import AsyncKernelManager
+
+async def main():
+    km = AsyncKernelManager(kernel_name={kernel!r})
+    await km.start_kernel(cwd={cwd!r})
+    kc = km.client(); kc.start_channels(); await kc.wait_for_ready(timeout=60)
+    await kc.execute_interactive("x = 'from the first server'", timeout=30)
+    kc.stop_channels()
+    print(json.dumps(await km.provisioner.get_provisioner_info()), flush=True)
+    os._exit(0)  # a server that exits without shutting its kernel down
+
+asyncio.run(main())
+"""
+
+
+async def test_a_reattached_kernel_is_not_swept_as_an_orphan(
+    jupyter_dirs: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", DETACHED_SERVER.format(kernel=KERNEL, cwd=str(workspace))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    saved = json.loads(out.strip().splitlines()[-1])
+    second = AsyncKernelManager(kernel_name=KERNEL, kernel_id=saved["kernel_id"])
+    second.provisioner = KernelProvisionerFactory.instance().create_provisioner_instance(
+        saved["kernel_id"], second.kernel_spec, parent=second
+    )
+    await second.provisioner.load_provisioner_info(saved)
+    second.load_connection_info(saved["connection_info"])
+    other = AsyncKernelManager(kernel_name=KERNEL)
+    try:
+        monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh server
+        await other.start_kernel(cwd=str(workspace))  # sweeps orphans: the adopted kernel is not one
+        assert await second.is_alive()
+        kc = second.client()
+        kc.start_channels()
+        await kc.wait_for_ready(timeout=30)
+        outputs: list[dict] = []
+        await kc.execute_interactive("print(x)", timeout=30, output_hook=outputs.append)
+        assert [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"] == [
+            "from the first server\n"
+        ]
+        kc.stop_channels()
+    finally:
+        await other.shutdown_kernel(now=True)
+        await second.shutdown_kernel(now=True)

@@ -126,7 +126,7 @@ def test_a_cell_past_its_wall_clock_limit_gets_a_clear_error_and_the_kernel_live
     assert result.status == "error"
     assert result.reply["content"]["ename"] == "TimeoutError"
     assert "wall-clock limit of 3 s per execution" in result.reply["content"]["evalue"]
-    assert 2.5 < elapsed < 8
+    assert 2.5 < elapsed < 15
     assert run_ok(kc, "print(x)").strip() == "kept"  # the limit does not cost the kernel
     assert run_ok(kc, "import time; time.sleep(2); print('fine')").strip() == "fine"  # re-armed per cell
 
@@ -157,7 +157,7 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "WallClockLimitExceeded"
         assert "wall-clock limit of 2 s per execution exceeded" in reply["content"]["evalue"]
-        assert time.monotonic() - started < 2 + 4 + 5
+        assert time.monotonic() - started < 2 + 4 + 15
         deadline = time.monotonic() + 30
         while not restarts and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
@@ -238,3 +238,42 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
     finally:
         await km.shutdown_kernel(now=True)
     assert (workspace / "precious.csv").read_text() == "a,b\n1,2\n"
+
+
+def test_cells_queued_behind_a_running_one_do_not_spend_their_limit(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """ "Run all" sends every cell at once; each gets its own limit when it starts."""
+    name = make_kernelspec("queued", config={"exec_timeout": 3})
+    _, kc = start_kernel(kernel_name=name)
+    msg_ids = [kc.execute(f"import time; time.sleep(2); print('cell {i}')") for i in range(4)]
+    replies = {}
+    deadline = time.monotonic() + 60
+    while len(replies) < len(msg_ids) and time.monotonic() < deadline:
+        reply = kc.get_shell_msg(timeout=30)
+        replies[reply["parent_header"]["msg_id"]] = reply["content"]
+    assert [replies[m]["status"] for m in msg_ids] == ["ok"] * 4, replies
+
+
+def test_shutting_down_right_after_a_limit_kill_is_clean(
+    make_kernelspec: Callable[..., str], workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    name = make_kernelspec("runaway-then-stop", config={"exec_timeout": 2})
+    before = HostState(docker_client)
+    km = KernelManager(kernel_name=name, config=Config({"SandboxProvisioner": {"exec_kill_grace": 3}}))
+    km.start_kernel(cwd=str(workspace))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        result = run(
+            kc,
+            "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",
+            timeout=60,
+        )
+        assert result.reply["content"]["ename"] == "WallClockLimitExceeded"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)  # right away: must not raise, must not leak
+    assert before.new_leftovers() == []

@@ -227,8 +227,20 @@ async def test_a_failing_signal_is_a_docker_operation_error(
         raise api_error(APIError, 500, "cannot kill: permission denied")
 
     monkeypatch.setattr(fake_client.api, "kill", broken)
+    fake_client.states["c1"] = dict(RUNNING)
     with pytest.raises(DockerOperationError, match="signal the kernel container: cannot kill"):
         await sandbox_docker.signal("c1", signal.SIGTERM)
+
+
+async def test_a_signal_failing_on_a_dying_container_means_not_running(
+    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def dying(container_id: str, signal: int) -> None:
+        raise api_error(APIError, 500, "cannot connect to control server")
+
+    monkeypatch.setattr(fake_client.api, "kill", dying)
+    fake_client.states["c1"] = {"Status": "exited", "ExitCode": 137}
+    assert await sandbox_docker.signal("c1", signal.SIGKILL) is False
 
 
 async def test_logs_are_decoded_and_stripped(

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sandbox_kernel.orphans import owner_is_gone, remove_runtime_dir, server_identity
+import pytest
+
+from sandbox_kernel.orphans import owner_is_gone, remove_runtime_dir, server_identity, write_owner
 
 
 def test_this_process_owns_its_kernels_and_is_alive() -> None:
     identity = server_identity()
-    assert identity.startswith(f"{socket.gethostname()}/{os.getpid()}/")
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    assert identity.startswith(f"{socket.gethostname()}/{namespace}/{os.getpid()}/")
     assert not owner_is_gone(identity)
 
 
@@ -22,13 +25,16 @@ def test_a_dead_process_or_a_recycled_pid_is_gone() -> None:
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     dead_pid = int(child.stdout)
-    assert owner_is_gone(f"{socket.gethostname()}/{dead_pid}/12345")
-    host, pid, _ = server_identity().split("/")
-    assert owner_is_gone(f"{host}/{pid}/1")  # same pid, other start time: a recycled pid
+    host, namespace, pid, _ = server_identity().split("/")
+    assert owner_is_gone(f"{host}/{namespace}/{dead_pid}/12345")
+    assert owner_is_gone(f"{host}/{namespace}/{pid}/1")  # same pid, other start time: a recycled pid
 
 
-def test_owners_on_other_hosts_or_unreadable_labels_are_never_judged_gone() -> None:
-    assert not owner_is_gone("some-other-host/1/1")
+def test_owners_on_other_hosts_or_namespaces_or_unreadable_labels_are_never_judged_gone() -> None:
+    host, _, _, _ = server_identity().split("/")
+    assert not owner_is_gone("some-other-host/4026531836/1/1")
+    assert not owner_is_gone(f"{host}/1/999999/1")  # another PID namespace: cannot tell
+    assert not owner_is_gone(f"{host}/1/1")  # the old three-part form
     assert not owner_is_gone("")
     assert not owner_is_gone("garbage")
 
@@ -49,3 +55,18 @@ def test_only_sandbox_kernel_runtime_folders_under_the_parent_are_removed(tmp_pa
 
     remove_runtime_dir(str(ours), str(tmp_path))
     assert not ours.parent.exists()
+
+
+def test_an_unreadable_proc_entry_is_not_taken_for_a_dead_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    host, namespace, pid, ticks = server_identity().split("/")
+
+    def hidden(self: Path) -> str:
+        raise PermissionError(13, "hidepid")
+
+    monkeypatch.setattr(Path, "read_text", hidden)
+    assert not owner_is_gone(f"{host}/{namespace}/{pid}/{ticks}")
+
+
+def test_the_owner_file_names_the_current_owner(tmp_path: Path) -> None:
+    write_owner(tmp_path)
+    assert (tmp_path / "owner").read_text() == server_identity()
