@@ -388,7 +388,8 @@ class PruneApp(_KernelsApp):
 
     name = "jupyter-sandbox-kernel-prune"
     description = """Remove the sandboxed kernels whose server process has died on this host
-    (orphans), with their runtime folders. Kernels of running servers are never touched.
+    (orphans), with their runtime folders. A kernel is judged only when its owner ran on
+    this host in this PID namespace; when in doubt it is left alone.
     A server also does this when it starts its first sandboxed kernel."""
 
     def start(self) -> None:
