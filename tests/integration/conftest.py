@@ -228,3 +228,17 @@ def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     result = run(kc, code, timeout)
     assert result.status == "ok", f"cell failed: {result.outputs}"
     return result.stdout
+
+
+def attempt_each(kc: BlockingKernelClient, attempts: dict[str, str], setup: str = "") -> set[str]:
+    """Run each expression in the kernel; return the names that raised OSError.
+
+    Any attempt that succeeds fails the test right here, naming it.
+    """
+    code = f"import os\n{setup}\nfor name, attempt in {{\n"
+    code += "".join(f"    {name!r}: lambda: {expr},\n" for name, expr in attempts.items())
+    code += "}.items():\n    try:\n        attempt(); print('ALLOWED', name)\n"
+    code += "    except OSError as e:\n        print('denied', name)\n"
+    out = run_ok(kc, code)
+    assert "ALLOWED" not in out, out
+    return {line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("denied ")}
