@@ -1,11 +1,13 @@
 """The audit trail: one JSON line per execution, written on the host by the bridge.
 
 The bridge sees every ``execute_request`` a client sends, from any client, and the
-kernel's ``execute_reply``. Each finished (or abandoned) execution becomes one line::
+kernel's ``execute_reply``. Each execution gets a line when it arrives and one, complete
+on its own, when it finishes (or is abandoned)::
 
-    {"time": "...", "kernel_id": "...", "kernelspec": "...", "username": "...",
-     "session": "...", "msg_id": "...", "code": "...", "status": "ok",
-     "duration": 0.012, "execution_count": 3}
+    {"event": "started", "time": "...", "kernel_id": "...", "kernelspec": "...",
+     "username": "...", "session": "...", "msg_id": "...", "code": "..."}
+    {"event": "finished", ...the same..., "status": "ok", "duration": 0.012,
+     "execution_count": 3}
 
 The file lives outside every mount of the sandbox. Replies come from the sandbox and are
 untrusted: only small frames are parsed, and anything malformed is recorded as such.
@@ -155,6 +157,8 @@ class ExecutionAuditor:
             if superseded is not None:
                 self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
             self._pending[msg_id] = pending
+            # Written now too, so a server that dies mid-cell still leaves a trace.
+            self._write(self._record("started", msg_id, pending))
             while len(self._pending) > _MAX_PENDING:
                 oldest = next(iter(self._pending))
                 self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
@@ -178,10 +182,9 @@ class ExecutionAuditor:
             count if isinstance(count, int) else None,
         )
 
-    def _finish(
-        self, msg_id: str, pending: PendingExecution, status: str, execution_count: int | None
-    ) -> None:
-        record = {
+    def _record(self, event: str, msg_id: str, pending: PendingExecution) -> dict[str, Any]:
+        return {
+            "event": event,
             "time": pending.wall,
             "kernel_id": self._kernel_id,
             "kernelspec": self._kernelspec,
@@ -189,10 +192,20 @@ class ExecutionAuditor:
             "session": pending.session,
             "msg_id": msg_id,
             "code": pending.code,
-            "status": status,
-            "duration": round(time.monotonic() - pending.started, 6),
-            "execution_count": execution_count,
         }
+
+    def _finish(
+        self, msg_id: str, pending: PendingExecution, status: str, execution_count: int | None
+    ) -> None:
+        record = self._record("finished", msg_id, pending)
+        record.update(
+            status=status,
+            duration=round(time.monotonic() - pending.started, 6),
+            execution_count=execution_count,
+        )
+        self._write(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
         if self._log is None:
             return
         try:

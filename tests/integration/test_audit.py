@@ -17,11 +17,14 @@ from .conftest import KERNEL, KernelStarter, run, run_ok
 
 
 def audit_lines(path: Path, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+    """The "finished" records, once there are ``count`` of them."""
     deadline = time.monotonic() + timeout
     while True:
         lines = path.read_text().splitlines() if path.exists() else []
-        if len(lines) >= count or time.monotonic() > deadline:
-            return [json.loads(line) for line in lines]
+        records = [json.loads(line) for line in lines]
+        finished = [r for r in records if r["event"] == "finished"]
+        if len(finished) >= count or time.monotonic() > deadline:
+            return finished
         time.sleep(0.1)
 
 
@@ -73,6 +76,9 @@ def test_an_execution_cut_short_by_a_dead_kernel_is_still_audited(
     records = audit_lines(audit, 1)
     assert records[-1]["code"] == "import time; time.sleep(600)"
     assert records[-1]["status"].startswith("no reply")
+    # The request was on record before anything went wrong.
+    events = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [e["event"] for e in events if e["msg_id"] == records[-1]["msg_id"]] == ["started", "finished"]
 
 
 def test_an_audit_log_inside_the_workspace_is_refused(
