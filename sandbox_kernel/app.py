@@ -9,9 +9,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
@@ -26,6 +28,8 @@ from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .policy import validate_kernelspec_config
 from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
+
+T = TypeVar("T")
 
 KERNEL_NAME = "sandboxed-python"
 RECIPE_LABEL = "io.sandbox-kernel.recipe"
@@ -312,12 +316,16 @@ class _KernelsApp(_SubApp):
         "", config=True, help="Where the servers keep runtime folders (default: the system temp folder)."
     )
 
-    def kernels(self) -> list[SandboxedKernel]:
+    def docker(self, operation: Callable[[SandboxDocker], Coroutine[Any, Any, T]]) -> T:
+        """Run one async Docker operation; a Docker error is a user error, not a traceback."""
         try:
-            return asyncio.run(list_kernels(SandboxDocker()))
+            return asyncio.run(operation(SandboxDocker()))
         except SandboxKernelError as exc:
             self.fail(str(exc))
             raise  # unreachable: fail() exits
+
+    def kernels(self) -> list[SandboxedKernel]:
+        return self.docker(list_kernels)
 
 
 class ListApp(_KernelsApp):
@@ -376,11 +384,9 @@ class StopApp(_KernelsApp):
             if len(matches) != 1:
                 found = "no kernel" if not matches else f"{len(matches)} kernels"
                 self.fail(f"{found} with an id starting with {prefix!r}; see `jupyter sandbox-kernel list`")
-            try:
-                asyncio.run(remove_kernel(SandboxDocker(), matches[0], self.runtime_parent or None))
-            except SandboxKernelError as exc:
-                self.fail(str(exc))
-            print(f"Stopped {matches[0].kernel_id}")
+            (kernel,) = matches
+            self.docker(partial(remove_kernel, kernel=kernel, runtime_parent=self.runtime_parent or None))
+            print(f"Stopped {kernel.kernel_id}")
 
 
 class PruneApp(_KernelsApp):
@@ -393,11 +399,7 @@ class PruneApp(_KernelsApp):
     A server also does this when it starts its first sandboxed kernel."""
 
     def start(self) -> None:
-        try:
-            removed = asyncio.run(prune_orphans(SandboxDocker(), self.runtime_parent or None))
-        except SandboxKernelError as exc:
-            self.fail(str(exc))
-            return
+        removed = self.docker(partial(prune_orphans, runtime_parent=self.runtime_parent or None))
         for kernel in removed:
             print(f"Removed orphaned kernel {kernel.kernel_id} (server {kernel.owner} is gone)")
         print(f"{len(removed)} orphaned kernel(s) removed.")

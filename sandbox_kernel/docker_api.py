@@ -21,6 +21,7 @@ from .errors import (
     ImageNotFoundError,
     RuntimeMissingError,
 )
+from .policy import LABEL_MANAGED
 
 T = TypeVar("T")
 
@@ -203,8 +204,6 @@ class SandboxDocker:
 
     async def managed_containers(self) -> list[dict[str, Any]]:
         """``docker inspect`` of every sandbox-kernel container, running or not."""
-        from .policy import LABEL_MANAGED
-
         client = await self.client()
         found = await self._api(
             "list containers", client.api.containers, all=True, filters={"label": LABEL_MANAGED}

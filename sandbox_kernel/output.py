@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-from .wire import find_delimiter, load_dict
+from .wire import find_delimiter, load_dict, stderr_notice
 
 #: Status messages this small always pass, so clients still see busy/idle after a cap.
 _SMALL_STATUS = 1024
@@ -72,9 +72,7 @@ class OutputLimiter:
 
     def _notice(self, parent: dict[str, Any]) -> list[bytes]:
         text = (
-            f"\n[sandbox-kernel] Output truncated: this execution produced more than "
-            f"{self.limit / 2**20:g} MiB of output; the rest was dropped. "
-            "Write large results to a file in the workspace instead.\n"
+            f"Output truncated: this execution produced more than {self.limit / 2**20:g} MiB of "
+            "output; the rest was dropped. Write large results to a file in the workspace instead."
         )
-        msg = self._session.msg("stream", {"name": "stderr", "text": text}, parent=parent)
-        return list(self._session.serialize(msg, ident=[b"stream.stderr"]))
+        return stderr_notice(self._session, text, parent)

@@ -274,7 +274,7 @@ def resolve_workspace(
     if (
         mount in _SYSTEM_DIRS
         or mount in _home_folders()
-        or any(mount == tree or tree in mount.parents for tree in _SYSTEM_TREES)
+        or any(mount.is_relative_to(tree) for tree in _SYSTEM_TREES)
     ):
         msg = (
             f"Refusing to mount {str(mount)!r} (a system or home folder) as the kernel's workspace. "
@@ -283,7 +283,7 @@ def resolve_workspace(
         raise WorkspaceError(msg)
     if runtime_parent is not None:
         private = Path(runtime_parent).resolve()
-        if mount == private or mount in private.parents:
+        if private.is_relative_to(mount):
             msg = (
                 f"Refusing to mount {str(mount)!r} as the kernel's workspace: it contains "
                 f"{str(private)!r}, where other kernels keep their private sockets and keys."
@@ -300,7 +300,7 @@ def ensure_outside_workspace(path: str | os.PathLike[str], workspace: Path, sett
         WorkspaceError: naming the setting to change.
     """
     resolved = Path(path).expanduser().resolve()
-    if resolved == workspace or workspace in resolved.parents:
+    if resolved.is_relative_to(workspace):
         msg = (
             f"{setting}={str(path)!r} lies inside the kernel's workspace {str(workspace)!r}, where "
             f"sandboxed code could read or rewrite it. Point {setting} outside every workspace."
@@ -337,6 +337,11 @@ def can_write(path: Path, uid: int, gid: int) -> bool:
     if st.st_gid == gid:
         return bool(st.st_mode & stat.S_IWGRP)
     return bool(st.st_mode & stat.S_IWOTH)
+
+
+def kernel_sockets(launch_dir: Path) -> dict[str, Path]:
+    """Host path of each channel's ipc socket, as the kernel binds them in ``launch_dir``."""
+    return {channel: launch_dir / f"{Path(IPC_PREFIX).name}-{port}" for channel, port in IPC_PORTS.items()}
 
 
 def container_connection_info(key: bytes, signature_scheme: str, kernel_name: str) -> dict[str, Any]:

@@ -36,8 +36,6 @@ from .output import OutputLimiter
 from .policy import (
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
-    IPC_PORTS,
-    IPC_PREFIX,
     LABEL_OWNER,
     POLICY_ENV,
     SandboxSpec,
@@ -46,12 +44,14 @@ from .policy import (
     container_create_kwargs,
     ensure_outside_workspace,
     kernel_command,
+    kernel_sockets,
     kernel_user,
     resolve_workspace,
     sandbox_env,
     validate_kernelspec_config,
     validate_size,
 )
+from .wire import stderr_notice
 
 DEFAULT_IMAGE = "sandbox-kernel/python:latest"
 DEFAULT_RUNTIME = "runsc-sandbox-kernel"
@@ -411,8 +411,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             ports = await self._attach_bridge(launch_dir)
             await self._wait_until_ready(self.container_id, launch_dir)
             await asyncio.to_thread(self._seal, launch_dir)
-            if self.exec_timeout > 0:
-                self._watchdog = asyncio.create_task(self._enforce_exec_timeout(self.container_id))
+            self._start_watchdog(self.container_id)
         except BaseException:
             try:
                 await self._teardown(keep_bridge=False)
@@ -475,7 +474,7 @@ class SandboxProvisioner(KernelProvisionerBase):
 
     async def _attach_bridge(self, launch_dir: Path, ports: dict[str, int] | None = None) -> dict[str, int]:
         """Connect the bridge to this launch's sockets; create it on the first launch."""
-        endpoints = {c: f"ipc://{launch_dir}/{Path(IPC_PREFIX).name}-{IPC_PORTS[c]}" for c in CHANNELS}
+        endpoints = {channel: f"ipc://{path}" for channel, path in kernel_sockets(launch_dir).items()}
         if self.bridge is None:
             if self._auditor is None:
                 log_file = (
@@ -500,7 +499,7 @@ class SandboxProvisioner(KernelProvisionerBase):
 
     async def _wait_until_ready(self, container_id: str, runtime_dir: Path) -> None:
         """Wait until the kernel has bound all its sockets, or fail with its logs."""
-        sockets = [runtime_dir / f"{Path(IPC_PREFIX).name}-{port}" for port in IPC_PORTS.values()]
+        sockets = list(kernel_sockets(runtime_dir).values())
         deadline = time.monotonic() + self.startup_timeout
         next_check = 0.0
         while True:
@@ -533,6 +532,10 @@ class SandboxProvisioner(KernelProvisionerBase):
         if execution is None:
             return None
         return str(execution.header.get("msg_id", "")), execution.header
+
+    def _start_watchdog(self, container_id: str) -> None:
+        if self.exec_timeout > 0:
+            self._watchdog = asyncio.create_task(self._enforce_exec_timeout(container_id))
 
     async def _enforce_exec_timeout(self, container_id: str) -> None:
         """Backstop for code that defeats the in-kernel limit: interrupt, then kill.
@@ -568,7 +571,7 @@ class SandboxProvisioner(KernelProvisionerBase):
                     )
                     await self.docker.signal(container_id, signal.SIGKILL)
                     await self._wait_exited(container_id)
-                    self._abandon_executions(
+                    await self._abandon_executions(
                         "WallClockLimitExceeded",
                         f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
                         "interrupt ignored; the kernel restarts without its state",
@@ -583,10 +586,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         while time.monotonic() < deadline:
             _, code = await self.docker.state(container_id)
             if code is not None:
-                break
+                return
             await asyncio.sleep(0.1)
-        # Let the bridge pass on whatever the kernel sent before it died.
-        await asyncio.sleep(0.2)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -601,41 +602,41 @@ class SandboxProvisioner(KernelProvisionerBase):
             return None
         if code is not None and self.exit_code is None:
             self.exit_code = code
-            await asyncio.sleep(0.2)  # let the bridge pass on what the kernel sent before it died
             if await self.docker.oom_killed(self.container_id):
                 self.log.warning(
                     "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
                 )
-                self._abandon_executions(
+                await self._abandon_executions(
                     "MemoryLimitExceeded",
                     f"memory limit {self.memory} exceeded: the kernel was killed "
                     "and restarts without its state",
                 )
             else:
                 self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
-                self._abandon_executions(
+                await self._abandon_executions(
                     "KernelDied", f"the kernel stopped (exit code {code}) before this execution finished"
                 )
         return code
 
-    def _abandon_executions(self, ename: str, reason: str) -> None:
+    async def _abandon_executions(self, ename: str, reason: str) -> None:
         """Record unfinished executions, and answer their clients on the kernel's behalf.
 
         A client waiting for a reply from a kernel that is gone would wait forever (or
         until its own timeout, with no idea why): it gets an error reply naming the cause.
+        Call it once the kernel has exited.
         """
         if self._auditor is None:
             return
+        # Let the bridge pass on whatever the kernel sent before it died: a real reply
+        # still in flight must win over ours.
+        await asyncio.sleep(0.2)
         abandoned = self._auditor.abandon_pending(f"no reply: {reason}")
         if self.bridge is None or self._signer is None:
             return
         signer = self._signer
         for execution in abandoned:
             parent = execution.header
-            notice = signer.msg(
-                "stream", {"name": "stderr", "text": f"\n[sandbox-kernel] {reason}\n"}, parent
-            )
-            self.bridge.inject("iopub", signer.serialize(notice, ident=[b"stream.stderr"]))
+            self.bridge.inject("iopub", stderr_notice(signer, reason, parent))
             content = {
                 "status": "error",
                 "ename": ename,
@@ -743,8 +744,8 @@ class SandboxProvisioner(KernelProvisionerBase):
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             await self._attach_bridge(self.launch_dir, ports)
-            if self.exec_timeout > 0 and self.container_id:
-                self._watchdog = asyncio.create_task(self._enforce_exec_timeout(self.container_id))
+            if self.container_id:
+                self._start_watchdog(self.container_id)
 
     def resolve_path(self, path: str) -> str | None:
         """Map a path the kernel reports (e.g. /workspace/x.py) to the host, within the workspace."""

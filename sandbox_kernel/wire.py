@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from jupyter_client.session import Session
 
 DELIMITER = b"<IDS|MSG>"
 #: Largest frame parsed as JSON where a small one is expected (headers, replies).
@@ -39,3 +40,9 @@ def load_dict(frame: zmq.Frame | bytes, limit: int | None = MAX_SMALL_FRAME) -> 
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def stderr_notice(session: Session, text: str, parent: dict[str, Any]) -> list[bytes]:
+    """A signed IOPub stderr message from sandbox-kernel itself, as part of ``parent``'s output."""
+    msg = session.msg("stream", {"name": "stderr", "text": f"\n[sandbox-kernel] {text}\n"}, parent=parent)
+    return list(session.serialize(msg, ident=[b"stream.stderr"]))
