@@ -18,14 +18,15 @@ from typing import Any, TypeVar
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
-from traitlets import Bool, Float, Int, TraitError, Unicode
+from traitlets import Bool, Float, Int, List, TraitError, Unicode, default
 
 from ._version import __version__
 from .docker_api import SandboxDocker
+from .egress import EgressRules
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
 from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
-from .policy import validate_kernelspec_config
+from .policy import check_pass_env, validate_kernelspec_config
 from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
 
@@ -52,13 +53,24 @@ class InstallApp(_SubApp):
     description = """Install the "Sandboxed Python" kernelspec, so that Jupyter offers it and
     `KernelManager(kernel_name="sandboxed-python")` starts kernels inside gVisor.
     By default it installs system-wide (for all users, e.g. /usr/local/share/jupyter);
-    use --user, --sys-prefix or --prefix to choose another place."""
+    use --user, --sys-prefix or --prefix to choose another place. Limits and the network
+    given here are validated and written into the spec; one beyond the server's ceilings
+    (as jupyter_server_config sets them) gets a warning: such kernels start only where
+    the server allows them."""
     examples = """
     jupyter sandbox-kernel install --sys-prefix
     jupyter sandbox-kernel install --user --name py-sandbox --display-name "Python (sandbox)"
     jupyter sandbox-kernel install --image registry.example/sandbox-python:2 --replace
     jupyter sandbox-kernel install --name py-small --display-name "Python (small)" --memory 512m --cpus 0.5
+    jupyter sandbox-kernel install --name py-offline --display-name "Sandboxed Python (offline)"
+    jupyter sandbox-kernel install --name py-docs --display-name "Sandboxed Python (web: docs sites)" \
+        --allow-domain docs.python.org --allow-domain '*.readthedocs.io'
     """
+
+    @default("config_file_name")
+    def _config_file_name_default(self) -> str:
+        # The server's config holds the ceilings a new spec is checked against.
+        return "jupyter_server_config"
 
     kernel_name = Unicode(KERNEL_NAME, config=True, help="Name (folder) of the installed kernelspec.")
     display_name = Unicode("Sandboxed Python", config=True, help="Name shown in Jupyter's launcher.")
@@ -71,6 +83,25 @@ class InstallApp(_SubApp):
     pids = Int(0, config=True, help="Most processes and threads per kernel (default: the server's).")
     tmp_size = Unicode("", config=True, help="Size of each kernel's /tmp, e.g. 128m (default: the server's).")
     exec_timeout = Float(0, config=True, help="Wall-clock seconds per execution (default: the server's).")
+    idle_timeout = Float(
+        0, config=True, help="Seconds idle before a kernel is stopped (default: the server's)."
+    )
+    file_size = Unicode(
+        "", config=True, help="Largest file a kernel may write, e.g. 1g (default: the server's)."
+    )
+    network = Unicode(
+        "", config=True, help="Network mode: none, or allowlist (with --allow-domain; default: the server's)."
+    )
+    allowed_domains = List(
+        Unicode(),
+        config=True,
+        help="""A domain kernels may reach with --network allowlist, e.g. docs.python.org,
+        '*.pythonhosted.org' or api.example.com:8443; repeat for several. The server's
+        max_allowed_domains must cover each.""",
+    )
+    pass_env = List(
+        Unicode(), config=True, help="A server environment variable to pass in; repeat for several."
+    )
 
     aliases = {
         **base_aliases,
@@ -83,6 +114,11 @@ class InstallApp(_SubApp):
         "pids": "InstallApp.pids",
         "tmp-size": "InstallApp.tmp_size",
         "exec-timeout": "InstallApp.exec_timeout",
+        "idle-timeout": "InstallApp.idle_timeout",
+        "file-size": "InstallApp.file_size",
+        "network": "InstallApp.network",
+        "allow-domain": "InstallApp.allowed_domains",
+        "pass-env": "InstallApp.pass_env",
     }
     flags = {
         **base_flags,
@@ -99,7 +135,11 @@ class InstallApp(_SubApp):
         spec["display_name"] = self.display_name
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
         chosen = {"image": self.image, "memory": self.memory, "cpus": self.cpus, "pids": self.pids}
-        chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout)
+        chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout, idle_timeout=self.idle_timeout)
+        chosen.update(file_size=self.file_size, network=self.network, allowed_domains=self.allowed_domains)
+        chosen.update(pass_env=self.pass_env)
+        if self.allowed_domains and not self.network:
+            chosen["network"] = "allowlist"
         config.update({key: value for key, value in chosen.items() if value})
         self._validate(config)
         ksm = KernelSpecManager(parent=self)
@@ -127,14 +167,26 @@ class InstallApp(_SubApp):
         try:
             validate_kernelspec_config(config, self.kernel_name)
             provisioner = SandboxProvisioner(**config)
+            EgressRules.parse(provisioner.allowed_domains, "allowed_domains")
+            if provisioner.network == "allowlist" and not provisioner.allowed_domains:
+                provisioner.egress_policy()  # raises: an allow-list needs domains
         except (ConfigurationError, TraitError) as exc:
             self.fail(str(exc))
-        try:
-            check_within_ceilings(provisioner.limits, provisioner.ceilings)
-        except ConfigurationError as exc:
-            print(
-                f"warning: {exc} Kernels of this spec start only where the server raises it.", file=sys.stderr
-            )
+        ceilings = SandboxProvisioner(parent=self)
+        checks: list[Callable[[], object]] = [
+            partial(check_within_ceilings, provisioner.limits, ceilings.ceilings),
+            partial(check_pass_env, provisioner.pass_env if self.pass_env else [], ceilings.max_pass_env),
+        ]
+        if provisioner.network == "allowlist":
+            checks.append(partial(_check_domains, provisioner, ceilings))
+        for check in checks:
+            try:
+                check()
+            except ConfigurationError as exc:
+                print(
+                    f"warning: {exc} Kernels of this spec start only where the server allows it.",
+                    file=sys.stderr,
+                )
 
     def _destination(self, ksm: KernelSpecManager) -> Path:
         """Where install_kernel_spec will put the spec (it replaces silently)."""
@@ -147,11 +199,18 @@ class InstallApp(_SubApp):
         return base / self.kernel_name.lower()
 
 
+def _check_domains(spec: SandboxProvisioner, server: SandboxProvisioner) -> None:
+    """Whether the server's ceiling (as this app's config knows it) covers the spec's domains."""
+    server.network = "allowlist"
+    server.allowed_domains = spec.allowed_domains
+    server.egress_policy()
+
+
 class BuildImageApp(_SubApp):
     """Build the kernel image from images/Dockerfile."""
 
     name = "jupyter-sandbox-kernel-build-image"
-    description = """Build the kernel image (ipykernel, numpy, pandas, matplotlib; non-root user)
+    description = """Build the kernel image (ipykernel, numpy, pandas, matplotlib, requests; non-root user)
     from the bundled images/Dockerfile, showing the build's progress.
 
     The Dockerfile's base is a build argument. Sites with a registry use the default

@@ -7,7 +7,15 @@ on its own, when it finishes (or is abandoned)::
     {"event": "started", "time": "...", "kernel_id": "...", "kernelspec": "...",
      "username": "...", "session": "...", "msg_id": "...", "code": "..."}
     {"event": "finished", ...the same..., "status": "ok", "duration": 0.012,
-     "execution_count": 3}
+     "execution_count": 3, "egress": [{"method": "CONNECT", "host": "pypi.org",
+     "port": 443, "verdict": "allowed", "reason": "..."}]}
+
+and each verdict of the egress proxy (network "allowlist") gets a line as it happens::
+
+    {"event": "egress", "time": "...", "kernel_id": "...", "kernelspec": "...",
+     "msg_id": "..." (the execution it served, or null), "method": "CONNECT",
+     "host": "evil.example", "port": 443, "verdict": "denied", "reason": "...",
+     "address": null}
 
 The file lives outside every mount of the sandbox. Replies come from the sandbox and are
 untrusted: only small frames are parsed, and anything malformed is recorded as such.
@@ -21,8 +29,8 @@ import logging.handlers
 import os
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,10 @@ log = logging.getLogger(__name__)
 
 #: Pending executions kept per kernel; beyond that the oldest are written as unanswered.
 _MAX_PENDING = 1000
+#: Egress decisions listed in one execution's "finished" line (each also has its own line).
+_MAX_EGRESS = 100
+#: What of an egress decision goes into the execution's "finished" line.
+_EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 
 
 class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
@@ -91,6 +103,9 @@ class PendingExecution:
     header: dict[str, Any]
     #: When the kernel said it began this one (its execute_input); queued ones have None.
     running_since: float | None = None
+    #: The egress proxy's verdicts while it ran (the first ``_MAX_EGRESS``), and how many more.
+    egress: list[dict[str, Any]] = field(default_factory=list)
+    egress_dropped: int = 0
 
 
 def _split(frames: Sequence[zmq.Frame]) -> tuple[list[bytes], list[bytes]] | None:
@@ -111,6 +126,11 @@ class ExecutionAuditor:
         self._kernelspec = kernelspec
         self._pending: dict[str, PendingExecution] = {}
         self._lock = threading.Lock()
+        self._last_activity = time.monotonic()
+        #: Set while the kernel is stopped for good (the idle limit): requests get
+        #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
+        self._refusing: str | None = None
+        self.on_refused: Callable[[PendingExecution], None] | None = None
 
     def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame]) -> None:
         if channel not in ("shell", "iopub"):
@@ -152,7 +172,15 @@ class ExecutionAuditor:
             header=header,
         )
         msg_id = str(header.get("msg_id", ""))
+        refusing = self._refusing
+        if refusing is not None:
+            self._write(self._record("started", msg_id, pending))
+            self._finish(msg_id, pending, f"refused: {refusing}", None)
+            if self.on_refused is not None:
+                self.on_refused(pending)
+            return
         with self._lock:
+            self._last_activity = time.monotonic()
             superseded = self._pending.pop(msg_id, None)
             if superseded is not None:
                 self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
@@ -170,6 +198,7 @@ class ExecutionAuditor:
         msg_id = str(load_dict(parts[2]).get("msg_id", ""))
         with self._lock:
             pending = self._pending.pop(msg_id, None)
+            self._last_activity = time.monotonic()
         if pending is None:
             return
         content = load_dict(parts[4])
@@ -202,8 +231,38 @@ class ExecutionAuditor:
             status=status,
             duration=round(time.monotonic() - pending.started, 6),
             execution_count=execution_count,
+            egress=pending.egress,
         )
+        if pending.egress_dropped:
+            record["egress_dropped"] = pending.egress_dropped
         self._write(record)
+
+    def egress(self, decision: Mapping[str, Any]) -> None:
+        """Record one verdict of the egress proxy (any thread), with the execution it served.
+
+        Code runs between executions too (threads it started): such decisions carry no
+        msg_id. Each decision gets its own line at once, and joins its execution's
+        "finished" line.
+        """
+        with self._lock:
+            running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
+            msg_id = min(running)[1] if running else next(iter(self._pending), None)
+            pending = self._pending.get(msg_id) if msg_id is not None else None
+            if pending is not None:
+                if len(pending.egress) < _MAX_EGRESS:
+                    pending.egress.append({key: decision.get(key) for key in _EGRESS_SUMMARY})
+                else:
+                    pending.egress_dropped += 1
+        self._write(
+            {
+                "event": "egress",
+                "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                "kernel_id": self._kernel_id,
+                "kernelspec": self._kernelspec,
+                "msg_id": msg_id,
+                **{key: decision.get(key) for key in (*_EGRESS_SUMMARY, "address")},
+            }
+        )
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._log is None:
@@ -229,6 +288,20 @@ class ExecutionAuditor:
         """The oldest execution still waiting for its reply (host-known: clients sent it)."""
         with self._lock:
             return next(iter(self._pending.values()), None)
+
+    def idle_for(self) -> float | None:
+        """Seconds since the last execution began or ended; None while one is pending."""
+        with self._lock:
+            return None if self._pending else time.monotonic() - self._last_activity
+
+    def refuse(self, reason: str | None) -> None:
+        """From now on, answer every new execute_request with ``on_refused`` (None: stop).
+
+        Reopening also restarts the idle clock: a fresh kernel has just begun.
+        """
+        with self._lock:
+            self._refusing = reason
+            self._last_activity = time.monotonic()
 
     def abandon_pending(self, reason: str) -> list[PendingExecution]:
         """Write every execution still waiting for its reply (the kernel went away).

@@ -91,6 +91,8 @@ class KernelBridge:
         self._stop_rx: zmq.Socket[bytes] | None = None
         self._inject_tx: zmq.Socket[bytes] | None = None
         self._inject_rx: zmq.Socket[bytes] | None = None
+        # zmq sockets are not thread-safe; injections come from the loop and the bridge thread.
+        self._inject_lock = threading.Lock()
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
 
@@ -184,11 +186,11 @@ class KernelBridge:
     def inject(self, channel: str, message: Sequence[bytes]) -> None:
         """Send a message to clients on ``channel`` as if the kernel had sent it.
 
-        For the provisioner's own notices (a kernel killed by a limit). Call it from one
-        thread only (the event loop's).
+        For the provisioner's own notices (a kernel killed by a limit); any thread.
         """
-        if self._inject_tx is not None:
-            self._inject_tx.send_multipart([channel.encode(), *message])
+        with self._inject_lock:
+            if self._inject_tx is not None:
+                self._inject_tx.send_multipart([channel.encode(), *message])
 
     def detach(self) -> None:
         """Stop relaying and drop the kernel-facing sockets with anything queued in them."""

@@ -162,6 +162,18 @@ class SandboxDocker:
             return status, None
         return status, int(state.get("ExitCode", 255))
 
+    async def main_pid(self, container_id: str) -> int | None:
+        """The host pid of the container's main process (gVisor's sandbox), if running."""
+        client = await self.client()
+        try:
+            attrs = await self._api(
+                "inspect the kernel container", client.api.inspect_container, container_id
+            )
+        except NotFound:
+            return None
+        pid = (attrs.get("State") or {}).get("Pid")
+        return int(pid) if isinstance(pid, int) and pid > 0 else None
+
     async def oom_killed(self, container_id: str) -> bool:
         client = await self.client()
         try:

@@ -41,6 +41,8 @@ class Limits:
     pids: int
     tmp_size: str
     exec_timeout: float = 0.0
+    idle_timeout: float = 0.0
+    file_size: str = "4g"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,15 +71,26 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
             size_bytes("tmp_size", limits.tmp_size),
             size_bytes("max_tmp_size", ceilings.tmp_size),
         ),
+        (
+            "file_size",
+            limits.file_size,
+            ceilings.file_size,
+            size_bytes("file_size", limits.file_size),
+            size_bytes("max_file_size", ceilings.file_size),
+        ),
     ]
-    if ceilings.exec_timeout > 0 and not 0 < limits.exec_timeout <= ceilings.exec_timeout:
-        asked = "no limit" if limits.exec_timeout <= 0 else f"{limits.exec_timeout:g} s"
-        msg = (
-            f"exec_timeout={limits.exec_timeout!r} ({asked}) exceeds the server's ceiling of "
-            f"{ceilings.exec_timeout:g} s per execution (SandboxProvisioner.max_exec_timeout). Ask for at "
-            "most that in the kernelspec, or have the server's administrator raise the ceiling."
-        )
-        raise ConfigurationError(msg)
+    for name, asked, ceiling in (
+        ("exec_timeout", limits.exec_timeout, ceilings.exec_timeout),
+        ("idle_timeout", limits.idle_timeout, ceilings.idle_timeout),
+    ):
+        if ceiling > 0 and not 0 < asked <= ceiling:
+            what = "no limit" if asked <= 0 else f"{asked:g} s"
+            msg = (
+                f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s "
+                f"(SandboxProvisioner.max_{name}). Ask for at most that in the kernelspec, "
+                "or have the server's administrator raise the ceiling."
+            )
+            raise ConfigurationError(msg)
     for name, value, ceiling, amount, most in checks:
         if amount > most:
             msg = (
@@ -88,35 +101,57 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
             raise ConfigurationError(msg)
 
 
-def exec_timeout_startup(limit: float) -> str:
-    """Python run at the kernel's start (as PYTHONSTARTUP) to enforce ``limit`` per execution.
+def kernel_startup(limits: Limits) -> str:
+    """Python the kernel runs at its start (as PYTHONSTARTUP): clear messages for the limits.
 
-    A SIGALRM armed before each cell raises a TimeoutError that names the limit, so the
-    user gets a clear error and keeps the kernel. Code that blocks or ignores the signal
-    is the host's business: the provisioner interrupts, then kills the kernel.
+    This is for the user's benefit, not enforcement (the kernel's own code could undo it):
+
+    - a ``MemoryError`` names the memory limit (gVisor fails allocations with ENOMEM at
+      the container's limit rather than killing the kernel);
+    - with a wall-clock limit, a SIGALRM armed before each cell raises a TimeoutError
+      naming it, so the user keeps the kernel. Code that blocks or ignores the signal is
+      the host's business: the provisioner interrupts, then kills the kernel.
     """
     return f"""\
-def _sandbox_kernel_exec_timeout(limit):
+def _sandbox_kernel_startup(memory, exec_timeout):
     import signal
+
+    shell = get_ipython()  # noqa: F821
+
+    def memory_error(self, etype, value, tb, tb_offset=None):
+        detail = str(value)
+        message = (
+            f"memory limit {{memory}} of this sandboxed kernel reached"
+            + (f" ({{detail}})" if detail else "")
+            + ": the allocation failed and the kernel keeps running; free memory (del, gc) "
+            "or restart the kernel, or ask for a higher limit"
+        )
+        value.args = (message,)
+        # Some errors (numpy's) render from their own fields: show a plain one instead.
+        shown = value if str(value) == message else MemoryError(message)
+        self.showtraceback((type(shown), shown, tb), tb_offset=tb_offset)
+
+    shell.set_custom_exc((MemoryError,), memory_error)
+    if exec_timeout <= 0:
+        return
 
     def expired(signum, frame):
         raise TimeoutError(
-            f"execution stopped: the wall-clock limit of {{limit:g}} s per execution was exceeded "
+            f"execution stopped: the wall-clock limit of {{exec_timeout:g}} s per execution was exceeded "
             "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
         )
 
     def arm(info):
         signal.signal(signal.SIGALRM, expired)
-        signal.setitimer(signal.ITIMER_REAL, limit)
+        signal.setitimer(signal.ITIMER_REAL, exec_timeout)
 
     def disarm(result):
         signal.setitimer(signal.ITIMER_REAL, 0)
 
-    shell = get_ipython()  # noqa: F821
     shell.events.register("pre_run_cell", arm)
     shell.events.register("post_run_cell", disarm)
 
 
-_sandbox_kernel_exec_timeout({float(limit)!r})
-del _sandbox_kernel_exec_timeout
+_sandbox_kernel_startup({limits.memory!r}, {float(limits.exec_timeout)!r})
+del _sandbox_kernel_startup
 """

@@ -79,10 +79,28 @@ SECCOMP_PROFILE = json.dumps(
 
 #: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
 KERNELSPEC_KEYS = frozenset(
-    {"image", "memory", "cpus", "pids", "tmp_size", "exec_timeout", "workspace_root", "pass_env"}
+    {
+        "image",
+        "memory",
+        "cpus",
+        "pids",
+        "tmp_size",
+        "file_size",
+        "exec_timeout",
+        "idle_timeout",
+        "network",
+        "allowed_domains",
+        "workspace_root",
+        "pass_env",
+    }
 )
-#: Where the kernel finds its start-up code (the per-execution wall-clock limit).
+#: Where the kernel finds its start-up code (clear messages for its limits).
 CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
+#: With network "allowlist": the in-sandbox relay, the unix socket the host's egress
+#: proxy dials into, and the loopback port programs use as their HTTP(S) proxy.
+CONTAINER_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/egress_relay.py"
+CONTAINER_EGRESS_SOCKET = f"{CONTAINER_RUNTIME_DIR}/egress.sock"
+EGRESS_PROXY_PORT = 3128
 
 #: Host folders that are never mounted as a workspace, nor is anything inside them.
 _SYSTEM_TREES = tuple(
@@ -141,6 +159,7 @@ class SandboxSpec:
     cpus: float = 1.0
     pids: int = 256
     tmp_size: str = "256m"
+    file_size: str = "4g"
     extra_labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -195,7 +214,16 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         # Docker's pids_limit counts gVisor's host threads, not the kernel's processes,
         # and kills the whole sandbox silently when reached. RLIMIT_NPROC is enforced
         # inside gVisor per (non-root) uid: a fork or thread bomb gets a clean EAGAIN.
-        "ulimits": [Ulimit(name="nproc", soft=spec.pids, hard=spec.pids)],
+        # RLIMIT_FSIZE bounds each file the kernel writes (EFBIG, "File too large"): a
+        # bind-mounted workspace cannot have a quota of its own.
+        "ulimits": [
+            Ulimit(name="nproc", soft=spec.pids, hard=spec.pids),
+            Ulimit(
+                name="fsize",
+                soft=size_bytes("file_size", spec.file_size),
+                hard=size_bytes("file_size", spec.file_size),
+            ),
+        ],
         "log_config": {"type": "json-file", "config": {"max-size": "10m", "max-file": "1"}},
         "stdin_open": False,
         "tty": False,
@@ -232,6 +260,26 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
     return [arg.replace("{connection_file}", CONTAINER_CONNECTION_FILE) for arg in argv] + list(
         extra_arguments
     )
+
+
+def egress_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` behind the egress relay, which starts first and then runs ``cmd``.
+
+    The relay runs with the kernel's interpreter when ``argv[0]`` names one.
+    """
+    python = cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
+    return [python, CONTAINER_RELAY_FILE, CONTAINER_EGRESS_SOCKET, str(EGRESS_PROXY_PORT), "--", *cmd]
+
+
+def proxy_env() -> dict[str, str]:
+    """The variables that send HTTP(S) clients (urllib, requests, pip, curl) to the relay."""
+    url = f"http://127.0.0.1:{EGRESS_PROXY_PORT}"
+    names = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+    return {
+        **dict.fromkeys(names, url),
+        "NO_PROXY": "localhost,127.0.0.1,::1",
+        "no_proxy": "localhost,127.0.0.1,::1",
+    }
 
 
 def resolve_workspace(
@@ -372,6 +420,22 @@ def validate_kernelspec_config(config: Mapping[str, Any], kernelspec: str = "") 
                 f"a setting a kernelspec may choose. Allowed: {', '.join(sorted(KERNELSPEC_KEYS))}."
             )
             raise ConfigurationError(msg)
+
+
+def check_pass_env(asked: Iterable[str], ceiling: Iterable[str]) -> None:
+    """Refuse a kernelspec's ``pass_env`` naming server variables beyond the ceiling.
+
+    Raises:
+        ConfigurationError: naming the variables and the ceiling.
+    """
+    beyond = sorted(set(asked) - set(ceiling))
+    if beyond:
+        msg = (
+            f"pass_env would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
+            f"server's ceiling (SandboxProvisioner.max_pass_env={sorted(ceiling)!r}). Remove them from the "
+            "kernelspec, set a value in its `env` instead, or have the administrator widen the ceiling."
+        )
+        raise ConfigurationError(msg)
 
 
 def validate_size(name: str, value: str) -> str:

@@ -9,11 +9,14 @@ clients on 127.0.0.1 by a :class:`~sandbox_kernel.bridge.KernelBridge`. See
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import ipaddress
 import json
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,28 +27,37 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Float, Int, List, TraitError, Unicode, default, validate
+from traitlets import CaselessStrEnum, Dict, Float, Int, List, TraitError, Unicode, default, validate
 
-from .audit import AuditLog, ExecutionAuditor
+from .audit import AuditLog, ExecutionAuditor, PendingExecution
+from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
+from .cgroups import oom_kills
 from .docker_api import SandboxDocker
+from .egress import Decision, EgressPolicy, EgressProxy, EgressRules
+from .egress import relay as egress_relay
 from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
-from .limits import Limits, check_within_ceilings, exec_timeout_startup, size_bytes
+from .limits import Limits, check_within_ceilings, kernel_startup, size_bytes
 from .orphans import prune_orphans, server_identity, write_owner
 from .output import OutputLimiter
 from .policy import (
+    CONTAINER_EGRESS_SOCKET,
+    CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
     LABEL_OWNER,
     POLICY_ENV,
     SandboxSpec,
     can_write,
+    check_pass_env,
     container_connection_info,
     container_create_kwargs,
+    egress_command,
     ensure_outside_workspace,
     kernel_command,
     kernel_sockets,
     kernel_user,
+    proxy_env,
     resolve_workspace,
     sandbox_env,
     validate_kernelspec_config,
@@ -104,6 +116,79 @@ class SandboxProvisioner(KernelProvisionerBase):
     )
     tmp_size = Unicode(
         "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
+    )
+    file_size = Unicode(
+        "4g",
+        config=True,
+        help="""Largest file the kernel may write, in the workspace or /tmp (RLIMIT_FSIZE):
+        a write past it fails with "File too large" (EFBIG). A bind-mounted workspace has no
+        quota of its own; see the README on bounding its total size.""",
+    )
+    idle_timeout = Float(
+        0.0,
+        config=True,
+        help="""Seconds without any execution after which the kernel is stopped to free its
+        memory (0: never). Clients are told; later requests get an error reply
+        `IdleLimitExceeded` until the kernel is restarted.""",
+    )
+    network = CaselessStrEnum(
+        ["none", "allowlist"],
+        default_value="none",
+        config=True,
+        help="""The kernel's network: `none` (loopback only), or `allowlist`: HTTP and HTTPS to
+        `allowed_domains` only, through a proxy on the host (HTTP_PROXY/HTTPS_PROXY inside).
+        Either way the sandbox has no network interface.""",
+    )
+    allowed_domains = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""With network `allowlist`: the domains the kernel may reach, as exact names
+        (`docs.python.org`) or wildcards (`*.python.org`, any subdomain), each with an optional
+        port (`api.example.com:8443`; without one, 80 and 443). Each must lie within
+        `max_allowed_domains`.""",
+    )
+    max_allowed_domains = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Ceiling for `allowed_domains`: every domain a kernel may be allowed must be covered
+        by one of these patterns. Empty (the default): no kernel gets any network. Server config only.""",
+    )
+    egress_host_map = Dict(
+        value_trait=Unicode(),
+        key_trait=Unicode(),
+        default_value={},
+        config=True,
+        help="""Host names the egress proxy resolves to a fixed IP address instead of asking DNS
+        (like curl --resolve), e.g. {"pypi.internal": "10.0.0.5"}. Server config only.""",
+    )
+    egress_private_networks = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Non-public networks (CIDRs) the egress proxy may connect to, e.g. an internal
+        package mirror's ["10.0.0.5/32"]. Otherwise an allowed name that resolves to a private,
+        loopback, link-local (cloud metadata) or reserved address is denied. Server config only.""",
+    )
+    max_pass_env = List(
+        Unicode(),
+        default_value=["LANG", "LC_ALL", "TZ"],
+        config=True,
+        help="""Ceiling for a kernelspec's `pass_env`: the only server environment variables a
+        kernelspec may pass into the sandbox. Server config only (the server's own `pass_env`
+        is not bounded by it).""",
+    )
+    max_file_size = Unicode(
+        "16g",
+        config=True,
+        help="Ceiling for `file_size`: no kernelspec may ask for more. Server config only.",
+    )
+    max_idle_timeout = Float(
+        0.0,
+        config=True,
+        help="""Ceiling for `idle_timeout` (0: none). When set, every kernel must have an idle
+        limit at or below it. Server config only.""",
     )
     exec_timeout = Float(
         0.0,
@@ -194,20 +279,44 @@ class SandboxProvisioner(KernelProvisionerBase):
     def _runtime_parent_default(self) -> str:
         return tempfile.gettempdir()
 
-    @validate("memory", "tmp_size", "max_memory", "max_tmp_size", "output_limit")
+    @validate(
+        "memory", "tmp_size", "max_memory", "max_tmp_size", "output_limit", "file_size", "max_file_size"
+    )
     def _validate_size(self, proposal: dict[str, Any]) -> str:
         try:
             return validate_size(proposal["trait"].name, proposal["value"])
         except ConfigurationError as exc:
             raise TraitError(str(exc)) from None
 
-    @validate("exec_timeout", "max_exec_timeout", "exec_kill_grace")
+    @validate("exec_timeout", "max_exec_timeout", "exec_kill_grace", "idle_timeout", "max_idle_timeout")
     def _validate_seconds(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
         if not 0 <= value <= 7 * 24 * 3600:
             msg = f"{proposal['trait'].name}={value!r} is out of range; use seconds between 0 and a week."
             raise TraitError(msg)
         return value
+
+    @validate("egress_private_networks")
+    def _validate_networks(self, proposal: dict[str, Any]) -> list[str]:
+        networks: list[str] = list(proposal["value"])
+        for network in networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                msg = f"egress_private_networks: {network!r} is not a network; use CIDR, e.g. '10.0.0.5/32'."
+                raise TraitError(msg) from None
+        return networks
+
+    @validate("egress_host_map")
+    def _validate_host_map(self, proposal: dict[str, Any]) -> dict[str, str]:
+        host_map: dict[str, str] = dict(proposal["value"])
+        for name, address in host_map.items():
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                msg = f"egress_host_map: {name!r} maps to {address!r}, which is not an IP address."
+                raise TraitError(msg) from None
+        return host_map
 
     @validate("cpus")
     def _validate_cpus(self, proposal: dict[str, Any]) -> float:
@@ -254,21 +363,45 @@ class SandboxProvisioner(KernelProvisionerBase):
         self._spec: SandboxSpec | None = None
         self._curve: CurveKeys | None = None
         self._auditor: ExecutionAuditor | None = None
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watchdog: concurrent.futures.Future[None] | None = None
+        # The loop of the manager that launched the kernel: restarter calls go there.
+        self._manager_loop: asyncio.AbstractEventLoop | None = None
+        self._exit_lock = threading.Lock()
+        self._exit_noted: str | None = None
+        self._out_of_memory: str | None = None
         # Signs the provisioner's own messages to clients (notices, replies for the dead).
         self._signer: Session | None = None
+        self._egress: EgressPolicy | None = None
+        self._egress_registered = False
+        self._restarter_stopped = False
 
     # ------------------------------------------------------------------ launch
 
     @property
     def limits(self) -> Limits:
         """What this kernel asks for (kernelspec values over the server's defaults)."""
-        return Limits(self.cpus, self.memory, self.pids, self.tmp_size, self.exec_timeout)
+        return Limits(
+            self.cpus,
+            self.memory,
+            self.pids,
+            self.tmp_size,
+            self.exec_timeout,
+            self.idle_timeout,
+            self.file_size,
+        )
 
     @property
     def ceilings(self) -> Limits:
         """The most the server allows; only server config sets these."""
-        return Limits(self.max_cpus, self.max_memory, self.max_pids, self.max_tmp_size, self.max_exec_timeout)
+        return Limits(
+            self.max_cpus,
+            self.max_memory,
+            self.max_pids,
+            self.max_tmp_size,
+            self.max_exec_timeout,
+            self.max_idle_timeout,
+            self.max_file_size,
+        )
 
     @property
     def has_process(self) -> bool:
@@ -287,12 +420,15 @@ class SandboxProvisioner(KernelProvisionerBase):
                 is not ready; each message says how to fix it.
         """
         metadata = getattr(self.kernel_spec, "metadata", {}) or {}
-        validate_kernelspec_config(metadata.get("kernel_provisioner", {}).get("config", {}), self.kernel_name)
+        spec_config = metadata.get("kernel_provisioner", {}).get("config", {})
+        validate_kernelspec_config(spec_config, self.kernel_name)
         transport_encryption = kwargs.pop("transport_encryption", None)
         extra_arguments = kwargs.pop("extra_arguments", [])
         self._curve = self._curve_keys(transport_encryption)
         limits = self.limits
         check_within_ceilings(limits, self.ceilings)
+        check_pass_env(spec_config.get("pass_env", []), self.max_pass_env)
+        self._egress = self.egress_policy()
 
         await self.docker.check_runtime(self.docker_runtime)
         await self.docker.check_image(self.image)
@@ -320,6 +456,10 @@ class SandboxProvisioner(KernelProvisionerBase):
             )
         cmd = kernel_command(self.kernel_spec.argv, extra_arguments)
         kwargs = await super().pre_launch(cmd=cmd, **kwargs)
+        policy = {**limits.as_dict(), "network": self.network, "image": self.image}
+        if self._egress is not None:
+            policy["allowed_domains"] = list(self._egress.rules.patterns)
+            cmd = egress_command(cmd)
         self._spec = SandboxSpec(
             kernel_id=str(self.kernel_id),
             kernelspec=self.kernel_name,
@@ -328,8 +468,9 @@ class SandboxProvisioner(KernelProvisionerBase):
             command=cmd,
             env={
                 **sandbox_env(kwargs["env"], self.pass_env, self.kernel_spec.env),
-                POLICY_ENV: json.dumps({**limits.as_dict(), "network": "none", "image": self.image}),
-                **({"PYTHONSTARTUP": CONTAINER_STARTUP_FILE} if self.exec_timeout > 0 else {}),
+                POLICY_ENV: json.dumps(policy),
+                "PYTHONSTARTUP": CONTAINER_STARTUP_FILE,
+                **(proxy_env() if self._egress is not None else {}),
             },
             workspace=workspace,
             workdir=workdir,
@@ -340,10 +481,48 @@ class SandboxProvisioner(KernelProvisionerBase):
             cpus=self.cpus,
             pids=self.pids,
             tmp_size=self.tmp_size,
+            file_size=self.file_size,
             extra_labels={LABEL_OWNER: server_identity()},
         )
         await self._sweep_orphans_once()
         return kwargs
+
+    def egress_policy(self) -> EgressPolicy | None:
+        """The kernel's egress rules (None: no network), checked against the ceiling.
+
+        Raises:
+            ConfigurationError: a malformed domain, an allow-list without domains, domains
+                with network "none", or domains beyond ``max_allowed_domains``.
+        """
+        if self.network == "none":
+            if self.allowed_domains:
+                msg = (
+                    f"allowed_domains={list(self.allowed_domains)!r} is set but network is 'none', so it "
+                    "would be ignored. Set network to 'allowlist' to use it, or remove allowed_domains."
+                )
+                raise ConfigurationError(msg)
+            return None
+        rules = EgressRules.parse(self.allowed_domains, "allowed_domains")
+        if not rules.patterns:
+            msg = (
+                "network='allowlist' needs allowed_domains, the domains the kernel may reach, e.g. "
+                '["docs.python.org", "*.pythonhosted.org"]. Add them, or use network \'none\'.'
+            )
+            raise ConfigurationError(msg)
+        ceiling = EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
+        beyond = rules.uncovered_by(ceiling)
+        if beyond:
+            msg = (
+                f"allowed_domains {beyond!r} exceed the server's ceiling "
+                f"(SandboxProvisioner.max_allowed_domains={list(ceiling.patterns)!r}). Ask only for "
+                "domains within it, or have the server's administrator widen it."
+            )
+            raise ConfigurationError(msg)
+        return EgressPolicy(
+            rules=rules,
+            host_map=dict(self.egress_host_map),
+            private_networks=tuple(self.egress_private_networks),
+        )
 
     _swept_orphans = False
 
@@ -391,11 +570,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         try:
             launch_dir = await asyncio.to_thread(self._new_launch_dir, self._spec.uid, self._spec.gid)
             spec = replace(self._spec, runtime_dir=launch_dir)
-            self._write_container_connection_file(spec, key, scheme)
-            if self.exec_timeout > 0:
-                (launch_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(
-                    exec_timeout_startup(self.exec_timeout)
-                )
+            await asyncio.to_thread(self._write_launch_files, spec, key, scheme)
             container = await self.docker.create_and_start(container_create_kwargs(spec))
             self.container_id = str(container.id)
             self.exit_code = None
@@ -409,8 +584,10 @@ class SandboxProvisioner(KernelProvisionerBase):
                 spec.workspace,
             )
             ports = await self._attach_bridge(launch_dir)
+            await self._open_egress(launch_dir)
             await self._wait_until_ready(self.container_id, launch_dir)
             await asyncio.to_thread(self._seal, launch_dir)
+            self._reopen()
             self._start_watchdog(self.container_id)
         except BaseException:
             try:
@@ -432,6 +609,44 @@ class SandboxProvisioner(KernelProvisionerBase):
         self.connection_info = info  # type: ignore[assignment]
         return self.connection_info
 
+    async def _open_egress(self, launch_dir: Path) -> None:
+        """With network "allowlist": have the host's egress proxy dial this kernel's relay."""
+        if self._egress is None:
+            return
+        proxy = EgressProxy.instance()
+        socket_path = launch_dir / Path(CONTAINER_EGRESS_SOCKET).name
+        await asyncio.to_thread(
+            proxy.add_kernel, str(self.kernel_id), socket_path, self._egress, self._on_egress
+        )
+        self._egress_registered = True
+
+    async def _close_egress(self) -> None:
+        if self._egress_registered:
+            self._egress_registered = False
+            await asyncio.to_thread(EgressProxy.instance().remove_kernel, str(self.kernel_id))
+
+    def _on_egress(self, decision: Decision) -> None:
+        """One verdict of the egress proxy (its thread): into the audit log and the server's log."""
+        if decision.get("verdict") != "allowed":
+            self.log.info(
+                "Sandboxed kernel %s: egress to %s:%s denied (%s)",
+                self.kernel_id,
+                decision.get("host"),
+                decision.get("port"),
+                decision.get("reason"),
+            )
+        if self._auditor is not None:
+            self._auditor.egress(decision)
+
+    def _reopen(self) -> None:
+        """A kernel runs again: accept requests, restart the idle clock and Jupyter's restarter."""
+        if self._auditor is not None:
+            self._auditor.refuse(None)
+        km = self.parent
+        if self._restarter_stopped and km is not None and hasattr(km, "start_restarter"):
+            km.start_restarter()
+        self._restarter_stopped = False
+
     def _new_launch_dir(self, uid: int, gid: int) -> Path:
         """A fresh folder for one kernel process, inside the server-only runtime folder.
 
@@ -450,6 +665,14 @@ class SandboxProvisioner(KernelProvisionerBase):
             os.chown(launch_dir, uid, gid)
         self.launch_dir = launch_dir
         return launch_dir
+
+    def _write_launch_files(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
+        """What the kernel reads at its start: connection file, start-up code, the relay."""
+        self._write_container_connection_file(spec, key, scheme)
+        (spec.runtime_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(kernel_startup(self.limits))
+        if self._egress is not None:
+            relay = Path(egress_relay.__file__).read_text()
+            (spec.runtime_dir / Path(CONTAINER_RELAY_FILE).name).write_text(relay)
 
     def _write_container_connection_file(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
         info = container_connection_info(key, scheme, self.kernel_name)
@@ -483,6 +706,7 @@ class SandboxProvisioner(KernelProvisionerBase):
                     else None
                 )
                 self._auditor = ExecutionAuditor(log_file, str(self.kernel_id), self.kernel_name)
+                self._auditor.on_refused = self._refuse_execution
             km = self.parent
             limiter = None
             if km is not None:
@@ -500,6 +724,8 @@ class SandboxProvisioner(KernelProvisionerBase):
     async def _wait_until_ready(self, container_id: str, runtime_dir: Path) -> None:
         """Wait until the kernel has bound all its sockets, or fail with its logs."""
         sockets = list(kernel_sockets(runtime_dir).values())
+        if self._egress is not None:
+            sockets.append(runtime_dir / Path(CONTAINER_EGRESS_SOCKET).name)
         deadline = time.monotonic() + self.startup_timeout
         next_check = 0.0
         while True:
@@ -534,22 +760,41 @@ class SandboxProvisioner(KernelProvisionerBase):
         return str(execution.header.get("msg_id", "")), execution.header
 
     def _start_watchdog(self, container_id: str) -> None:
-        if self.exec_timeout > 0:
-            self._watchdog = asyncio.create_task(self._enforce_exec_timeout(container_id))
+        self._manager_loop = asyncio.get_running_loop()
+        self._watchdog = BackgroundLoop.instance().submit(self._watch(container_id))
 
-    async def _enforce_exec_timeout(self, container_id: str) -> None:
-        """Backstop for code that defeats the in-kernel limit: interrupt, then kill.
+    async def _watch(self, container_id: str) -> None:
+        """The kernel's watchdog, on the background loop (whether or not its manager's
+        loop runs): tells waiting clients when the kernel dies, enforces the idle limit,
+        and backs up the in-kernel wall-clock limit: interrupt, then kill.
 
         Only the execution the kernel is running counts, from when it began; cells
         queued behind it wait without spending their limit.
         """
         limit, grace = self.exec_timeout, self.exec_kill_grace
         interrupted: str | None = None
+        next_check = 0.0
         try:
+            pid = await self.docker.main_pid(container_id)
+            oom_baseline = oom_kills(pid) if pid is not None else None
             while self.container_id == container_id and self._auditor is not None:
                 await asyncio.sleep(0.5)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 1.0
+                    _, code = await self.docker.state(container_id)
+                    if code is not None:
+                        await self._note_exit(container_id, code)
+                        return
+                    kills = oom_kills(pid) if pid is not None else None
+                    if oom_baseline is not None and kills is not None and kills > oom_baseline:
+                        await self._kill_out_of_memory(container_id)
+                        return
+                idle = self._auditor.idle_for()
+                if self.idle_timeout > 0 and idle is not None and idle >= self.idle_timeout:
+                    await self._stop_idle_kernel(container_id)
+                    return
                 running = self._auditor.running()
-                if running is None:
+                if limit <= 0 or running is None:
                     continue
                 msg_id, age = running
                 if age < limit + min(2.0, grace / 2):
@@ -578,7 +823,52 @@ class SandboxProvisioner(KernelProvisionerBase):
                     )
                     return
         except SandboxKernelError as exc:
-            self.log.error("Sandboxed kernel %s: wall-clock enforcement failed: %s", self.kernel_id, exc)
+            self.log.error("Sandboxed kernel %s: its watchdog failed: %s", self.kernel_id, exc)
+
+    async def _stop_idle_kernel(self, container_id: str) -> None:
+        """Stop a kernel idle past its limit, for good: Jupyter must not restart it.
+
+        Clients are told now; later requests get an error reply until a restart.
+        """
+        reason = (
+            f"stopped after {self.idle_timeout:g} s without executions (idle limit, sandbox-kernel "
+            "idle_timeout) to free its memory; its variables are gone. Restart the kernel to continue"
+        )
+        self.log.warning("Sandboxed kernel %s: idle for %g s; stopping it", self.kernel_id, self.idle_timeout)
+        km, loop = self.parent, self._manager_loop
+        if km is not None and hasattr(km, "stop_restarter") and loop is not None:
+            loop.call_soon_threadsafe(km.stop_restarter)
+            self._restarter_stopped = True
+            await asyncio.sleep(0.5)  # before the kill, or the restarter may see it first
+        if self._auditor is not None:
+            self._auditor.refuse(reason)
+        if self.bridge is not None and self._signer is not None:
+            self.bridge.inject("iopub", stderr_notice(self._signer, reason, None))
+        await self.docker.signal(container_id, signal.SIGKILL)
+        await self._wait_exited(container_id)
+
+    async def _kill_out_of_memory(self, container_id: str) -> None:
+        """The host's OOM killer hit the sandbox but not its main process: the kernel hangs
+        for good (see :mod:`.cgroups`). End it, so clients hear why instead of waiting."""
+        self.log.warning(
+            "Sandboxed kernel %s ran out of memory (limit %s) and hangs; killing it",
+            self.kernel_id,
+            self.memory,
+        )
+        self._out_of_memory = container_id
+        await self.docker.signal(container_id, signal.SIGKILL)
+        await self._wait_exited(container_id)
+        _, code = await self.docker.state(container_id)
+        await self._note_exit(container_id, 137 if code is None else code)
+
+    def _refuse_execution(self, execution: PendingExecution) -> None:
+        """Answer a request sent to a kernel stopped for good (bridge thread)."""
+        self._answer_for_kernel(
+            execution,
+            "IdleLimitExceeded",
+            f"the kernel was stopped after {self.idle_timeout:g} s without executions (idle_timeout); "
+            "restart the kernel to run code again",
+        )
 
     async def _wait_exited(self, container_id: str, timeout: float = 10.0) -> None:
         """Until the container has stopped, so nothing it still sends can follow our notices."""
@@ -600,23 +890,31 @@ class SandboxProvisioner(KernelProvisionerBase):
         except SandboxKernelError as exc:
             self.log.warning("Cannot check sandboxed kernel %s: %s", self.kernel_id, exc)
             return None
-        if code is not None and self.exit_code is None:
-            self.exit_code = code
-            if await self.docker.oom_killed(self.container_id):
-                self.log.warning(
-                    "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
-                )
-                await self._abandon_executions(
-                    "MemoryLimitExceeded",
-                    f"memory limit {self.memory} exceeded: the kernel was killed "
-                    "and restarts without its state",
-                )
-            else:
-                self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
-                await self._abandon_executions(
-                    "KernelDied", f"the kernel stopped (exit code {code}) before this execution finished"
-                )
+        if code is not None:
+            await self._note_exit(self.container_id, code, status)
         return code
+
+    async def _note_exit(self, container_id: str, code: int, status: str = "exited") -> None:
+        """Once per container (poll and the watchdog both notice): log why, tell clients."""
+        with self._exit_lock:
+            if self._exit_noted == container_id:
+                return
+            self._exit_noted = container_id
+        self.exit_code = code
+        if self._out_of_memory == container_id or await self.docker.oom_killed(container_id):
+            self.log.warning(
+                "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
+            )
+            await self._abandon_executions(
+                "MemoryLimitExceeded",
+                f"memory limit {self.memory} exceeded: the kernel was killed and lost its state; "
+                "it restarts (Jupyter restarts it, or call restart_kernel)",
+            )
+        else:
+            self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
+            await self._abandon_executions(
+                "KernelDied", f"the kernel stopped (exit code {code}) before this execution finished"
+            )
 
     async def _abandon_executions(self, ename: str, reason: str) -> None:
         """Record unfinished executions, and answer their clients on the kernel's behalf.
@@ -630,23 +928,26 @@ class SandboxProvisioner(KernelProvisionerBase):
         # Let the bridge pass on whatever the kernel sent before it died: a real reply
         # still in flight must win over ours.
         await asyncio.sleep(0.2)
-        abandoned = self._auditor.abandon_pending(f"no reply: {reason}")
+        for execution in self._auditor.abandon_pending(f"no reply: {reason}"):
+            self._answer_for_kernel(execution, ename, reason)
+
+    def _answer_for_kernel(self, execution: PendingExecution, ename: str, reason: str) -> None:
+        """Tell the client of ``execution`` why no reply will come: a notice, an error reply, idle."""
         if self.bridge is None or self._signer is None:
             return
         signer = self._signer
-        for execution in abandoned:
-            parent = execution.header
-            self.bridge.inject("iopub", stderr_notice(signer, reason, parent))
-            content = {
-                "status": "error",
-                "ename": ename,
-                "evalue": reason,
-                "traceback": [f"{ename}: {reason}"],
-            }
-            reply = signer.msg("execute_reply", {**content, "execution_count": None}, parent)
-            self.bridge.inject("shell", signer.serialize(reply, ident=execution.idents))
-            idle = signer.msg("status", {"execution_state": "idle"}, parent)
-            self.bridge.inject("iopub", signer.serialize(idle, ident=[b"status"]))
+        parent = execution.header
+        self.bridge.inject("iopub", stderr_notice(signer, reason, parent))
+        content = {
+            "status": "error",
+            "ename": ename,
+            "evalue": reason,
+            "traceback": [f"{ename}: {reason}"],
+        }
+        reply = signer.msg("execute_reply", {**content, "execution_count": None}, parent)
+        self.bridge.inject("shell", signer.serialize(reply, ident=execution.idents))
+        idle = signer.msg("status", {"execution_state": "idle"}, parent)
+        self.bridge.inject("iopub", signer.serialize(idle, ident=[b"status"]))
 
     async def wait(self) -> int | None:
         while True:
@@ -688,6 +989,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             except SandboxKernelError as exc:
                 self.log.error("Sandboxed kernel %s: %s", self.kernel_id, exc)
                 failure = exc
+        await self._close_egress()
         if self._auditor is not None:
             self._auditor.abandon_pending("no reply: the kernel stopped or restarted")
         if self.bridge is not None:
@@ -744,6 +1046,8 @@ class SandboxProvisioner(KernelProvisionerBase):
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             await self._attach_bridge(self.launch_dir, ports)
+            self._egress = self.egress_policy()
+            await self._open_egress(self.launch_dir)
             if self.container_id:
                 self._start_watchdog(self.container_id)
 

@@ -42,7 +42,7 @@ def load_dict(frame: zmq.Frame | bytes, limit: int | None = MAX_SMALL_FRAME) -> 
     return value if isinstance(value, dict) else {}
 
 
-def stderr_notice(session: Session, text: str, parent: dict[str, Any]) -> list[bytes]:
+def stderr_notice(session: Session, text: str, parent: dict[str, Any] | None) -> list[bytes]:
     """A signed IOPub stderr message from sandbox-kernel itself, as part of ``parent``'s output."""
     msg = session.msg("stream", {"name": "stderr", "text": f"\n[sandbox-kernel] {text}\n"}, parent=parent)
     return list(session.serialize(msg, ident=[b"stream.stderr"]))

@@ -124,13 +124,20 @@ def jupyter_dirs(kernelspec_root: Path, tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.fixture
 def make_kernelspec(jupyter_dirs: Path) -> Callable[..., str]:
-    """Write a variant of the shipped kernelspec: ``make_kernelspec("name", argv=[...], config={...})``."""
+    """Write a variant of the shipped kernelspec: ``make_kernelspec("name", argv=, config=, env=)``."""
     created: list[Path] = []
 
-    def make(name: str, argv: list[str] | None = None, config: dict[str, Any] | None = None) -> str:
+    def make(
+        name: str,
+        argv: list[str] | None = None,
+        config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> str:
         spec = json.loads((jupyter_dirs / "kernels" / KERNEL / "kernel.json").read_text())
         if argv is not None:
             spec["argv"] = argv
+        if env is not None:
+            spec["env"] = env
         if config is not None:
             spec["metadata"]["kernel_provisioner"]["config"] = config
         folder = jupyter_dirs / "kernels" / name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +83,8 @@ def test_policy_is_visible_inside_without_host_details(
         "pids": 128,
         "tmp_size": "64m",
         "exec_timeout": 0.0,
+        "idle_timeout": 0.0,
+        "file_size": "4g",
         "network": "none",
         "image": "sandbox-kernel/python:latest",
     }
@@ -219,6 +222,8 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
     (workspace / "precious.csv").write_text("a,b\n1,2\n")
     km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
     await km.start_kernel(cwd=str(workspace))
+    restarts: list[str] = []
+    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
     try:
         kc = km.client()
         kc.start_channels()
@@ -231,6 +236,10 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
         assert "the kernel stopped" in content["evalue"]
         notices = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
         assert any("[sandbox-kernel] the kernel stopped" in text for text in notices)
+        deadline = time.monotonic() + 30
+        while not restarts and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert restarts, "the dead kernel was not restarted"
         await kc.wait_for_ready(timeout=60)  # restarted by jupyter_client's restarter
         again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=30)
         assert again["content"]["status"] == "ok"
@@ -277,3 +286,107 @@ def test_shutting_down_right_after_a_limit_kill_is_clean(
         kc.stop_channels()
         km.shutdown_kernel(now=True)  # right away: must not raise, must not leak
     assert before.new_leftovers() == []
+
+
+def test_an_impossible_allocation_gets_an_error_naming_the_limit_and_the_kernel_lives(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    name = make_kernelspec("small-memory", config={"memory": "512m"})
+    _, kc = start_kernel(kernel_name=name)
+    run_ok(kc, "x = 'kept'")
+    result = run(kc, "huge = bytearray(2**50)")
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "MemoryError"
+    evalue = result.reply["content"]["evalue"]
+    assert evalue.startswith("memory limit 512m of this sandboxed kernel reached: the allocation"), evalue
+    result = run(kc, "import numpy\nhuge = numpy.ones(2**47)")
+    assert result.status == "error"
+    shown = "".join(result.reply["content"]["traceback"])
+    assert "memory limit 512m of this sandboxed kernel reached (Unable to allocate 1.00 PiB" in shown
+    assert run_ok(kc, "print(x)").strip() == "kept"
+
+
+def test_a_memory_bomb_is_killed_and_the_waiting_client_is_told_why(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """gVisor's sandbox dies whole when its memory runs out; even a blocking client that
+    runs no event loop of its own gets a reply naming the limit, then restarts the kernel."""
+    name = make_kernelspec("small-memory", config={"memory": "512m"})
+    km, kc = start_kernel(kernel_name=name)
+    started = time.monotonic()
+    result = run(kc, "hoard = []\nwhile True:\n    hoard.append(bytearray(16 * 1024**2))", timeout=120)
+    assert time.monotonic() - started < 30
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "MemoryLimitExceeded"
+    assert "memory limit 512m exceeded: the kernel was killed" in result.reply["content"]["evalue"]
+    assert "memory limit 512m exceeded" in result.stderr
+    assert not km.is_alive()
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert run_ok(kc, "print('back')").strip() == "back"
+
+
+def test_filling_the_workspace_stops_at_the_file_size_limit(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter, workspace: Path
+) -> None:
+    (workspace / "results.csv").write_text("a,b\n1,2\n")
+    name = make_kernelspec("small-files", config={"file_size": "32m"})
+    _, kc = start_kernel(kernel_name=name)
+    result = run(
+        kc,
+        "chunk = b'x' * (1024 * 1024)\n"
+        "with open('filler.bin', 'wb') as f:\n"
+        "    while True:\n"
+        "        f.write(chunk); f.flush()",
+        timeout=120,
+    )
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "OSError"
+    assert "File too large" in result.reply["content"]["evalue"]
+    assert (workspace / "filler.bin").stat().st_size <= 32 * 1024 * 1024
+    assert (workspace / "results.csv").read_text() == "a,b\n1,2\n"
+    assert run_ok(kc, "import os; os.remove('filler.bin'); print('ok')").strip() == "ok"
+
+
+async def test_an_idle_kernel_is_stopped_and_says_so_until_restarted(
+    make_kernelspec: Callable[..., str], workspace: Path
+) -> None:
+    name = make_kernelspec("short-idle", config={"idle_timeout": 3})
+    km = AsyncIOLoopKernelManager(kernel_name=name)
+    await km.start_kernel(cwd=str(workspace))
+    restarts: list[str] = []
+    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute_interactive("import time; time.sleep(4); x = 1", timeout=30)
+        assert reply["content"]["status"] == "ok", "a running cell is not idle"
+        deadline = time.monotonic() + 20
+        while await km.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert not await km.is_alive(), "the idle kernel was not stopped"
+        notices: list[str] = []
+        while True:
+            try:
+                msg = await kc.get_iopub_msg(timeout=2)
+            except queue.Empty:
+                break
+            if msg["msg_type"] == "stream":
+                notices.append(msg["content"]["text"])
+        assert any("idle limit" in text for text in notices), notices
+
+        await asyncio.sleep(3)
+        assert not restarts, "Jupyter must not bring an idle-stopped kernel back by itself"
+        reply = await kc.execute_interactive("print(x)", timeout=30)
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "IdleLimitExceeded"
+        assert "restart the kernel" in reply["content"]["evalue"]
+
+        await km.restart_kernel(now=True)
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute_interactive("print('back')", timeout=30)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        await km.shutdown_kernel(now=True)

@@ -150,6 +150,12 @@ def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -
         ("--memory", "lots", "memory='lots' is not a size"),
         ("--pids", "3", "pids=3 is too low"),
         ("--cpus", "-1", "cpus=-1.0 is out of range"),
+        ("--network", "bridge", "expected any of ['none', 'allowlist']"),
+        ("--network", "allowlist", "network='allowlist' needs allowed_domains"),
+        ("--allow-domain", "https://docs.python.org/3/", "use 'docs.python.org'"),
+        ("--allow-domain", "10.0.0.1", "IP"),
+        ("--file-size", "huge", "file_size='huge' is not a size"),
+        ("--idle-timeout", "-5", "idle_timeout=-5.0 is out of range"),
     ],
 )
 def test_install_refuses_an_invalid_policy_and_writes_nothing(
@@ -166,3 +172,37 @@ def test_install_above_the_default_ceiling_warns(tmp_path: Path, capsys: pytest.
     run(InstallApp, "--prefix", str(tmp_path), "--name", "big", "--memory", "64g")
     assert "exceeds the server's ceiling of '4g'" in capsys.readouterr().err
     assert installed_spec(tmp_path, "big")["metadata"]["kernel_provisioner"]["config"] == {"memory": "64g"}  # type: ignore[index]
+
+
+def test_install_writes_an_allowlist_spec_and_checks_the_servers_ceiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(config_dir))
+    args = (
+        "--prefix",
+        str(tmp_path),
+        "--name",
+        "docs",
+        "--display-name",
+        "Sandboxed Python (web: docs sites)",
+    )
+    run(InstallApp, *args, "--allow-domain", "docs.python.org", "--allow-domain", "*.readthedocs.io")
+    assert installed_spec(tmp_path, "docs")["metadata"]["kernel_provisioner"]["config"] == {  # type: ignore[index]
+        "network": "allowlist",
+        "allowed_domains": ["docs.python.org", "*.readthedocs.io"],
+    }
+    assert (
+        "exceed the server's ceiling (SandboxProvisioner.max_allowed_domains=[])" in capsys.readouterr().err
+    )
+
+    InstallApp.clear_instance()
+    (config_dir / "jupyter_server_config.py").write_text(
+        "c.SandboxProvisioner.max_allowed_domains = ['docs.python.org', '*.readthedocs.io']\n"
+    )
+    run(InstallApp, *args, "--replace", "--allow-domain", "docs.python.org", "--pass-env", "TZ")
+    assert "warning" not in capsys.readouterr().err
+    InstallApp.clear_instance()
+    run(InstallApp, *args, "--replace", "--pass-env", "AWS_SECRET_ACCESS_KEY")
+    assert "beyond the server's ceiling (SandboxProvisioner.max_pass_env" in capsys.readouterr().err

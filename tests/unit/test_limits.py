@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.limits import Limits, check_within_ceilings, exec_timeout_startup, size_bytes
+from sandbox_kernel.limits import Limits, check_within_ceilings, kernel_startup, size_bytes
 
 CEILINGS = Limits(cpus=2.0, memory="4g", pids=1024, tmp_size="1g")
 
@@ -61,8 +63,9 @@ def test_without_an_exec_timeout_ceiling_any_limit_passes() -> None:
         check_within_ceilings(Limits(1.0, "1g", 64, "64m", asked), CEILINGS)
 
 
-def test_the_exec_timeout_startup_code_registers_and_names_the_limit() -> None:
+def _run_startup(limits: Limits) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
     registered: dict[str, object] = {}
+    custom: dict[str, object] = {}
 
     class Events:
         def register(self, event: str, callback: object) -> None:
@@ -71,7 +74,31 @@ def test_the_exec_timeout_startup_code_registers_and_names_the_limit() -> None:
     class Shell:
         events = Events()
 
-    namespace: dict[str, object] = {"get_ipython": Shell}
-    exec(compile(exec_timeout_startup(2.5), "startup.py", "exec"), namespace)  # noqa: S102
+        def set_custom_exc(self, types: tuple[type, ...], handler: object) -> None:
+            custom["types"], custom["handler"] = types, handler
+
+        def showtraceback(self, exc_tuple: tuple[Any, ...], tb_offset: int | None = None) -> None:
+            custom["shown"] = exc_tuple[1]
+
+    shell = Shell()
+    namespace: dict[str, object] = {"get_ipython": lambda: shell}
+    exec(compile(kernel_startup(limits), "startup.py", "exec"), namespace)  # noqa: S102
+    assert "_sandbox_kernel_startup" not in namespace, "start-up code must not litter the user's names"
+    return registered, custom, {"shell": shell}
+
+
+def test_the_startup_code_arms_the_wall_clock_limit_only_when_set() -> None:
+    registered, _, _ = _run_startup(Limits(1.0, "1g", 64, "64m", exec_timeout=2.5))
     assert set(registered) == {"pre_run_cell", "post_run_cell"}
-    assert "_sandbox_kernel_exec_timeout" not in namespace, "start-up code must not litter the user's names"
+    registered, _, _ = _run_startup(Limits(1.0, "1g", 64, "64m"))
+    assert registered == {}
+
+
+def test_a_memory_error_names_the_memory_limit() -> None:
+    _, custom, ns = _run_startup(Limits(1.0, "512m", 64, "64m"))
+    assert custom["types"] == (MemoryError,)
+    error = MemoryError("Unable to allocate 8.00 GiB")
+    handler: Any = custom["handler"]
+    handler(ns["shell"], MemoryError, error, None)
+    assert custom["shown"] is error
+    assert str(error).startswith("memory limit 512m of this sandboxed kernel reached (Unable to allocate")

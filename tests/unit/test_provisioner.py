@@ -440,3 +440,101 @@ async def test_a_bridge_port_is_freed_after_cleanup(
         sock.close()
     finally:
         ctx.term()
+
+
+# ---------------------------------------------------------------- network and policy
+
+
+@pytest.mark.parametrize(
+    ("config", "traits", "message"),
+    [
+        ({"network": "allowlist"}, {}, r"network='allowlist' needs allowed_domains"),
+        ({"allowed_domains": ["docs.python.org"]}, {}, r"is set but network is 'none'"),
+        (
+            {"network": "allowlist", "allowed_domains": ["docs.python.org"]},
+            {},
+            r"exceed the server's ceiling \(SandboxProvisioner.max_allowed_domains=\[\]\)",
+        ),
+        (
+            {"network": "allowlist", "allowed_domains": ["*.python.org"]},
+            {"max_allowed_domains": ["docs.python.org"]},
+            r"\['\*.python.org'\] exceed the server's ceiling",
+        ),
+        (
+            {"network": "allowlist", "allowed_domains": ["10.0.0.1"]},
+            {"max_allowed_domains": ["*.org"]},
+            r"allowed_domains.*'10.0.0.1'",
+        ),
+        (
+            {"pass_env": ["AWS_SECRET_ACCESS_KEY"]},
+            {},
+            r"pass the server's AWS_SECRET_ACCESS_KEY.*max_pass_env",
+        ),
+        ({"idle_timeout": 0}, {"max_idle_timeout": 600}, r"idle_timeout=0.0 \(no limit\) exceeds.*600 s"),
+        ({"file_size": "20g"}, {}, r"file_size='20g' exceeds the server's ceiling of '16g'"),
+    ],
+)
+async def test_a_kernelspec_cannot_widen_its_policy(
+    make_provisioner: Any,
+    client_factory: CountingFactory,
+    runtime_parent: Path,
+    workspace: Path,
+    config: dict[str, Any],
+    traits: dict[str, Any],
+    message: str,
+) -> None:
+    spec = kernel_spec(config)
+    prov = make_provisioner(spec, **config, **traits)
+    with pytest.raises(ConfigurationError, match=message):
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert client_factory.calls == 0
+    assert list(runtime_parent.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("trait", "value"),
+    [
+        ("network", "bridge"),
+        ("allowed_domains", [443]),
+        ("egress_private_networks", ["10.0.0.0/33"]),
+        ("egress_host_map", {"a.test": "not-an-ip"}),
+        ("idle_timeout", -1),
+    ],
+)
+def test_a_malformed_policy_value_is_a_trait_error_naming_it(trait: str, value: Any) -> None:
+    with pytest.raises(TraitError, match=trait):
+        SandboxProvisioner(**{trait: value})
+
+
+async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
+) -> None:
+    def kernel_and_relay_bind(container: FakeContainer) -> None:
+        kernel_binds_its_sockets(container)
+        (container.runtime_dir / "egress.sock").touch()
+
+    fake_client.on_start = kernel_and_relay_bind
+    config = {"network": "allowlist", "allowed_domains": ["docs.python.org", "*.readthedocs.io:443"]}
+    prov = make_provisioner(
+        kernel_spec(config), image="img:1", max_allowed_domains=["*.python.org", "*.readthedocs.io"], **config
+    )
+    await launch(prov, workspace)
+    (container,) = fake_client.containers_created
+    create = container.create_kwargs
+    assert create["command"][1:5] == [
+        f"{CONTAINER_RUNTIME_DIR}/egress_relay.py",
+        f"{CONTAINER_RUNTIME_DIR}/egress.sock",
+        "3128",
+        "--",
+    ]
+    assert create["command"][5:] == ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+    assert create["network_mode"] == "none"
+    env = create["environment"]
+    assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
+    policy = json.loads(env["SANDBOX_KERNEL_POLICY"])
+    assert policy["network"] == "allowlist"
+    assert policy["allowed_domains"] == ["docs.python.org", "*.readthedocs.io:443"]
+    assert (container.runtime_dir / "egress_relay.py").read_text().startswith('"""')
+    ulimits = {u["Name"]: u["Soft"] for u in create["ulimits"]}
+    assert ulimits == {"nproc": 256, "fsize": 4 * 1024**3}
+    await prov.cleanup(restart=False)

@@ -1,0 +1,69 @@
+"""What the host's cgroups say about a sandbox: memory in use, and out-of-memory kills.
+
+Under gVisor the kernel's memory lives in the sandbox's host processes, so the host's
+memory cgroup for the container is where the truth is. When that cgroup reaches its
+limit, the host's OOM killer may kill just one of the sandbox's helper processes (with
+the systrap platform, the one holding the kernel's address space): Docker then reports
+no OOM kill, the container keeps running, and the kernel hangs for good. The cgroup's
+``oom_kill`` counter is the reliable sign. Both cgroup v1 and v2 are read, from the
+cgroup of the container's main process as ``/proc/PID/cgroup`` names it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _memory_cgroup(pid: int, proc: Path = Path("/proc")) -> tuple[Path, int] | None:
+    """(folder of ``pid``'s memory cgroup, cgroup version), or None if unknown."""
+    try:
+        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    unified: str | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_ROOT / "memory" / path.lstrip("/"), 1
+        if controllers == "":
+            unified = path
+    if unified is not None:
+        return CGROUP_ROOT / unified.lstrip("/"), 2
+    return None
+
+
+def _read_keyed(path: Path) -> dict[str, int]:
+    values: dict[str, int] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return values
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            values[key] = int(value)
+    return values
+
+
+def oom_kills(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """How many processes the OOM killer has killed in ``pid``'s memory cgroup; None if unknown."""
+    found = _memory_cgroup(pid, proc)
+    if found is None:
+        return None
+    folder, version = found
+    values = _read_keyed(folder / ("memory.oom_control" if version == 1 else "memory.events"))
+    return values.get("oom_kill")
+
+
+def memory_usage(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """Bytes of memory charged to ``pid``'s memory cgroup; None if unknown."""
+    found = _memory_cgroup(pid, proc)
+    if found is None:
+        return None
+    folder, version = found
+    try:
+        return int((folder / ("memory.usage_in_bytes" if version == 1 else "memory.current")).read_text())
+    except (OSError, ValueError):
+        return None

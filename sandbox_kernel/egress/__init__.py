@@ -1,0 +1,10 @@
+"""The egress allow-list: domain rules, the host's enforcing proxy, the in-sandbox relay.
+
+A kernel whose network is "allowlist" has no network interface; ``relay.py`` runs inside
+its sandbox, ``proxy.EgressProxy`` on the host decides and logs, by ``rules``.
+"""
+
+from .proxy import Decision, EgressProxy
+from .rules import DomainRule, EgressPolicy, EgressRules
+
+__all__ = ["Decision", "DomainRule", "EgressPolicy", "EgressProxy", "EgressRules"]

@@ -1,0 +1,591 @@
+"""The host side of a kernel's egress allow-list: an enforcing HTTP(S) forward proxy.
+
+A kernel whose network mode is "allowlist" still has no network interface. The egress
+relay inside its sandbox (``relay.py``, run there as ``egress_relay.py``) listens on a
+unix socket in the kernel's runtime folder; this proxy keeps a few idle connections open
+to it, and a program in the sandbox that takes one speaks HTTP proxy protocol to us::
+
+    program -> relay 127.0.0.1:3128 -> unix socket -> EgressProxy -> allowed host
+
+Everything from the sandbox is untrusted. A request passes only if its host is a DNS
+name that the kernel's rules allow on that port, every address the name resolves to is
+public (or inside the administrator's private networks) and is the one connected to,
+and, for CONNECT, the TLS ClientHello names the same host. Every request yields exactly
+one ``Decision``.
+
+All kernels share one proxy thread running its own asyncio loop: the server's loop
+cannot be used, because synchronous KernelManagers do not run it between calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import re
+import socket
+import stat
+import threading
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from ..background import BackgroundLoop
+from .rules import PORT, EgressPolicy, is_domain_name, is_ip_literal, normalize_host, shown
+from .tls import MAX_CLIENT_HELLO, IncompleteHello, client_hello_sni
+
+log = logging.getLogger(__name__)
+
+#: What ``on_decision`` receives: kernel_id, method, host, port, verdict ("allowed" or
+#: "denied"), reason, and address (the IP connected to, or None).
+Decision = dict[str, Any]
+
+#: Idle connections kept open to each kernel's relay.
+SPARE_CONNECTIONS = 4
+MAX_HEAD = 16 * 1024
+HEAD_TIMEOUT = 10.0
+CLIENT_HELLO_TIMEOUT = 10.0
+IDLE_TIMEOUT = 300.0
+#: First and longest pause between attempts to reach a kernel's relay.
+DIAL_BACKOFF = (0.1, 2.0)
+CALL_TIMEOUT = 5.0
+#: After a refusal, what the client still sends is read (this much, this long) and
+#: dropped, so that closing with unread data does not reset the connection and lose
+#: the answer; a closed connection whose peer stops reading is aborted after the grace.
+LINGER_BYTES = 64 * 1024
+LINGER_SECONDS = 1.0
+CLOSE_GRACE = 10.0
+_CHUNK = 64 * 1024
+
+_HTTP_NAME = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_REQUEST_LINE = re.compile(rf"({_HTTP_NAME}) ([\x21-\x7e]+) HTTP/(1\.[01])")
+_HEADER_NAME = re.compile(_HTTP_NAME)
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+#: Headers replaced (Host), meant for the proxy, or that would keep the upstream connection.
+_DROPPED_HEADERS = frozenset({"host", "proxy-connection", "proxy-authorization", "connection", "keep-alive"})
+_NO_SNI = "no TLS ClientHello with SNI: only TLS may pass a CONNECT tunnel"
+_IP_LITERAL = "IP literals are not allowed; use a domain name"
+
+_T = TypeVar("_T")
+
+
+class EgressProxy:
+    """The process-wide egress proxy: one daemon thread, its own event loop, every kernel.
+
+    The public methods are thread-safe and block briefly; call them from any thread but
+    the proxy's own (``on_decision`` runs there).
+    """
+
+    _instance: ClassVar[EgressProxy | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self._kernels: dict[str, _KernelEgress] = {}
+        self._background = BackgroundLoop("sandbox-kernel-egress")
+
+    @classmethod
+    def instance(cls) -> EgressProxy:
+        """The shared proxy, started on first use."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def _call(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        if threading.current_thread() is self._background.thread:
+            coroutine.close()
+            msg = "EgressProxy methods cannot be called from the proxy's own thread (e.g. from on_decision)."
+            raise RuntimeError(msg)
+        return self._background.submit(coroutine).result(CALL_TIMEOUT)
+
+    def add_kernel(
+        self,
+        kernel_id: str,
+        socket_path: Path,
+        policy: EgressPolicy,
+        on_decision: Callable[[Decision], None],
+    ) -> None:
+        """Serve ``kernel_id``: keep idle connections dialed to its relay at
+        ``socket_path`` (retrying until the relay is up) and enforce ``policy``.
+
+        A kernel already registered under ``kernel_id`` is removed first.
+        ``on_decision`` is called in the proxy thread once per request; what it raises is
+        logged and dropped.
+
+        Raises:
+            RuntimeError: called from the proxy's own thread.
+            concurrent.futures.TimeoutError: the proxy thread did not answer in time.
+        """
+        self._call(self._add_kernel(kernel_id, Path(socket_path), policy, on_decision))
+
+    def remove_kernel(self, kernel_id: str) -> None:
+        """Stop serving ``kernel_id``: stop dialing and close all its connections, open
+        tunnels included. Does nothing for an unknown id.
+
+        Raises:
+            RuntimeError: called from the proxy's own thread.
+        """
+        try:
+            self._call(self._remove_kernel(kernel_id))
+        except concurrent.futures.TimeoutError:
+            log.warning("egress: closing the connections of kernel %s took too long", kernel_id)
+
+    async def _add_kernel(
+        self,
+        kernel_id: str,
+        socket_path: Path,
+        policy: EgressPolicy,
+        on_decision: Callable[[Decision], None],
+    ) -> None:
+        await self._remove_kernel(kernel_id)
+        self._kernels[kernel_id] = _KernelEgress(kernel_id, socket_path, policy, on_decision)
+
+    async def _remove_kernel(self, kernel_id: str) -> None:
+        kernel = self._kernels.pop(kernel_id, None)
+        if kernel is not None:
+            await kernel.close()
+
+
+async def _connect_relay(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to the relay's unix socket. The sandbox controls the socket's folder, so a
+    symlink it puts in the socket's place is not followed: the socket file is opened
+    without following links, checked, and connected to through /proc/self/fd."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.ENOTSOCK, os.strerror(errno.ENOTSOCK), str(path))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, f"/proc/self/fd/{fd}")
+        except BaseException:
+            sock.close()
+            raise
+    finally:
+        os.close(fd)
+    return await asyncio.open_unix_connection(sock=sock)
+
+
+def _close(writer: asyncio.StreamWriter, abort: bool = False) -> None:
+    """Close a connection; one whose peer stops reading is aborted after CLOSE_GRACE."""
+    transport = writer.transport
+    if abort:
+        transport.abort()
+        return
+    transport.close()
+    asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
+
+
+class _KernelEgress:
+    """One kernel's pool of connections to its relay, and the requests they carry."""
+
+    def __init__(
+        self,
+        kernel_id: str,
+        socket_path: Path,
+        policy: EgressPolicy,
+        on_decision: Callable[[Decision], None],
+    ) -> None:
+        self.kernel_id = kernel_id
+        self.socket_path = socket_path
+        self.policy = policy
+        self.on_decision = on_decision
+        self.idle = 0
+        self.active = 0
+        self.closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._exchanges: set[_Exchange] = set()
+        self._wanted = asyncio.Event()
+        self._dialer = asyncio.get_running_loop().create_task(self._dial_forever())
+
+    def record(self, decision: Decision) -> None:
+        log.debug("egress: %s", decision)
+        try:
+            self.on_decision(decision)
+        except Exception:
+            log.exception("egress: the decision callback of kernel %s failed", self.kernel_id)
+
+    def _wants_connection(self) -> bool:
+        return self.idle < SPARE_CONNECTIONS and self.idle + self.active < self.policy.max_connections
+
+    async def _dial_forever(self) -> None:
+        # Besides cancellation, ``closed`` is checked: asyncio.wait_for before Python 3.12
+        # can swallow a cancellation that arrives as its inner call completes.
+        delay = DIAL_BACKOFF[0]
+        while not self.closed:
+            if not self._wants_connection():
+                self._wanted.clear()
+                await self._wanted.wait()
+                continue
+            try:
+                reader, writer = await asyncio.wait_for(
+                    _connect_relay(self.socket_path), self.policy.connect_timeout
+                )
+            except (OSError, asyncio.TimeoutError) as exc:
+                log.debug("egress: kernel %s relay not reachable (%s); retrying", self.kernel_id, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, DIAL_BACKOFF[1])
+                continue
+            if self.closed:
+                _close(writer, abort=True)
+                return
+            delay = DIAL_BACKOFF[0]
+            self.idle += 1
+            task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        exchange = _Exchange(self, reader, writer)
+        self._exchanges.add(exchange)
+        idle = True
+        first = b""
+        try:
+            first = await reader.read(_CHUNK)
+            self.idle -= 1
+            idle = False
+            self._wanted.set()
+            if first and not self.closed:
+                self.active += 1
+                try:
+                    await exchange.run(first)
+                finally:
+                    self.active -= 1
+        except asyncio.CancelledError:
+            if first:
+                exchange.decide("denied", "egress for this kernel was stopped")
+            exchange.close(abort=True)
+            raise
+        except (OSError, EOFError, asyncio.TimeoutError) as exc:
+            log.debug("egress: a connection of kernel %s failed: %r", self.kernel_id, exc)
+            if first:
+                exchange.decide(
+                    "denied", "egress for this kernel was stopped" if self.closed else "the connection failed"
+                )
+        except Exception:
+            log.warning("egress: a request of kernel %s failed", self.kernel_id, exc_info=True)
+            if first:
+                exchange.decide("denied", "internal error in the egress proxy")
+        finally:
+            if idle:
+                self.idle -= 1
+            self._wanted.set()
+            exchange.close(abort=self.closed)
+            self._exchanges.discard(exchange)
+
+    async def close(self) -> None:
+        """Stop dialing, and abort every connection and the requests they carry."""
+        self.closed = True
+        self._wanted.set()
+        for exchange in list(self._exchanges):
+            exchange.close(abort=True)
+        tasks = [self._dialer, *self._tasks]
+        for task in tasks:
+            task.cancel()
+        _, pending = await asyncio.wait(tasks, timeout=CALL_TIMEOUT - 1)
+        if pending:
+            log.warning("egress: %d tasks of kernel %s did not stop", len(pending), self.kernel_id)
+
+
+class _Refusal(Exception):
+    """Refuse the request with an HTTP error, and record it as denied."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _Exchange:
+    """One request from the sandbox: its checks, its one decision, its two connections."""
+
+    def __init__(
+        self, kernel: _KernelEgress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.kernel = kernel
+        self.policy = kernel.policy
+        self.reader = reader
+        self.writer = writer
+        self.upstream: asyncio.StreamWriter | None = None
+        self.method = ""
+        self.host = ""
+        self.port: int | None = None
+        self.address: str | None = None
+        self.decided = False
+
+    def decide(self, verdict: str, reason: str) -> None:
+        """Record the request's verdict; only the first call counts."""
+        if self.decided:
+            return
+        self.decided = True
+        self.kernel.record(
+            {
+                "kernel_id": self.kernel.kernel_id,
+                "method": shown(self.method, 32),
+                "host": shown(self.host, 255),
+                "port": self.port,
+                "verdict": verdict,
+                "reason": shown(reason, 400),
+                "address": self.address,
+            }
+        )
+
+    def close(self, abort: bool = False) -> None:
+        for writer in (self.writer, self.upstream):
+            if writer is not None:
+                _close(writer, abort)
+
+    async def run(self, first: bytes) -> None:
+        try:
+            await self._handle(first)
+        except _Refusal as refusal:
+            await self._refuse(refusal.status, refusal.reason)
+
+    async def _refuse(self, status: int, reason: str) -> None:
+        self.decide("denied", reason)
+        prefix = "sandbox-kernel egress denied" if status < 500 else "sandbox-kernel egress failed"
+        phrase = shown(f"{prefix}: {reason}", 400)
+        body = f"{phrase}\n".encode("ascii")
+        head = (
+            f"HTTP/1.1 {status} {phrase}\r\n"
+            "Content-Type: text/plain; charset=us-ascii\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        self.writer.write(head.encode("ascii") + body)
+        await self._linger()
+
+    async def _linger(self) -> None:
+        if self.writer.can_write_eof() and not self.writer.is_closing():
+            self.writer.write_eof()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINGER_SECONDS
+        left = LINGER_BYTES
+        with contextlib.suppress(asyncio.TimeoutError):
+            while left > 0 and loop.time() < deadline:
+                data = await asyncio.wait_for(self.reader.read(min(_CHUNK, left)), deadline - loop.time())
+                if not data:
+                    break
+                left -= len(data)
+
+    async def _handle(self, first: bytes) -> None:
+        try:
+            head, rest = await asyncio.wait_for(self._read_head(first), HEAD_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.decide("denied", f"the request head did not arrive within {HEAD_TIMEOUT:g} s")
+            return
+        except EOFError:
+            self.decide("denied", "the connection closed before the request head was complete")
+            return
+        method, target, version, headers = self._parse(head)
+        if method == "CONNECT":
+            await self._connect(target, rest)
+        else:
+            await self._forward(method, target, version, headers, rest)
+
+    async def _read_head(self, first: bytes) -> tuple[bytes, bytes]:
+        data = bytearray(first)
+        while True:
+            end = data.find(b"\r\n\r\n")
+            if 0 <= end <= MAX_HEAD - 4:
+                return bytes(data[: end + 4]), bytes(data[end + 4 :])
+            if end >= 0 or len(data) >= MAX_HEAD:
+                raise _Refusal(431, f"the request head is larger than {MAX_HEAD // 1024} KiB")
+            chunk = await self.reader.read(MAX_HEAD)
+            if not chunk:
+                raise EOFError
+            data += chunk
+
+    def _parse(self, head: bytes) -> tuple[str, str, str, list[tuple[str, str]]]:
+        lines = head[:-4].decode("latin-1").split("\r\n")
+        request = _REQUEST_LINE.fullmatch(lines[0])
+        if request is None:
+            raise _Refusal(400, f"not an HTTP/1.x proxy request: '{shown(lines[0], 60)}'")
+        method, target, version = request.groups()
+        self.method = method
+        headers: list[tuple[str, str]] = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not _HEADER_NAME.fullmatch(name) or _CONTROL.search(value):
+                raise _Refusal(400, f"malformed header line: '{shown(line, 60)}'")
+            headers.append((name, value.strip(" \t")))
+        return method, target, version, headers
+
+    def _set_destination(self, authority: str, default_port: int | None) -> tuple[str, int]:
+        """Split ``host[:port]``, keeping both for the decision.
+
+        Raises:
+            _Refusal: an IP literal (403), or a malformed host or port (400).
+        """
+        if authority.startswith("["):
+            host, _, after = authority[1:].partition("]")
+            port_text = after[1:] if after.startswith(":") else after
+        elif authority.count(":") == 1:
+            host, _, port_text = authority.partition(":")
+        else:
+            host, port_text = authority, ""
+        self.host = normalize_host(host)
+        if not port_text and default_port is not None and not authority.endswith(":"):
+            self.port = default_port
+        elif PORT.fullmatch(port_text) and 1 <= int(port_text) <= 65535:
+            self.port = int(port_text)
+        if authority.startswith("[") or is_ip_literal(self.host):
+            raise _Refusal(403, _IP_LITERAL)
+        if self.port is None:
+            raise _Refusal(400, f"'{shown(authority)}' does not end with a port from 1 to 65535")
+        if not is_domain_name(self.host):
+            raise _Refusal(400, f"'{shown(self.host)}' is not a valid host name")
+        return self.host, self.port
+
+    async def _open_upstream(
+        self, host: str, port: int
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+        """Check the destination against the policy, resolve it, and connect.
+
+        Raises:
+            _Refusal: not allowed (403), or cannot be resolved or reached (502).
+        """
+        rule = self.policy.rules.match(host, port)
+        if rule is None:
+            raise _Refusal(403, f"{shown(host)}:{port} is not in this kernel's allowed domains")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.policy.connect_timeout
+        mapped = self.policy.mapped_address(host)
+        if mapped is not None:
+            addresses = [mapped]
+        else:
+            try:
+                infos = await asyncio.wait_for(
+                    loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP),
+                    self.policy.connect_timeout,
+                )
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise _Refusal(502, f"cannot resolve {host}: {str(exc) or 'timed out'}") from None
+            addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
+        for address in addresses:
+            if not self.policy.permits_address(address):
+                raise _Refusal(403, f"{host} resolves to a non-public address {address}")
+        failure = "no address"
+        for address in addresses:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(str(address), port), max(deadline - loop.time(), 0.001)
+                )
+            except (OSError, asyncio.TimeoutError) as exc:
+                failure = str(exc) or "timed out"
+                continue
+            self.upstream = writer
+            self.address = str(address)
+            if self.kernel.closed:
+                raise asyncio.CancelledError
+            return reader, writer, rule.pattern
+        raise _Refusal(502, f"cannot connect to {host}:{port}: {failure}")
+
+    async def _connect(self, target: str, rest: bytes) -> None:
+        host, port = self._set_destination(target, default_port=None)
+        upstream_reader, upstream_writer, pattern = await self._open_upstream(host, port)
+        self.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await self.writer.drain()
+        try:
+            hello, sni = await asyncio.wait_for(self._read_client_hello(rest), CLIENT_HELLO_TIMEOUT)
+        except asyncio.TimeoutError:
+            self.decide("denied", f"{_NO_SNI} (none within {CLIENT_HELLO_TIMEOUT:g} s)")
+            return
+        if sni is None:
+            self.decide("denied", _NO_SNI)
+            return
+        if normalize_host(sni) != self.host:
+            self.decide("denied", f"TLS SNI '{shown(sni)}' does not match the requested host '{self.host}'")
+            return
+        self.decide("allowed", f"allowed by '{pattern}'")
+        upstream_writer.write(hello)
+        await self._splice(upstream_reader, upstream_writer, until_upstream_eof=False)
+
+    async def _read_client_hello(self, rest: bytes) -> tuple[bytes, str | None]:
+        data = bytearray(rest)
+        while True:
+            try:
+                return bytes(data), client_hello_sni(bytes(data))
+            except IncompleteHello:
+                pass
+            except ValueError:
+                return bytes(data), None
+            if len(data) >= MAX_CLIENT_HELLO:
+                return bytes(data), None
+            chunk = await self.reader.read(MAX_CLIENT_HELLO - len(data))
+            if not chunk:
+                return bytes(data), None
+            data += chunk
+
+    async def _forward(
+        self, method: str, target: str, version: str, headers: list[tuple[str, str]], rest: bytes
+    ) -> None:
+        if target[:7].lower() != "http://":
+            if "://" in target:
+                scheme = shown(target.split("://", 1)[0], 20)
+                raise _Refusal(400, f"only http:// URLs are proxied without CONNECT, not {scheme}://")
+            raise _Refusal(400, "not a proxy request: use an absolute http:// URL or CONNECT")
+        remainder = target[7:]
+        cut = min((i for i in (remainder.find(c) for c in "/?#") if i >= 0), default=len(remainder))
+        authority, path = remainder[:cut], remainder[cut:].split("#", 1)[0]
+        if "@" in authority:
+            raise _Refusal(400, "user names and passwords in the URL are not supported")
+        host, port = self._set_destination(authority, default_port=80)
+        upstream_reader, upstream_writer, pattern = await self._open_upstream(host, port)
+        host_header = host if port == 80 else f"{host}:{port}"
+        lines = [
+            f"{method} {path if path.startswith('/') else '/' + path} HTTP/{version}",
+            f"Host: {host_header}",
+        ]
+        lines += [f"{name}: {value}" for name, value in headers if name.lower() not in _DROPPED_HEADERS]
+        lines += ["Connection: close", "", ""]
+        self.decide("allowed", f"allowed by '{pattern}'")
+        upstream_writer.write("\r\n".join(lines).encode("latin-1") + rest)
+        await self._splice(upstream_reader, upstream_writer, until_upstream_eof=True)
+
+    async def _splice(
+        self,
+        upstream_reader: asyncio.StreamReader,
+        upstream_writer: asyncio.StreamWriter,
+        until_upstream_eof: bool,
+    ) -> None:
+        """Copy bytes both ways, passing on half-closes, until both sides are done (or
+        only the upstream, for plain HTTP), an error, or IDLE_TIMEOUT without data."""
+        loop = asyncio.get_running_loop()
+        last_data = loop.time()
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal last_data
+            while True:
+                data = await reader.read(_CHUNK)
+                if not data:
+                    break
+                last_data = loop.time()
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof() and not writer.is_closing():
+                writer.write_eof()
+
+        upload = loop.create_task(pump(self.reader, upstream_writer))
+        download = loop.create_task(pump(upstream_reader, self.writer))
+        needed = {download} if until_upstream_eof else {upload, download}
+        try:
+            while not all(task.done() for task in needed):
+                pending = {task for task in (upload, download) if not task.done()}
+                timeout = last_data + IDLE_TIMEOUT - loop.time()
+                if timeout <= 0:
+                    log.debug(
+                        "egress: kernel %s tunnel to %s idle; closing", self.kernel.kernel_id, self.host
+                    )
+                    return
+                done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if any(task.exception() is not None for task in done):
+                    return
+        finally:
+            for task in (upload, download):
+                task.cancel()
+            await asyncio.gather(upload, download, return_exceptions=True)

@@ -1,0 +1,266 @@
+"""Egress relay run inside the sandbox: lends the host proxy's connections to the kernel.
+
+The sandbox has no network, and it may create host unix sockets but not connect to
+them, so the host connects in: it keeps a few idle connections open to the relay's unix
+socket. A program in the sandbox connects to the relay's TCP port on 127.0.0.1 (its
+HTTP(S)_PROXY); the relay hands it one idle host connection and copies bytes both ways.
+
+The relay is untrusted (kernel code can kill or replace it) and enforces nothing: the
+host proxy decides what may pass. It is copied into the image and run by the image's
+python, so it uses the standard library only and runs on Python 3.9.
+
+Usage::
+
+    python egress_relay.py SOCKET_PATH PORT [-- CMD [ARGS...]]
+
+Both sockets are bound first, so a failure is reported (non-zero exit, message on
+stderr) before the kernel starts. With ``-- CMD`` the relay becomes a daemon and this
+process execs ``CMD``; without it the relay runs in the foreground and prints its TCP
+port on stdout once both sockets listen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import socket
+import stat
+import sys
+
+#: How long a client waits for an idle host connection before it gets a 503.
+HOST_WAIT = 5.0
+#: At most this many idle host connections are kept; older ones are closed.
+MAX_IDLE = 64
+CHUNK = 64 * 1024
+#: Before closing on a client, read what it still sends (at most this much, this long)
+#: so that closing with unread data does not reset the connection and lose the answer.
+LINGER_BYTES = 64 * 1024
+LINGER_SECONDS = 1.0
+UNAVAILABLE = (
+    b"HTTP/1.1 503 sandbox-kernel egress proxy unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+)
+USAGE = "usage: egress_relay.py SOCKET_PATH PORT [-- CMD [ARGS...]]"
+
+
+def bind(socket_path: str, port: int) -> tuple[socket.socket, socket.socket]:
+    """Listen on TCP 127.0.0.1:``port`` and on the unix socket ``socket_path``.
+
+    A socket file left at ``socket_path`` by an earlier relay is replaced.
+
+    Raises:
+        OSError: a socket cannot be bound.
+    """
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tcp.bind(("127.0.0.1", port))
+        tcp.listen(128)
+        try:
+            if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+                os.unlink(socket_path)
+        except FileNotFoundError:
+            pass
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            unix.bind(socket_path)
+            # The host side connects, possibly as another user than the kernel's.
+            os.chmod(socket_path, 0o666)  # noqa: S103
+            unix.listen(64)
+        except OSError:
+            unix.close()
+            raise
+    except OSError:
+        tcp.close()
+        raise
+    return tcp, unix
+
+
+def _alive(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
+    reader, writer = connection
+    # The transport reads eagerly, so a host that hung up shows as EOF even unread.
+    return not reader.at_eof() and not writer.is_closing()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        data = await reader.read(CHUNK)
+        if not data:
+            break
+        writer.write(data)
+        await writer.drain()
+    if writer.can_write_eof() and not writer.is_closing():
+        writer.write_eof()
+
+
+async def splice(
+    a_reader: asyncio.StreamReader,
+    a_writer: asyncio.StreamWriter,
+    b_reader: asyncio.StreamReader,
+    b_writer: asyncio.StreamWriter,
+) -> None:
+    """Copy bytes both ways until both sides are done; an error on either closes both."""
+    tasks = [
+        asyncio.ensure_future(_pump(a_reader, b_writer)),
+        asyncio.ensure_future(_pump(b_reader, a_writer)),
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        a_writer.close()
+        b_writer.close()
+
+
+async def linger_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Half-close ``writer``, drain what the peer still sends (bounded), then close."""
+    try:
+        if writer.can_write_eof() and not writer.is_closing():
+            writer.write_eof()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LINGER_SECONDS
+        left = LINGER_BYTES
+        while left > 0:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            read = asyncio.ensure_future(reader.read(min(CHUNK, left)))
+            done, _ = await asyncio.wait({read}, timeout=remaining)
+            if not done:
+                read.cancel()
+                break
+            data = read.result()
+            if not data:
+                break
+            left -= len(data)
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
+class Relay:
+    """Pairs each sandbox client with one idle connection from the host proxy."""
+
+    def __init__(self) -> None:
+        self.idle: collections.deque[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = collections.deque()
+        self.waiters: collections.deque[asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+        self.waiters = collections.deque()
+
+    async def host_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for connection in [c for c in self.idle if not _alive(c)]:
+            self.idle.remove(connection)
+            connection[1].close()
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result((reader, writer))
+                return
+        self.idle.append((reader, writer))
+        while len(self.idle) > MAX_IDLE:
+            self.idle.popleft()[1].close()
+
+    async def take_host(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The newest live idle host connection, waiting up to HOST_WAIT for one."""
+        while self.idle:
+            connection = self.idle.pop()
+            if _alive(connection):
+                return connection
+            connection[1].close()
+        waiter: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        await asyncio.wait({waiter}, timeout=HOST_WAIT)
+        if waiter.done():
+            return waiter.result()
+        waiter.cancel()
+        self.waiters.remove(waiter)
+        return None
+
+    async def client_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            host = await self.take_host()
+            if host is None:
+                writer.write(UNAVAILABLE)
+                await writer.drain()
+                await linger_close(reader, writer)
+                return
+            await splice(reader, writer, *host)
+        except OSError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - one broken connection must never stop the relay
+            print(f"egress relay: connection failed: {exc!r}", file=sys.stderr)
+        finally:
+            writer.close()
+
+
+async def serve(tcp: socket.socket, unix: socket.socket) -> None:
+    """Run the relay on the two bound sockets, forever."""
+    relay = Relay()
+    host_server = await asyncio.start_unix_server(relay.host_connected, sock=unix)
+    client_server = await asyncio.start_server(relay.client_connected, sock=tcp)
+    async with host_server, client_server:
+        await asyncio.gather(host_server.serve_forever(), client_server.serve_forever())
+
+
+def daemonize() -> bool:
+    """Double-fork; True in the daemon, False in the original process once the
+    intermediate child is gone."""
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)
+        return False
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    # The exec'd kernel owns stdout; stderr stays for the relay's errors.
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    return True
+
+
+def main(argv: list[str]) -> int:
+    args = argv[1:]
+    command: list[str] = []
+    if "--" in args:
+        split = args.index("--")
+        args, command = args[:split], args[split + 1 :]
+        if not command:
+            print(f"egress relay: no command after '--'\n{USAGE}", file=sys.stderr)
+            return 2
+    if len(args) != 2 or not args[1].isdigit() or not 0 <= int(args[1]) <= 65535:
+        print(USAGE, file=sys.stderr)
+        return 2
+    socket_path, port = args[0], int(args[1])
+    try:
+        tcp, unix = bind(socket_path, port)
+    except OSError as exc:
+        print(f"egress relay: cannot listen on 127.0.0.1:{port} and {socket_path}: {exc}", file=sys.stderr)
+        return 1
+    if not command:
+        print(tcp.getsockname()[1], flush=True)
+        try:
+            asyncio.run(serve(tcp, unix))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    if daemonize():
+        asyncio.run(serve(tcp, unix))
+        return 0
+    tcp.close()
+    unix.close()
+    try:
+        os.execvp(command[0], command)  # noqa: S606
+    except OSError as exc:
+        print(f"egress relay: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+    return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
