@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import resource
 import secrets
+import time
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
 
-from .conftest import SANDBOX_UID, KernelStarter, run, run_ok
+from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run, run_ok
 
 
 @pytest.fixture
@@ -160,3 +163,42 @@ def test_flooding_the_container_stdout_keeps_host_disk_bounded(
     container = docker_client.containers.get(km.provisioner.container_id)
     log_path = Path(container.attrs["LogPath"])
     assert log_path.stat().st_size < 15 * 1024 * 1024, "the container log is not capped"
+
+
+def test_bombs_in_one_kernel_leave_another_kernel_the_server_and_the_workspace_unharmed(
+    make_kernelspec: Any, start_kernel: KernelStarter, tmp_path: Path
+) -> None:
+    """Each attack runs in one kernel while a bystander kernel, started by the same
+    process (the "server"), keeps its state and answers promptly; the attacker's
+    workspace files survive, and the server's memory stays bounded through an output
+    flood of 1 GB."""
+    bystander_ws = make_workspace(tmp_path / "bystander")
+    attacker_ws = make_workspace(tmp_path / "attacker")
+    (attacker_ws / "results.csv").write_text("a,b\n1,2\n")
+    _, bystander = start_kernel(cwd=bystander_ws)
+    run_ok(bystander, "y = 7")
+    name = make_kernelspec("attacker", config={"memory": "512m", "pids": 64, "file_size": "64m"})
+    km, attacker = start_kernel(name, cwd=attacker_ws)
+    fill = "with open({!r}, 'wb') as f:\n    while True:\n        f.write(b'x' * 2**20)"
+    attacks = {
+        "fork bomb": "import os\nwhile True:\n    os.fork()",
+        "thread bomb": "import threading, time\n"
+        "while True:\n    threading.Thread(target=time.sleep, args=[60]).start()",
+        "fill /tmp": fill.format("/tmp/f"),
+        "fill the workspace": fill.format("big.bin"),
+        "1 GB print": "import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)",
+        "memory bomb": "hoard = []\nwhile True:\n    hoard.append(bytearray(2**24))",
+    }
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for attack, code in attacks.items():
+        result = run(attacker, code, timeout=300)
+        assert result.status == "error" or "Output truncated" in result.stderr, attack
+        started = time.monotonic()
+        assert run_ok(bystander, "print(y)").strip() == "7", attack
+        assert time.monotonic() - started < 5, f"the bystander was slow after the {attack}"
+        if not km.is_alive():
+            km.restart_kernel(now=True)
+            attacker.wait_for_ready(timeout=60)
+    growth_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert growth_mib < 256, f"the server's memory grew by {growth_mib:.0f} MiB"
+    assert (attacker_ws / "results.csv").read_text() == "a,b\n1,2\n"
