@@ -26,7 +26,7 @@ from .egress import EgressRules
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
 from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
-from .policy import check_pass_env, validate_kernelspec_config
+from .policy import check_lifetime, check_pass_env, validate_kernelspec_config, volume_name
 from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
 from .resources import data_path
 
@@ -65,6 +65,8 @@ class InstallApp(_SubApp):
     jupyter sandbox-kernel install --name py-offline --display-name "Sandboxed Python (offline)"
     jupyter sandbox-kernel install --name py-docs --display-name "Sandboxed Python (web: docs sites)" \
         --allow-domain docs.python.org --allow-domain '*.readthedocs.io'
+    jupyter sandbox-kernel install --name py-team --display-name "Sandboxed Python (team, lasting)" \
+        --lifecycle persistent --persistent-ttl 604800 --workspace-volume 'team-{project}'
     """
 
     @default("config_file_name")
@@ -102,6 +104,17 @@ class InstallApp(_SubApp):
     pass_env = List(
         Unicode(), config=True, help="A server environment variable to pass in; repeat for several."
     )
+    lifecycle = Unicode(
+        "", config=True, help="ephemeral (the default) or persistent: the kernel outlives its server."
+    )
+    persistent_ttl = Float(
+        0, config=True, help="Seconds a persistent kernel lives on with no server holding it."
+    )
+    workspace_volume = Unicode(
+        "",
+        config=True,
+        help="A named Docker volume as workspace, e.g. 'team-{project}' or '{user}-{notebook}'.",
+    )
 
     aliases = {
         **base_aliases,
@@ -119,6 +132,9 @@ class InstallApp(_SubApp):
         "network": "InstallApp.network",
         "allow-domain": "InstallApp.allowed_domains",
         "pass-env": "InstallApp.pass_env",
+        "lifecycle": "InstallApp.lifecycle",
+        "persistent-ttl": "InstallApp.persistent_ttl",
+        "workspace-volume": "InstallApp.workspace_volume",
     }
     flags = {
         **base_flags,
@@ -137,7 +153,8 @@ class InstallApp(_SubApp):
         chosen = {"image": self.image, "memory": self.memory, "cpus": self.cpus, "pids": self.pids}
         chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout, idle_timeout=self.idle_timeout)
         chosen.update(file_size=self.file_size, network=self.network, allowed_domains=self.allowed_domains)
-        chosen.update(pass_env=self.pass_env)
+        chosen.update(pass_env=self.pass_env, lifecycle=self.lifecycle, persistent_ttl=self.persistent_ttl)
+        chosen.update(workspace_volume=self.workspace_volume)
         if self.allowed_domains and not self.network:
             chosen["network"] = "allowlist"
         config.update({key: value for key, value in chosen.items() if value})
@@ -168,6 +185,8 @@ class InstallApp(_SubApp):
             validate_kernelspec_config(config, self.kernel_name)
             provisioner = SandboxProvisioner(**config)
             EgressRules.parse(provisioner.allowed_domains, "allowed_domains")
+            if provisioner.workspace_volume:
+                volume_name(provisioner.workspace_volume)
             if provisioner.network == "allowlist" and not provisioner.allowed_domains:
                 provisioner.egress_policy()  # raises: an allow-list needs domains
         except (ConfigurationError, TraitError) as exc:
@@ -176,6 +195,9 @@ class InstallApp(_SubApp):
         checks: list[Callable[[], object]] = [
             partial(check_within_ceilings, provisioner.limits, ceilings.ceilings),
             partial(check_pass_env, provisioner.pass_env if self.pass_env else [], ceilings.max_pass_env),
+            partial(
+                check_lifetime, provisioner.lifecycle, provisioner.persistent_ttl, ceilings.max_persistent_ttl
+            ),
         ]
         if provisioner.network == "allowlist":
             checks.append(partial(_check_domains, provisioner, ceilings))
@@ -391,9 +413,11 @@ class ListApp(_KernelsApp):
     """List the sandboxed kernels on this Docker host."""
 
     name = "jupyter-sandbox-kernel-list"
-    description = """List the sandboxed kernels on this Docker host: kernel id, kernelspec, the
-    server that owns it (host/pid/start), workspace, age, memory limit, state. A kernel
-    whose server is gone is marked "orphaned"; `prune` removes those."""
+    description = """List the sandboxed kernels on this Docker host: kernel id, kernelspec,
+    state, lifecycle, age, memory in use and its limit, the server that owns it
+    (host/pid-namespace/pid/start) and its workspace. An ephemeral kernel whose server is
+    gone is "orphaned" (`prune` removes it); a persistent one is "detached" until a server
+    adopts it, or "expired" once its time-to-live has run out."""
     json_output = Bool(False, config=True, help="Print JSON instead of a table.")
     flags = {**base_flags, "json": ({"ListApp": {"json_output": True}}, "Print JSON instead of a table.")}
 
@@ -401,21 +425,30 @@ class ListApp(_KernelsApp):
         kernels = self.kernels()
         if self.json_output:
             rows = [
-                {**asdict(k), "orphaned": k.orphaned, "age_seconds": round(k.age_seconds)} for k in kernels
+                {
+                    **asdict(k),
+                    "status": k.status,
+                    "orphaned": k.orphaned,
+                    "detached": k.detached,
+                    "expired": k.expired,
+                    "age_seconds": round(k.age_seconds),
+                }
+                for k in kernels
             ]
             print(json.dumps(rows, indent=2))
             return
         if not kernels:
             print("No sandboxed kernels on this Docker host.")
             return
-        header = ("KERNEL ID", "KERNELSPEC", "STATE", "AGE", "MEMORY", "OWNER", "WORKSPACE")
+        header = ("KERNEL ID", "KERNELSPEC", "STATE", "LIFECYCLE", "AGE", "MEMORY", "OWNER", "WORKSPACE")
         rows_text = [header] + [
             (
                 k.kernel_id,
                 k.kernelspec,
-                "orphaned" if k.orphaned else k.state,
+                k.status,
+                k.lifecycle + (f" (ttl {_human_age(k.ttl)})" if k.persistent and k.ttl else ""),
                 _human_age(k.age_seconds),
-                f"{k.memory_limit / 2**20:.0f}M" if k.memory_limit else "-",
+                f"{_mib(k.memory_usage)} / {_mib(k.memory_limit)}",
                 k.owner,
                 k.workspace,
             )
@@ -424,6 +457,10 @@ class ListApp(_KernelsApp):
         widths = [max(len(row[i]) for row in rows_text) for i in range(len(header))]
         for row in rows_text:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def _mib(size: int | None) -> str:
+    return f"{size / 2**20:.0f}M" if size else "-"
 
 
 class StopApp(_KernelsApp):
@@ -452,16 +489,19 @@ class PruneApp(_KernelsApp):
     """Remove sandboxed kernels whose Jupyter server is gone."""
 
     name = "jupyter-sandbox-kernel-prune"
-    description = """Remove the sandboxed kernels whose server process has died on this host
-    (orphans), with their runtime folders. A kernel is judged only when its owner ran on
-    this host in this PID namespace; when in doubt it is left alone.
-    A server also does this when it starts its first sandboxed kernel."""
+    description = """Remove the ephemeral sandboxed kernels whose server process has died on
+    this host (orphans), and the persistent ones no server has held for their time-to-live,
+    with their runtime folders. A kernel is judged only when its owner ran on this host in
+    this PID namespace; when in doubt it is left alone. A server also does this when it
+    starts its first sandboxed kernel; run it from cron to expire persistent kernels while
+    no server runs."""
 
     def start(self) -> None:
         removed = self.docker(partial(prune_orphans, runtime_parent=self.runtime_parent or None))
         for kernel in removed:
-            print(f"Removed orphaned kernel {kernel.kernel_id} (server {kernel.owner} is gone)")
-        print(f"{len(removed)} orphaned kernel(s) removed.")
+            why = "its time-to-live ran out" if kernel.expired else f"server {kernel.owner} is gone"
+            print(f"Removed kernel {kernel.kernel_id} ({why})")
+        print(f"{len(removed)} kernel(s) removed.")
 
 
 class RunApp(_SubApp):

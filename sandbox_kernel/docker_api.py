@@ -147,6 +147,25 @@ class SandboxDocker:
             raise
         return container
 
+    async def ensure_volume(self, name: str, labels: Mapping[str, str]) -> bool:
+        """Create the named volume unless it exists; True if this call created it."""
+        client = await self.client()
+        try:
+            await self._api(f"inspect volume {name}", client.volumes.get, name)
+            return False
+        except NotFound:
+            await self._api(f"create volume {name}", client.volumes.create, name=name, labels=dict(labels))
+            return True
+
+    async def run_once(self, create_kwargs: Mapping[str, Any], timeout: float = 120) -> tuple[int, str]:
+        """Run a short-lived helper container to its end: (exit code, output). Always removed."""
+        container = await self.create_and_start(create_kwargs)
+        try:
+            result = await self._api("wait for a helper container", container.wait, timeout=timeout)
+            return int(result.get("StatusCode", 255)), await self.logs(container.id)
+        finally:
+            await self.remove(container.id)
+
     async def state(self, container_id: str) -> tuple[str, int | None]:
         """(status, exit code or None while running); ``("removed", 255)`` when gone."""
         client = await self.client()

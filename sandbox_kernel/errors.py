@@ -9,7 +9,8 @@ Exception tree::
     ├── RuntimeMissingError                 Docker has no usable gVisor runtime
     ├── ImageNotFoundError (LookupError)    the kernel image is not on the Docker host
     ├── DockerOperationError                a Docker call failed unexpectedly
-    └── KernelStartupError                  the container started but the kernel died
+    ├── KernelStartupError                  the container started but the kernel died
+    └── KernelNotFoundError (LookupError)   no such sandboxed kernel to reattach to
 """
 
 from __future__ import annotations
@@ -52,3 +53,7 @@ class KernelStartupError(SandboxKernelError):
     def __init__(self, message: str, logs: str = "") -> None:
         super().__init__(message)
         self.logs = logs
+
+
+class KernelNotFoundError(SandboxKernelError, LookupError):
+    """No running sandboxed kernel matches, or its reattach state cannot be read."""

@@ -1,37 +1,53 @@
-"""Finding sandboxed kernels whose Jupyter server is gone, and removing them.
+"""The sandboxed kernels on a Docker host: who owns them, and removing those nobody will.
 
 Every kernel records which server process owns it: host name, PID namespace, pid, and
 the pid's start time (so a recycled pid is not mistaken for the server). The container
 label names the server that started it; an ``owner`` file in its runtime folder names
-the current owner (a server that re-attaches with ``load_provisioner_info`` takes it
-over). A kernel whose owner has died, judged only from the same host and PID namespace,
-is an orphan: nothing will ever shut it down, so the next provisioner start in any
-server, and ``jupyter sandbox-kernel prune``, remove it along with its runtime folder.
-When in doubt (another host, another namespace, an unreadable /proc entry) a kernel is
-never judged orphaned.
+the current owner (a server that re-attaches takes it over, and a live owner touches it
+every minute). An *ephemeral* kernel whose owner has died, judged only from the same
+host and PID namespace, is an orphan: nothing will ever shut it down, so the next
+provisioner start in any server, and ``jupyter sandbox-kernel prune``, remove it along
+with its runtime folder. A *persistent* kernel whose owner has died waits to be adopted
+(``provisioner.json`` in its runtime folder says how to reattach) until its time-to-live
+runs out, counted from the owner's last touch. When in doubt (another host, another
+namespace, an unreadable /proc entry) a kernel is never judged orphaned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .cgroups import memory_usage
 from .docker_api import SandboxDocker
-from .policy import LABEL_KERNEL_ID, LABEL_KERNELSPEC, LABEL_OWNER, LABEL_RUNTIME_DIR, LABEL_WORKSPACE
+from .policy import (
+    LABEL_KERNEL_ID,
+    LABEL_KERNELSPEC,
+    LABEL_LIFECYCLE,
+    LABEL_OWNER,
+    LABEL_RUNTIME_DIR,
+    LABEL_SERVER_UID,
+    LABEL_TTL,
+    LABEL_WORKSPACE,
+)
 
 log = logging.getLogger(__name__)
 
 
 _UNKNOWN = "?"
 OWNER_FILE = "owner"
+#: What a process needs to reattach to the kernel, kept by its owner (private: it holds the key).
+STATE_FILE = "provisioner.json"
 
 
 def _start_ticks(pid: int) -> str | None:
@@ -81,14 +97,34 @@ def write_owner(runtime_dir: Path) -> None:
     tmp.replace(path)
 
 
-def _read_owner(launch_dir: str) -> str | None:
+def _read_owner(launch_dir: str) -> tuple[str, float] | None:
+    """(owner identity, when the owner last touched it) from a kernel's runtime folder."""
     if not launch_dir:
         return None
     try:
         with open(Path(launch_dir).parent / OWNER_FILE, "rb") as f:
-            return f.read(512).decode("utf-8", "replace").strip()
+            return f.read(512).decode("utf-8", "replace").strip(), os.fstat(f.fileno()).st_mtime
     except OSError:
         return None
+
+
+def write_state(runtime_dir: Path, state: dict[str, Any]) -> None:
+    """Save a kernel's reattach state (0600, replaced atomically) in its runtime folder."""
+    tmp = runtime_dir / f".{STATE_FILE}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f)
+    tmp.replace(runtime_dir / STATE_FILE)
+
+
+def read_state(runtime_dir: str | Path) -> dict[str, Any] | None:
+    """A kernel's reattach state, or None if missing or unreadable."""
+    try:
+        with open(Path(runtime_dir) / STATE_FILE, "rb") as f:
+            state = json.loads(f.read(1024 * 1024))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 @dataclass(frozen=True)
@@ -104,10 +140,47 @@ class SandboxedKernel:
     state: str
     created: str
     memory_limit: int
+    memory_usage: int | None = None
+    lifecycle: str = "ephemeral"
+    ttl: float = 0.0
+    server_uid: int | None = None
+    #: When the owner last touched the kernel (epoch seconds), if known.
+    owner_seen: float | None = None
+
+    @property
+    def persistent(self) -> bool:
+        return self.lifecycle == "persistent"
+
+    @property
+    def owner_gone(self) -> bool:
+        return owner_is_gone(self.owner)
 
     @property
     def orphaned(self) -> bool:
-        return owner_is_gone(self.owner)
+        """An ephemeral kernel nobody will shut down."""
+        return not self.persistent and self.owner_gone
+
+    @property
+    def expired(self) -> bool:
+        """A persistent kernel no server has held for its time-to-live."""
+        if not (self.persistent and self.ttl > 0 and self.owner_gone):
+            return False
+        return self.owner_seen is not None and time.time() - self.owner_seen > self.ttl
+
+    @property
+    def detached(self) -> bool:
+        """A persistent kernel waiting for a server to adopt it."""
+        return self.persistent and self.owner_gone and not self.expired
+
+    @property
+    def status(self) -> str:
+        if self.orphaned:
+            return "orphaned"
+        if self.expired:
+            return "expired"
+        if self.detached:
+            return f"{self.state}, detached"
+        return self.state
 
     @property
     def age_seconds(self) -> float:
@@ -120,16 +193,29 @@ class SandboxedKernel:
     @classmethod
     def from_inspect(cls, attrs: dict[str, Any]) -> SandboxedKernel:
         labels = (attrs.get("Config") or {}).get("Labels") or {}
+        state = attrs.get("State") or {}
+        owner = _read_owner(labels.get(LABEL_RUNTIME_DIR, ""))
+        pid = state.get("Pid")
+        try:
+            ttl = float(labels.get(LABEL_TTL, "0"))
+        except ValueError:
+            ttl = 0.0
+        uid = labels.get(LABEL_SERVER_UID, "")
         return cls(
             container_id=str(attrs.get("Id", "")),
             kernel_id=labels.get(LABEL_KERNEL_ID, ""),
             kernelspec=labels.get(LABEL_KERNELSPEC, ""),
-            owner=_read_owner(labels.get(LABEL_RUNTIME_DIR, "")) or labels.get(LABEL_OWNER, ""),
+            owner=owner[0] if owner else labels.get(LABEL_OWNER, ""),
             workspace=labels.get(LABEL_WORKSPACE, ""),
             runtime_dir=labels.get(LABEL_RUNTIME_DIR, ""),
-            state=str((attrs.get("State") or {}).get("Status", "unknown")),
+            state=str(state.get("Status", "unknown")),
             created=str(attrs.get("Created", "")),
             memory_limit=int((attrs.get("HostConfig") or {}).get("Memory") or 0),
+            memory_usage=memory_usage(pid) if isinstance(pid, int) and pid > 0 else None,
+            lifecycle=labels.get(LABEL_LIFECYCLE, "ephemeral"),
+            ttl=ttl,
+            server_uid=int(uid) if uid.isdigit() else None,
+            owner_seen=owner[1] if owner else None,
         )
 
 
@@ -170,14 +256,16 @@ async def remove_kernel(
 async def prune_orphans(
     docker_api: SandboxDocker, runtime_parent: str | None = None
 ) -> list[SandboxedKernel]:
-    """Remove every kernel whose server is gone; return them."""
-    orphans = [k for k in await list_kernels(docker_api) if k.orphaned]
-    for kernel in orphans:
+    """Remove every ephemeral kernel whose server is gone, and every persistent one past
+    its time-to-live; return them."""
+    doomed = [k for k in await list_kernels(docker_api) if k.orphaned or k.expired]
+    for kernel in doomed:
         log.warning(
-            "Removing orphaned sandboxed kernel %s (container %s): its server %s is gone",
+            "Removing %s sandboxed kernel %s (container %s): its server %s is gone",
+            "expired" if kernel.expired else "orphaned",
             kernel.kernel_id,
             kernel.container_id[:12],
             kernel.owner,
         )
         await remove_kernel(docker_api, kernel, runtime_parent)
-    return orphans
+    return doomed

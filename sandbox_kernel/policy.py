@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,13 @@ LABEL_KERNELSPEC = "io.sandbox-kernel.kernelspec"
 LABEL_RUNTIME_DIR = "io.sandbox-kernel.runtime-dir"
 LABEL_OWNER = "io.sandbox-kernel.owner"
 LABEL_WORKSPACE = "io.sandbox-kernel.workspace"
+#: "ephemeral" or "persistent" (outlives its server), the persistent one's time-to-live
+#: once no server holds it (seconds, 0: none), and the uid of the server that may adopt it.
+LABEL_LIFECYCLE = "io.sandbox-kernel.lifecycle"
+LABEL_TTL = "io.sandbox-kernel.ttl"
+LABEL_SERVER_UID = "io.sandbox-kernel.server-uid"
+#: On a named volume's labels: the volume was made for sandbox-kernel workspaces.
+LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"
 
 #: The uid a kernel runs as when neither the server user nor the workspace owner is a
 #: usable (non-root) uid; the image's ``USER``.
@@ -91,6 +99,9 @@ KERNELSPEC_KEYS = frozenset(
         "network",
         "allowed_domains",
         "workspace_root",
+        "workspace_volume",
+        "lifecycle",
+        "persistent_ttl",
         "pass_env",
     }
 )
@@ -160,6 +171,8 @@ class SandboxSpec:
     pids: int = 256
     tmp_size: str = "256m"
     file_size: str = "4g"
+    #: A named Docker volume mounted as the workspace instead of the ``workspace`` folder.
+    volume: str | None = None
     extra_labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -173,7 +186,7 @@ class SandboxSpec:
             LABEL_KERNEL_ID: self.kernel_id,
             LABEL_KERNELSPEC: self.kernelspec,
             LABEL_RUNTIME_DIR: str(self.runtime_dir),
-            LABEL_WORKSPACE: str(self.workspace),
+            LABEL_WORKSPACE: f"volume:{self.volume}" if self.volume else str(self.workspace),
             **self.extra_labels,
         }
 
@@ -205,7 +218,11 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "network_mode": "none",
         "ipc_mode": "private",
         "mounts": [
-            Mount(CONTAINER_WORKSPACE, str(spec.workspace), type="bind", read_only=False),
+            # no_copy: Docker would otherwise copy the image's /workspace (root's) over
+            # an empty volume at every mount, undoing its hand-over to the kernel's uid.
+            Mount(CONTAINER_WORKSPACE, spec.volume, type="volume", read_only=False, no_copy=True)
+            if spec.volume
+            else Mount(CONTAINER_WORKSPACE, str(spec.workspace), type="bind", read_only=False),
             Mount(CONTAINER_RUNTIME_DIR, str(spec.runtime_dir), type="bind", read_only=False),
         ],
         "mem_limit": spec.memory,
@@ -227,6 +244,29 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "log_config": {"type": "json-file", "config": {"max-size": "10m", "max-file": "1"}},
         "stdin_open": False,
         "tty": False,
+        "detach": True,
+    }
+
+
+def volume_setup_kwargs(spec: SandboxSpec) -> dict[str, Any]:
+    """A helper container that hands a new workspace volume to the kernel's uid.
+
+    It runs ``chown`` as root with only CAP_CHOWN, under gVisor, with no network; nothing
+    of the user's runs in it.
+    """
+    return {
+        "image": spec.image,
+        "command": ["chown", f"{spec.uid}:{spec.gid}", CONTAINER_WORKSPACE],
+        "name": f"sandbox-kernel-volume-setup-{spec.kernel_id}",
+        "labels": {LABEL_VOLUME: spec.volume or ""},
+        "runtime": spec.runtime,
+        "user": "0:0",
+        "cap_drop": ["ALL"],
+        "cap_add": ["CHOWN"],
+        "security_opt": ["no-new-privileges:true"],
+        "read_only": True,
+        "network_mode": "none",
+        "mounts": [Mount(CONTAINER_WORKSPACE, spec.volume, type="volume", read_only=False, no_copy=True)],
         "detach": True,
     }
 
@@ -280,6 +320,41 @@ def proxy_env() -> dict[str, str]:
         "NO_PROXY": "localhost,127.0.0.1,::1",
         "no_proxy": "localhost,127.0.0.1,::1",
     }
+
+
+_VOLUME_FIELDS = ("user", "kernelspec", "notebook", "project")
+
+
+def volume_name(template: str, **fields: str) -> str:
+    """The named Docker volume a kernel's ``workspace_volume`` template asks for.
+
+    ``{user}``, ``{kernelspec}``, ``{notebook}`` (the notebook's path) and ``{project}``
+    (its folder's name) are filled in, each reduced to the characters Docker allows, so
+    "team-{project}" gives a team one volume per project, and "{user}-{notebook}" each
+    person one per notebook.
+
+    Raises:
+        ConfigurationError: an unknown placeholder or an unusable result.
+    """
+    safe = {
+        key: re.sub(r"[^A-Za-z0-9_.-]+", "-", fields.get(key, "")).strip("-.") or "untitled"
+        for key in _VOLUME_FIELDS
+    }
+    try:
+        name = template.format(**safe)
+    except (KeyError, IndexError, ValueError) as exc:
+        msg = (
+            f"workspace_volume={template!r} is not a valid template ({exc!r}); use the placeholders "
+            "{user}, {kernelspec}, {notebook} and {project}, e.g. 'sandbox-{user}-{project}'."
+        )
+        raise ConfigurationError(msg) from None
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{1,254}", name):
+        msg = (
+            f"workspace_volume={template!r} gives {name!r}, which is not a Docker volume name "
+            "(letters, digits, '_', '.', '-'; starting with a letter or digit)."
+        )
+        raise ConfigurationError(msg)
+    return name
 
 
 def resolve_workspace(
@@ -375,6 +450,32 @@ def kernel_user(workspace: Path, configured_uid: int | None = None) -> tuple[int
         # Never group 0 either, even for a folder owned by alice:root.
         return st.st_uid, st.st_gid or st.st_uid
     return DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID
+
+
+def volume_user(configured_uid: int | None = None) -> tuple[int, int]:
+    """The (uid, gid) a kernel on a named volume runs as: kernel_uid, else the server's
+    uid when that is not root, else :data:`DEFAULT_KERNEL_UID`; never 0."""
+    if configured_uid is not None:
+        return kernel_user(Path("/"), configured_uid)
+    if os.getuid() != 0:
+        return os.getuid(), os.getgid()
+    return DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID
+
+
+def check_lifetime(lifecycle: str, ttl: float, max_ttl: float) -> None:
+    """Refuse a persistent kernel whose time-to-live exceeds the server's ceiling.
+
+    Raises:
+        ConfigurationError: naming the values and the ceiling.
+    """
+    if lifecycle == "persistent" and max_ttl > 0 and not 0 < ttl <= max_ttl:
+        asked = "no limit" if ttl <= 0 else f"{ttl:g} s"
+        msg = (
+            f"persistent_ttl={ttl!r} ({asked}) exceeds the server's ceiling of {max_ttl:g} s "
+            "(SandboxProvisioner.max_persistent_ttl). Ask for at most that in the kernelspec, "
+            "or have the server's administrator raise the ceiling."
+        )
+        raise ConfigurationError(msg)
 
 
 def can_write(path: Path, uid: int, gid: int) -> bool:

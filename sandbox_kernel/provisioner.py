@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import getpass
 import ipaddress
 import json
 import os
@@ -36,19 +37,24 @@ from .cgroups import oom_kills
 from .docker_api import SandboxDocker
 from .egress import Decision, EgressPolicy, EgressProxy, EgressRules
 from .egress import relay as egress_relay
-from .errors import ConfigurationError, KernelStartupError, SandboxKernelError
+from .errors import ConfigurationError, DockerUnavailableError, KernelStartupError, SandboxKernelError
 from .limits import Limits, check_within_ceilings, kernel_startup, size_bytes
-from .orphans import prune_orphans, server_identity, write_owner
+from .orphans import prune_orphans, server_identity, write_owner, write_state
 from .output import OutputLimiter
 from .policy import (
     CONTAINER_EGRESS_SOCKET,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
+    LABEL_LIFECYCLE,
     LABEL_OWNER,
+    LABEL_SERVER_UID,
+    LABEL_TTL,
+    LABEL_VOLUME,
     POLICY_ENV,
     SandboxSpec,
     can_write,
+    check_lifetime,
     check_pass_env,
     container_connection_info,
     container_create_kwargs,
@@ -62,11 +68,16 @@ from .policy import (
     sandbox_env,
     validate_kernelspec_config,
     validate_size,
+    volume_name,
+    volume_setup_kwargs,
+    volume_user,
 )
 from .wire import stderr_notice
 
 DEFAULT_IMAGE = "sandbox-kernel/python:latest"
 DEFAULT_RUNTIME = "runsc-sandbox-kernel"
+#: How often a live owner touches its kernels' owner files (seconds).
+OWNER_TOUCH_INTERVAL = 60.0
 
 
 class SandboxProvisioner(KernelProvisionerBase):
@@ -179,6 +190,36 @@ class SandboxProvisioner(KernelProvisionerBase):
         kernelspec may pass into the sandbox. Server config only (the server's own `pass_env`
         is not bounded by it).""",
     )
+    workspace_volume = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="""A named Docker volume to mount as the workspace instead of a host folder,
+        created on first use: a template with {user}, {kernelspec}, {notebook} (the
+        notebook's path) and {project} (its folder's name), e.g. 'team-{project}' (one per
+        project, shared by the team) or '{user}-{notebook}' (one per person and notebook).""",
+    )
+    lifecycle = CaselessStrEnum(
+        ["ephemeral", "persistent"],
+        default_value="ephemeral",
+        config=True,
+        help="""`ephemeral`: the container goes away with the kernel, and with its server.
+        `persistent`: it keeps running when the server stops (even when killed) until
+        someone shuts the kernel down or `persistent_ttl` runs out; a server using
+        sandbox_kernel.server.SandboxMappingKernelManager adopts it again.""",
+    )
+    persistent_ttl = Float(
+        0.0,
+        config=True,
+        help="""A persistent kernel that no server has held for this many seconds is removed
+        (by the next server start or `jupyter sandbox-kernel prune`); 0: never.""",
+    )
+    max_persistent_ttl = Float(
+        0.0,
+        config=True,
+        help="""Ceiling for `persistent_ttl` (0: none). When set, every persistent kernel must
+        have a time-to-live at or below it. Server config only.""",
+    )
     max_file_size = Unicode(
         "16g",
         config=True,
@@ -288,7 +329,15 @@ class SandboxProvisioner(KernelProvisionerBase):
         except ConfigurationError as exc:
             raise TraitError(str(exc)) from None
 
-    @validate("exec_timeout", "max_exec_timeout", "exec_kill_grace", "idle_timeout", "max_idle_timeout")
+    @validate(
+        "exec_timeout",
+        "max_exec_timeout",
+        "exec_kill_grace",
+        "idle_timeout",
+        "max_idle_timeout",
+        "persistent_ttl",
+        "max_persistent_ttl",
+    )
     def _validate_seconds(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
         if not 0 <= value <= 7 * 24 * 3600:
@@ -374,6 +423,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         self._egress: EgressPolicy | None = None
         self._egress_registered = False
         self._restarter_stopped = False
+        self._cwd: str | None = None
 
     # ------------------------------------------------------------------ launch
 
@@ -433,19 +483,32 @@ class SandboxProvisioner(KernelProvisionerBase):
         await self.docker.check_runtime(self.docker_runtime)
         await self.docker.check_image(self.image)
 
-        workspace, workdir = resolve_workspace(
-            kwargs.get("cwd") or os.getcwd(), self.workspace_root, self.runtime_parent
-        )
-        if self.audit_log:
-            ensure_outside_workspace(self.audit_log, workspace, "SandboxProvisioner.audit_log")
-        uid, gid = kernel_user(workspace, self.kernel_uid)
+        check_lifetime(self.lifecycle, self.persistent_ttl, self.max_persistent_ttl)
+        cwd = Path(kwargs.get("cwd") or os.getcwd())
+        volume = None
+        if self.workspace_volume:
+            env = kwargs.get("env") or {}
+            volume = volume_name(
+                self.workspace_volume,
+                user=env.get("JUPYTERHUB_USER") or getpass.getuser(),
+                kernelspec=self.kernel_name,
+                notebook=env.get("JPY_SESSION_NAME", "").removesuffix(".ipynb"),
+                project=cwd.name,
+            )
+            workspace, workdir = cwd, CONTAINER_WORKSPACE
+            uid, gid = volume_user(self.kernel_uid)
+        else:
+            workspace, workdir = resolve_workspace(cwd, self.workspace_root, self.runtime_parent)
+            if self.audit_log:
+                ensure_outside_workspace(self.audit_log, workspace, "SandboxProvisioner.audit_log")
+            uid, gid = kernel_user(workspace, self.kernel_uid)
         if os.getuid() not in (0, uid):
             msg = (
                 f"kernel_uid={uid} differs from the server's uid {os.getuid()}; only a server "
                 "running as root can run kernels as another user. Unset kernel_uid."
             )
             raise ConfigurationError(msg)
-        if not can_write(workspace, uid, gid):
+        if volume is None and not can_write(workspace, uid, gid):
             self.log.warning(
                 "The sandboxed kernel runs as uid %d, which cannot write to its workspace %s: "
                 "results cannot be saved there. Give uid %d write access to it, or set "
@@ -482,8 +545,15 @@ class SandboxProvisioner(KernelProvisionerBase):
             pids=self.pids,
             tmp_size=self.tmp_size,
             file_size=self.file_size,
-            extra_labels={LABEL_OWNER: server_identity()},
+            volume=volume,
+            extra_labels={
+                LABEL_OWNER: server_identity(),
+                LABEL_LIFECYCLE: self.lifecycle,
+                LABEL_TTL: f"{self.persistent_ttl:g}",
+                LABEL_SERVER_UID: str(os.getuid()),
+            },
         )
+        self._cwd = str(cwd)
         await self._sweep_orphans_once()
         return kwargs
 
@@ -571,6 +641,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             launch_dir = await asyncio.to_thread(self._new_launch_dir, self._spec.uid, self._spec.gid)
             spec = replace(self._spec, runtime_dir=launch_dir)
             await asyncio.to_thread(self._write_launch_files, spec, key, scheme)
+            await self._prepare_volume(spec)
             container = await self.docker.create_and_start(container_create_kwargs(spec))
             self.container_id = str(container.id)
             self.exit_code = None
@@ -607,7 +678,22 @@ class SandboxProvisioner(KernelProvisionerBase):
             info["curve_publickey"] = self._curve.public.decode("ascii")
             info["curve_secretkey"] = self._curve.secret.decode("ascii")
         self.connection_info = info  # type: ignore[assignment]
+        await self._save_state()
         return self.connection_info
+
+    async def _prepare_volume(self, spec: SandboxSpec) -> None:
+        """Create the workspace volume on first use, owned by the kernel's uid.
+
+        Raises:
+            KernelStartupError: the volume could not be handed to the kernel's uid.
+        """
+        if spec.volume is None or not await self.docker.ensure_volume(spec.volume, {LABEL_VOLUME: "true"}):
+            return
+        self.log.info("Created workspace volume %s for uid %d", spec.volume, spec.uid)
+        code, output = await self.docker.run_once(volume_setup_kwargs(spec))
+        if code != 0:
+            msg = f"Could not prepare the workspace volume {spec.volume!r} (exit code {code}): {output}"
+            raise KernelStartupError(msg, output)
 
     async def _open_egress(self, launch_dir: Path) -> None:
         """With network "allowlist": have the host's egress proxy dial this kernel's relay."""
@@ -774,6 +860,8 @@ class SandboxProvisioner(KernelProvisionerBase):
         limit, grace = self.exec_timeout, self.exec_kill_grace
         interrupted: str | None = None
         next_check = 0.0
+        next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
+        docker_lost = False
         try:
             pid = await self.docker.main_pid(container_id)
             oom_baseline = oom_kills(pid) if pid is not None else None
@@ -781,10 +869,22 @@ class SandboxProvisioner(KernelProvisionerBase):
                 await asyncio.sleep(0.5)
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + 1.0
-                    _, code = await self.docker.state(container_id)
+                    try:
+                        _, code = await self.docker.state(container_id)
+                    except DockerUnavailableError as exc:
+                        # dockerd restarting, say: keep watching once it is back.
+                        if not docker_lost:
+                            self.log.warning("Sandboxed kernel %s: %s; retrying", self.kernel_id, exc)
+                        docker_lost, next_check = True, time.monotonic() + 2.0
+                        continue
+                    docker_lost = False
                     if code is not None:
                         await self._note_exit(container_id, code)
                         return
+                    if time.monotonic() >= next_touch and self.runtime_dir is not None:
+                        # A persistent kernel's time-to-live counts from the last touch.
+                        next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
+                        await asyncio.to_thread(write_owner, self.runtime_dir)
                     kills = oom_kills(pid) if pid is not None else None
                     if oom_baseline is not None and kills is not None and kills > oom_baseline:
                         await self._kill_out_of_memory(container_id)
@@ -1010,11 +1110,38 @@ class SandboxProvisioner(KernelProvisionerBase):
 
     # ------------------------------------------------------------------ reconnecting
 
+    async def _save_state(self) -> None:
+        """Keep what a later process needs to reattach in the server-only runtime folder
+        (``provisioner.json``): a server killed with SIGKILL leaves it behind for the
+        next one (see :mod:`sandbox_kernel.reattach`)."""
+        if self.runtime_dir is None:
+            return
+        state: dict[str, Any] = {"kernel_id": str(self.kernel_id), "kernel_name": self.kernel_name}
+        state["provisioner_info"] = await self.get_provisioner_info()
+        await asyncio.to_thread(write_state, self.runtime_dir, state)
+
+    async def detach(self) -> None:
+        """Let go of a running kernel without stopping it: the bridge, watchdog and egress
+        proxy stop here, the container and its runtime folder stay for whoever reattaches.
+        A server stopping calls this for persistent kernels."""
+        await self._save_state()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        await self._close_egress()
+        if self.bridge is not None:
+            await asyncio.to_thread(self.bridge.stop)
+            self.bridge = None
+        self.log.info("Sandboxed kernel %s detached; its container keeps running", self.kernel_id)
+        self.container_id = None
+        self.runtime_dir = self.launch_dir = None
+
     async def get_provisioner_info(self) -> dict[str, Any]:
         """What a later process needs to reach this same kernel again."""
         info = await super().get_provisioner_info()
         info.update(
             {
+                "cwd": self._cwd,
                 "container_id": self.container_id,
                 "runtime_dir": str(self.runtime_dir) if self.runtime_dir else None,
                 "launch_dir": str(self.launch_dir) if self.launch_dir else None,
@@ -1033,6 +1160,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         await super().load_provisioner_info(provisioner_info)
         self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
         self.container_id = provisioner_info["container_id"]
+        self._cwd = provisioner_info.get("cwd")
         runtime_dir, launch_dir = provisioner_info.get("runtime_dir"), provisioner_info.get("launch_dir")
         self.runtime_dir = Path(runtime_dir) if runtime_dir else None
         self.launch_dir = Path(launch_dir) if launch_dir else None
@@ -1045,11 +1173,19 @@ class SandboxProvisioner(KernelProvisionerBase):
             if pub and sec:
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
-            await self._attach_bridge(self.launch_dir, ports)
+            try:
+                await self._attach_bridge(self.launch_dir, ports)
+            except zmq.ZMQError as exc:
+                # The old ports are taken (a new server reattaching): clients get new ones.
+                self.log.info("Sandboxed kernel %s: ports %s unavailable (%s)", self.kernel_id, ports, exc)
+                self.bridge = None
+                fresh = await self._attach_bridge(self.launch_dir)
+                self.connection_info = {**info, **{f"{c}_port": port for c, port in fresh.items()}}  # type: ignore[typeddict-item]
             self._egress = self.egress_policy()
             await self._open_egress(self.launch_dir)
             if self.container_id:
                 self._start_watchdog(self.container_id)
+            await self._save_state()
 
     def resolve_path(self, path: str) -> str | None:
         """Map a path the kernel reports (e.g. /workspace/x.py) to the host, within the workspace."""

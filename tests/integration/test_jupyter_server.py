@@ -12,11 +12,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import docker
 import pytest
 import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+from sandbox_kernel.policy import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, make_workspace
 
@@ -39,48 +43,58 @@ class Server:
         return response
 
 
-@pytest.fixture
-def jupyter_server(jupyter_dirs: Path, tmp_path: Path) -> Iterator[tuple[Server, Path]]:
-    root = make_workspace(tmp_path / "notebooks")
+def start_server(root: Path, log_path: Path) -> tuple[Server, subprocess.Popen[bytes]]:
+    """A real ``jupyter server`` process serving ``root``, up and answering."""
     token = secrets.token_hex(16)
     port = free_port()
     env = {**os.environ, "JUPYTER_TOKEN": token}
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyter_server",
-            "--no-browser",
-            "--allow-root",
-            f"--port={port}",
-            "--ip=127.0.0.1",
-            f"--ServerApp.root_dir={root}",
-            "--ServerApp.port_retries=0",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_server",
+                "--no-browser",
+                "--allow-root",
+                f"--port={port}",
+                "--ip=127.0.0.1",
+                f"--ServerApp.root_dir={root}",
+                "--ServerApp.port_retries=0",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     server = Server(f"http://127.0.0.1:{port}", token)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            server.api("GET", "/api/status")
+            return server, proc
+        except requests.RequestException:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_server(proc)
+                raise
+            time.sleep(0.3)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                server.api("GET", "/api/status")
-                break
-            except requests.RequestException:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def jupyter_server(jupyter_dirs: Path, tmp_path: Path) -> Iterator[tuple[Server, Path]]:
+    root = make_workspace(tmp_path / "notebooks")
+    server, proc = start_server(root, tmp_path / "server.log")
+    try:
         yield server, root
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc)
 
 
 async def execute_over_websocket(server: Server, kernel_id: str, code: str) -> tuple[str, str]:
@@ -162,3 +176,57 @@ async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Ser
         assert (status, out) == ("ok", "saved\n")
     finally:
         server.api("DELETE", f"/api/sessions/{session['id']}")
+
+
+async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnects(
+    jupyter_dirs: Path, tmp_path: Path, make_kernelspec: Any, docker_client: docker.DockerClient
+) -> None:
+    """x = 42; the server is killed (SIGKILL); a new server adopts the kernel: print(x)
+    gives 42 in the notebook's same session. A clean stop lets go of it too."""
+    name = make_kernelspec("py-persistent", config={"lifecycle": "persistent"})
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(
+        'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
+    )
+    root = make_workspace(tmp_path / "notebooks")
+    make_workspace(root / "project")
+    log = tmp_path / "server.log"
+    server, proc = start_server(root, log)
+    session_id = kernel_id = ""
+    try:
+        session = server.api(
+            "POST",
+            "/api/sessions",
+            json={"path": "project/analysis.ipynb", "type": "notebook", "kernel": {"name": name}},
+        ).json()
+        session_id, kernel_id = session["id"], session["kernel"]["id"]
+        assert await execute_over_websocket(server, kernel_id, "x = 42") == ("ok", "")
+
+        proc.kill()  # no cleanup at all
+        proc.wait()
+        label = {"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        (container,) = docker_client.containers.list(filters=label)
+        assert container.status == "running"
+
+        for stop in ("SIGKILL above", "clean stop"):
+            server, proc = start_server(root, log)
+            sessions = server.api("GET", "/api/sessions").json()
+            assert [(s["id"], s["kernel"]["id"]) for s in sessions] == [(session_id, kernel_id)], stop
+            assert await execute_over_websocket(server, kernel_id, "print(x)") == ("ok", "42\n"), stop
+            assert f"Adopted persistent sandboxed kernel {kernel_id}" in log.read_text(), stop
+            if stop == "SIGKILL above":
+                stop_server(proc)  # SIGTERM: the server shuts down, the kernel stays
+                container.reload()
+                assert container.status == "running"
+
+        server.api("DELETE", f"/api/sessions/{session_id}")
+        assert (
+            docker_client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}) == []
+        )
+    finally:
+        stop_server(proc)
+        for leftover in docker_client.containers.list(
+            all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        ):
+            leftover.remove(force=True)

@@ -6,11 +6,20 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.orphans import owner_is_gone, remove_runtime_dir, server_identity, write_owner
+from sandbox_kernel.orphans import (
+    SandboxedKernel,
+    owner_is_gone,
+    read_state,
+    remove_runtime_dir,
+    server_identity,
+    write_owner,
+    write_state,
+)
 
 
 def test_this_process_owns_its_kernels_and_is_alive() -> None:
@@ -70,3 +79,74 @@ def test_an_unreadable_proc_entry_is_not_taken_for_a_dead_owner(monkeypatch: pyt
 def test_the_owner_file_names_the_current_owner(tmp_path: Path) -> None:
     write_owner(tmp_path)
     assert (tmp_path / "owner").read_text() == server_identity()
+
+
+def _kernel(runtime: Path, lifecycle: str, ttl: float, owner: str) -> SandboxedKernel:
+    launch = runtime / "run1"
+    launch.mkdir(parents=True)
+    (runtime / "owner").write_text(owner)
+    return SandboxedKernel.from_inspect(
+        {
+            "Id": "c1",
+            "Config": {
+                "Labels": {
+                    "io.sandbox-kernel.kernel-id": "k1",
+                    "io.sandbox-kernel.runtime-dir": str(launch),
+                    "io.sandbox-kernel.lifecycle": lifecycle,
+                    "io.sandbox-kernel.ttl": f"{ttl:g}",
+                    "io.sandbox-kernel.server-uid": str(os.getuid()),
+                }
+            },
+            "State": {"Status": "running", "Pid": 0},
+            "HostConfig": {"Memory": 2**30},
+        }
+    )
+
+
+def test_an_ephemeral_kernel_of_a_dead_server_is_an_orphan(tmp_path: Path) -> None:
+    host, namespace, _, _ = server_identity().split("/")
+    gone = f"{host}/{namespace}/999999999/1"
+    kernel = _kernel(tmp_path / "rt", "ephemeral", 0, gone)
+    assert kernel.orphaned
+    assert not kernel.detached
+    assert kernel.status == "orphaned"
+    assert _kernel(tmp_path / "rt2", "ephemeral", 0, server_identity()).status == "running"
+
+
+def test_a_persistent_kernel_waits_for_adoption_until_its_ttl_runs_out(tmp_path: Path) -> None:
+    host, namespace, _, _ = server_identity().split("/")
+    gone = f"{host}/{namespace}/999999999/1"
+    kernel = _kernel(tmp_path / "rt", "persistent", 600, gone)
+    assert (kernel.orphaned, kernel.detached, kernel.expired) == (False, True, False)
+    assert kernel.status == "running, detached"
+    then = time.time() - 601
+    os.utime(tmp_path / "rt" / "owner", (then, then))
+    kernel = SandboxedKernel.from_inspect(
+        {"Id": "c1", "Config": {"Labels": {**_labels(tmp_path / "rt"), "io.sandbox-kernel.ttl": "600"}}}
+    )
+    assert kernel.expired
+    assert kernel.status == "expired"
+    forever = _kernel(tmp_path / "rt3", "persistent", 0, gone)
+    os.utime(tmp_path / "rt3" / "owner", (0, 0))
+    assert forever.detached
+    assert not forever.expired
+    alive = _kernel(tmp_path / "rt4", "persistent", 1, server_identity())
+    os.utime(tmp_path / "rt4" / "owner", (0, 0))
+    assert not alive.expired, "a kernel whose server lives never expires"
+
+
+def _labels(runtime: Path) -> dict[str, str]:
+    return {
+        "io.sandbox-kernel.kernel-id": "k1",
+        "io.sandbox-kernel.runtime-dir": str(runtime / "run1"),
+        "io.sandbox-kernel.lifecycle": "persistent",
+    }
+
+
+def test_reattach_state_is_private_and_read_back(tmp_path: Path) -> None:
+    write_state(tmp_path, {"kernel_id": "k1", "provisioner_info": {"key": "secret"}})
+    assert (tmp_path / "provisioner.json").stat().st_mode & 0o077 == 0
+    assert read_state(tmp_path) == {"kernel_id": "k1", "provisioner_info": {"key": "secret"}}
+    (tmp_path / "provisioner.json").write_text("not json")
+    assert read_state(tmp_path) is None
+    assert read_state(tmp_path / "missing") is None

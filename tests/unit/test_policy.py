@@ -22,7 +22,9 @@ from sandbox_kernel.policy import (
     LABEL_KERNELSPEC,
     LABEL_MANAGED,
     LABEL_RUNTIME_DIR,
+    LABEL_WORKSPACE,
     SandboxSpec,
+    check_lifetime,
     container_connection_info,
     container_create_kwargs,
     kernel_command,
@@ -31,6 +33,8 @@ from sandbox_kernel.policy import (
     sandbox_env,
     validate_kernelspec_config,
     validate_size,
+    volume_name,
+    volume_setup_kwargs,
 )
 
 
@@ -408,3 +412,47 @@ def test_container_connection_info_uses_ipc_in_the_runtime_dir() -> None:
     }
     assert IPC_PREFIX.startswith(f"{CONTAINER_RUNTIME_DIR}/")
     assert isinstance(info["key"], str)
+
+
+class TestWorkspaceVolumes:
+    def test_the_template_is_filled_with_docker_safe_names(self) -> None:
+        name = volume_name(
+            "sk-{user}-{notebook}", user="Ann Lee", kernelspec="py", notebook="team/Sales Q3", project="team"
+        )
+        assert name == "sk-Ann-Lee-team-Sales-Q3"
+        assert volume_name("team-{project}", project="analysis") == "team-analysis"
+        assert volume_name("{kernelspec}-{notebook}", kernelspec="py") == "py-untitled"
+
+    @pytest.mark.parametrize(
+        ("template", "message"),
+        [
+            ("ws-{owner}", "placeholders"),
+            ("{project", "not a valid template"),
+            ("-{user}", "not a Docker volume"),
+        ],
+    )
+    def test_a_bad_template_is_an_error_naming_it(self, template: str, message: str) -> None:
+        with pytest.raises(ConfigurationError, match=message):
+            volume_name(template, user="-", project="p")
+
+    def test_the_kernel_gets_a_volume_mount_that_never_copies_the_image_over_it(self, tmp_path: Path) -> None:
+        spec = make_spec(tmp_path, volume="team-analysis")
+        (workspace, _) = container_create_kwargs(spec)["mounts"]
+        assert workspace["Type"] == "volume"
+        assert workspace["Source"] == "team-analysis"
+        assert workspace["VolumeOptions"]["NoCopy"] is True
+        assert spec.labels[LABEL_WORKSPACE] == "volume:team-analysis"
+        setup = volume_setup_kwargs(spec)
+        assert setup["command"] == ["chown", f"{spec.uid}:{spec.gid}", "/workspace"]
+        assert setup["cap_add"] == ["CHOWN"]
+        assert setup["network_mode"] == "none"
+        assert setup["runtime"] == spec.runtime
+
+
+def test_a_persistent_kernel_beyond_the_ttl_ceiling_is_refused() -> None:
+    check_lifetime("persistent", 3600, 86400)
+    check_lifetime("ephemeral", 0, 60)
+    with pytest.raises(
+        ConfigurationError, match=r"persistent_ttl=0 \(no limit\) exceeds.*max_persistent_ttl"
+    ):
+        check_lifetime("persistent", 0, 86400)

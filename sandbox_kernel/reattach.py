@@ -1,0 +1,127 @@
+"""Reattaching to sandboxed kernels that outlived the process that started them.
+
+A persistent kernel (``"lifecycle": "persistent"``) keeps running when the program or
+server that started it exits, even when killed. Any later process of the same user on
+the same host can drive it again, with its variables intact::
+
+    from sandbox_kernel.reattach import reattach_kernel
+
+    km = await reattach_kernel(kernel_id)  # an AsyncKernelManager for the same kernel
+    kc = km.client()
+    kc.start_channels()
+    await kc.wait_for_ready()
+
+The kernel's owner keeps what this needs in the kernel's private runtime folder, so the
+kernel id is enough (``jupyter sandbox-kernel list`` shows it). A program can also keep
+the state itself: ``state = await kernel_state(km)`` is a JSON-able dict, and
+``reattach_kernel(state)`` takes it. It holds the kernel's session key: store it privately.
+:func:`reattach_kernel_blocking` gives a blocking ``KernelManager`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from jupyter_client.manager import AsyncKernelManager, KernelManager
+from jupyter_client.provisioning.factory import KernelProvisionerFactory
+from jupyter_core.utils import run_sync
+
+from .docker_api import SandboxDocker
+from .errors import KernelNotFoundError
+from .orphans import list_kernels, read_state
+from .provisioner import SandboxProvisioner
+
+M = TypeVar("M", bound=KernelManager)
+
+
+async def kernel_state(km: KernelManager) -> dict[str, Any]:
+    """What :func:`reattach_kernel` needs to drive ``km``'s kernel from another process.
+
+    Raises:
+        TypeError: ``km`` does not run a sandboxed kernel.
+    """
+    provisioner = km.provisioner
+    if not isinstance(provisioner, SandboxProvisioner):
+        msg = f"kernel {km.kernel_id} is not a sandboxed kernel (its provisioner is {provisioner!r})"
+        raise TypeError(msg)
+    return {
+        "kernel_id": km.kernel_id,
+        "kernel_name": km.kernel_name,
+        "provisioner_info": await provisioner.get_provisioner_info(),
+    }
+
+
+async def saved_state(kernel_id: str, docker: SandboxDocker | None = None) -> dict[str, Any]:
+    """The reattach state a sandboxed kernel's owner keeps, found by kernel id (or a prefix).
+
+    Raises:
+        KernelNotFoundError: no such kernel runs on this Docker host, several match, or
+            its state is unreadable (another user's kernel).
+        DockerUnavailableError: the daemon cannot be reached.
+    """
+    kernels = [k for k in await list_kernels(docker or SandboxDocker()) if k.kernel_id.startswith(kernel_id)]
+    if len(kernels) != 1:
+        found = "no sandboxed kernel" if not kernels else f"{len(kernels)} sandboxed kernels"
+        msg = f"{found} with an id starting with {kernel_id!r}; see `jupyter sandbox-kernel list`."
+        raise KernelNotFoundError(msg)
+    (kernel,) = kernels
+    state = await asyncio.to_thread(read_state, Path(kernel.runtime_dir).parent)
+    if state is None:
+        msg = (
+            f"Sandboxed kernel {kernel.kernel_id} has no reattach state this user can read in "
+            f"{Path(kernel.runtime_dir).parent}: it belongs to another user, or to an older version."
+        )
+        raise KernelNotFoundError(msg)
+    return state
+
+
+async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
+    """Make ``km`` (fresh, never started) the manager of the running kernel in ``state``:
+    bridge, watchdog and egress proxy start here, the kernel is untouched."""
+    km.kernel_id = str(state["kernel_id"])
+    info = dict(state["provisioner_info"])
+    provisioner = KernelProvisionerFactory.instance(parent=km.parent).create_provisioner_instance(
+        km.kernel_id, km.kernel_spec, parent=km
+    )
+    await provisioner.load_provisioner_info(info)
+    km.provisioner = provisioner
+    km.load_connection_info(provisioner.connection_info)
+    # What a restart relaunches with: the kernel's folder, the caller's environment.
+    launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd()}
+    km._launch_args = launch_args
+    # As if started here: later shutdowns and restarts each get a fresh "ready" future.
+    km._attempted_start = True
+    if not km.ready.done():
+        km.ready.set_result(None)
+    km.start_restarter()
+    km._connect_control_socket()
+
+
+async def reattach_kernel(kernel: str | Mapping[str, Any], **kwargs: Any) -> AsyncKernelManager:
+    """An ``AsyncKernelManager`` driving the already running sandboxed kernel ``kernel``:
+    its kernel id (or a unique prefix), or a state from :func:`kernel_state`.
+
+    ``kwargs`` go to the manager (e.g. ``config=``).
+
+    Raises:
+        KernelNotFoundError: no such kernel, or its state is unreadable.
+        SandboxKernelError: the kernel's container is gone or Docker is unreachable.
+    """
+    return await _reattach(kernel, AsyncKernelManager, kwargs)
+
+
+def reattach_kernel_blocking(kernel: str | Mapping[str, Any], **kwargs: Any) -> KernelManager:
+    """:func:`reattach_kernel` for blocking code: returns a ``KernelManager``."""
+    manager: KernelManager = run_sync(_reattach)(kernel, KernelManager, kwargs)
+    return manager
+
+
+async def _reattach(kernel: str | Mapping[str, Any], manager_class: type[M], kwargs: dict[str, Any]) -> M:
+    state = await saved_state(kernel) if isinstance(kernel, str) else kernel
+    km = manager_class(kernel_name=str(state["kernel_name"]), **kwargs)
+    await attach_manager(km, state)
+    return km

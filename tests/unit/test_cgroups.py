@@ -1,0 +1,52 @@
+"""Reading a sandbox's memory use and OOM kills from its host cgroup, v1 and v2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel import cgroups
+
+
+@pytest.fixture
+def fake_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", root)
+    return proc, root
+
+
+def _process(proc: Path, pid: int, cgroup_lines: str) -> None:
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "cgroup").write_text(cgroup_lines)
+
+
+def test_cgroup_v1_memory_controller(fake_host: tuple[Path, Path]) -> None:
+    proc, root = fake_host
+    _process(proc, 7, "5:devices:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    folder = root / "memory" / "docker" / "abc"
+    folder.mkdir(parents=True)
+    (folder / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (folder / "memory.usage_in_bytes").write_text("535252992\n")
+    assert cgroups.oom_kills(7, proc) == 2
+    assert cgroups.memory_usage(7, proc) == 535252992
+
+
+def test_cgroup_v2_unified(fake_host: tuple[Path, Path]) -> None:
+    proc, root = fake_host
+    _process(proc, 8, "0::/system.slice/docker-abc.scope\n")
+    folder = root / "system.slice" / "docker-abc.scope"
+    folder.mkdir(parents=True)
+    (folder / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n")
+    (folder / "memory.current").write_text("1048576\n")
+    assert cgroups.oom_kills(8, proc) == 1
+    assert cgroups.memory_usage(8, proc) == 1048576
+
+
+def test_unknown_processes_and_missing_files_are_none(fake_host: tuple[Path, Path]) -> None:
+    proc, _ = fake_host
+    assert cgroups.oom_kills(9, proc) is None
+    assert cgroups.memory_usage(9, proc) is None
+    _process(proc, 10, "4:memory:/docker/gone\n")
+    assert cgroups.oom_kills(10, proc) is None
+    assert cgroups.memory_usage(10, proc) is None
