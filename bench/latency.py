@@ -1,4 +1,4 @@
-"""Latency of a sandboxed kernel compared with a local ipykernel.
+"""Latency and host memory of a sandboxed kernel compared with a local ipykernel.
 
 For each of two kernelspecs -- the sandboxed one (default ``sandboxed-python``) and a
 local ipykernel as the baseline (default ``python3``) -- this measures, the way a user
@@ -14,9 +14,11 @@ of ``jupyter_client`` would see it:
   IOPub have arrived, ``--runs`` times after ``--warmup`` untimed runs, on one kernel
   (p50 and p95).
 
-Host memory is not measured: under gVisor the guest's memory lives in a memory file
-that the host processes' RSS/PSS does not reflect, so a fair figure needs the
-container's cgroup rather than a process-tree sum.
+* host memory of one kernel, idle and after ``import pandas``: for the local kernel
+  its process's PSS (``/proc/PID/smaps_rollup``); for the sandboxed one everything its
+  container's memory cgroup is charged (guest memory, gVisor's sentry and gofer, page
+  cache): under gVisor the guest's memory lives in a memory file that no host process's
+  RSS/PSS reflects, so the cgroup is the honest figure of what the host pays.
 
 All kernels run in one temporary working folder made for the run (owned by uid 1000
 when run as root, so the sandboxed kernel can write to it), one kernel at a time: each
@@ -44,8 +46,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import docker
 from jupyter_client import KernelManager
 from jupyter_client.blocking import BlockingKernelClient
+
+from sandbox_kernel.cgroups import memory_usage
 
 STARTUP_TIMEOUT = 120.0  # seconds for one kernel to become ready
 EXECUTE_TIMEOUT = 30.0  # seconds for one `1+1` round trip
@@ -67,6 +72,7 @@ class StampedClient(BlockingKernelClient):
 @dataclass
 class StartedKernel:
     client: StampedClient
+    manager: KernelManager
     kernel_info_s: float  # start_kernel() -> first kernel_info reply
     ready_s: float  # start_kernel() -> wait_for_ready() returned
 
@@ -77,6 +83,8 @@ class Timings:
     kernel_info_s: list[float] = field(default_factory=list)
     ready_s: list[float] = field(default_factory=list)
     execute_ms: list[float] = field(default_factory=list)
+    memory_idle_mib: float = math.nan
+    memory_pandas_mib: float = math.nan
 
 
 def progress(message: str) -> None:
@@ -96,7 +104,7 @@ def running_kernel(kernel_name: str, cwd: str) -> Iterator[StartedKernel]:
         client.wait_for_ready(timeout=STARTUP_TIMEOUT)
         ready = time.perf_counter()
         reply_at = client.kernel_info_reply_at or ready
-        yield StartedKernel(client, kernel_info_s=reply_at - started, ready_s=ready - started)
+        yield StartedKernel(client, manager, kernel_info_s=reply_at - started, ready_s=ready - started)
     finally:
         if client is not None:
             client.stop_channels()
@@ -135,11 +143,39 @@ def measure(kernel_name: str, starts: int, runs: int, warmup: int, cwd: str) -> 
         for _ in range(warmup):
             execute_once(kernel.client)
         timings.execute_ms = [execute_once(kernel.client) * 1000 for _ in range(runs)]
+        timings.memory_idle_mib = host_memory_mib(kernel.manager)
+        kernel.client.execute_interactive("import pandas", timeout=EXECUTE_TIMEOUT, output_hook=ignore_output)
+        timings.memory_pandas_mib = host_memory_mib(kernel.manager)
+    progress(
+        f"[{kernel_name}] host memory: {timings.memory_idle_mib:.1f} MiB idle, "
+        f"{timings.memory_pandas_mib:.1f} MiB with pandas"
+    )
     progress(
         f"[{kernel_name}] execute: p50 {percentile(timings.execute_ms, 50):.2f} ms, "
         f"p95 {percentile(timings.execute_ms, 95):.2f} ms"
     )
     return timings
+
+
+def host_memory_mib(manager: KernelManager) -> float:
+    """What the host pays for the kernel now: the sandbox's cgroup, or the local process's PSS."""
+    container_id = getattr(manager.provisioner, "container_id", None)
+    if container_id is not None:
+        client = docker.from_env()
+        try:
+            pid = client.api.inspect_container(container_id)["State"]["Pid"]
+        finally:
+            client.close()
+        usage = memory_usage(pid)
+        return usage / 2**20 if usage is not None else math.nan
+    process = getattr(manager.provisioner, "process", None)
+    if process is None:
+        return math.nan
+    with open(f"/proc/{process.pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    return math.nan
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -159,6 +195,8 @@ def summarize(t: Timings) -> dict[str, float]:
         "ready_max_s": max(t.ready_s),
         "execute_p50_ms": percentile(t.execute_ms, 50),
         "execute_p95_ms": percentile(t.execute_ms, 95),
+        "memory_idle_mib": t.memory_idle_mib,
+        "memory_pandas_mib": t.memory_pandas_mib,
     }
 
 
@@ -170,12 +208,20 @@ ROWS = (
     ("ready_max_s", "start -> wait_for_ready() returns, max", "s"),
     ("execute_p50_ms", f"execute {CODE!r} round trip, p50", "ms"),
     ("execute_p95_ms", f"execute {CODE!r} round trip, p95", "ms"),
+    ("memory_idle_mib", "host memory, idle kernel", "MiB"),
+    ("memory_pandas_mib", "host memory, after import pandas", "MiB"),
 )
 
 
 def format_table(local: dict[str, float], sandboxed: dict[str, float], headers: tuple[str, str]) -> str:
     def cell(value: float, unit: str) -> str:
-        return f"{value:.3f} {unit}" if unit == "s" else f"{value:.2f} {unit}"
+        return (
+            f"{value:.3f} {unit}"
+            if unit == "s"
+            else f"{value:.1f} {unit}"
+            if unit == "MiB"
+            else f"{value:.2f} {unit}"
+        )
 
     lines = [("metric", *headers, "ratio sandboxed/local")]
     for key, label, unit in ROWS:
@@ -239,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {"local": summarize(local), "sandboxed": summarize(sandboxed)}
     headers = (f"local ({args.baseline})", f"sandboxed ({args.kernel})")
     print(
-        f"Kernel latency: {args.starts} starts each; {args.runs} timed runs of {CODE!r} "
+        f"Kernel latency and memory: {args.starts} starts each; {args.runs} timed runs of {CODE!r} "
         f"after {args.warmup} warm-up runs"
     )
     print(format_table(summaries["local"], summaries["sandboxed"], headers))

@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 _MAX_PENDING = 1000
 #: Egress decisions listed in one execution's "finished" line (each also has its own line).
 _MAX_EGRESS = 100
+#: Egress lines a kernel may cause: this many per second on average, in bursts of the
+#: second number. The kernel decides how many requests it makes; past the rate, lines
+#: are counted and summed up in one "egress_suppressed" line, so it cannot flood the log.
+_EGRESS_RATE = 20.0
+_EGRESS_BURST = 200
 #: What of an egress decision goes into the execution's "finished" line.
 _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 
@@ -131,6 +136,9 @@ class ExecutionAuditor:
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
         self.on_refused: Callable[[PendingExecution], None] | None = None
+        self._egress_tokens = float(_EGRESS_BURST)
+        self._egress_stamp = time.monotonic()
+        self._egress_suppressed = 0
 
     def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame]) -> None:
         if channel not in ("shell", "iopub"):
@@ -172,24 +180,24 @@ class ExecutionAuditor:
             header=header,
         )
         msg_id = str(header.get("msg_id", ""))
-        refusing = self._refusing
-        if refusing is not None:
-            self._write(self._record("started", msg_id, pending))
-            self._finish(msg_id, pending, f"refused: {refusing}", None)
-            if self.on_refused is not None:
-                self.on_refused(pending)
-            return
         with self._lock:
-            self._last_activity = time.monotonic()
-            superseded = self._pending.pop(msg_id, None)
-            if superseded is not None:
-                self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
-            self._pending[msg_id] = pending
-            # Written now too, so a server that dies mid-cell still leaves a trace.
-            self._write(self._record("started", msg_id, pending))
-            while len(self._pending) > _MAX_PENDING:
-                oldest = next(iter(self._pending))
-                self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
+            refusing = self._refusing
+            if refusing is None:
+                self._last_activity = time.monotonic()
+                superseded = self._pending.pop(msg_id, None)
+                if superseded is not None:
+                    self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
+                self._pending[msg_id] = pending
+                # Written now too, so a server that dies mid-cell still leaves a trace.
+                self._write(self._record("started", msg_id, pending))
+                while len(self._pending) > _MAX_PENDING:
+                    oldest = next(iter(self._pending))
+                    self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
+                return
+        self._write(self._record("started", msg_id, pending))
+        self._finish(msg_id, pending, f"refused: {refusing}", None)
+        if self.on_refused is not None:
+            self.on_refused(pending)
 
     def _reply(self, parts: list[bytes]) -> None:
         header = load_dict(parts[1])
@@ -237,14 +245,29 @@ class ExecutionAuditor:
             record["egress_dropped"] = pending.egress_dropped
         self._write(record)
 
-    def egress(self, decision: Mapping[str, Any]) -> None:
+    def egress(self, decision: Mapping[str, Any]) -> bool:
         """Record one verdict of the egress proxy (any thread), with the execution it served.
 
         Code runs between executions too (threads it started): such decisions carry no
-        msg_id. Each decision gets its own line at once, and joins its execution's
-        "finished" line.
+        msg_id; the attribution is the host's best guess (the running, else the oldest
+        pending execution), as code can act in the background. Each decision gets its
+        own line at once (rate-limited; returns whether it did), and joins its
+        execution's "finished" line.
         """
         with self._lock:
+            now = time.monotonic()
+            self._egress_tokens = min(
+                float(_EGRESS_BURST), self._egress_tokens + (now - self._egress_stamp) * _EGRESS_RATE
+            )
+            self._egress_stamp = now
+            suppressed = 0
+            if self._egress_tokens >= 1:
+                self._egress_tokens -= 1
+                suppressed, self._egress_suppressed = self._egress_suppressed, 0
+                write = True
+            else:
+                self._egress_suppressed += 1
+                write = False
             running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
             msg_id = min(running)[1] if running else next(iter(self._pending), None)
             pending = self._pending.get(msg_id) if msg_id is not None else None
@@ -253,16 +276,21 @@ class ExecutionAuditor:
                     pending.egress.append({key: decision.get(key) for key in _EGRESS_SUMMARY})
                 else:
                     pending.egress_dropped += 1
+        if not write:
+            return False
+        wall = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        base = {"time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
+        if suppressed:
+            self._write({"event": "egress_suppressed", **base, "count": suppressed})
         self._write(
             {
                 "event": "egress",
-                "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-                "kernel_id": self._kernel_id,
-                "kernelspec": self._kernelspec,
+                **base,
                 "msg_id": msg_id,
                 **{key: decision.get(key) for key in (*_EGRESS_SUMMARY, "address")},
             }
         )
+        return True
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._log is None:
@@ -293,6 +321,14 @@ class ExecutionAuditor:
         """Seconds since the last execution began or ended; None while one is pending."""
         with self._lock:
             return None if self._pending else time.monotonic() - self._last_activity
+
+    def refuse_if_idle(self, limit: float, reason: str) -> bool:
+        """Atomically: if nothing ran for ``limit`` seconds, refuse new requests from now on."""
+        with self._lock:
+            if self._pending or self._refusing is not None or time.monotonic() - self._last_activity < limit:
+                return False
+            self._refusing = reason
+            return True
 
     def refuse(self, reason: str | None) -> None:
         """From now on, answer every new execute_request with ``on_refused`` (None: stop).

@@ -273,11 +273,15 @@ class KernelBridge:
     def stop(self) -> None:
         """Stop relaying and close every socket; the ports are free afterwards."""
         self.detach()
-        for sock in [*self._fronts.values(), self._stop_tx, self._stop_rx, self._inject_tx, self._inject_rx]:
+        with self._inject_lock:  # another thread may be injecting right now
+            if self._inject_tx is not None:
+                self._inject_tx.close(linger=0)
+            self._inject_tx = None
+        for sock in [*self._fronts.values(), self._stop_tx, self._stop_rx, self._inject_rx]:
             if sock is not None:
                 sock.close(linger=0)
         self._fronts = {}
-        self._stop_tx = self._stop_rx = self._inject_tx = self._inject_rx = None
+        self._stop_tx = self._stop_rx = self._inject_rx = None
         if self._context is not None:
             self._context.term()
             self._context = None

@@ -166,23 +166,8 @@ class SandboxDocker:
         finally:
             await self.remove(container.id)
 
-    async def state(self, container_id: str) -> tuple[str, int | None]:
-        """(status, exit code or None while running); ``("removed", 255)`` when gone."""
-        client = await self.client()
-        try:
-            attrs = await self._api(
-                "inspect the kernel container", client.api.inspect_container, container_id
-            )
-        except NotFound:
-            return "removed", 255
-        state = attrs.get("State") or {}
-        status = str(state.get("Status", "unknown"))
-        if status in ("created", "running", "paused", "restarting"):
-            return status, None
-        return status, int(state.get("ExitCode", 255))
-
-    async def main_pid(self, container_id: str) -> int | None:
-        """The host pid of the container's main process (gVisor's sandbox), if running."""
+    async def _container_state(self, container_id: str) -> dict[str, Any] | None:
+        """The container's ``State`` from ``docker inspect``; None when it is gone."""
         client = await self.client()
         try:
             attrs = await self._api(
@@ -190,18 +175,25 @@ class SandboxDocker:
             )
         except NotFound:
             return None
-        pid = (attrs.get("State") or {}).get("Pid")
+        return dict(attrs.get("State") or {})
+
+    async def state(self, container_id: str) -> tuple[str, int | None]:
+        """(status, exit code or None while running); ``("removed", 255)`` when gone."""
+        state = await self._container_state(container_id)
+        if state is None:
+            return "removed", 255
+        status = str(state.get("Status", "unknown"))
+        if status in ("created", "running", "paused", "restarting"):
+            return status, None
+        return status, int(state.get("ExitCode", 255))
+
+    async def main_pid(self, container_id: str) -> int | None:
+        """The host pid of the container's main process (gVisor's sandbox), if running."""
+        pid = (await self._container_state(container_id) or {}).get("Pid")
         return int(pid) if isinstance(pid, int) and pid > 0 else None
 
     async def oom_killed(self, container_id: str) -> bool:
-        client = await self.client()
-        try:
-            attrs = await self._api(
-                "inspect the kernel container", client.api.inspect_container, container_id
-            )
-        except NotFound:
-            return False
-        return bool((attrs.get("State") or {}).get("OOMKilled"))
+        return bool((await self._container_state(container_id) or {}).get("OOMKilled"))
 
     async def signal(self, container_id: str, signum: int) -> bool:
         """Send ``signum`` to the container's init; False if it is not running."""

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from .policy import (
     LABEL_LIFECYCLE,
     LABEL_OWNER,
     LABEL_RUNTIME_DIR,
+    LABEL_SCOPE,
     LABEL_SERVER_UID,
     LABEL_TTL,
     LABEL_WORKSPACE,
@@ -91,9 +93,16 @@ def owner_is_gone(identity: str) -> bool:
 
 def write_owner(runtime_dir: Path) -> None:
     """Record this process as the owner of the kernel whose runtime folder this is."""
-    path = runtime_dir / OWNER_FILE
-    tmp = runtime_dir / f".{OWNER_FILE}.{os.getpid()}"
-    tmp.write_text(server_identity())
+    _replace_file(runtime_dir / OWNER_FILE, server_identity().encode(), 0o644)
+
+
+def _replace_file(path: Path, data: bytes, mode: int) -> None:
+    """Write ``path`` atomically, never through a link planted in its folder."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     tmp.replace(path)
 
 
@@ -101,20 +110,21 @@ def _read_owner(launch_dir: str) -> tuple[str, float] | None:
     """(owner identity, when the owner last touched it) from a kernel's runtime folder."""
     if not launch_dir:
         return None
+    # The path comes from a label: never follow a link, never block on a FIFO.
     try:
-        with open(Path(launch_dir).parent / OWNER_FILE, "rb") as f:
-            return f.read(512).decode("utf-8", "replace").strip(), os.fstat(f.fileno()).st_mtime
+        fd = os.open(Path(launch_dir).parent / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return f.read(512).decode("utf-8", "replace").strip(), st.st_mtime
 
 
 def write_state(runtime_dir: Path, state: dict[str, Any]) -> None:
     """Save a kernel's reattach state (0600, replaced atomically) in its runtime folder."""
-    tmp = runtime_dir / f".{STATE_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    tmp.replace(runtime_dir / STATE_FILE)
+    _replace_file(runtime_dir / STATE_FILE, json.dumps(state).encode(), 0o600)
 
 
 def read_state(runtime_dir: str | Path) -> dict[str, Any] | None:
@@ -146,6 +156,8 @@ class SandboxedKernel:
     server_uid: int | None = None
     #: When the owner last touched the kernel (epoch seconds), if known.
     owner_seen: float | None = None
+    #: The adopting server's scope (see sandbox_kernel.server), "" outside a server.
+    scope: str = ""
 
     @property
     def persistent(self) -> bool:
@@ -173,11 +185,18 @@ class SandboxedKernel:
         return self.persistent and self.owner_gone and not self.expired
 
     @property
+    def abandoned(self) -> bool:
+        """A persistent kernel whose container stopped while no server held it."""
+        return self.persistent and self.owner_gone and self.state in ("exited", "dead")
+
+    @property
     def status(self) -> str:
         if self.orphaned:
             return "orphaned"
         if self.expired:
             return "expired"
+        if self.abandoned:
+            return f"{self.state}, abandoned"
         if self.detached:
             return f"{self.state}, detached"
         return self.state
@@ -216,7 +235,34 @@ class SandboxedKernel:
             ttl=ttl,
             server_uid=int(uid) if uid.isdigit() else None,
             owner_seen=owner[1] if owner else None,
+            scope=labels.get(LABEL_SCOPE, ""),
         )
+
+
+def own_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> Path | None:
+    """The outer runtime folder of a kernel, if it is one this user's server made.
+
+    The path comes from a container label, which anyone who can create containers can
+    write: the key and sockets are trusted only from a ``sandbox-kernel-*`` folder
+    directly in the runtime parent, owned by this user and private to it.
+    """
+    if not launch_dir:
+        return None
+    outer = Path(launch_dir).parent
+    parent = Path(runtime_parent or tempfile.gettempdir()).resolve()
+    try:
+        st = outer.lstat()
+    except OSError:
+        return None
+    if (
+        outer.parent.resolve() != parent
+        or not outer.name.startswith("sandbox-kernel-")
+        or not stat.S_ISDIR(st.st_mode)
+        or st.st_uid != os.getuid()
+        or st.st_mode & 0o077
+    ):
+        return None
+    return outer
 
 
 def remove_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> None:
@@ -233,7 +279,18 @@ def remove_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> No
     if outer.parent.resolve() != parent or not outer.name.startswith("sandbox-kernel-") or outer.is_symlink():
         log.warning("Not removing %s: not a sandbox-kernel runtime folder under %s", outer, parent)
         return
-    shutil.rmtree(outer, ignore_errors=True)
+    remove_tree(outer)
+
+
+def remove_tree(path: Path, attempts: int = 20) -> None:
+    """Remove a kernel's folder, retrying a while: just after its sandbox stops (after a
+    dockerd restart, say), gVisor's processes may still hold it for a moment."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.25)
+    log.warning("Could not remove %s; remove it by hand (or run `jupyter sandbox-kernel prune`)", path)
 
 
 async def list_kernels(docker_api: SandboxDocker) -> list[SandboxedKernel]:
@@ -257,12 +314,12 @@ async def prune_orphans(
     docker_api: SandboxDocker, runtime_parent: str | None = None
 ) -> list[SandboxedKernel]:
     """Remove every ephemeral kernel whose server is gone, and every persistent one past
-    its time-to-live; return them."""
-    doomed = [k for k in await list_kernels(docker_api) if k.orphaned or k.expired]
+    its time-to-live or stopped with no server; return them."""
+    doomed = [k for k in await list_kernels(docker_api) if k.orphaned or k.expired or k.abandoned]
     for kernel in doomed:
         log.warning(
             "Removing %s sandboxed kernel %s (container %s): its server %s is gone",
-            "expired" if kernel.expired else "orphaned",
+            "expired" if kernel.expired else "stopped" if kernel.abandoned else "orphaned",
             kernel.kernel_id,
             kernel.container_id[:12],
             kernel.owner,

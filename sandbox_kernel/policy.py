@@ -41,6 +41,8 @@ LABEL_WORKSPACE = "io.sandbox-kernel.workspace"
 LABEL_LIFECYCLE = "io.sandbox-kernel.lifecycle"
 LABEL_TTL = "io.sandbox-kernel.ttl"
 LABEL_SERVER_UID = "io.sandbox-kernel.server-uid"
+#: Which server may adopt a persistent kernel: its kernel manager's scope (root folder).
+LABEL_SCOPE = "io.sandbox-kernel.scope"
 #: On a named volume's labels: the volume was made for sandbox-kernel workspaces.
 LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"
 

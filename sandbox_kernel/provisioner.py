@@ -14,12 +14,11 @@ import getpass
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from .egress import Decision, EgressPolicy, EgressProxy, EgressRules
 from .egress import relay as egress_relay
 from .errors import ConfigurationError, DockerUnavailableError, KernelStartupError, SandboxKernelError
 from .limits import Limits, check_within_ceilings, kernel_startup, size_bytes
-from .orphans import prune_orphans, server_identity, write_owner, write_state
+from .orphans import prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
 from .policy import (
     CONTAINER_EGRESS_SOCKET,
@@ -48,6 +47,7 @@ from .policy import (
     CONTAINER_WORKSPACE,
     LABEL_LIFECYCLE,
     LABEL_OWNER,
+    LABEL_SCOPE,
     LABEL_SERVER_UID,
     LABEL_TTL,
     LABEL_VOLUME,
@@ -76,8 +76,22 @@ from .wire import stderr_notice
 
 DEFAULT_IMAGE = "sandbox-kernel/python:latest"
 DEFAULT_RUNTIME = "runsc-sandbox-kernel"
+#: Launch variables a kernel needs again when a reattached manager restarts it.
+RELAUNCH_ENV = ("JPY_SESSION_NAME", "JUPYTERHUB_USER")
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
+
+
+@dataclass
+class _Watch:
+    """What a kernel's watchdog carries from one look to the next."""
+
+    next_touch: float
+    next_check: float = 0.0
+    pid: int | None = None
+    oom_baseline: int | None = None
+    interrupted: str | None = None
+    docker_lost: bool = False
 
 
 class SandboxProvisioner(KernelProvisionerBase):
@@ -417,7 +431,12 @@ class SandboxProvisioner(KernelProvisionerBase):
         self._manager_loop: asyncio.AbstractEventLoop | None = None
         self._exit_lock = threading.Lock()
         self._exit_noted: str | None = None
-        self._out_of_memory: str | None = None
+        # (container, ename, reason) of a kill the watchdog decided; the cause of the
+        # current container's end once noted.
+        self._planned_exit: tuple[str, str, str] | None = None
+        self._exit_cause: tuple[str, str] | None = None
+        # Of the launch environment, what a relaunch after reattaching needs again.
+        self._launch_env: dict[str, str] = {}
         # Signs the provisioner's own messages to clients (notices, replies for the dead).
         self._signer: Session | None = None
         self._egress: EgressPolicy | None = None
@@ -485,6 +504,8 @@ class SandboxProvisioner(KernelProvisionerBase):
 
         check_lifetime(self.lifecycle, self.persistent_ttl, self.max_persistent_ttl)
         cwd = Path(kwargs.get("cwd") or os.getcwd())
+        launch_env = kwargs.get("env") or {}
+        self._launch_env = {k: v for k, v in launch_env.items() if k in RELAUNCH_ENV}
         volume = None
         if self.workspace_volume:
             env = kwargs.get("env") or {}
@@ -551,6 +572,7 @@ class SandboxProvisioner(KernelProvisionerBase):
                 LABEL_LIFECYCLE: self.lifecycle,
                 LABEL_TTL: f"{self.persistent_ttl:g}",
                 LABEL_SERVER_UID: str(os.getuid()),
+                LABEL_SCOPE: str(getattr(getattr(self.parent, "parent", None), "adoption_scope", "")),
             },
         )
         self._cwd = str(cwd)
@@ -645,6 +667,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             container = await self.docker.create_and_start(container_create_kwargs(spec))
             self.container_id = str(container.id)
             self.exit_code = None
+            self._exit_cause = None
             self.log.info(
                 "Sandboxed kernel %s: container %s (image %s, runtime %s, uid %d, workspace %s)",
                 self.kernel_id,
@@ -713,7 +736,8 @@ class SandboxProvisioner(KernelProvisionerBase):
 
     def _on_egress(self, decision: Decision) -> None:
         """One verdict of the egress proxy (its thread): into the audit log and the server's log."""
-        if decision.get("verdict") != "allowed":
+        logged = self._auditor.egress(decision) if self._auditor is not None else True
+        if logged and decision.get("verdict") != "allowed":
             self.log.info(
                 "Sandboxed kernel %s: egress to %s:%s denied (%s)",
                 self.kernel_id,
@@ -721,8 +745,6 @@ class SandboxProvisioner(KernelProvisionerBase):
                 decision.get("port"),
                 decision.get("reason"),
             )
-        if self._auditor is not None:
-            self._auditor.egress(decision)
 
     def _reopen(self) -> None:
         """A kernel runs again: accept requests, restart the idle clock and Jupyter's restarter."""
@@ -855,111 +877,121 @@ class SandboxProvisioner(KernelProvisionerBase):
         and backs up the in-kernel wall-clock limit: interrupt, then kill.
 
         Only the execution the kernel is running counts, from when it began; cells
-        queued behind it wait without spending their limit.
+        queued behind it wait without spending their limit. A failing step is logged
+        and retried: a watchdog never gives up while its kernel runs.
         """
-        limit, grace = self.exec_timeout, self.exec_kill_grace
-        interrupted: str | None = None
-        next_check = 0.0
-        next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
-        docker_lost = False
-        try:
-            pid = await self.docker.main_pid(container_id)
-            oom_baseline = oom_kills(pid) if pid is not None else None
-            while self.container_id == container_id and self._auditor is not None:
-                await asyncio.sleep(0.5)
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + 1.0
-                    try:
-                        _, code = await self.docker.state(container_id)
-                    except DockerUnavailableError as exc:
-                        # dockerd restarting, say: keep watching once it is back.
-                        if not docker_lost:
-                            self.log.warning("Sandboxed kernel %s: %s; retrying", self.kernel_id, exc)
-                        docker_lost, next_check = True, time.monotonic() + 2.0
-                        continue
-                    docker_lost = False
-                    if code is not None:
-                        await self._note_exit(container_id, code)
-                        return
-                    if time.monotonic() >= next_touch and self.runtime_dir is not None:
-                        # A persistent kernel's time-to-live counts from the last touch.
-                        next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
-                        await asyncio.to_thread(write_owner, self.runtime_dir)
-                    kills = oom_kills(pid) if pid is not None else None
-                    if oom_baseline is not None and kills is not None and kills > oom_baseline:
-                        await self._kill_out_of_memory(container_id)
-                        return
-                idle = self._auditor.idle_for()
-                if self.idle_timeout > 0 and idle is not None and idle >= self.idle_timeout:
-                    await self._stop_idle_kernel(container_id)
+        watch = _Watch(next_touch=time.monotonic() + OWNER_TOUCH_INTERVAL)
+        while self.container_id == container_id and self._auditor is not None:
+            await asyncio.sleep(0.5)
+            try:
+                if await self._watch_step(container_id, watch):
                     return
-                running = self._auditor.running()
-                if limit <= 0 or running is None:
-                    continue
-                msg_id, age = running
-                if age < limit + min(2.0, grace / 2):
-                    continue
-                if interrupted != msg_id:
-                    self.log.warning(
-                        "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit; interrupting",
-                        self.kernel_id,
-                        limit,
-                    )
-                    await self.docker.signal(container_id, signal.SIGINT)
-                    interrupted = msg_id
-                elif age >= limit + grace:
-                    self.log.warning(
-                        "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit and the "
-                        "interrupt; killing the kernel (Jupyter restarts it)",
-                        self.kernel_id,
-                        limit,
-                    )
-                    await self.docker.signal(container_id, signal.SIGKILL)
-                    await self._wait_exited(container_id)
-                    await self._abandon_executions(
-                        "WallClockLimitExceeded",
-                        f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
-                        "interrupt ignored; the kernel restarts without its state",
-                    )
-                    return
-        except SandboxKernelError as exc:
-            self.log.error("Sandboxed kernel %s: its watchdog failed: %s", self.kernel_id, exc)
+            except DockerUnavailableError as exc:
+                # dockerd restarting, say: keep watching once it is back.
+                if not watch.docker_lost:
+                    self.log.warning("Sandboxed kernel %s: %s; retrying", self.kernel_id, exc)
+                watch.docker_lost, watch.next_check = True, time.monotonic() + 2.0
+            except Exception:
+                self.log.exception("Sandboxed kernel %s: watchdog step failed; retrying", self.kernel_id)
+                await asyncio.sleep(2.0)
 
-    async def _stop_idle_kernel(self, container_id: str) -> None:
-        """Stop a kernel idle past its limit, for good: Jupyter must not restart it.
-
-        Clients are told now; later requests get an error reply until a restart.
-        """
-        reason = (
+    async def _watch_step(self, container_id: str, watch: _Watch) -> bool:
+        """One look at the kernel; True once it has ended (nothing left to watch)."""
+        auditor = self._auditor
+        if auditor is None:
+            return True
+        if time.monotonic() >= watch.next_check:
+            watch.next_check = time.monotonic() + 1.0
+            if watch.pid is None:
+                watch.pid = await self.docker.main_pid(container_id)
+                watch.oom_baseline = oom_kills(watch.pid) if watch.pid is not None else None
+            _, code = await self.docker.state(container_id)
+            watch.docker_lost = False
+            if code is not None:
+                await self._note_exit(container_id, code)
+                return True
+            if time.monotonic() >= watch.next_touch and self.runtime_dir is not None:
+                # A persistent kernel's time-to-live counts from the last touch.
+                watch.next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
+                await asyncio.to_thread(write_owner, self.runtime_dir)
+            kills = oom_kills(watch.pid) if watch.pid is not None else None
+            if watch.oom_baseline is not None and kills is not None and kills > watch.oom_baseline:
+                # The host's OOM killer hit the sandbox but not its main process: the
+                # kernel hangs for good (see .cgroups). End it, so clients hear why.
+                self.log.warning(
+                    "Sandboxed kernel %s ran out of memory (limit %s) and hangs; killing it",
+                    self.kernel_id,
+                    self.memory,
+                )
+                await self._kill_for(container_id, "MemoryLimitExceeded", self._memory_reason())
+                return True
+        idle_reason = (
             f"stopped after {self.idle_timeout:g} s without executions (idle limit, sandbox-kernel "
             "idle_timeout) to free its memory; its variables are gone. Restart the kernel to continue"
         )
+        if self.idle_timeout > 0 and auditor.refuse_if_idle(self.idle_timeout, idle_reason):
+            await self._stop_idle_kernel(container_id, idle_reason)
+            return True
+        limit, grace = self.exec_timeout, self.exec_kill_grace
+        running = auditor.running()
+        if limit <= 0 or running is None:
+            return False
+        msg_id, age = running
+        if age < limit + min(2.0, grace / 2):
+            return False
+        if watch.interrupted != msg_id:
+            self.log.warning(
+                "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit; interrupting",
+                self.kernel_id,
+                limit,
+            )
+            await self.docker.signal(container_id, signal.SIGINT)
+            watch.interrupted = msg_id
+        elif age >= limit + grace:
+            self.log.warning(
+                "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit and the "
+                "interrupt; killing the kernel (Jupyter restarts it)",
+                self.kernel_id,
+                limit,
+            )
+            reason = (
+                f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
+                "interrupt ignored; the kernel restarts without its state"
+            )
+            await self._kill_for(container_id, "WallClockLimitExceeded", reason)
+            return True
+        return False
+
+    async def _kill_for(self, container_id: str, ename: str, reason: str) -> None:
+        """Kill the kernel deliberately; its waiting clients get ``ename``: ``reason``."""
+        self._planned_exit = (container_id, ename, reason)
+        await self.docker.signal(container_id, signal.SIGKILL)
+        await self._wait_exited(container_id)
+        _, code = await self.docker.state(container_id)
+        await self._note_exit(container_id, 137 if code is None else code)
+
+    def _memory_reason(self) -> str:
+        return (
+            f"memory limit {self.memory} exceeded: the kernel was killed and lost its state; "
+            "it restarts (Jupyter restarts it, or call restart_kernel)"
+        )
+
+    async def _stop_idle_kernel(self, container_id: str, reason: str) -> None:
+        """Stop a kernel idle past its limit, for good: Jupyter must not restart it.
+
+        New requests are already refused; clients are told now, and later requests get
+        an error reply until a restart.
+        """
         self.log.warning("Sandboxed kernel %s: idle for %g s; stopping it", self.kernel_id, self.idle_timeout)
         km, loop = self.parent, self._manager_loop
         if km is not None and hasattr(km, "stop_restarter") and loop is not None:
             loop.call_soon_threadsafe(km.stop_restarter)
             self._restarter_stopped = True
             await asyncio.sleep(0.5)  # before the kill, or the restarter may see it first
-        if self._auditor is not None:
-            self._auditor.refuse(reason)
-        if self.bridge is not None and self._signer is not None:
-            self.bridge.inject("iopub", stderr_notice(self._signer, reason, None))
-        await self.docker.signal(container_id, signal.SIGKILL)
-        await self._wait_exited(container_id)
-
-    async def _kill_out_of_memory(self, container_id: str) -> None:
-        """The host's OOM killer hit the sandbox but not its main process: the kernel hangs
-        for good (see :mod:`.cgroups`). End it, so clients hear why instead of waiting."""
-        self.log.warning(
-            "Sandboxed kernel %s ran out of memory (limit %s) and hangs; killing it",
-            self.kernel_id,
-            self.memory,
-        )
-        self._out_of_memory = container_id
-        await self.docker.signal(container_id, signal.SIGKILL)
-        await self._wait_exited(container_id)
-        _, code = await self.docker.state(container_id)
-        await self._note_exit(container_id, 137 if code is None else code)
+        bridge, signer = self.bridge, self._signer
+        if bridge is not None and signer is not None:
+            bridge.inject("iopub", stderr_notice(signer, reason, None))
+        await self._kill_for(container_id, "IdleLimitExceeded", reason)
 
     def _refuse_execution(self, execution: PendingExecution) -> None:
         """Answer a request sent to a kernel stopped for good (bridge thread)."""
@@ -995,26 +1027,34 @@ class SandboxProvisioner(KernelProvisionerBase):
         return code
 
     async def _note_exit(self, container_id: str, code: int, status: str = "exited") -> None:
-        """Once per container (poll and the watchdog both notice): log why, tell clients."""
+        """Once per container (poll and the watchdog both notice): log why, tell clients.
+
+        The cause is kept, so that a teardown cutting this short still answers with it.
+        """
         with self._exit_lock:
             if self._exit_noted == container_id:
                 return
             self._exit_noted = container_id
         self.exit_code = code
-        if self._out_of_memory == container_id or await self.docker.oom_killed(container_id):
-            self.log.warning(
-                "Sandboxed kernel %s was killed: memory limit %s exceeded", self.kernel_id, self.memory
-            )
-            await self._abandon_executions(
-                "MemoryLimitExceeded",
-                f"memory limit {self.memory} exceeded: the kernel was killed and lost its state; "
-                "it restarts (Jupyter restarts it, or call restart_kernel)",
-            )
+        planned = self._planned_exit
+        if planned is not None and planned[0] == container_id:
+            ename, reason = planned[1], planned[2]
         else:
+            try:
+                oom = await self.docker.oom_killed(container_id)
+            except SandboxKernelError:
+                oom = False
+            if oom:
+                ename, reason = "MemoryLimitExceeded", self._memory_reason()
+            else:
+                ename = "KernelDied"
+                reason = f"the kernel stopped (exit code {code}) before this execution finished"
+        self._exit_cause = (ename, reason)
+        if ename == "KernelDied":
             self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
-            await self._abandon_executions(
-                "KernelDied", f"the kernel stopped (exit code {code}) before this execution finished"
-            )
+        else:
+            self.log.warning("Sandboxed kernel %s ended: %s", self.kernel_id, reason)
+        await self._abandon_executions(ename, reason)
 
     async def _abandon_executions(self, ename: str, reason: str) -> None:
         """Record unfinished executions, and answer their clients on the kernel's behalf.
@@ -1033,11 +1073,11 @@ class SandboxProvisioner(KernelProvisionerBase):
 
     def _answer_for_kernel(self, execution: PendingExecution, ename: str, reason: str) -> None:
         """Tell the client of ``execution`` why no reply will come: a notice, an error reply, idle."""
-        if self.bridge is None or self._signer is None:
+        bridge, signer = self.bridge, self._signer  # another thread may be tearing down
+        if bridge is None or signer is None:
             return
-        signer = self._signer
         parent = execution.header
-        self.bridge.inject("iopub", stderr_notice(signer, reason, parent))
+        bridge.inject("iopub", stderr_notice(signer, reason, parent))
         content = {
             "status": "error",
             "ename": ename,
@@ -1045,9 +1085,9 @@ class SandboxProvisioner(KernelProvisionerBase):
             "traceback": [f"{ename}: {reason}"],
         }
         reply = signer.msg("execute_reply", {**content, "execution_count": None}, parent)
-        self.bridge.inject("shell", signer.serialize(reply, ident=execution.idents))
+        bridge.inject("shell", signer.serialize(reply, ident=execution.idents))
         idle = signer.msg("status", {"execution_state": "idle"}, parent)
-        self.bridge.inject("iopub", signer.serialize(idle, ident=[b"status"]))
+        bridge.inject("iopub", signer.serialize(idle, ident=[b"status"]))
 
     async def wait(self) -> int | None:
         while True:
@@ -1091,7 +1131,16 @@ class SandboxProvisioner(KernelProvisionerBase):
                 failure = exc
         await self._close_egress()
         if self._auditor is not None:
-            self._auditor.abandon_pending("no reply: the kernel stopped or restarted")
+            # Whoever still waits for a reply gets one, with the kernel's end if known.
+            ename, reason = self._exit_cause or (
+                "KernelDied",
+                "the kernel stopped or restarted before this execution finished",
+            )
+            answered = self._auditor.abandon_pending(f"no reply: {reason}")
+            for execution in answered:
+                self._answer_for_kernel(execution, ename, reason)
+            if answered:
+                await asyncio.sleep(0.1)  # let the bridge send them before it detaches
         if self.bridge is not None:
             # Whatever was queued for the dead kernel (a shutdown_request, say) must
             # never reach the next one.
@@ -1101,7 +1150,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         doomed = self.launch_dir if keep_bridge else self.runtime_dir
         if doomed is not None:
             # The kernel may have left any number of files: never on the event loop.
-            await asyncio.to_thread(shutil.rmtree, doomed, True)
+            await asyncio.to_thread(remove_tree, doomed)
         self.launch_dir = None
         if not keep_bridge:
             self.runtime_dir = None
@@ -1118,13 +1167,17 @@ class SandboxProvisioner(KernelProvisionerBase):
             return
         state: dict[str, Any] = {"kernel_id": str(self.kernel_id), "kernel_name": self.kernel_name}
         state["provisioner_info"] = await self.get_provisioner_info()
-        await asyncio.to_thread(write_state, self.runtime_dir, state)
+        try:
+            await asyncio.to_thread(write_state, self.runtime_dir, state)
+        except OSError as exc:
+            self.log.warning("Sandboxed kernel %s: cannot save its reattach state: %s", self.kernel_id, exc)
 
-    async def detach(self) -> None:
+    async def detach(self, save: bool = True) -> None:
         """Let go of a running kernel without stopping it: the bridge, watchdog and egress
         proxy stop here, the container and its runtime folder stay for whoever reattaches.
         A server stopping calls this for persistent kernels."""
-        await self._save_state()
+        if save:
+            await self._save_state()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -1142,6 +1195,7 @@ class SandboxProvisioner(KernelProvisionerBase):
         info.update(
             {
                 "cwd": self._cwd,
+                "launch_env": self._launch_env,
                 "container_id": self.container_id,
                 "runtime_dir": str(self.runtime_dir) if self.runtime_dir else None,
                 "launch_dir": str(self.launch_dir) if self.launch_dir else None,
@@ -1161,11 +1215,10 @@ class SandboxProvisioner(KernelProvisionerBase):
         self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
         self.container_id = provisioner_info["container_id"]
         self._cwd = provisioner_info.get("cwd")
+        self._launch_env = dict(provisioner_info.get("launch_env") or {})
         runtime_dir, launch_dir = provisioner_info.get("runtime_dir"), provisioner_info.get("launch_dir")
         self.runtime_dir = Path(runtime_dir) if runtime_dir else None
         self.launch_dir = Path(launch_dir) if launch_dir else None
-        if self.runtime_dir is not None and self.runtime_dir.is_dir():
-            await asyncio.to_thread(write_owner, self.runtime_dir)  # this process owns it now
         if self.launch_dir is not None:
             self._launches = int(self.launch_dir.name.removeprefix("run") or 0)
             info = self.connection_info
@@ -1173,6 +1226,7 @@ class SandboxProvisioner(KernelProvisionerBase):
             if pub and sec:
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
+            self._egress = self.egress_policy()  # the server's ceilings may have narrowed
             try:
                 await self._attach_bridge(self.launch_dir, ports)
             except zmq.ZMQError as exc:
@@ -1181,10 +1235,12 @@ class SandboxProvisioner(KernelProvisionerBase):
                 self.bridge = None
                 fresh = await self._attach_bridge(self.launch_dir)
                 self.connection_info = {**info, **{f"{c}_port": port for c, port in fresh.items()}}  # type: ignore[typeddict-item]
-            self._egress = self.egress_policy()
             await self._open_egress(self.launch_dir)
             if self.container_id:
                 self._start_watchdog(self.container_id)
+        if self.runtime_dir is not None:
+            # Last, once all is in place: this process owns the kernel now.
+            await asyncio.to_thread(write_owner, self.runtime_dir)
             await self._save_state()
 
     def resolve_path(self, path: str) -> str | None:

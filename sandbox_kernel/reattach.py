@@ -32,7 +32,7 @@ from jupyter_core.utils import run_sync
 
 from .docker_api import SandboxDocker
 from .errors import KernelNotFoundError
-from .orphans import list_kernels, read_state
+from .orphans import SandboxedKernel, list_kernels, own_runtime_dir, read_state
 from .provisioner import SandboxProvisioner
 
 M = TypeVar("M", bound=KernelManager)
@@ -55,8 +55,12 @@ async def kernel_state(km: KernelManager) -> dict[str, Any]:
     }
 
 
-async def saved_state(kernel_id: str, docker: SandboxDocker | None = None) -> dict[str, Any]:
+async def saved_state(
+    kernel_id: str, docker: SandboxDocker | None = None, runtime_parent: str | None = None
+) -> dict[str, Any]:
     """The reattach state a sandboxed kernel's owner keeps, found by kernel id (or a prefix).
+
+    ``runtime_parent`` is ``SandboxProvisioner.runtime_parent`` if the server set one.
 
     Raises:
         KernelNotFoundError: no such kernel runs on this Docker host, several match, or
@@ -69,13 +73,27 @@ async def saved_state(kernel_id: str, docker: SandboxDocker | None = None) -> di
         msg = f"{found} with an id starting with {kernel_id!r}; see `jupyter sandbox-kernel list`."
         raise KernelNotFoundError(msg)
     (kernel,) = kernels
-    state = await asyncio.to_thread(read_state, Path(kernel.runtime_dir).parent)
+    state = await asyncio.to_thread(load_state, kernel, runtime_parent)
     if state is None:
         msg = (
-            f"Sandboxed kernel {kernel.kernel_id} has no reattach state this user can read in "
-            f"{Path(kernel.runtime_dir).parent}: it belongs to another user, or to an older version."
+            f"Sandboxed kernel {kernel.kernel_id} has no reattach state this user may use in "
+            f"{Path(kernel.runtime_dir).parent}: it belongs to another user, its runtime folder is "
+            "not where this process expects (SandboxProvisioner.runtime_parent), or it is too old."
         )
         raise KernelNotFoundError(msg)
+    return state
+
+
+def load_state(kernel: SandboxedKernel, runtime_parent: str | None = None) -> dict[str, Any] | None:
+    """``kernel``'s reattach state, from a runtime folder of this user only (see
+    :func:`~sandbox_kernel.orphans.own_runtime_dir`), for this kernel only."""
+    folder = own_runtime_dir(kernel.runtime_dir, runtime_parent)
+    state = read_state(folder) if folder is not None else None
+    if state is None or state.get("kernel_id") != kernel.kernel_id:
+        return None
+    info = state.get("provisioner_info")
+    if not isinstance(info, dict) or info.get("container_id") != kernel.container_id:
+        return None  # e.g. a server killed mid-restart: the state names the old container
     return state
 
 
@@ -84,14 +102,24 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
     bridge, watchdog and egress proxy start here, the kernel is untouched."""
     km.kernel_id = str(state["kernel_id"])
     info = dict(state["provisioner_info"])
+    # The session key first: the provisioner signs its own messages with the manager's.
+    km.load_connection_info(info["connection_info"])
     provisioner = KernelProvisionerFactory.instance(parent=km.parent).create_provisioner_instance(
         km.kernel_id, km.kernel_spec, parent=km
     )
-    await provisioner.load_provisioner_info(info)
+    if not isinstance(provisioner, SandboxProvisioner):
+        msg = f"kernelspec {km.kernel_name!r} does not use the sandbox-provisioner"
+        raise KernelNotFoundError(msg)
+    try:
+        await provisioner.load_provisioner_info(info)
+    except BaseException:
+        await provisioner.detach(save=False)  # nothing half-attached stays; the kernel runs on
+        raise
     km.provisioner = provisioner
-    km.load_connection_info(provisioner.connection_info)
-    # What a restart relaunches with: the kernel's folder, the caller's environment.
-    launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd()}
+    km.load_connection_info(provisioner.connection_info)  # the ports may have changed
+    # What a restart relaunches with: the kernel's folder, its notebook and user.
+    env = {**os.environ, **dict(info.get("launch_env") or {})}
+    launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd(), "env": env}
     km._launch_args = launch_args
     # As if started here: later shutdowns and restarts each get a fresh "ready" future.
     km._attempted_start = True

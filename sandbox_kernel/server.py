@@ -8,11 +8,13 @@ Then, for kernels whose kernelspec says ``"lifecycle": "persistent"``:
 
 - stopping the server (Ctrl-C, SIGTERM) lets go of them instead of shutting them down;
   a server killed outright leaves them running too;
-- a server starting adopts every such kernel of its user on this host whose server is
-  gone: same kernel id, same variables, so notebooks reconnect to them;
+- a server starting adopts every such kernel that a server of the same user, on this
+  host, with the same root folder started and that no live server holds: same kernel
+  id, same variables, so notebooks reconnect to them; it also prunes what nobody will
+  use again (see ``jupyter sandbox-kernel prune``);
 - the server's sessions (which notebook uses which kernel) are kept in a file, so the
   notebook's session still names its kernel after a restart. The file is
-  ``JUPYTER_DATA_DIR/sandbox-kernel/sessions-<hash of root_dir>.db`` unless
+  ``JUPYTER_DATA_DIR/sandbox-kernel/sessions-<hash of root_dir and port>.db`` unless
   ``SessionManager.database_filepath`` is set.
 
 Shutting a kernel down from the notebook (or the REST API) still removes it.
@@ -34,9 +36,9 @@ from traitlets import Bool
 
 from .docker_api import SandboxDocker
 from .errors import SandboxKernelError
-from .orphans import list_kernels, read_state
+from .orphans import list_kernels, prune_orphans
 from .provisioner import SandboxProvisioner
-from .reattach import attach_manager
+from .reattach import attach_manager, load_state
 
 
 class SandboxMappingKernelManager(AsyncMappingKernelManager):
@@ -69,40 +71,62 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
             else:
                 self._adopting = asyncio.ensure_future(self.adopt_kernels())
 
+    @property
+    def adoption_scope(self) -> str:
+        """Which persistent kernels this server may adopt: those of its root folder."""
+        return hashlib.sha256(str(self.root_dir).encode()).hexdigest()[:16]
+
     def _keep_sessions_in_a_file(self) -> None:
-        """Point the (not yet created) SessionManager at a file, unless configured."""
+        """Point the (not yet created) SessionManager at a file, unless configured.
+
+        One file per root folder and port: two servers sharing one would each delete
+        the other's sessions (jupyter_server drops sessions of kernels it does not know).
+        """
         parent = self.parent
         if parent is None or "database_filepath" in parent.config.get("SessionManager", {}):
             return
-        digest = hashlib.sha256(str(self.root_dir).encode()).hexdigest()[:16]
+        port = getattr(parent, "port", "")
+        digest = hashlib.sha256(f"{self.root_dir}\0{port}".encode()).hexdigest()[:16]
         folder = Path(jupyter_data_dir()) / "sandbox-kernel"
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         parent.config.SessionManager.database_filepath = str(folder / f"sessions-{digest}.db")
 
     async def adopt_kernels(self) -> list[str]:
-        """Adopt every running persistent sandboxed kernel of this user whose server is
-        gone; return their ids. Failures are logged: a server always starts."""
+        """Prune what nobody will use again, then adopt every running persistent
+        sandboxed kernel of this server's scope and user that no live server holds;
+        return their ids. Failures are logged: a server always starts."""
+        docker = SandboxDocker()
+        runtime_parent = SandboxProvisioner(parent=self).runtime_parent
         try:
-            kernels = await list_kernels(SandboxDocker())
+            await prune_orphans(docker, runtime_parent)
+            kernels = await list_kernels(docker)
         except SandboxKernelError as exc:
             self.log.warning("Cannot look for persistent sandboxed kernels to adopt: %s", exc)
             return []
         adopted = []
         for kernel in kernels:
-            if not (kernel.detached and kernel.state == "running" and kernel.server_uid == os.getuid()):
+            if not (
+                kernel.detached
+                and kernel.state == "running"
+                and kernel.server_uid == os.getuid()
+                and kernel.scope == self.adoption_scope
+                and kernel.kernel_id not in self
+            ):
                 continue
-            if kernel.kernel_id in self:
-                continue
-            state = await asyncio.to_thread(read_state, Path(kernel.runtime_dir).parent)
+            state = await asyncio.to_thread(load_state, kernel, runtime_parent)
             if state is None:
-                self.log.warning("Persistent sandboxed kernel %s has no reattach state", kernel.kernel_id)
+                self.log.warning(
+                    "Persistent sandboxed kernel %s has no usable reattach state", kernel.kernel_id
+                )
                 continue
             try:
                 await self._adopt(state)
-            except (SandboxKernelError, OSError, KeyError, ValueError) as exc:
-                self.log.warning("Could not adopt sandboxed kernel %s: %s", kernel.kernel_id, exc)
+            except Exception:  # one bad kernel must not keep the server from starting
+                self.log.exception("Could not adopt sandboxed kernel %s", kernel.kernel_id)
                 continue
             adopted.append(kernel.kernel_id)
+        if adopted and not self._initialized_culler:
+            self.initialize_culler()  # type: ignore[no-untyped-call]
         return adopted
 
     async def _adopt(self, state: dict[str, Any]) -> None:
@@ -131,13 +155,16 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
             if not (
                 isinstance(provisioner, SandboxProvisioner)
                 and provisioner.lifecycle == "persistent"
-                and provisioner.has_process
+                and await provisioner.poll() is None  # a dead one is shut down as usual
             ):
                 continue
-            km.stop_restarter()
-            km._close_control_socket()
-            self.stop_watching_activity(kernel_id)  # type: ignore[no-untyped-call]
-            await provisioner.detach()
+            try:
+                km.stop_restarter()
+                km._close_control_socket()
+                self.stop_watching_activity(kernel_id)  # type: ignore[no-untyped-call]
+                await provisioner.detach()
+            except Exception:  # the other kernels must still be shut down
+                self.log.exception("Could not detach sandboxed kernel %s", kernel_id)
             self._kernels.pop(kernel_id, None)
             self._kernel_connections.pop(kernel_id, None)
             self._kernel_ports.pop(kernel_id, None)

@@ -20,6 +20,8 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.orphans import list_kernels, remove_kernel
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, make_workspace
@@ -43,10 +45,12 @@ class Server:
         return response
 
 
-def start_server(root: Path, log_path: Path) -> tuple[Server, subprocess.Popen[bytes]]:
+def start_server(
+    root: Path, log_path: Path, port: int | None = None
+) -> tuple[Server, subprocess.Popen[bytes]]:
     """A real ``jupyter server`` process serving ``root``, up and answering."""
     token = secrets.token_hex(16)
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "JUPYTER_TOKEN": token}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -192,7 +196,8 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
     root = make_workspace(tmp_path / "notebooks")
     make_workspace(root / "project")
     log = tmp_path / "server.log"
-    server, proc = start_server(root, log)
+    port = free_port()  # a restarted server comes back on its port
+    server, proc = start_server(root, log, port)
     session_id = kernel_id = ""
     try:
         session = server.api(
@@ -210,7 +215,7 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
         assert container.status == "running"
 
         for stop in ("SIGKILL above", "clean stop"):
-            server, proc = start_server(root, log)
+            server, proc = start_server(root, log, port)
             sessions = server.api("GET", "/api/sessions").json()
             assert [(s["id"], s["kernel"]["id"]) for s in sessions] == [(session_id, kernel_id)], stop
             assert await execute_over_websocket(server, kernel_id, "print(x)") == ("ok", "42\n"), stop
@@ -226,7 +231,6 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
         )
     finally:
         stop_server(proc)
-        for leftover in docker_client.containers.list(
-            all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
-        ):
-            leftover.remove(force=True)
+        for leftover in await list_kernels(SandboxDocker()):
+            if leftover.kernel_id == kernel_id:
+                await remove_kernel(SandboxDocker(), leftover, None)

@@ -20,7 +20,7 @@ from sandbox_kernel.orphans import OWNER_FILE
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking
 
-from .conftest import KernelStarter, make_workspace, run_ok
+from .conftest import KernelStarter, make_workspace, run, run_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
@@ -179,6 +179,9 @@ def test_a_persistent_kernel_outlives_its_program_and_is_reattached(
         assert run_ok(kc, "print(x)").strip() == "42"
         (listed,) = [k for k in json.loads(_cli("list", "--json")) if k["kernel_id"] == kernel_id]
         assert listed["status"] == "running", "the reattaching process owns it now"
+        # The reattached manager answers for a dead kernel, signed with the kernel's key.
+        died = run(kc, "import os; os.kill(1, 9)")
+        assert died.reply["content"]["ename"] == "KernelDied"
         kc.stop_channels()
         km.shutdown_kernel(now=True)
         assert (

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 from pathlib import Path
 
-from sandbox_kernel.audit import AuditLog
+from sandbox_kernel.audit import AuditLog, ExecutionAuditor
 
 
 def test_rotation_keeps_every_file_private_and_each_line_json(tmp_path: Path) -> None:
@@ -22,3 +23,26 @@ def test_rotation_keeps_every_file_private_and_each_line_json(tmp_path: Path) ->
             assert json.loads(line)["event"] == "finished"
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert AuditLog.open(path, max_bytes=300, backups=3) is log  # one writer per file
+
+
+def test_a_kernel_cannot_flood_the_log_with_egress_lines(tmp_path: Path) -> None:
+    path = tmp_path / "flood.jsonl"
+    auditor = ExecutionAuditor(AuditLog.open(path, max_bytes=10**8, backups=1), "k1", "py-web")
+    decision = {"method": "CONNECT", "host": "evil.example", "port": 443, "verdict": "denied", "reason": "r"}
+    logged = [auditor.egress(decision) for _ in range(5000)]
+    assert 150 <= sum(logged) <= 260  # the burst, plus what the rate refills meanwhile
+    time.sleep(0.2)
+    assert auditor.egress(decision)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    (summary,) = [r for r in records if r["event"] == "egress_suppressed"]
+    assert summary["count"] == 5000 - sum(logged)
+    assert summary["kernel_id"] == "k1"
+
+
+def test_idle_refusal_is_atomic_with_new_requests() -> None:
+    auditor = ExecutionAuditor(None, "k1", "py")
+    assert not auditor.refuse_if_idle(60, "idle")  # just started
+    assert auditor.refuse_if_idle(0.0, "idle")
+    assert not auditor.refuse_if_idle(0.0, "idle"), "refused once, not twice"
+    auditor.refuse(None)
+    assert auditor.idle_for() is not None

@@ -13,6 +13,7 @@ import pytest
 
 from sandbox_kernel.orphans import (
     SandboxedKernel,
+    own_runtime_dir,
     owner_is_gone,
     read_state,
     remove_runtime_dir,
@@ -150,3 +151,21 @@ def test_reattach_state_is_private_and_read_back(tmp_path: Path) -> None:
     (tmp_path / "provisioner.json").write_text("not json")
     assert read_state(tmp_path) is None
     assert read_state(tmp_path / "missing") is None
+
+
+def test_only_this_users_private_runtime_folders_are_trusted(tmp_path: Path) -> None:
+    outer = tmp_path / "sandbox-kernel-abc"
+    (outer / "run1").mkdir(parents=True)
+    outer.chmod(0o700)
+    assert own_runtime_dir(str(outer / "run1"), str(tmp_path)) == outer
+    assert own_runtime_dir(str(outer / "run1"), str(tmp_path / "elsewhere")) is None  # a label pointing away
+    outer.chmod(0o755)
+    assert own_runtime_dir(str(outer / "run1"), str(tmp_path)) is None  # readable by others: not ours
+    outer.chmod(0o700)
+    other = tmp_path / "not-ours"
+    (other / "run1").mkdir(parents=True)
+    assert own_runtime_dir(str(other / "run1"), str(tmp_path)) is None
+    link = tmp_path / "sandbox-kernel-link"
+    link.symlink_to(outer)
+    assert own_runtime_dir(str(link / "run1"), str(tmp_path)) is None
+    assert own_runtime_dir("", str(tmp_path)) is None
