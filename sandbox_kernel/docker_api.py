@@ -147,15 +147,18 @@ class SandboxDocker:
             raise
         return container
 
-    async def ensure_volume(self, name: str, labels: Mapping[str, str]) -> bool:
-        """Create the named volume unless it exists; True if this call created it."""
+    async def volume_labels(self, name: str) -> dict[str, str] | None:
+        """The labels of the named volume; None when there is no such volume."""
         client = await self.client()
         try:
-            await self._api(f"inspect volume {name}", client.volumes.get, name)
-            return False
+            volume = await self._api(f"inspect volume {name}", client.volumes.get, name)
         except NotFound:
-            await self._api(f"create volume {name}", client.volumes.create, name=name, labels=dict(labels))
-            return True
+            return None
+        return dict(volume.attrs.get("Labels") or {})
+
+    async def create_volume(self, name: str, labels: Mapping[str, str]) -> None:
+        client = await self.client()
+        await self._api(f"create volume {name}", client.volumes.create, name=name, labels=dict(labels))
 
     async def run_once(self, create_kwargs: Mapping[str, Any], timeout: float = 120) -> tuple[int, str]:
         """Run a short-lived helper container to its end: (exit code, output). Always removed."""

@@ -43,8 +43,10 @@ LABEL_TTL = "io.sandbox-kernel.ttl"
 LABEL_SERVER_UID = "io.sandbox-kernel.server-uid"
 #: Which server may adopt a persistent kernel: its kernel manager's scope (root folder).
 LABEL_SCOPE = "io.sandbox-kernel.scope"
-#: On a named volume's labels: the volume was made for sandbox-kernel workspaces.
+#: On a named volume's labels: the volume was made for sandbox-kernel workspaces, by
+#: a server of this uid; no other volume is ever mounted.
 LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"
+LABEL_VOLUME_UID = "io.sandbox-kernel.workspace-volume-uid"
 
 #: The uid a kernel runs as when neither the server user nor the workspace owner is a
 #: usable (non-root) uid; the image's ``USER``.

@@ -36,7 +36,13 @@ from .cgroups import oom_kills
 from .docker_api import SandboxDocker
 from .egress import Decision, EgressPolicy, EgressProxy, EgressRules
 from .egress import relay as egress_relay
-from .errors import ConfigurationError, DockerUnavailableError, KernelStartupError, SandboxKernelError
+from .errors import (
+    ConfigurationError,
+    DockerUnavailableError,
+    KernelStartupError,
+    SandboxKernelError,
+    WorkspaceError,
+)
 from .limits import Limits, check_within_ceilings, kernel_startup, size_bytes
 from .orphans import prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
@@ -51,6 +57,7 @@ from .policy import (
     LABEL_SERVER_UID,
     LABEL_TTL,
     LABEL_VOLUME,
+    LABEL_VOLUME_UID,
     POLICY_ENV,
     SandboxSpec,
     can_write,
@@ -707,11 +714,28 @@ class SandboxProvisioner(KernelProvisionerBase):
     async def _prepare_volume(self, spec: SandboxSpec) -> None:
         """Create the workspace volume on first use, owned by the kernel's uid.
 
+        A kernelspec names the volume, and users may write kernelspecs: only volumes
+        made for sandbox-kernel workspaces by this server's uid are ever mounted, never
+        another service's or another user's.
+
         Raises:
+            WorkspaceError: the volume exists but is not such a volume.
             KernelStartupError: the volume could not be handed to the kernel's uid.
         """
-        if spec.volume is None or not await self.docker.ensure_volume(spec.volume, {LABEL_VOLUME: "true"}):
+        if spec.volume is None:
             return
+        mine = {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())}
+        labels = await self.docker.volume_labels(spec.volume)
+        if labels is not None:
+            if {key: labels.get(key) for key in mine} != mine:
+                msg = (
+                    f"The Docker volume {spec.volume!r} (workspace_volume={self.workspace_volume!r}) "
+                    "exists but was not made for sandbox-kernel workspaces by this server's user, so it "
+                    "is not mounted. Choose another name in the kernelspec's workspace_volume."
+                )
+                raise WorkspaceError(msg)
+            return
+        await self.docker.create_volume(spec.volume, mine)
         self.log.info("Created workspace volume %s for uid %d", spec.volume, spec.uid)
         code, output = await self.docker.run_once(volume_setup_kwargs(spec))
         if code != 0:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -27,10 +28,10 @@ sys.stdin.read()  # until killed
 """
 
 
-def start_doomed_server(workspace: Path) -> tuple[subprocess.Popen[str], str, Path]:
+def start_doomed_server(workspace: Path, kernel: str = KERNEL) -> tuple[subprocess.Popen[str], str, Path]:
     """A 'server' process that starts a sandboxed kernel and is then SIGKILLed."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER.format(kernel=KERNEL, cwd=str(workspace))],
+        [sys.executable, "-c", SERVER.format(kernel=kernel, cwd=str(workspace))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -82,9 +83,14 @@ def test_the_next_server_start_sweeps_orphans(
     docker_client: docker.DockerClient,
     monkeypatch: pytest.MonkeyPatch,
     start_kernel: KernelStarter,
+    make_kernelspec: Callable[..., str],
 ) -> None:
+    """A server SIGKILLed mid-session: the next start removes its ephemeral kernel with
+    its files, and leaves its persistent one running, as designed."""
     before = HostState(docker_client)
     _, kernel_id, runtime_dir = start_doomed_server(workspace)
+    persistent = make_kernelspec("py-lasting", config={"lifecycle": "persistent"})
+    _, lasting_id, lasting_dir = start_doomed_server(workspace, persistent)
     monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh server process
     start_kernel()
     deadline = time.monotonic() + 10
@@ -97,6 +103,11 @@ def test_the_next_server_start_sweeps_orphans(
     assert gone == []
     leftovers = before.new_leftovers(settle=0)  # the kernel this test started is still running
     assert not [x for x in leftovers if kernel_id in x or runtime_dir.name in x], leftovers
+    (lasting,) = docker_client.containers.list(filters={"label": f"io.sandbox-kernel.kernel-id={lasting_id}"})
+    assert lasting.status == "running"
+    assert (lasting_dir / "provisioner.json").is_file()
+    cli("stop", lasting_id)
+    assert not lasting_dir.exists()
 
 
 def test_stop_removes_a_kernel_by_id(

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import docker
 import pytest
+from jupyter_client import KernelManager
 from jupyter_client.blocking.client import BlockingKernelClient
 
+from sandbox_kernel.errors import WorkspaceError
 from sandbox_kernel.orphans import OWNER_FILE
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking
@@ -223,3 +225,19 @@ def test_a_persistent_kernel_nobody_holds_expires_after_its_ttl(
     finally:
         if _exists(container):
             container.remove(force=True)
+
+
+def test_a_kernelspec_cannot_mount_a_volume_it_did_not_make(
+    volume_prefix: str,
+    make_kernelspec: Callable[..., str],
+    workspace: Path,
+    docker_client: docker.DockerClient,
+) -> None:
+    """A user's kernelspec naming another service's volume (a database's, say) gets an error."""
+    foreign = docker_client.volumes.create(f"{volume_prefix}-database", labels={"app": "postgres"})
+    name = make_kernelspec("py-thief", config={"workspace_volume": foreign.name})
+    km = KernelManager(kernel_name=name)
+    with pytest.raises(WorkspaceError, match="was not made for sandbox-kernel workspaces"):
+        km.start_kernel(cwd=str(workspace))
+    foreign.reload()
+    assert foreign.attrs["Labels"] == {"app": "postgres"}
