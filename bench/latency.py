@@ -14,7 +14,8 @@ of ``jupyter_client`` would see it:
   IOPub have arrived, ``--runs`` times after ``--warmup`` untimed runs, on one kernel
   (p50 and p95).
 
-* host memory of one kernel, idle and after ``import pandas``: for the local kernel
+* host memory of one kernel, idle and after ``import pandas`` (install pandas where the
+  local kernel runs, e.g. ``.venv/bin/pip install pandas``, or that row reads nan): for the local kernel
   its process's PSS (``/proc/PID/smaps_rollup``); for the sandboxed one everything its
   container's memory cgroup is charged (guest memory, gVisor's sentry and gofer, page
   cache): under gVisor the guest's memory lives in a memory file that no host process's
@@ -144,8 +145,13 @@ def measure(kernel_name: str, starts: int, runs: int, warmup: int, cwd: str) -> 
             execute_once(kernel.client)
         timings.execute_ms = [execute_once(kernel.client) * 1000 for _ in range(runs)]
         timings.memory_idle_mib = host_memory_mib(kernel.manager)
-        kernel.client.execute_interactive("import pandas", timeout=EXECUTE_TIMEOUT, output_hook=ignore_output)
-        timings.memory_pandas_mib = host_memory_mib(kernel.manager)
+        reply = kernel.client.execute_interactive(
+            "import pandas", timeout=EXECUTE_TIMEOUT, output_hook=ignore_output
+        )
+        if reply["content"]["status"] == "ok":
+            timings.memory_pandas_mib = host_memory_mib(kernel.manager)
+        else:
+            progress(f"[{kernel_name}] pandas is not installed for this kernel: no 'with pandas' figure")
     progress(
         f"[{kernel_name}] host memory: {timings.memory_idle_mib:.1f} MiB idle, "
         f"{timings.memory_pandas_mib:.1f} MiB with pandas"
