@@ -27,8 +27,9 @@ from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
 from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .policy import check_lifetime, check_pass_env, validate_kernelspec_config, volume_name
-from .provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
+from .provisioner import SandboxProvisioner
 from .resources import data_path
+from .settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 T = TypeVar("T")
 

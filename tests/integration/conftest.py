@@ -26,8 +26,8 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from sandbox_kernel.docker_api import SandboxDocker
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.policy import LABEL_KERNEL_ID, LABEL_MANAGED
-from sandbox_kernel.provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME
 from sandbox_kernel.resources import data_path
+from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 KERNEL = "sandboxed-python"
 SANDBOX_UID = 1000

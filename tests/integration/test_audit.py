@@ -70,12 +70,18 @@ def test_an_execution_cut_short_by_a_dead_kernel_is_still_audited(
 ) -> None:
     km, kc = start_kernel()
     audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
-    kc.execute("import time; time.sleep(600)")
+    # Deaf to the interrupt a restart sends first, so the kernel never replies itself.
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"
+    msg_id = kc.execute(code)
     time.sleep(1)
     km.restart_kernel(now=True)
     records = audit_lines(audit, 1)
-    assert records[-1]["code"] == "import time; time.sleep(600)"
+    assert records[-1]["code"] == code
     assert records[-1]["status"].startswith("no reply")
+    # The waiting client is answered too, instead of waiting forever.
+    reply = kc.get_shell_msg(timeout=10)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["ename"] == "KernelDied"
     # The request was on record before anything went wrong.
     events = [json.loads(line) for line in audit.read_text().splitlines()]
     assert [e["event"] for e in events if e["msg_id"] == records[-1]["msg_id"]] == ["started", "finished"]

@@ -22,7 +22,7 @@ from docker.errors import APIError, ImageNotFound, NotFound
 
 from sandbox_kernel.docker_api import REQUIRED_RUNTIME_ARGS, SandboxDocker
 from sandbox_kernel.policy import CONTAINER_RUNTIME_DIR
-from sandbox_kernel.provisioner import DEFAULT_RUNTIME
+from sandbox_kernel.settings import DEFAULT_RUNTIME
 
 RUNNING = {"Status": "running", "ExitCode": 0, "OOMKilled": False}
 

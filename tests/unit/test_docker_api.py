@@ -15,7 +15,7 @@ from sandbox_kernel.errors import (
     ImageNotFoundError,
     RuntimeMissingError,
 )
-from sandbox_kernel.provisioner import DEFAULT_RUNTIME
+from sandbox_kernel.settings import DEFAULT_RUNTIME
 
 from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error
 

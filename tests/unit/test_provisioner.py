@@ -32,7 +32,8 @@ from sandbox_kernel.policy import (
     IPC_PORTS,
     IPC_PREFIX,
 )
-from sandbox_kernel.provisioner import DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxProvisioner
+from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 from .conftest import CountingFactory, FakeContainer, FakeDockerClient
 

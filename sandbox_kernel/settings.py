@@ -1,0 +1,406 @@
+"""The settings of a sandboxed kernel: traits, their validation, the administrator's ceilings.
+
+Every setting is a trait of :class:`SandboxSettings`, which the provisioner inherits:
+the server's config sets them (``c.SandboxProvisioner.NAME``), and a kernelspec may set
+those in :data:`~.policy.KERNELSPEC_KEYS` (``metadata.kernel_provisioner.config``). The
+``max_*`` traits are ceilings only the server's config can raise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tempfile
+from typing import Any
+
+from jupyter_core.paths import jupyter_data_dir
+from traitlets import CaselessStrEnum, Dict, Float, Int, List, TraitError, Unicode, default, validate
+from traitlets.config import LoggingConfigurable
+
+from .egress import EgressPolicy, EgressRules
+from .errors import ConfigurationError
+from .limits import Limits
+from .policy import CONTAINER_WORKSPACE, validate_size
+
+DEFAULT_IMAGE = "sandbox-kernel/python:latest"
+DEFAULT_RUNTIME = "runsc-sandbox-kernel"
+
+
+class SandboxSettings(LoggingConfigurable):
+    """What a sandboxed kernel may use, and how it runs; see the README's Configuration."""
+
+    IMAGE_ENV = "SANDBOX_KERNEL_IMAGE"
+    RUNTIME_ENV = "SANDBOX_KERNEL_RUNTIME"
+    WORKSPACE_ROOT_ENV = "SANDBOX_KERNEL_WORKSPACE_ROOT"
+    AUDIT_LOG_ENV = "SANDBOX_KERNEL_AUDIT_LOG"
+
+    image = Unicode(
+        config=True,
+        help=f"""Docker image the kernel runs in. It must already exist on the Docker host:
+        images are never pulled. Build the default with `jupyter sandbox-kernel build-image`.
+        Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}.""",
+    )
+    docker_runtime = Unicode(
+        config=True,
+        help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
+        --host-uds=create --oci-seccomp. Starting a kernel fails if it is missing or is not runsc.
+        Default: ${RUNTIME_ENV}, else {DEFAULT_RUNTIME}.""",
+    )
+    workspace_root = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help=f"""Host folder mounted read-write at {CONTAINER_WORKSPACE}. The kernel's working
+        directory is the notebook's folder mapped into it; a notebook outside it is refused.
+        When unset, the folder the kernel is started in is the workspace.
+        Default: ${WORKSPACE_ROOT_ENV}, else unset.""",
+    )
+    pass_env = List(
+        Unicode(),
+        default_value=["LANG", "LC_ALL", "TZ"],
+        config=True,
+        help="""Names of environment variables passed from the server into the sandbox.
+        Nothing else of the server's environment enters it (variables the kernelspec's
+        own `env` sets are passed too). JPY_PARENT_PID is never passed.""",
+    )
+    memory = Unicode("2g", config=True, help="Memory limit of the kernel's container, e.g. '512m' or '2g'.")
+    cpus = Float(1.0, config=True, help="CPU limit of the kernel's container, in cores (e.g. 0.5).")
+    pids = Int(
+        256,
+        config=True,
+        help="""Most processes and threads the kernel's user may run (RLIMIT_NPROC); more
+        forks or threads fail with EAGAIN. ipykernel and numpy need a few dozen.""",
+    )
+    tmp_size = Unicode(
+        "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
+    )
+    file_size = Unicode(
+        "4g",
+        config=True,
+        help="""Largest file the kernel may write, in the workspace or /tmp (RLIMIT_FSIZE):
+        a write past it fails with "File too large" (EFBIG). A bind-mounted workspace has no
+        quota of its own; see the README on bounding its total size.""",
+    )
+    idle_timeout = Float(
+        0.0,
+        config=True,
+        help="""Seconds without any execution after which the kernel is stopped to free its
+        memory (0: never). Clients are told; later requests get an error reply
+        `IdleLimitExceeded` until the kernel is restarted.""",
+    )
+    network = CaselessStrEnum(
+        ["none", "allowlist"],
+        default_value="none",
+        config=True,
+        help="""The kernel's network: `none` (loopback only), or `allowlist`: HTTP and HTTPS to
+        `allowed_domains` only, through a proxy on the host (HTTP_PROXY/HTTPS_PROXY inside).
+        Either way the sandbox has no network interface.""",
+    )
+    allowed_domains = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""With network `allowlist`: the domains the kernel may reach, as exact names
+        (`docs.python.org`) or wildcards (`*.python.org`, any subdomain), each with an optional
+        port (`api.example.com:8443`; without one, 80 and 443). Each must lie within
+        `max_allowed_domains`.""",
+    )
+    max_allowed_domains = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Ceiling for `allowed_domains`: every domain a kernel may be allowed must be covered
+        by one of these patterns. Empty (the default): no kernel gets any network. Server config only.""",
+    )
+    egress_host_map = Dict(
+        value_trait=Unicode(),
+        key_trait=Unicode(),
+        default_value={},
+        config=True,
+        help="""Host names the egress proxy resolves to a fixed IP address instead of asking DNS
+        (like curl --resolve), e.g. {"pypi.internal": "10.0.0.5"}. Server config only.""",
+    )
+    egress_private_networks = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Non-public networks (CIDRs) the egress proxy may connect to, e.g. an internal
+        package mirror's ["10.0.0.5/32"]. Otherwise an allowed name that resolves to a private,
+        loopback, link-local (cloud metadata) or reserved address is denied. Server config only.""",
+    )
+    max_pass_env = List(
+        Unicode(),
+        default_value=["LANG", "LC_ALL", "TZ"],
+        config=True,
+        help="""Ceiling for a kernelspec's `pass_env`: the only server environment variables a
+        kernelspec may pass into the sandbox. Server config only (the server's own `pass_env`
+        is not bounded by it).""",
+    )
+    workspace_volume = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="""A named Docker volume to mount as the workspace instead of a host folder,
+        created on first use: a template with {user}, {kernelspec}, {notebook} (the
+        notebook's path) and {project} (its folder's name), e.g. 'team-{project}' (one per
+        project, shared by the team) or '{user}-{notebook}' (one per person and notebook).""",
+    )
+    lifecycle = CaselessStrEnum(
+        ["ephemeral", "persistent"],
+        default_value="ephemeral",
+        config=True,
+        help="""`ephemeral`: the container goes away with the kernel, and with its server.
+        `persistent`: it keeps running when the server stops (even when killed) until
+        someone shuts the kernel down or `persistent_ttl` runs out; a server using
+        sandbox_kernel.server.SandboxMappingKernelManager adopts it again.""",
+    )
+    persistent_ttl = Float(
+        0.0,
+        config=True,
+        help="""A persistent kernel that no server has held for this many seconds is removed
+        (by the next server start or `jupyter sandbox-kernel prune`); 0: never.""",
+    )
+    max_persistent_ttl = Float(
+        0.0,
+        config=True,
+        help="""Ceiling for `persistent_ttl` (0: none). When set, every persistent kernel must
+        have a time-to-live at or below it. Server config only.""",
+    )
+    max_file_size = Unicode(
+        "16g",
+        config=True,
+        help="Ceiling for `file_size`: no kernelspec may ask for more. Server config only.",
+    )
+    max_idle_timeout = Float(
+        0.0,
+        config=True,
+        help="""Ceiling for `idle_timeout` (0: none). When set, every kernel must have an idle
+        limit at or below it. Server config only.""",
+    )
+    exec_timeout = Float(
+        0.0,
+        config=True,
+        help="""Wall-clock limit of one execution, in seconds (0: none). The cell gets a
+        TimeoutError naming the limit; code that ignores it is interrupted, then the
+        kernel is killed (and restarted by Jupyter) `exec_kill_grace` seconds later.""",
+    )
+    exec_kill_grace = Float(
+        10.0,
+        config=True,
+        help="Seconds past `exec_timeout` before a runaway kernel is interrupted and then killed.",
+    )
+    max_exec_timeout = Float(
+        0.0,
+        config=True,
+        help="""Ceiling for `exec_timeout` (0: none). When set, every kernel must have a limit
+        at or below it. Server config only.""",
+    )
+    output_limit = Unicode(
+        "10m",
+        config=True,
+        help="""Most output (printed text, displays, errors) one execution may send to
+        clients, e.g. '10m'; past it the rest is dropped and clients get one notice.
+        Server config only.""",
+    )
+    max_cpus = Float(
+        2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
+    )
+    max_memory = Unicode(
+        "4g", config=True, help="Ceiling for `memory`: no kernelspec may ask for more. Server config only."
+    )
+    max_pids = Int(
+        1024, config=True, help="Ceiling for `pids`: no kernelspec may ask for more. Server config only."
+    )
+    max_tmp_size = Unicode(
+        "1g", config=True, help="Ceiling for `tmp_size`: no kernelspec may ask for more. Server config only."
+    )
+    kernel_uid = Int(
+        None,
+        allow_none=True,
+        config=True,
+        help="""Numeric uid (and gid) the kernel runs as. Unset: the server's uid when that
+        is not root, else the workspace owner's uid when that is not root, else 1000.
+        Never 0. Only a server running as root may choose a uid other than its own.""",
+    )
+    startup_timeout = Float(
+        60.0, config=True, help="Seconds to wait for the kernel in a new container to open its channels."
+    )
+    audit_log = Unicode(
+        config=True,
+        help=f"""JSON-lines file on the host recording every execute_request a sandboxed
+        kernel receives (time, kernel id, kernelspec, username, session, code, status,
+        duration). It must lie outside every workspace. Empty string: no audit log.
+        Default: ${AUDIT_LOG_ENV}, else JUPYTER_DATA_DIR/sandbox-kernel/audit.jsonl.""",
+    )
+    audit_log_max_bytes = Int(
+        50 * 1024 * 1024, config=True, help="Rotate the audit log when it reaches this size (bytes)."
+    )
+    audit_log_backups = Int(10, config=True, help="Rotated audit log files to keep (audit.jsonl.1, ...).")
+    runtime_parent = Unicode(
+        config=True,
+        help="""Host folder under which each kernel gets a private runtime folder (its
+        connection file and ipc sockets). Keep the path short: unix socket paths are
+        limited to about 100 characters. Default: the system temp folder.""",
+    )
+
+    @default("image")
+    def _image_default(self) -> str:
+        return os.environ.get(self.IMAGE_ENV) or DEFAULT_IMAGE
+
+    @default("docker_runtime")
+    def _docker_runtime_default(self) -> str:
+        return os.environ.get(self.RUNTIME_ENV) or DEFAULT_RUNTIME
+
+    @default("workspace_root")
+    def _workspace_root_default(self) -> str | None:
+        return os.environ.get(self.WORKSPACE_ROOT_ENV) or None
+
+    @default("audit_log")
+    def _audit_log_default(self) -> str:
+        env = os.environ.get(self.AUDIT_LOG_ENV)
+        if env is not None:
+            return env
+        return os.path.join(jupyter_data_dir(), "sandbox-kernel", "audit.jsonl")
+
+    @default("runtime_parent")
+    def _runtime_parent_default(self) -> str:
+        return tempfile.gettempdir()
+
+    @validate(
+        "memory", "tmp_size", "max_memory", "max_tmp_size", "output_limit", "file_size", "max_file_size"
+    )
+    def _validate_size(self, proposal: dict[str, Any]) -> str:
+        try:
+            return validate_size(proposal["trait"].name, proposal["value"])
+        except ConfigurationError as exc:
+            raise TraitError(str(exc)) from None
+
+    @validate(
+        "exec_timeout",
+        "max_exec_timeout",
+        "exec_kill_grace",
+        "idle_timeout",
+        "max_idle_timeout",
+        "persistent_ttl",
+        "max_persistent_ttl",
+    )
+    def _validate_seconds(self, proposal: dict[str, Any]) -> float:
+        value = float(proposal["value"])
+        if not 0 <= value <= 7 * 24 * 3600:
+            msg = f"{proposal['trait'].name}={value!r} is out of range; use seconds between 0 and a week."
+            raise TraitError(msg)
+        return value
+
+    @validate("egress_private_networks")
+    def _validate_networks(self, proposal: dict[str, Any]) -> list[str]:
+        networks: list[str] = list(proposal["value"])
+        for network in networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                msg = f"egress_private_networks: {network!r} is not a network; use CIDR, e.g. '10.0.0.5/32'."
+                raise TraitError(msg) from None
+        return networks
+
+    @validate("egress_host_map")
+    def _validate_host_map(self, proposal: dict[str, Any]) -> dict[str, str]:
+        host_map: dict[str, str] = dict(proposal["value"])
+        for name, address in host_map.items():
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                msg = f"egress_host_map: {name!r} maps to {address!r}, which is not an IP address."
+                raise TraitError(msg) from None
+        return host_map
+
+    @validate("cpus")
+    def _validate_cpus(self, proposal: dict[str, Any]) -> float:
+        value = float(proposal["value"])
+        if not 0 < value <= 64:
+            msg = f"cpus={value!r} is out of range; use a number of cores above 0, e.g. 1 or 0.5."
+            raise TraitError(msg)
+        return value
+
+    @validate("pids", "max_pids")
+    def _validate_pids(self, proposal: dict[str, Any]) -> int:
+        value = int(proposal["value"])
+        if value < 16:
+            msg = (
+                f"{proposal['trait'].name}={value!r} is too low for ipykernel to start; "
+                "use at least 16 (the default is 256)."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("kernel_uid")
+    def _validate_kernel_uid(self, proposal: dict[str, Any]) -> int | None:
+        value: int | None = proposal["value"]
+        if value is not None and value <= 0:
+            msg = (
+                f"kernel_uid={value!r} is not allowed: the kernel never runs as root; use a uid such as 1000."
+            )
+            raise TraitError(msg)
+        return value
+
+    @property
+    def limits(self) -> Limits:
+        """What this kernel asks for (kernelspec values over the server's defaults)."""
+        return Limits(
+            self.cpus,
+            self.memory,
+            self.pids,
+            self.tmp_size,
+            self.exec_timeout,
+            self.idle_timeout,
+            self.file_size,
+        )
+
+    @property
+    def ceilings(self) -> Limits:
+        """The most the server allows; only server config sets these."""
+        return Limits(
+            self.max_cpus,
+            self.max_memory,
+            self.max_pids,
+            self.max_tmp_size,
+            self.max_exec_timeout,
+            self.max_idle_timeout,
+            self.max_file_size,
+        )
+
+    def egress_policy(self) -> EgressPolicy | None:
+        """The kernel's egress rules (None: no network), checked against the ceiling.
+
+        Raises:
+            ConfigurationError: a malformed domain, an allow-list without domains, domains
+                with network "none", or domains beyond ``max_allowed_domains``.
+        """
+        if self.network == "none":
+            if self.allowed_domains:
+                msg = (
+                    f"allowed_domains={list(self.allowed_domains)!r} is set but network is 'none', so it "
+                    "would be ignored. Set network to 'allowlist' to use it, or remove allowed_domains."
+                )
+                raise ConfigurationError(msg)
+            return None
+        rules = EgressRules.parse(self.allowed_domains, "allowed_domains")
+        if not rules.patterns:
+            msg = (
+                "network='allowlist' needs allowed_domains, the domains the kernel may reach, e.g. "
+                '["docs.python.org", "*.pythonhosted.org"]. Add them, or use network \'none\'.'
+            )
+            raise ConfigurationError(msg)
+        ceiling = EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
+        beyond = rules.uncovered_by(ceiling)
+        if beyond:
+            msg = (
+                f"allowed_domains {beyond!r} exceed the server's ceiling "
+                f"(SandboxProvisioner.max_allowed_domains={list(ceiling.patterns)!r}). Ask only for "
+                "domains within it, or have the server's administrator widen it."
+            )
+            raise ConfigurationError(msg)
+        return EgressPolicy(
+            rules=rules,
+            host_map=dict(self.egress_host_map),
+            private_networks=tuple(self.egress_private_networks),
+        )
