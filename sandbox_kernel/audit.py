@@ -268,8 +268,8 @@ class ExecutionAuditor:
             else:
                 self._egress_suppressed += 1
                 write = False
-            running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
-            msg_id = min(running)[1] if running else next(iter(self._pending), None)
+            running = self._running_locked()
+            msg_id = running[1] if running else next(iter(self._pending), None)
             pending = self._pending.get(msg_id) if msg_id is not None else None
             if pending is not None:
                 if len(pending.egress) < _MAX_EGRESS:
@@ -306,11 +306,16 @@ class ExecutionAuditor:
         Requests queued behind it do not count: "Run all" sends every cell at once.
         """
         with self._lock:
-            running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
-        if not running:
+            running = self._running_locked()
+        if running is None:
             return None
-        since, msg_id = min(running)
+        since, msg_id = running
         return msg_id, time.monotonic() - since
+
+    def _running_locked(self) -> tuple[float, str] | None:
+        """(since, msg_id) of the execution the kernel began first; hold the lock."""
+        running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
+        return min(running) if running else None
 
     def current(self) -> PendingExecution | None:
         """The oldest execution still waiting for its reply (host-known: clients sent it)."""

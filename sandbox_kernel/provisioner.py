@@ -174,12 +174,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._launch_env = {k: v for k, v in launch_env.items() if k in RELAUNCH_ENV}
         volume = None
         if self.workspace_volume:
-            env = kwargs.get("env") or {}
             volume = volume_name(
                 self.workspace_volume,
-                user=env.get("JUPYTERHUB_USER") or getpass.getuser(),
+                user=launch_env.get("JUPYTERHUB_USER") or getpass.getuser(),
                 kernelspec=self.kernel_name,
-                notebook=env.get("JPY_SESSION_NAME", "").removesuffix(".ipynb"),
+                notebook=launch_env.get("JPY_SESSION_NAME", "").removesuffix(".ipynb"),
                 project=cwd.name,
             )
             workspace, workdir = cwd, CONTAINER_WORKSPACE
@@ -571,13 +570,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 )
                 await self._kill_for(container_id, "MemoryLimitExceeded", self._memory_reason())
                 return True
-        idle_reason = (
-            f"stopped after {self.idle_timeout:g} s without executions (idle limit, sandbox-kernel "
-            "idle_timeout) to free its memory; its variables are gone. Restart the kernel to continue"
-        )
-        if self.idle_timeout > 0 and auditor.refuse_if_idle(self.idle_timeout, idle_reason):
-            await self._stop_idle_kernel(container_id, idle_reason)
-            return True
+        if self.idle_timeout > 0:
+            idle_reason = (
+                f"stopped after {self.idle_timeout:g} s without executions (idle limit, sandbox-kernel "
+                "idle_timeout) to free its memory; its variables are gone. Restart the kernel to continue"
+            )
+            if auditor.refuse_if_idle(self.idle_timeout, idle_reason):
+                await self._stop_idle_kernel(container_id, idle_reason)
+                return True
         limit, grace = self.exec_timeout, self.exec_kill_grace
         running = auditor.running()
         if limit <= 0 or running is None:
@@ -714,8 +714,17 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # Let the bridge pass on whatever the kernel sent before it died: a real reply
         # still in flight must win over ours.
         await asyncio.sleep(0.2)
-        for execution in self._auditor.abandon_pending(f"no reply: {reason}"):
+        self._answer_pending(ename, reason)
+
+    def _answer_pending(self, ename: str, reason: str) -> int:
+        """Record every execution still waiting for its reply and answer its client;
+        how many there were."""
+        if self._auditor is None:
+            return 0
+        abandoned = self._auditor.abandon_pending(f"no reply: {reason}")
+        for execution in abandoned:
             self._answer_for_kernel(execution, ename, reason)
+        return len(abandoned)
 
     def _answer_for_kernel(self, execution: PendingExecution, ename: str, reason: str) -> None:
         """Tell the client of ``execution`` why no reply will come: a notice, an error reply, idle."""
@@ -776,17 +785,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self.log.error("Sandboxed kernel %s: %s", self.kernel_id, exc)
                 failure = exc
         await self._close_egress()
-        if self._auditor is not None:
-            # Whoever still waits for a reply gets one, with the kernel's end if known.
-            ename, reason = self._exit_cause or (
-                "KernelDied",
-                "the kernel stopped or restarted before this execution finished",
-            )
-            answered = self._auditor.abandon_pending(f"no reply: {reason}")
-            for execution in answered:
-                self._answer_for_kernel(execution, ename, reason)
-            if answered:
-                await asyncio.sleep(0.1)  # let the bridge send them before it detaches
+        # Whoever still waits for a reply gets one, with the kernel's end if known.
+        ename, reason = self._exit_cause or (
+            "KernelDied",
+            "the kernel stopped or restarted before this execution finished",
+        )
+        if self._answer_pending(ename, reason):
+            await asyncio.sleep(0.1)  # let the bridge send them before it detaches
         if self.bridge is not None:
             # Whatever was queued for the dead kernel (a shutdown_request, say) must
             # never reach the next one.
