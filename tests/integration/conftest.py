@@ -230,6 +230,31 @@ def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any)
     return result
 
 
+def count_restarts(km: KernelManager) -> list[str]:
+    """A list that grows by one each time jupyter_client's restarter restarts the kernel."""
+    restarts: list[str] = []
+    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
+    return restarts
+
+
+async def wait_for_restart(restarts: list[str], timeout: float, message: str) -> None:
+    """Until the restarter has restarted the kernel (see :func:`count_restarts`), or fail."""
+    deadline = time.monotonic() + timeout
+    while not restarts and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    assert restarts, message
+
+
+def fill_file(path: str, chunk_mib: int = 1) -> str:
+    """Cell code writing ``path`` until something stops it."""
+    return (
+        f"chunk = b'x' * ({chunk_mib} * 1024 * 1024)\n"
+        f"with open({path!r}, 'wb') as f:\n"
+        "    while True:\n"
+        "        f.write(chunk); f.flush()"
+    )
+
+
 def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     """Execute ``code``, insist it succeeded, and return its stdout."""
     result = run(kc, code, timeout)

@@ -12,7 +12,7 @@ from typing import Any
 import docker
 import pytest
 
-from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run, run_ok
+from .conftest import SANDBOX_UID, KernelStarter, fill_file, make_workspace, run, run_ok
 
 
 @pytest.fixture
@@ -95,14 +95,7 @@ def test_privileged_operations_are_refused(start_kernel: KernelStarter) -> None:
 
 def test_filling_tmp_fails_with_no_space_and_the_kernel_lives(start_kernel: KernelStarter) -> None:
     _, kc = start_kernel()
-    result = run(
-        kc,
-        "chunk = b'x' * (8 * 1024 * 1024)\n"
-        "with open('/tmp/filler', 'wb') as f:\n"
-        "    while True:\n"
-        "        f.write(chunk); f.flush()",
-        timeout=120,
-    )
+    result = run(kc, fill_file("/tmp/filler", chunk_mib=8), timeout=120)
     assert result.status == "error"
     assert result.reply["content"]["ename"] == "OSError"
     assert "No space left on device" in result.reply["content"]["evalue"]
@@ -179,13 +172,12 @@ def test_bombs_in_one_kernel_leave_another_kernel_the_server_and_the_workspace_u
     run_ok(bystander, "y = 7")
     name = make_kernelspec("attacker", config={"memory": "512m", "pids": 64, "file_size": "64m"})
     km, attacker = start_kernel(name, cwd=attacker_ws)
-    fill = "with open({!r}, 'wb') as f:\n    while True:\n        f.write(b'x' * 2**20)"
     attacks = {
         "fork bomb": "import os\nwhile True:\n    os.fork()",
         "thread bomb": "import threading, time\n"
         "while True:\n    threading.Thread(target=time.sleep, args=[60]).start()",
-        "fill /tmp": fill.format("/tmp/f"),
-        "fill the workspace": fill.format("big.bin"),
+        "fill /tmp": fill_file("/tmp/f"),
+        "fill the workspace": fill_file("big.bin"),
         "1 GB print": "import sys\nfor _ in range(1024):\n    sys.stdout.write('x' * 2**20)",
         "memory bomb": "hoard = []\nwhile True:\n    hoard.append(bytearray(2**24))",
     }

@@ -20,7 +20,7 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 from sandbox_kernel.provisioner import SandboxProvisioner
 
-from .conftest import KERNEL, HostState, KernelStarter, run, run_ok
+from .conftest import KERNEL, HostState, KernelStarter, count_restarts, run, run_ok, wait_for_restart
 
 
 def kernel_containers(client: docker.DockerClient, kernel_id: str) -> list[str]:
@@ -96,19 +96,15 @@ def test_shutdown_leaves_nothing_behind(
 async def test_dead_container_is_auto_restarted(jupyter_dirs: Path, workspace: Path) -> None:
     client = docker.from_env()
     km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
-    restarts: list[str] = []
     await km.start_kernel(cwd=str(workspace))
-    km.add_restart_callback(lambda: restarts.append("restart"), "restart")  # needs the restarter
+    restarts = count_restarts(km)  # needs the restarter, started with the kernel
     try:
         kc = km.client()
         kc.start_channels()
         await kc.wait_for_ready(timeout=60)
         (first,) = kernel_containers(client, km.kernel_id)
         client.containers.get(first).kill()  # from outside, as an OOM killer or admin would
-        deadline = time.monotonic() + 45
-        while not restarts and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        assert restarts, "jupyter_client's restarter did not notice the dead kernel"
+        await wait_for_restart(restarts, 45, "jupyter_client's restarter did not notice the dead kernel")
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("import os; print(os.uname().release)", timeout=30)
         assert reply["content"]["status"] == "ok"

@@ -17,7 +17,16 @@ from traitlets.config import Config
 
 from sandbox_kernel.errors import ConfigurationError
 
-from .conftest import KERNEL, HostState, KernelStarter, run, run_ok
+from .conftest import (
+    KERNEL,
+    HostState,
+    KernelStarter,
+    count_restarts,
+    fill_file,
+    run,
+    run_ok,
+    wait_for_restart,
+)
 
 
 def test_fork_bomb_gets_a_clean_error_and_the_kernel_survives(
@@ -142,8 +151,7 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         kernel_name=name, config=Config({"SandboxProvisioner": {"exec_kill_grace": 4}})
     )
     await km.start_kernel(cwd=str(workspace))
-    restarts: list[str] = []
-    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
+    restarts = count_restarts(km)
     try:
         kc = km.client()
         kc.start_channels()
@@ -161,10 +169,7 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         assert reply["content"]["ename"] == "WallClockLimitExceeded"
         assert "wall-clock limit of 2 s per execution exceeded" in reply["content"]["evalue"]
         assert time.monotonic() - started < 2 + 4 + 15
-        deadline = time.monotonic() + 30
-        while not restarts and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        assert restarts, "the killed kernel was not restarted"
+        await wait_for_restart(restarts, 30, "the killed kernel was not restarted")
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
@@ -222,8 +227,7 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
     (workspace / "precious.csv").write_text("a,b\n1,2\n")
     km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
     await km.start_kernel(cwd=str(workspace))
-    restarts: list[str] = []
-    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
+    restarts = count_restarts(km)
     try:
         kc = km.client()
         kc.start_channels()
@@ -236,10 +240,7 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
         assert "the kernel stopped" in content["evalue"]
         notices = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
         assert any("[sandbox-kernel] the kernel stopped" in text for text in notices)
-        deadline = time.monotonic() + 30
-        while not restarts and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        assert restarts, "the dead kernel was not restarted"
+        await wait_for_restart(restarts, 30, "the dead kernel was not restarted")
         await kc.wait_for_ready(timeout=60)  # restarted by jupyter_client's restarter
         again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=30)
         assert again["content"]["status"] == "ok"
@@ -332,14 +333,7 @@ def test_filling_the_workspace_stops_at_the_file_size_limit(
     (workspace / "results.csv").write_text("a,b\n1,2\n")
     name = make_kernelspec("small-files", config={"file_size": "32m"})
     _, kc = start_kernel(kernel_name=name)
-    result = run(
-        kc,
-        "chunk = b'x' * (1024 * 1024)\n"
-        "with open('filler.bin', 'wb') as f:\n"
-        "    while True:\n"
-        "        f.write(chunk); f.flush()",
-        timeout=120,
-    )
+    result = run(kc, fill_file("filler.bin"), timeout=120)
     assert result.status == "error"
     assert result.reply["content"]["ename"] == "OSError"
     assert "File too large" in result.reply["content"]["evalue"]
@@ -354,8 +348,7 @@ async def test_an_idle_kernel_is_stopped_and_says_so_until_restarted(
     name = make_kernelspec("short-idle", config={"idle_timeout": 3})
     km = AsyncIOLoopKernelManager(kernel_name=name)
     await km.start_kernel(cwd=str(workspace))
-    restarts: list[str] = []
-    km.add_restart_callback(lambda: restarts.append("restart"), "restart")
+    restarts = count_restarts(km)
     kc = km.client()
     kc.start_channels()
     try:
