@@ -22,7 +22,6 @@ from traitlets import Bool, Float, Int, List, TraitError, Unicode, default
 
 from ._version import __version__
 from .docker_api import SandboxDocker
-from .egress import EgressRules
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
 from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
@@ -185,11 +184,9 @@ class InstallApp(_SubApp):
         try:
             validate_kernelspec_config(config, self.kernel_name)
             provisioner = SandboxProvisioner(**config)
-            EgressRules.parse(provisioner.allowed_domains, "allowed_domains")
+            rules = provisioner.egress_rules()
             if provisioner.workspace_volume:
                 volume_name(provisioner.workspace_volume)
-            if provisioner.network == "allowlist" and not provisioner.allowed_domains:
-                provisioner.egress_policy()  # raises: an allow-list needs domains
         except (ConfigurationError, TraitError) as exc:
             self.fail(str(exc))
         ceilings = SandboxProvisioner(parent=self)
@@ -200,8 +197,8 @@ class InstallApp(_SubApp):
                 check_lifetime, provisioner.lifecycle, provisioner.persistent_ttl, ceilings.max_persistent_ttl
             ),
         ]
-        if provisioner.network == "allowlist":
-            checks.append(partial(_check_domains, provisioner, ceilings))
+        if rules is not None:
+            checks.append(partial(ceilings.check_domains, rules))
         for check in checks:
             try:
                 check()
@@ -220,13 +217,6 @@ class InstallApp(_SubApp):
         else:
             base = Path(SYSTEM_JUPYTER_PATH[0]) / "kernels"
         return base / self.kernel_name.lower()
-
-
-def _check_domains(spec: SandboxProvisioner, server: SandboxProvisioner) -> None:
-    """Whether the server's ceiling (as this app's config knows it) covers the spec's domains."""
-    server.network = "allowlist"
-    server.allowed_domains = spec.allowed_domains
-    server.egress_policy()
 
 
 class BuildImageApp(_SubApp):

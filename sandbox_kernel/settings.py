@@ -369,11 +369,27 @@ class SandboxSettings(LoggingConfigurable):
         )
 
     def egress_policy(self) -> EgressPolicy | None:
-        """The kernel's egress rules (None: no network), checked against the ceiling.
+        """The kernel's egress policy (None: no network), checked against the ceiling.
 
         Raises:
-            ConfigurationError: a malformed domain, an allow-list without domains, domains
-                with network "none", or domains beyond ``max_allowed_domains``.
+            ConfigurationError: as :meth:`egress_rules` and :meth:`check_domains`.
+        """
+        rules = self.egress_rules()
+        if rules is None:
+            return None
+        self.check_domains(rules)
+        return EgressPolicy(
+            rules=rules,
+            host_map=dict(self.egress_host_map),
+            private_networks=tuple(self.egress_private_networks),
+        )
+
+    def egress_rules(self) -> EgressRules | None:
+        """The domains this kernel asks for (None: no network), consistent in themselves.
+
+        Raises:
+            ConfigurationError: a malformed domain, an allow-list without domains, or
+                domains with network "none".
         """
         if self.network == "none":
             if self.allowed_domains:
@@ -390,6 +406,14 @@ class SandboxSettings(LoggingConfigurable):
                 '["docs.python.org", "*.pythonhosted.org"]. Add them, or use network \'none\'.'
             )
             raise ConfigurationError(msg)
+        return rules
+
+    def check_domains(self, rules: EgressRules) -> None:
+        """Refuse domains beyond this server's ``max_allowed_domains``.
+
+        Raises:
+            ConfigurationError: naming the domains and the ceiling.
+        """
         ceiling = EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
         beyond = rules.uncovered_by(ceiling)
         if beyond:
@@ -399,8 +423,3 @@ class SandboxSettings(LoggingConfigurable):
                 "domains within it, or have the server's administrator widen it."
             )
             raise ConfigurationError(msg)
-        return EgressPolicy(
-            rules=rules,
-            host_map=dict(self.egress_host_map),
-            private_networks=tuple(self.egress_private_networks),
-        )

@@ -206,3 +206,22 @@ def test_install_writes_an_allowlist_spec_and_checks_the_servers_ceiling(
     InstallApp.clear_instance()
     run(InstallApp, *args, "--replace", "--pass-env", "AWS_SECRET_ACCESS_KEY")
     assert "beyond the server's ceiling (SandboxProvisioner.max_pass_env" in capsys.readouterr().err
+
+
+def test_install_refuses_domains_with_network_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        run(
+            InstallApp,
+            "--prefix",
+            str(tmp_path),
+            "--name",
+            "x",
+            "--network",
+            "none",
+            "--allow-domain",
+            "a.org",
+        )
+    assert "is set but network is 'none'" in capsys.readouterr().err
+    assert not (tmp_path / "share/jupyter/kernels/x").exists()
