@@ -483,9 +483,9 @@ class PruneApp(_KernelsApp):
     description = """Remove the ephemeral sandboxed kernels whose server process has died on
     this host (orphans), and the persistent ones no server has held for their time-to-live,
     with their runtime folders. A kernel is judged only when its owner ran on this host in
-    this PID namespace; when in doubt it is left alone. A server also does this when it
-    starts its first sandboxed kernel; run it from cron to expire persistent kernels while
-    no server runs."""
+    this PID namespace; when in doubt it is left alone. Every process running sandboxed
+    kernels also does this when it starts its first one, and every minute while it has
+    any; where none may run for long, run this from a timer (cron or systemd)."""
 
     def start(self) -> None:
         removed = self.docker(partial(prune_orphans, runtime_parent=self.runtime_parent or None))

@@ -37,7 +37,7 @@ from typing import Any
 
 import zmq
 
-from .wire import find_delimiter, load_dict
+from .wire import find_delimiter, frame_bytes, load_dict
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,12 @@ class PendingExecution:
     egress_dropped: int = 0
 
 
-def _split(frames: Sequence[zmq.Frame]) -> tuple[list[bytes], list[bytes]] | None:
+def _split(frames: Sequence[zmq.Frame | bytes]) -> tuple[list[bytes], list[bytes]] | None:
     """(routing identities, message parts), or None if not a Jupyter message."""
     index = find_delimiter(frames)
     if index is None:
         return None
-    return [f.bytes for f in frames[:index]], [f.bytes for f in frames[index + 1 : index + 6]]
+    return [frame_bytes(f) for f in frames[:index]], [frame_bytes(f) for f in frames[index + 1 : index + 6]]
 
 
 class ExecutionAuditor:
@@ -132,15 +132,19 @@ class ExecutionAuditor:
         self._pending: dict[str, PendingExecution] = {}
         self._lock = threading.Lock()
         self._last_activity = time.monotonic()
+        #: When the oldest pending execution became the oldest (the one before it ended).
+        self._head_since = time.monotonic()
         #: Set while the kernel is stopped for good (the idle limit): requests get
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
         self.on_refused: Callable[[PendingExecution], None] | None = None
+        #: Executions clients have started so far.
+        self.executions = 0
         self._egress_tokens = float(_EGRESS_BURST)
         self._egress_stamp = time.monotonic()
         self._egress_suppressed = 0
 
-    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame]) -> None:
+    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> None:
         if channel not in ("shell", "iopub"):
             return
         split = _split(frames)
@@ -188,6 +192,7 @@ class ExecutionAuditor:
                 if superseded is not None:
                     self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
                 self._pending[msg_id] = pending
+                self.executions += 1
                 # Written now too, so a server that dies mid-cell still leaves a trace.
                 self._write(self._record("started", msg_id, pending))
                 while len(self._pending) > _MAX_PENDING:
@@ -206,9 +211,10 @@ class ExecutionAuditor:
         msg_id = str(load_dict(parts[2]).get("msg_id", ""))
         with self._lock:
             pending = self._pending.pop(msg_id, None)
+            if pending is None:
+                return  # the kernel's word alone is no activity
             self._last_activity = time.monotonic()
-        if pending is None:
-            return
+            self._head_since = time.monotonic()
         content = load_dict(parts[4])
         status = content.get("status")
         count = content.get("execution_count")
@@ -313,8 +319,17 @@ class ExecutionAuditor:
         return msg_id, time.monotonic() - since
 
     def _running_locked(self) -> tuple[float, str] | None:
-        """(since, msg_id) of the execution the kernel began first; hold the lock."""
+        """(since, msg_id) of the execution the kernel began first; hold the lock.
+
+        The kernel runs requests in order, so the oldest pending one is running since it
+        arrived or since the one before it was answered, whichever is later, even if the
+        kernel never says so (its execute_input is its word, which code in it can withhold).
+        """
         running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
+        if self._pending:
+            head_id, head = next(iter(self._pending.items()))
+            if head.running_since is None:
+                running.append((max(head.started, self._head_since), head_id))
         return min(running) if running else None
 
     def current(self) -> PendingExecution | None:
@@ -351,6 +366,7 @@ class ExecutionAuditor:
         """
         with self._lock:
             pending, self._pending = self._pending, {}
+            self._head_since = time.monotonic()
         for msg_id, item in pending.items():
             self._finish(msg_id, item, reason, None)
         return list(pending.values())

@@ -2,8 +2,8 @@
 
 The kernel binds ZeroMQ ``ipc://`` sockets in its runtime folder (a bind mount); the
 sandbox has no network. The bridge connects to those sockets and serves the five
-channels to clients as ordinary TCP on 127.0.0.1, so clients never reach into the
-sandbox and every byte out of it passes through one place on the host.
+channels to clients, so clients never reach into the sandbox and every byte out of it
+passes through one place on the host.
 
 One thread per kernel polls all ten sockets and forwards whole multipart messages:
 
@@ -11,20 +11,36 @@ One thread per kernel polls all ten sockets and forwards whole multipart message
     client REQ     -> ROUTER | bridge | DEALER -> REP    kernel   hb
     client SUB     <- XPUB   | bridge | XSUB   <- PUB    kernel   iopub
 
+Clients reach the bridge by ``ipc://`` sockets in the server's private (0700) runtime
+folder by default, so no other local user can connect or listen; ``tcp`` on 127.0.0.1
+is for clients elsewhere (with CurveZMQ). Either way nothing is trusted before it is
+checked: a client's message acts on nothing (the kernel, the audit log, the output
+budget, the idle clock) unless its HMAC signature is valid, and the kernel's messages
+reach clients only if signed, within the size caps, and (on shell and control) as the
+one reply to a request a client actually sent, routed back to that client.
+
 The client-facing sockets live as long as the bridge, so a restarted kernel (new
-container, same ipc paths) is reached on the same ports, as with a local kernel.
+container, same ipc paths) is reached at the same addresses, as with a local kernel.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
+import os
+import socket
 import threading
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
 from .output import OutputLimiter
+from .wire import Signatures, find_delimiter, frame_bytes, load_dict
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +53,27 @@ _SOCKET_TYPES: Mapping[str, tuple[int, int]] = {
     "iopub": (zmq.XPUB, zmq.XSUB),
 }
 CHANNELS = tuple(_SOCKET_TYPES)
+#: Channels whose messages are signed Jupyter messages (hb echoes raw bytes).
+_SIGNED = ("shell", "control", "stdin", "iopub")
+#: Channels where the kernel only answers: one reply per request a client sent.
+_REQUEST_REPLY = ("shell", "control")
+#: The ``port`` of each channel's ipc socket, as jupyter_client numbers them.
+IPC_PORTS: Mapping[str, int] = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
 #: The kernel routes stdin requests to the identity that sent the shell request, and
 #: sees the bridge's shell DEALER as that peer: the stdin DEALER must carry the same
 #: identity for input() to reach the client.
 _KERNEL_SIDE_IDENTITY = b"sandbox-kernel-bridge"
+#: Requests remembered per channel while their replies are due; the oldest go first.
+_MAX_OUTSTANDING = 4096
+#: Messages read from one socket before the others get a turn.
+_BATCH = 100
 
-
-#: Called in the bridge thread for every message: (channel, to_kernel, frames). It must
-#: be quick and must not keep the frames; it cannot change or stop the message.
-Tap = Callable[[str, bool, Sequence[zmq.Frame]], None]
+#: Called in the bridge thread for every message that passes the checks: (channel,
+#: to_kernel, frames). It must be quick and must not keep the frames; it cannot change
+#: or stop the message.
+Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], None]
+Frames = Sequence[zmq.Frame | bytes]
 
 
 @dataclass(frozen=True)
@@ -57,6 +84,40 @@ class CurveKeys:
     secret: bytes
 
 
+@dataclass(frozen=True)
+class SizeCaps:
+    """Largest ZeroMQ frame each side may send; a peer sending a bigger one is cut off.
+
+    Clients send requests (a few KiB; comm messages with buffers may be larger) and
+    subscriptions; the kernel sends replies and output, whose total per execution the
+    output limit bounds anyway.
+    """
+
+    client: int = 64 * 2**20
+    client_small: int = 64 * 2**10  # hb pings, iopub subscriptions
+    kernel_reply: int = 32 * 2**20  # shell, control, stdin
+    kernel_iopub: int = 64 * 2**20
+    kernel_hb: int = 64 * 2**10
+
+    def front(self, channel: str) -> int:
+        return self.client_small if channel in ("hb", "iopub") else self.client
+
+    def back(self, channel: str) -> int:
+        return {"iopub": self.kernel_iopub, "hb": self.kernel_hb}.get(channel, self.kernel_reply)
+
+
+def _ipc_in_use(path: str) -> bool:
+    """Whether a live process listens on the unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 class KernelBridge:
     """Relays a sandboxed kernel's ZeroMQ channels to clients on the host.
 
@@ -64,6 +125,11 @@ class KernelBridge:
     Kernel-facing sockets belong to one kernel process: :meth:`detach` drops them (and
     whatever was queued for a kernel that is gone), :meth:`attach` connects new ones to
     the next kernel's endpoints.
+
+    ``transport`` "ipc": ``ip`` is a path prefix and each channel's socket is
+    ``{ip}-{port}``, as jupyter_client names ipc endpoints. "tcp": ``ip`` is an address.
+    ``key`` and ``signature_scheme`` are the kernel's session's: messages that fail the
+    signature check are dropped and counted in :attr:`dropped`.
     """
 
     def __init__(
@@ -73,38 +139,69 @@ class KernelBridge:
         ports: Mapping[str, int] | None = None,
         curve: CurveKeys | None = None,
         tap: Tap | None = None,
-        max_message_size: int = 256 * 1024 * 1024,
         output_limiter: OutputLimiter | None = None,
+        *,
+        transport: str = "tcp",
+        key: bytes = b"",
+        signature_scheme: str = "hmac-sha256",
+        caps: SizeCaps | None = None,
     ) -> None:
+        if transport not in ("tcp", "ipc"):
+            msg = f"transport={transport!r}: use 'ipc' or 'tcp'"
+            raise ValueError(msg)
+        self.transport = transport
         self.ip = ip
         self._tap = tap
         self._limiter = output_limiter
+        self._signatures = Signatures(key, signature_scheme)
+        self._caps = caps or SizeCaps()
         self._kernel_endpoints = dict(kernel_endpoints)
         self._requested_ports = dict(ports or {})
         self._curve = curve
-        self._max_message_size = max_message_size
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._fronts: dict[str, zmq.Socket[bytes]] = {}
         self._backs: dict[str, zmq.Socket[bytes]] = {}
+        self._monitors: dict[str, zmq.Socket[bytes]] = {}
         self._thread: threading.Thread | None = None
         self._stop_tx: zmq.Socket[bytes] | None = None
-        self._stop_rx: zmq.Socket[bytes] | None = None
+        self._attachments = itertools.count()
         self._inject_tx: zmq.Socket[bytes] | None = None
         self._inject_rx: zmq.Socket[bytes] | None = None
         # zmq sockets are not thread-safe; injections come from the loop and the bridge thread.
         self._inject_lock = threading.Lock()
+        # msg_id -> routing identities of each client waiting for that reply, per channel.
+        self._outstanding: dict[str, OrderedDict[str, list[list[bytes]]]] = {
+            channel: OrderedDict() for channel in _REQUEST_REPLY
+        }
+        self._last_warning = 0.0
+        #: When a client last sent a (signed) shell or control request.
+        self.last_request = float("-inf")
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
+        #: Messages dropped, by reason ("shell from a client: bad signature", ...).
+        self.dropped: Counter[str] = Counter()
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def endpoint(self, channel: str) -> str:
+        """The address clients connect to for ``channel``."""
+        port = self.ports[channel]
+        if self.transport == "ipc":
+            return f"ipc://{self.ip}-{port}"
+        return f"tcp://{self.ip}:{port}"
+
     def start(self) -> dict[str, int]:
         """Bind the client-facing sockets, connect to the kernel, start relaying.
 
-        Returns the TCP port of each channel. Ports given to the constructor are reused
-        (reconnecting to a kernel after a server restart); others are random.
+        Returns the port of each channel. Ports given to the constructor are reused
+        (reconnecting to a kernel after a server restart); others are random (tcp) or
+        jupyter_client's usual 1-5 (ipc).
+
+        Raises:
+            zmq.ZMQError: an address is taken (EADDRINUSE for an ipc path a live
+                process listens on).
         """
         if self._context is None:
             self._bind_fronts()
@@ -119,6 +216,8 @@ class KernelBridge:
                 front = ctx.socket(front_type)
                 self._fronts[channel] = front
                 front.linger = 0
+                # Unauthenticated until checked: a peer sending a bigger frame is cut off.
+                front.setsockopt(zmq.MAXMSGSIZE, self._caps.front(channel))
                 if self._curve is not None:
                     front.curve_secretkey = self._curve.secret
                     front.curve_publickey = self._curve.public
@@ -131,20 +230,11 @@ class KernelBridge:
                     # As ipykernel does: a client reconnecting with its old identity
                     # (jupyter_server reuses the session id) takes over the route.
                     front.setsockopt(zmq.ROUTER_HANDOVER, 1)
-                port = self._requested_ports.get(channel)
-                if port:
-                    front.bind(f"tcp://{self.ip}:{port}")
-                else:
-                    port = front.bind_to_random_port(f"tcp://{self.ip}")
-                self.ports[channel] = port
-            self._stop_rx = ctx.socket(zmq.PAIR)
-            self._stop_rx.bind("inproc://stop")
-            self._stop_tx = ctx.socket(zmq.PAIR)
-            self._stop_tx.connect("inproc://stop")
+                self.ports[channel] = self._bind_front(channel, front)
             self._inject_rx = ctx.socket(zmq.PULL)
-            self._inject_rx.bind("inproc://inject")
+            self._inject_rx.bind(f"inproc://inject-{id(self)}")
             self._inject_tx = ctx.socket(zmq.PUSH)
-            self._inject_tx.connect("inproc://inject")
+            self._inject_tx.connect(f"inproc://inject-{id(self)}")
         except BaseException:
             ctx.destroy(linger=0)
             self._fronts = {}
@@ -152,41 +242,102 @@ class KernelBridge:
             raise
         self._context = ctx
 
+    def _bind_front(self, channel: str, front: zmq.Socket[bytes]) -> int:
+        port = self._requested_ports.get(channel)
+        if self.transport == "tcp":
+            if port:
+                front.bind(f"tcp://{self.ip}:{port}")
+                return port
+            return front.bind_to_random_port(f"tcp://{self.ip}")
+        port = port or IPC_PORTS[channel]
+        path = f"{self.ip}-{port}"
+        # ZeroMQ unlinks whatever is at the path before binding: never another live
+        # bridge's socket (a second process reattaching to the same kernel).
+        if _ipc_in_use(path):
+            raise zmq.ZMQError(errno.EADDRINUSE, f"{path} is in use by another process")
+        front.bind(f"ipc://{path}")
+        return port
+
+    def _rebind_lost_ipc_fronts(self) -> None:
+        """Bind again any ipc socket whose file is gone.
+
+        jupyter_client removes a kernel's ipc files when it restarts the kernel
+        (``cleanup_ipc_files``); the bridge lives on, and new clients must find it.
+        """
+        if self.transport != "ipc":
+            return
+        for channel, front in self._fronts.items():
+            path = f"{self.ip}-{self.ports[channel]}"
+            if not os.path.exists(path):
+                # A second listener at the same address: the clients connected through
+                # the first one (whose file is gone) stay connected.
+                front.bind(f"ipc://{path}")
+
     def attach(self, kernel_endpoints: Mapping[str, str]) -> None:
         """Connect fresh kernel-facing sockets to ``kernel_endpoints`` and relay."""
-        if self._context is None or self._stop_rx is None:
+        if self._context is None:
             msg = "attach() before start()"
             raise RuntimeError(msg)
         self.detach()
+        self._rebind_lost_ipc_fronts()
         self._kernel_endpoints = dict(kernel_endpoints)
-        for channel, (_, back_type) in _SOCKET_TYPES.items():
-            back = self._context.socket(back_type)
-            self._backs[channel] = back
-            back.linger = 0
-            # Bytes from the sandbox are untrusted: a peer sending a bigger message is
-            # disconnected, and fewer messages wait in the server's memory.
-            back.setsockopt(zmq.MAXMSGSIZE, self._max_message_size)
-            back.rcvhwm = 100
-            if back_type == zmq.DEALER:
-                back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
-            back.connect(self._kernel_endpoints[channel])
-            if back_type == zmq.XSUB:
-                # Clients subscribed through the previous kernel's socket; subscribe this
-                # one to everything so a restarted kernel's output reaches them.
-                back.send(b"\x01")
+        for pending in self._outstanding.values():
+            pending.clear()  # the next kernel answers none of the last one's requests
+        for channel in CHANNELS:
+            self._connect_back(channel)
         pairs = {channel: (self._fronts[channel], self._backs[channel]) for channel in CHANNELS}
+        # A stop channel of its own per relay thread: a stop meant for an earlier thread
+        # (one that had already ended) can never end this one.
+        name = f"inproc://stop-{id(self)}-{next(self._attachments)}"
+        stop_rx = self._context.socket(zmq.PAIR)
+        stop_rx.bind(name)
+        self._stop_tx = self._context.socket(zmq.PAIR)
+        self._stop_tx.connect(name)
         self._thread = threading.Thread(
             target=self._relay,
-            args=(pairs, self._stop_rx, self._inject_rx),
+            args=(pairs, stop_rx, self._inject_rx),
             name="sandbox-kernel-bridge",
             daemon=True,
         )
         self._thread.start()
 
+    def _connect_back(self, channel: str) -> zmq.Socket[bytes]:
+        """A new kernel-facing socket for ``channel``, connected, with a disconnect monitor."""
+        if self._context is None:
+            msg = "the bridge is stopped"
+            raise RuntimeError(msg)
+        back_type = _SOCKET_TYPES[channel][1]
+        back = self._context.socket(back_type)
+        back.linger = 0
+        # Bytes from the sandbox are untrusted: a peer sending a bigger frame is cut off
+        # (ZeroMQ then does not reconnect: the monitor tells the relay to make a new
+        # socket), and few messages wait in the server's memory.
+        back.setsockopt(zmq.MAXMSGSIZE, self._caps.back(channel))
+        back.rcvhwm = 100
+        if back_type == zmq.DEALER:
+            back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
+        self._monitors[channel] = back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        back.connect(self._kernel_endpoints[channel])
+        if back_type == zmq.XSUB:
+            # Clients subscribed through the previous socket; subscribe this one to
+            # everything so a restarted kernel's output reaches them.
+            back.send(b"\x01")
+        self._backs[channel] = back
+        return back
+
+    def _close_back(self, channel: str) -> None:
+        back, monitor = self._backs.pop(channel, None), self._monitors.pop(channel, None)
+        if back is not None:
+            if monitor is not None:
+                back.disable_monitor()
+            back.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
+
     def inject(self, channel: str, message: Sequence[bytes]) -> None:
         """Send a message to clients on ``channel`` as if the kernel had sent it.
 
-        For the provisioner's own notices (a kernel killed by a limit); any thread.
+        For the provisioner's own signed notices (a kernel killed by a limit); any thread.
         """
         with self._inject_lock:
             if self._inject_tx is not None:
@@ -195,20 +346,22 @@ class KernelBridge:
     def detach(self) -> None:
         """Stop relaying and drop the kernel-facing sockets with anything queued in them."""
         if self._thread is not None and self._stop_tx is not None:
-            self._stop_tx.send(b"")
+            self._stop_tx.send(b"", zmq.NOBLOCK)
             self._thread.join(timeout=5)
             if self._thread.is_alive():
                 # Never touch sockets a live thread still uses: wait it out.
                 log.warning("The bridge thread is slow to stop (a blocked audit write?); waiting")
                 self._thread.join()
         self._thread = None
-        for back in self._backs.values():
-            back.close(linger=0)
-        self._backs = {}
+        if self._stop_tx is not None:
+            self._stop_tx.close(linger=0)
+            self._stop_tx = None
+        for channel in list(self._backs):
+            self._close_back(channel)
 
     def _relay(
         self,
-        pairs: Mapping[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
+        pairs: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
         stop_rx: zmq.Socket[bytes],
         inject_rx: zmq.Socket[bytes] | None,
     ) -> None:
@@ -219,6 +372,9 @@ class KernelBridge:
             route[back] = (channel, False, front)
             poller.register(front, zmq.POLLIN)
             poller.register(back, zmq.POLLIN)
+        monitors = {monitor: channel for channel, monitor in self._monitors.items()}
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
         poller.register(stop_rx, zmq.POLLIN)
         if inject_rx is not None:
             poller.register(inject_rx, zmq.POLLIN)
@@ -226,39 +382,90 @@ class KernelBridge:
             while True:
                 for sock, _ in poller.poll():
                     if sock is stop_rx:
-                        sock.recv()
                         return
-                    if inject_rx is not None and sock is inject_rx:
-                        target, *message = inject_rx.recv_multipart()
-                        front = pairs[target.decode()][0]
+                    if sock in monitors or sock is inject_rx:
                         try:
-                            front.send_multipart(message, zmq.NOBLOCK)
-                        except zmq.ZMQError as exc:
-                            log.debug("Bridge could not deliver a notice: %s", exc)
+                            if inject_rx is not None and sock is inject_rx:
+                                self._deliver_injected(inject_rx, pairs)
+                            else:
+                                self._reconnect(monitors.pop(sock), pairs, route, monitors, poller)
+                        except Exception:
+                            log.exception("Bridge could not handle an event; relaying on")
                         continue
+                    if sock not in route:
+                        continue  # a socket replaced earlier in this round
                     channel, to_kernel, peer = route[sock]
                     # Drain what is queued, but bounded, so one busy channel cannot
                     # starve the others (or the stop request).
-                    for _ in range(100):
+                    for _ in range(_BATCH):
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._forward(channel, to_kernel, frames, peer)
+                        try:
+                            self._forward(channel, to_kernel, frames, peer)
+                        except Exception:
+                            # Whatever the bytes were, the relay goes on: a dead bridge
+                            # would silence the kernel and stop enforcing its limits.
+                            self._drop(channel, to_kernel, "could not be handled")
+                            log.debug("Bridge failed on a %s message", channel, exc_info=True)
         except zmq.ContextTerminated:
             return
+        finally:
+            stop_rx.close(linger=0)
 
-    def _forward(
-        self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame], peer: zmq.Socket[bytes]
+    def _reconnect(
+        self,
+        channel: str,
+        pairs: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
+        route: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]],
+        monitors: dict[zmq.Socket[bytes], str],
+        poller: zmq.Poller,
     ) -> None:
-        """Pass one message on: observed by the tap, capped by the output limiter."""
+        """The kernel-facing socket of ``channel`` lost its kernel: connect a new one.
+
+        A kernel that sent an oversized frame was cut off and ZeroMQ would not reconnect;
+        a kernel that died is simply reconnected to (its successor binds the same path).
+        """
+        front, old = pairs[channel]
+        poller.unregister(old)
+        poller.unregister(self._monitors[channel])
+        route.pop(old, None)
+        self._close_back(channel)
+        back = self._connect_back(channel)
+        pairs[channel] = (front, back)
+        route[front] = (channel, True, back)
+        route[back] = (channel, False, front)
+        poller.register(back, zmq.POLLIN)
+        monitors[self._monitors[channel]] = channel
+        poller.register(self._monitors[channel], zmq.POLLIN)
+
+    def _deliver_injected(
+        self,
+        inject_rx: zmq.Socket[bytes],
+        pairs: Mapping[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
+    ) -> None:
+        target, *message = inject_rx.recv_multipart()
+        front = pairs[target.decode()][0]
+        try:
+            front.send_multipart(message, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("Bridge could not deliver a notice: %s", exc)
+
+    def _forward(self, channel: str, to_kernel: bool, frames: Frames, peer: zmq.Socket[bytes]) -> None:
+        """Pass one message on if it passes the checks: observed by the tap, capped by
+        the output limiter."""
         self.messages[channel] += 1
+        checked = self._check(channel, to_kernel, frames)
+        if checked is None:
+            return
+        frames = checked
         if self._tap is not None:
             try:
                 self._tap(channel, to_kernel, frames)
             except Exception:
                 log.exception("Bridge tap failed on a %s message", channel)
-        outgoing: list[Sequence[zmq.Frame | bytes]] = [frames]
+        outgoing: list[Frames] = [frames]
         if self._limiter is not None and channel == "iopub" and not to_kernel:
             outgoing = self._limiter.admit(frames)
         for message in outgoing:
@@ -270,18 +477,65 @@ class KernelBridge:
                 # A ROUTER cannot deliver to a peer that has gone away.
                 log.debug("Bridge could not forward a %s message: %s", channel, exc)
 
+    def _check(self, channel: str, to_kernel: bool, frames: Frames) -> Frames | None:
+        """The message to pass on (replies re-routed to their requester), or None to drop it."""
+        if channel not in _SIGNED or (channel == "iopub" and to_kernel):
+            return frames  # heartbeats and subscriptions: raw bytes, size-capped
+        index = find_delimiter(frames)
+        if index is None:
+            self._drop(channel, to_kernel, "not a Jupyter message")
+            return None
+        if not self._signatures.valid(frames, index):
+            self._drop(channel, to_kernel, "bad signature")
+            return None
+        if channel not in _REQUEST_REPLY:
+            return frames
+        outstanding = self._outstanding[channel]
+        if to_kernel:
+            self.last_request = time.monotonic()
+            msg_id = str(load_dict(frames[index + 2]).get("msg_id", ""))
+            waiting = outstanding.pop(msg_id, [])
+            waiting.append([frame_bytes(frame) for frame in frames[:index]])
+            outstanding[msg_id] = waiting
+            while len(outstanding) > _MAX_OUTSTANDING:
+                outstanding.popitem(last=False)
+            return frames
+        # From the kernel: only the reply to a request a client sent, once, and to that
+        # client (routing frames are not signed: the kernel could aim them anywhere).
+        msg_id = str(load_dict(frames[index + 3]).get("msg_id", ""))
+        waiting = outstanding.get(msg_id, [])
+        if not waiting:
+            self._drop(channel, to_kernel, "reply to no pending request")
+            return None
+        idents = waiting.pop(0)
+        if not waiting:
+            del outstanding[msg_id]
+        return [*idents, *frames[index:]]
+
+    def _drop(self, channel: str, to_kernel: bool, reason: str) -> None:
+        source = "from a client" if to_kernel else "from the kernel"
+        what = f"{channel} message {source}: {reason}"
+        self.dropped[what] += 1
+        now = time.monotonic()
+        if now - self._last_warning >= 10:  # the sender decides how often: never flood the log
+            self._last_warning = now
+            log.warning("Bridge dropped a %s (%d so far)", what, self.dropped[what])
+
     def stop(self) -> None:
-        """Stop relaying and close every socket; the ports are free afterwards."""
+        """Stop relaying and close every socket; the addresses are free afterwards."""
         self.detach()
         with self._inject_lock:  # another thread may be injecting right now
             if self._inject_tx is not None:
                 self._inject_tx.close(linger=0)
             self._inject_tx = None
-        for sock in [*self._fronts.values(), self._stop_tx, self._stop_rx, self._inject_rx]:
+        for sock in [*self._fronts.values(), self._inject_rx]:
             if sock is not None:
                 sock.close(linger=0)
+        if self.transport == "ipc":
+            for channel in self._fronts:
+                Path(f"{self.ip}-{self.ports[channel]}").unlink(missing_ok=True)
         self._fronts = {}
-        self._stop_tx = self._stop_rx = self._inject_rx = None
+        self._inject_rx = None
         if self._context is not None:
             self._context.term()
             self._context = None

@@ -18,6 +18,11 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 def _memory_cgroup(pid: int, proc: Path = Path("/proc")) -> tuple[Path, int] | None:
     """(folder of ``pid``'s memory cgroup, cgroup version), or None if unknown."""
+    return _cgroup(pid, "memory", proc)
+
+
+def _cgroup(pid: int, controller: str, proc: Path = Path("/proc")) -> tuple[Path, int] | None:
+    """(folder of ``pid``'s cgroup for ``controller``, cgroup version), or None if unknown."""
     try:
         lines = (proc / str(pid) / "cgroup").read_text().splitlines()
     except OSError:
@@ -25,8 +30,9 @@ def _memory_cgroup(pid: int, proc: Path = Path("/proc")) -> tuple[Path, int] | N
     unified: str | None = None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return CGROUP_ROOT / "memory" / path.lstrip("/"), 1
+        names = controllers.split(",")
+        if controller in names:
+            return CGROUP_ROOT / ",".join(names) / path.lstrip("/"), 1
         if controllers == "":
             unified = path
     if unified is not None:
@@ -67,3 +73,18 @@ def memory_usage(pid: int, proc: Path = Path("/proc")) -> int | None:
         return int((folder / ("memory.usage_in_bytes" if version == 1 else "memory.current")).read_text())
     except (OSError, ValueError):
         return None
+
+
+def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """CPU time used so far by ``pid``'s cgroup (the whole sandbox), in seconds; None if unknown."""
+    found = _cgroup(pid, "cpuacct", proc) or _cgroup(pid, "cpu", proc)
+    if found is None:
+        return None
+    folder, version = found
+    if version == 1:
+        try:
+            return int((folder / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
+    usage = _read_keyed(folder / "cpu.stat").get("usage_usec")
+    return None if usage is None else usage / 1e6

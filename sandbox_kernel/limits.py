@@ -102,10 +102,16 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
 
 
 def kernel_startup(limits: Limits) -> str:
-    """Python the kernel runs at its start (as PYTHONSTARTUP): clear messages for the limits.
+    """Python the kernel runs at its start (as PYTHONSTARTUP): clear messages for the limits,
+    and the notebook's folder back on ``sys.path``.
 
     This is for the user's benefit, not enforcement (the kernel's own code could undo it):
 
+    - the kernel starts with PYTHONSAFEPATH, so that nothing in the workspace runs
+      before it is up; once it is, ``import mymodule`` of a file next to the notebook
+      works as in a local kernel (``''`` where IPython puts it: after the standard
+      library, before site-packages), and child processes (``!python script.py``)
+      start without PYTHONSAFEPATH, finding their own folder's modules as usual;
     - a ``MemoryError`` names the memory limit (gVisor fails allocations with ENOMEM at
       the container's limit rather than killing the kernel);
     - with a wall-clock limit, a SIGALRM armed before each cell raises a TimeoutError
@@ -114,7 +120,15 @@ def kernel_startup(limits: Limits) -> str:
     """
     return f"""\
 def _sandbox_kernel_startup(memory, exec_timeout):
+    import os
     import signal
+    import sys
+
+    os.environ.pop("PYTHONSAFEPATH", None)
+    if "" not in sys.path:
+        names = [os.path.basename(entry) for entry in sys.path]
+        packages = [i for i, name in enumerate(names) if name in ("site-packages", "dist-packages")]
+        sys.path.insert(packages[0] if packages else 0, "")
 
     shell = get_ipython()  # noqa: F821
 

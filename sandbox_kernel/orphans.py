@@ -6,8 +6,9 @@ label names the server that started it; an ``owner`` file in its runtime folder 
 the current owner (a server that re-attaches takes it over, and a live owner touches it
 every minute). An *ephemeral* kernel whose owner has died, judged only from the same
 host and PID namespace, is an orphan: nothing will ever shut it down, so the next
-provisioner start in any server, and ``jupyter sandbox-kernel prune``, remove it along
-with its runtime folder. A *persistent* kernel whose owner has died waits to be adopted
+provisioner start in any server, every live owner of kernels every ``REAP_INTERVAL``
+seconds (``OrphanReaper``), and ``jupyter sandbox-kernel prune`` remove it along with
+its runtime folder. A *persistent* kernel whose owner has died waits to be adopted
 (``provisioner.json`` in its runtime folder says how to reattach) until its time-to-live
 runs out, counted from the owner's last touch. When in doubt (another host, another
 namespace, an unreadable /proc entry) a kernel is never judged orphaned.
@@ -23,14 +24,18 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from .background import BackgroundLoop
 from .cgroups import memory_usage
 from .docker_api import SandboxDocker
+from .errors import SandboxKernelError
 from .policy import (
     LABEL_KERNEL_ID,
     LABEL_KERNELSPEC,
@@ -48,6 +53,11 @@ log = logging.getLogger(__name__)
 
 _UNKNOWN = "?"
 OWNER_FILE = "owner"
+#: How a kernel's runtime folder (in the runtime parent) is named.
+RUNTIME_DIR_PREFIX = "sandbox-kernel-"
+#: How often (seconds) a process that watches sandboxed kernels removes the kernels whose
+#: owner has died (see OrphanReaper); read before each round.
+REAP_INTERVAL = 60.0
 #: What a process needs to reattach to the kernel, kept by its owner (private: it holds the key).
 STATE_FILE = "provisioner.json"
 
@@ -92,8 +102,15 @@ def owner_is_gone(identity: str) -> bool:
 
 
 def write_owner(runtime_dir: Path) -> None:
-    """Record this process as the owner of the kernel whose runtime folder this is."""
+    """Record this process as the owner of the kernel whose runtime folder this is.
+
+    An owner also removes the kernels of owners that died: while this process watches
+    kernels, its :class:`OrphanReaper` runs every ``REAP_INTERVAL`` seconds and removes
+    their runtime folders from ``runtime_dir``'s parent folder.
+    """
     _replace_file(runtime_dir / OWNER_FILE, server_identity().encode(), 0o644)
+    if runtime_dir.name.startswith(RUNTIME_DIR_PREFIX):
+        OrphanReaper.instance().watch(runtime_dir.parent)
 
 
 def _replace_file(path: Path, data: bytes, mode: int) -> None:
@@ -190,6 +207,11 @@ class SandboxedKernel:
         return self.persistent and self.owner_gone and self.state in ("exited", "dead")
 
     @property
+    def removable(self) -> bool:
+        """Orphaned, expired, or abandoned: what ``prune`` removes."""
+        return self.orphaned or self.expired or self.abandoned
+
+    @property
     def status(self) -> str:
         if self.orphaned:
             return "orphaned"
@@ -256,7 +278,7 @@ def own_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> Path 
         return None
     if (
         outer.parent.resolve() != parent
-        or not outer.name.startswith("sandbox-kernel-")
+        or not outer.name.startswith(RUNTIME_DIR_PREFIX)
         or not stat.S_ISDIR(st.st_mode)
         or st.st_uid != os.getuid()
         or st.st_mode & 0o077
@@ -295,11 +317,10 @@ def remove_tree(path: Path, attempts: int = 20) -> None:
 
 async def list_kernels(docker_api: SandboxDocker) -> list[SandboxedKernel]:
     """Every sandbox container on the Docker host, newest first."""
-    return sorted(
-        (SandboxedKernel.from_inspect(attrs) for attrs in await docker_api.managed_containers()),
-        key=lambda k: k.created,
-        reverse=True,
-    )
+    found = await docker_api.managed_containers()
+    # Reading owner files and cgroups (at paths from labels) never blocks the loop.
+    kernels = await asyncio.to_thread(lambda: [SandboxedKernel.from_inspect(attrs) for attrs in found])
+    return sorted(kernels, key=lambda k: k.created, reverse=True)
 
 
 async def remove_kernel(
@@ -314,8 +335,19 @@ async def prune_orphans(
     docker_api: SandboxDocker, runtime_parent: str | None = None
 ) -> list[SandboxedKernel]:
     """Remove every ephemeral kernel whose server is gone, and every persistent one past
-    its time-to-live or stopped with no server; return them."""
-    doomed = [k for k in await list_kernels(docker_api) if k.orphaned or k.expired or k.abandoned]
+    its time-to-live or stopped with no server; return them.
+
+    Raises:
+        DockerUnavailableError, DockerOperationError: Docker failed; what was removed
+            before stays removed.
+    """
+    return await _prune(docker_api, lambda kernel: runtime_parent)
+
+
+async def _prune(
+    docker_api: SandboxDocker, runtime_parent_of: Callable[[SandboxedKernel], str | None]
+) -> list[SandboxedKernel]:
+    doomed = [k for k in await list_kernels(docker_api) if k.removable]
     for kernel in doomed:
         log.warning(
             "Removing %s sandboxed kernel %s (container %s): its server %s is gone",
@@ -324,5 +356,62 @@ async def prune_orphans(
             kernel.container_id[:12],
             kernel.owner,
         )
-        await remove_kernel(docker_api, kernel, runtime_parent)
+        await remove_kernel(docker_api, kernel, runtime_parent_of(kernel))
     return doomed
+
+
+class OrphanReaper:
+    """Removes, every ``REAP_INTERVAL`` seconds, what :func:`prune_orphans` removes, in
+    every process that watches sandboxed kernels.
+
+    A program killed with SIGKILL cannot shut its kernels down; the next kernel start
+    in any process would remove them, but until then an orphan may spin at full CPU.
+    So the process's watchdog loop (:class:`~.background.BackgroundLoop`) reaps as a
+    chore while it has a kernel to watch: per round one Docker listing and one inspect
+    per sandbox container, in worker threads, never blocking a watchdog. Who is dead is
+    judged by the rules above.
+    """
+
+    _instance: ClassVar[OrphanReaper | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, docker_api: SandboxDocker | None = None) -> None:
+        self.docker = docker_api or SandboxDocker()
+        self._lock = threading.Lock()
+        self._runtime_parents: list[Path] = []
+
+    @classmethod
+    def instance(cls) -> OrphanReaper:
+        """The process's reaper, made on first use (it contacts Docker only when it reaps)."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def watch(self, runtime_parent: Path, loop: BackgroundLoop | None = None) -> None:
+        """Reap on ``loop`` (the watchdog loop) while it watches kernels, removing the
+        runtime folders of the reaped under ``runtime_parent`` (one of this process's)."""
+        parent = Path(os.path.abspath(runtime_parent))
+        with self._lock:
+            if parent not in self._runtime_parents:
+                self._runtime_parents.append(parent)
+        (loop or BackgroundLoop.instance()).add_chore("reap-orphans", self.reap, lambda: REAP_INTERVAL)
+
+    def _runtime_parent_of(self, kernel: SandboxedKernel) -> str | None:
+        with self._lock:
+            parents = list(self._runtime_parents)
+        if kernel.runtime_dir:
+            # Only picks the folder to check against (remove_runtime_dir checks again), so
+            # a path from a label is not looked up here, on the loop.
+            parent = Path(os.path.normpath(kernel.runtime_dir)).parent.parent
+            if parent in parents:
+                return str(parent)
+        return str(parents[0]) if parents else None
+
+    async def reap(self) -> list[SandboxedKernel]:
+        """One round: remove the kernels whose owner is gone; return them."""
+        try:
+            return await _prune(self.docker, self._runtime_parent_of)
+        except SandboxKernelError as exc:
+            log.warning("Could not remove orphaned sandboxed kernels: %s", exc)
+            return []

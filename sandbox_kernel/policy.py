@@ -6,6 +6,8 @@ the dictionaries it produces (the model is docker-py's ``_create_container_args`
 
 from __future__ import annotations
 
+import errno
+import grp
 import json
 import os
 import pwd
@@ -48,18 +50,32 @@ LABEL_SCOPE = "io.sandbox-kernel.scope"
 LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"
 LABEL_VOLUME_UID = "io.sandbox-kernel.workspace-volume-uid"
 
-#: The uid a kernel runs as when neither the server user nor the workspace owner is a
-#: usable (non-root) uid; the image's ``USER``.
-DEFAULT_KERNEL_UID = 1000
+#: The uid (and gid) a kernel runs as when neither the server user nor the workspace
+#: owner is a usable (non-root) uid. Files the kernel writes belong to it on the host, so
+#: it must be nobody's: not 1000 (the first human account on most hosts), not 65534
+#: (``nobody``, which NFS and many daemons use), but 65533, in the range Debian policy
+#: (9.2.2) reserves and never allocates (65000-65533). A host that gave it to an account
+#: is refused at kernel start (see :func:`check_default_uid_unused`).
+DEFAULT_KERNEL_UID = 65533
 
 #: Environment the sandbox always gets, whatever the server's: the root filesystem is
 #: read-only, so everything that wants a writable home uses the /tmp tmpfs.
+#: PYTHONSAFEPATH (Python 3.11+) keeps the working folder, which the kernel writes, off
+#: sys.path while the kernel starts: ``python -m ipykernel_launcher`` would otherwise
+#: run an ``ipykernel_launcher.py`` (or ``zmq.py``...) planted there by an earlier
+#: kernel, before its runtime folder is sealed. The start-up code puts the folder back
+#: once the kernel is up (see :func:`~.limits.kernel_startup`).
 FIXED_ENV: Mapping[str, str] = {
     "HOME": "/tmp",
     "IPYTHONDIR": "/tmp/.ipython",
     "MPLCONFIGDIR": "/tmp/.matplotlib",
     "PYTHONUNBUFFERED": "1",
+    "PYTHONSAFEPATH": "1",
 }
+#: Environment the sandbox gets unless the kernelspec (or ``pass_env``) says otherwise:
+#: the kernel's uid has no entry in the image's passwd, and ``getpass.getuser()``
+#: (which some libraries call) reads these before it asks passwd and fails.
+DEFAULT_ENV: Mapping[str, str] = {"USER": "sandbox", "LOGNAME": "sandbox"}
 #: The kernel's effective limits, as JSON, for code in the sandbox to read.
 POLICY_ENV = "SANDBOX_KERNEL_POLICY"
 #: Never passed, even when a kernelspec or the allow-list names them: ipykernel exits
@@ -80,14 +96,54 @@ DENIED_SYSCALLS = (
     "delete_module", "acct", "swapon", "swapoff", "reboot", "syslog",
     "open_by_handle_at", "name_to_handle_at",
 )  # fmt: skip
-#: The seccomp profile given to Docker; runsc applies it with --oci-seccomp.
-SECCOMP_PROFILE = json.dumps(
-    {
-        "defaultAction": "SCMP_ACT_ALLOW",
-        "syscalls": [{"names": list(DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}],
-    },
-    separators=(",", ":"),
-)
+#: Mode bits refused wherever the kernel gives a file a mode. gVisor lets a file's owner
+#: set them and the host honours them: a copy of python made setuid in the workspace
+#: would run as the kernel's host uid for any local user who starts it; a setgid or
+#: sticky folder changes what the host's own users' files there become.
+SPECIAL_MODE_BITS = (stat.S_ISUID, stat.S_ISGID, stat.S_ISVTX)
+#: System calls taking a mode, with the index of their mode argument and, for those
+#: that only create with O_CREAT, of their flags. ``fchmodat2`` (Linux 6.6) is not in
+#: runsc 20240729's table: runsc skips names it does not know (the call is ENOSYS
+#: there), and the rule takes effect in a runsc that implements it.
+MODE_SYSCALLS: Mapping[str, tuple[int, int | None]] = {
+    "chmod": (1, None),
+    "fchmod": (1, None),
+    "fchmodat": (2, None),
+    "fchmodat2": (2, None),
+    "mkdir": (1, None),
+    "mkdirat": (2, None),
+    "creat": (1, None),
+    "open": (2, 1),
+    "openat": (3, 2),
+}
+#: Calls whose mode seccomp cannot read (it sits in memory, not in an argument): refused
+#: as unimplemented, so that programs fall back to ``openat``. runsc 20240729 has none
+#: of them (ENOSYS anyway, and their names are skipped); a later one honours this.
+UNREADABLE_MODE_SYSCALLS = ("openat2", "io_uring_setup")
+
+
+def _seccomp_profile() -> str:
+    """The seccomp profile given to Docker; runsc applies it with --oci-seccomp.
+
+    seccomp compares arguments but cannot test "any of these bits set", so each special
+    bit gets a rule of its own (``SCMP_CMP_MASKED_EQ``: mode & bit == bit); conditions
+    on different arguments of one rule must all hold (O_CREAT and the bit).
+    """
+    rules: list[dict[str, Any]] = [
+        {"names": list(DENIED_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+        {"names": list(UNREADABLE_MODE_SYSCALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
+    ]
+    for name, (mode_index, flags_index) in MODE_SYSCALLS.items():
+        for bit in SPECIAL_MODE_BITS:
+            args = [{"index": mode_index, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]
+            if flags_index is not None:
+                creates = {"index": flags_index, "value": os.O_CREAT, "valueTwo": os.O_CREAT}
+                args.insert(0, {**creates, "op": "SCMP_CMP_MASKED_EQ"})
+            rules.append({"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM, "args": args})
+    return json.dumps({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": rules}, separators=(",", ":"))
+
+
+SECCOMP_PROFILE = _seccomp_profile()
 
 #: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
 KERNELSPEC_KEYS = frozenset(
@@ -267,7 +323,8 @@ def volume_setup_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "user": "0:0",
         "cap_drop": ["ALL"],
         "cap_add": ["CHOWN"],
-        "security_opt": ["no-new-privileges:true"],
+        # The profile too: root in here must not make anything setuid either.
+        "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
         "read_only": True,
         "network_mode": "none",
         "mounts": [Mount(CONTAINER_WORKSPACE, spec.volume, type="volume", read_only=False, no_copy=True)],
@@ -284,7 +341,8 @@ def sandbox_env(
     applied); only names in ``pass_env`` or set by the kernelspec itself survive.
     """
     allowed = (set(pass_env) | set(kernelspec_env)) - NEVER_PASSED_ENV - {POLICY_ENV}
-    result = {name: env[name] for name in sorted(allowed) if name in env}
+    result = dict(DEFAULT_ENV)
+    result.update({name: env[name] for name in sorted(allowed) if name in env})
     result.update(FIXED_ENV)
     return result
 
@@ -441,6 +499,10 @@ def kernel_user(workspace: Path, configured_uid: int | None = None) -> tuple[int
     Files the kernel writes must be readable and deletable by the host user, so the
     kernel runs as the server's user when that is not root, else as the workspace's
     owner when that is not root, else as :data:`DEFAULT_KERNEL_UID`.
+
+    Raises:
+        ConfigurationError: ``configured_uid`` is root, or the default uid is needed
+            and belongs to an account on this host.
     """
     if configured_uid is not None:
         if configured_uid <= 0:
@@ -453,17 +515,48 @@ def kernel_user(workspace: Path, configured_uid: int | None = None) -> tuple[int
     if st.st_uid != 0:
         # Never group 0 either, even for a folder owned by alice:root.
         return st.st_uid, st.st_gid or st.st_uid
-    return DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID
+    return check_default_uid_unused()
 
 
 def volume_user(configured_uid: int | None = None) -> tuple[int, int]:
     """The (uid, gid) a kernel on a named volume runs as: kernel_uid, else the server's
-    uid when that is not root, else :data:`DEFAULT_KERNEL_UID`; never 0."""
+    uid when that is not root, else :data:`DEFAULT_KERNEL_UID`; never 0.
+
+    Raises:
+        ConfigurationError: as :func:`kernel_user`.
+    """
     if configured_uid is not None:
         return kernel_user(Path("/"), configured_uid)
     if os.getuid() != 0:
         return os.getuid(), os.getgid()
-    return DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID
+    return check_default_uid_unused()
+
+
+def check_default_uid_unused() -> tuple[int, int]:
+    """(:data:`DEFAULT_KERNEL_UID`, the same gid), once sure no host account or group has them.
+
+    Whatever the kernel writes belongs to its uid on the host: a uid that is someone's
+    would hand that account the files, and a setuid file (were one ever to get through)
+    its identity.
+
+    Raises:
+        ConfigurationError: naming the account and the setting that avoids it.
+    """
+    uid = DEFAULT_KERNEL_UID
+    try:
+        taken = f"the account {pwd.getpwuid(uid).pw_name!r}"
+    except KeyError:
+        try:
+            taken = f"the group {grp.getgrgid(uid).gr_name!r}"
+        except KeyError:
+            return uid, uid
+    msg = (
+        f"The sandboxed kernel would run as uid and gid {uid} (the default for a server running as "
+        f"root when the workspace belongs to root or is a volume), but on this host that is {taken}, which "
+        "would own everything the kernel writes. Set SandboxProvisioner.kernel_uid to a uid that "
+        "no account or group uses, or give the workspace to the user the kernel should run as."
+    )
+    raise ConfigurationError(msg)
 
 
 def check_lifetime(lifecycle: str, ttl: float, max_ttl: float) -> None:

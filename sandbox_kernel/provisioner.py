@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import getpass
 import json
 import os
+import secrets
 import signal
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from jupyter_client.session import Session
 from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
-from .cgroups import oom_kills
+from .cgroups import cpu_seconds, oom_kills
 from .docker_api import SandboxDocker
 from .egress import Decision, EgressPolicy, EgressProxy
 from .egress import relay as egress_relay
@@ -40,6 +42,7 @@ from .errors import (
     SandboxKernelError,
     WorkspaceError,
 )
+from .launch_folder import seal_launch_dir
 from .limits import check_within_ceilings, kernel_startup, size_bytes
 from .orphans import prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
@@ -76,10 +79,14 @@ from .policy import (
     volume_user,
 )
 from .settings import SandboxSettings
+from .watchdog import UntrackedCompute, exceeds_exec_timeout
 from .wire import stderr_notice
 
 #: Launch variables a kernel needs again when a reattached manager restarts it.
 RELAUNCH_ENV = ("JPY_SESSION_NAME", "JUPYTERHUB_USER")
+#: Seconds of CPU a client's request (a completion, say) may cause outside executions
+#: before it counts as the kernel computing on its own.
+REQUEST_CPU_CREDIT = 10.0
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
 
@@ -94,6 +101,8 @@ class _Watch:
     oom_baseline: int | None = None
     interrupted: str | None = None
     docker_lost: bool = False
+    compute: UntrackedCompute = field(default_factory=UntrackedCompute)
+    executions: int = 0
 
 
 class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignore[metaclass]  # as upstream
@@ -204,6 +213,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 uid,
             )
         cmd = kernel_command(self.kernel_spec.argv, extra_arguments)
+        # jupyter_client fills the kernelspec's `env` templates (${VAR}) from the launch
+        # environment, the server's own: only what pass_env (bounded by max_pass_env)
+        # names may be read, so "${JUPYTERHUB_API_TOKEN}" stays as written.
+        kwargs["env"] = {name: launch_env[name] for name in self.pass_env if name in launch_env}
         kwargs = await super().pre_launch(cmd=cmd, **kwargs)
         policy = {**limits.as_dict(), "network": self.network, "image": self.image}
         if self._egress is not None:
@@ -318,7 +331,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 pass  # logged; the start's own error is the one to report
             raise
         info: dict[str, Any] = {
-            "transport": "tcp",
+            "transport": self.bridge.transport if self.bridge else self.client_transport,
             "ip": self.bridge.ip if self.bridge else "127.0.0.1",
             **{f"{channel}_port": port for channel, port in ports.items()},
             "key": key,
@@ -439,17 +452,29 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     @staticmethod
     def _seal(launch_dir: Path) -> None:
-        """Once the kernel has bound its sockets, stop it adding or swapping entries.
+        """Once the kernel has bound its sockets, stop it adding or swapping entries, and
+        drop whatever it made there before: nothing it left may stay writable to it.
 
         Only a root server can hand the folder back to itself; otherwise the kernel
         shares the server's uid and could undo any change.
+
+        Raises:
+            KernelStartupError: one of the kernel's sockets is not a socket.
         """
         if os.getuid() == 0:
-            os.chown(launch_dir, 0, 0)
-            launch_dir.chmod(0o755)
+            seal_launch_dir(launch_dir)
 
-    async def _attach_bridge(self, launch_dir: Path, ports: dict[str, int] | None = None) -> dict[str, int]:
-        """Connect the bridge to this launch's sockets; create it on the first launch."""
+    async def _attach_bridge(
+        self, launch_dir: Path, ports: dict[str, int] | None = None, ip: str | None = None
+    ) -> dict[str, int]:
+        """Connect the bridge to this launch's sockets; create it on the first launch.
+
+        ``ports`` and ``ip`` are the client-facing addresses to bind again (reattaching);
+        an ipc ``ip`` must lie in this kernel's runtime folder.
+
+        Raises:
+            zmq.ZMQError: an address is taken.
+        """
         endpoints = {channel: f"ipc://{path}" for channel, path in kernel_sockets(launch_dir).items()}
         if self.bridge is None:
             if self._auditor is None:
@@ -461,18 +486,55 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self._auditor = ExecutionAuditor(log_file, str(self.kernel_id), self.kernel_name)
                 self._auditor.on_refused = self._refuse_execution
             km = self.parent
+            key, scheme = self._session_key()
             limiter = None
             if km is not None:
-                self._signer = Session(key=km.session.key, signature_scheme=km.session.signature_scheme)
+                self._signer = Session(key=key, signature_scheme=scheme)
                 limiter = OutputLimiter(
                     size_bytes("output_limit", self.output_limit), self._signer, self._current_execution
                 )
+            if self.client_transport == "ipc":
+                if ip is None or self.runtime_dir is None or Path(ip).parent != self.runtime_dir:
+                    ip = str(self.runtime_dir / "client") if self.runtime_dir else None
+            else:
+                ip = "127.0.0.1"
+            if ip is None:
+                msg = "the kernel's runtime folder is not set up"
+                raise RuntimeError(msg)
             self.bridge = KernelBridge(
-                endpoints, ports=ports, curve=self._curve, tap=self._auditor, output_limiter=limiter
+                endpoints,
+                ip=ip,
+                ports=ports,
+                curve=self._curve,
+                tap=self._auditor,
+                output_limiter=limiter,
+                transport=self.client_transport,
+                key=key,
+                signature_scheme=scheme,
             )
             return self.bridge.start()
         await asyncio.to_thread(self.bridge.attach, endpoints)
         return self.bridge.ports
+
+    def _session_key(self) -> tuple[bytes, str]:
+        """The kernel's session key and signature scheme: the running kernel's own when
+        reattaching (its manager may not know it yet), else the manager's."""
+        info: dict[str, Any] = dict(self.connection_info)
+        if info.get("key"):
+            key = info["key"]
+            return (key if isinstance(key, bytes) else str(key).encode()), str(
+                info.get("signature_scheme", "hmac-sha256")
+            )
+        km = self.parent
+        if km is None:
+            return b"", "hmac-sha256"
+        return km.session.key, km.session.signature_scheme
+
+    def _spare_client_ip(self) -> str | None:
+        """An ipc prefix in the runtime folder that no other bridge of this kernel uses."""
+        if self.client_transport != "ipc" or self.runtime_dir is None:
+            return None
+        return str(self.runtime_dir / f"client-{secrets.token_hex(3)}")
 
     async def _wait_until_ready(self, container_id: str, runtime_dir: Path) -> None:
         """Wait until the kernel has bound all its sockets, or fail with its logs."""
@@ -559,6 +621,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 # A persistent kernel's time-to-live counts from the last touch.
                 watch.next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
                 await asyncio.to_thread(write_owner, self.runtime_dir)
+            if await self._computes_untracked(container_id, watch, auditor):
+                return True
             kills = oom_kills(watch.pid) if watch.pid is not None else None
             if watch.oom_baseline is not None and kills is not None and kills > watch.oom_baseline:
                 # The host's OOM killer hit the sandbox but not its main process: the
@@ -607,6 +671,36 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._kill_for(container_id, "WallClockLimitExceeded", reason)
             return True
         return False
+
+    async def _computes_untracked(self, container_id: str, watch: _Watch, auditor: ExecutionAuditor) -> bool:
+        """Kill a kernel that keeps computing with no execution running (True if killed).
+
+        The kernel's replies are its word: one that answers its own execution and spins
+        on, or leaves a thread computing, is judged by the CPU time the host sees.
+        """
+        if self.exec_timeout <= 0 or watch.pid is None:
+            return False
+        bridge = self.bridge
+        now = time.monotonic()
+        busy = auditor.current() is not None or (
+            bridge is not None and now - bridge.last_request < REQUEST_CPU_CREDIT
+        )
+        executions, watch.executions = watch.executions, auditor.executions
+        untracked = watch.compute.observe(now, cpu_seconds(watch.pid), busy, auditor.executions != executions)
+        if not exceeds_exec_timeout(untracked, self.exec_timeout, self.exec_kill_grace):
+            return False
+        self.log.warning(
+            "Sandboxed kernel %s kept computing for %g CPU-seconds with no execution running; killing it",
+            self.kernel_id,
+            untracked,
+        )
+        reason = (
+            f"killed: it kept computing for more than {self.exec_timeout:g} s with no execution running "
+            "(a background thread, or code that answered for its own cell), beyond the wall-clock limit "
+            "per execution; the kernel restarts without its state"
+        )
+        await self._kill_for(container_id, "WallClockLimitExceeded", reason)
+        return True
 
     async def _kill_for(self, container_id: str, ename: str, reason: str) -> None:
         """Kill the kernel deliberately; its waiting clients get ``ename``: ``reason``."""
@@ -878,14 +972,24 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             self._egress = self.egress_policy()  # the server's ceilings may have narrowed
+            same_transport = info.get("transport") == self.client_transport
             try:
-                await self._attach_bridge(self.launch_dir, ports)
+                if not same_transport:
+                    raise zmq.ZMQError(errno.EPROTONOSUPPORT, "the server's client_transport changed")
+                await self._attach_bridge(self.launch_dir, ports, str(info.get("ip", "")))
             except zmq.ZMQError as exc:
-                # The old ports are taken (a new server reattaching): clients get new ones.
-                self.log.info("Sandboxed kernel %s: ports %s unavailable (%s)", self.kernel_id, ports, exc)
+                # The old addresses are taken (another process holds the kernel too) or
+                # unusable: clients get new ones.
+                self.log.info("Sandboxed kernel %s: %s unavailable (%s)", self.kernel_id, ports, exc)
                 self.bridge = None
-                fresh = await self._attach_bridge(self.launch_dir)
-                self.connection_info = {**info, **{f"{c}_port": port for c, port in fresh.items()}}  # type: ignore[typeddict-item]
+                fresh = await self._attach_bridge(self.launch_dir, ip=self._spare_client_ip())
+                moved: dict[str, Any] = {
+                    **info,
+                    "transport": self.client_transport,
+                    "ip": self.bridge.ip if self.bridge else "127.0.0.1",
+                    **{f"{c}_port": port for c, port in fresh.items()},
+                }
+                self.connection_info = moved  # type: ignore[assignment]
             await self._open_egress(self.launch_dir)
             if self.container_id:
                 self._start_watchdog(self.container_id)

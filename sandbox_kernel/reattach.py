@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from jupyter_client.connect import port_names
 from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_core.utils import run_sync
@@ -116,7 +117,10 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
         await provisioner.detach(save=False)  # nothing half-attached stays; the kernel runs on
         raise
     km.provisioner = provisioner
-    km.load_connection_info(provisioner.connection_info)  # the ports may have changed
+    # The addresses may have changed (another process holds the old ones): load them anew.
+    for name in port_names:
+        setattr(km, name, 0)
+    km.load_connection_info(provisioner.connection_info)
     # What a restart relaunches with: the kernel's folder, its notebook and user.
     env = {**os.environ, **dict(info.get("launch_env") or {})}
     launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd(), "env": env}

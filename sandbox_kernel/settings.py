@@ -219,8 +219,22 @@ class SandboxSettings(LoggingConfigurable):
         allow_none=True,
         config=True,
         help="""Numeric uid (and gid) the kernel runs as. Unset: the server's uid when that
-        is not root, else the workspace owner's uid when that is not root, else 1000.
+        is not root, else the workspace owner's uid when that is not root, else 65533 (a uid
+        Debian reserves and never gives to an account, so no host user owns what the kernel writes).
         Never 0. Only a server running as root may choose a uid other than its own.""",
+    )
+    client_transport = CaselessStrEnum(
+        ["ipc", "tcp"],
+        default_value="ipc",
+        config=True,
+        help="""How clients reach a sandboxed kernel's channels. "ipc" (default): unix sockets
+        in the server's private runtime folder (mode 0700), so no other local user can
+        connect to the kernel or read its output; jupyter_server, JupyterLab, nbclient and
+        papermill use them as they are. "tcp": ports on 127.0.0.1, for clients that need
+        TCP; any local user can then connect (messages without the session key's signature
+        are dropped, but output can be read): use it with CurveZMQ transport encryption
+        (the client asks with KernelManager(transport_encryption="required")). Server
+        config only.""",
     )
     startup_timeout = Float(
         60.0, config=True, help="Seconds to wait for the kernel in a new container to open its channels."
@@ -337,7 +351,8 @@ class SandboxSettings(LoggingConfigurable):
         value: int | None = proposal["value"]
         if value is not None and value <= 0:
             msg = (
-                f"kernel_uid={value!r} is not allowed: the kernel never runs as root; use a uid such as 1000."
+                f"kernel_uid={value!r} is not allowed: the kernel never runs as root; "
+                "use a non-root uid, e.g. the uid that should own its files."
             )
             raise TraitError(msg)
         return value

@@ -13,6 +13,13 @@ public (or inside the administrator's private networks) and is the one connected
 and, for CONNECT, the TLS ClientHello names the same host. Every request yields exactly
 one ``Decision``.
 
+A connection carries one request. A plain HTTP request goes upstream with ``Connection:
+close`` and exactly the body its framing announces (framing two parsers could read apart
+is refused, see ``http1.py``); the response comes back with ``Connection: close`` and the
+connection is closed at its end. Whatever the client sends after its request is another
+request: it is recorded as denied and never forwarded. After a CONNECT tunnel's TLS
+ClientHello is checked, the bytes in the tunnel are opaque.
+
 All kernels share one proxy thread running its own asyncio loop: the server's loop
 cannot be used, because synchronous KernelManagers do not run it between calls.
 """
@@ -30,11 +37,20 @@ import re
 import socket
 import stat
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from ..background import BackgroundLoop
+from .http1 import (
+    Framing,
+    FramingError,
+    chunk_size,
+    closing_response_head,
+    request_framing,
+    response_framing,
+    response_status,
+)
 from .rules import PORT, EgressPolicy, is_domain_name, is_ip_literal, normalize_host, shown
 from .tls import MAX_CLIENT_HELLO, IncompleteHello, client_hello_sni
 
@@ -47,6 +63,8 @@ Decision = dict[str, Any]
 #: Idle connections kept open to each kernel's relay.
 SPARE_CONNECTIONS = 4
 MAX_HEAD = 16 * 1024
+MAX_RESPONSE_HEAD = 64 * 1024
+MAX_CHUNK_LINE = 4 * 1024
 HEAD_TIMEOUT = 10.0
 CLIENT_HELLO_TIMEOUT = 10.0
 IDLE_TIMEOUT = 300.0
@@ -60,13 +78,31 @@ LINGER_BYTES = 64 * 1024
 LINGER_SECONDS = 1.0
 CLOSE_GRACE = 10.0
 _CHUNK = 64 * 1024
+#: The reason recorded for what a client sends after its request on the same connection.
+ONE_REQUEST_PER_CONNECTION = (
+    "a further request on a connection that carried one already: the egress proxy takes one "
+    "request per connection and forwards nothing after it; send it on a new connection"
+)
 
 _HTTP_NAME = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
 _REQUEST_LINE = re.compile(rf"({_HTTP_NAME}) ([\x21-\x7e]+) HTTP/(1\.[01])")
 _HEADER_NAME = re.compile(_HTTP_NAME)
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-#: Headers replaced (Host), meant for the proxy, or that would keep the upstream connection.
-_DROPPED_HEADERS = frozenset({"host", "proxy-connection", "proxy-authorization", "connection", "keep-alive"})
+#: Headers replaced (Host, the framing), meant for the proxy, or about the connection.
+_DROPPED_HEADERS = frozenset(
+    {
+        "host",
+        "proxy-connection",
+        "proxy-authorization",
+        "connection",
+        "keep-alive",
+        "content-length",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
 _NO_SNI = "no TLS ClientHello with SNI: only TLS may pass a CONNECT tunnel"
 _IP_LITERAL = "IP literals are not allowed; use a domain name"
 
@@ -291,6 +327,119 @@ class _KernelEgress:
             log.warning("egress: %d tasks of kernel %s did not stop", len(pending), self.kernel_id)
 
 
+class _Source:
+    """What one side of a connection sends, after bytes already read from it."""
+
+    def __init__(self, reader: asyncio.StreamReader, data: bytes, on_data: Callable[[], None]) -> None:
+        self.reader = reader
+        self.buffer = bytearray(data)
+        self.on_data = on_data
+
+    async def _fill(self) -> bool:
+        chunk = await self.reader.read(_CHUNK)
+        if not chunk:
+            return False
+        self.on_data()
+        self.buffer += chunk
+        return True
+
+    async def take(self, limit: int = _CHUNK) -> bytes:
+        """Up to ``limit`` bytes; b"" once the stream has ended."""
+        if not self.buffer and not await self._fill():
+            return b""
+        data = bytes(self.buffer[:limit])
+        del self.buffer[:limit]
+        return data
+
+    async def line(self, limit: int) -> bytes:
+        """The next line, without its line end (CRLF or LF).
+
+        Raises:
+            FramingError: the line is longer than ``limit``.
+            EOFError: the stream ended first.
+        """
+        while (end := self.buffer.find(b"\n")) < 0 and len(self.buffer) <= limit:
+            if not await self._fill():
+                raise EOFError
+        if end < 0 or end > limit:
+            msg = f"a line longer than {limit} bytes where a chunk size or trailer was expected"
+            raise FramingError(msg)
+        line = bytes(self.buffer[:end])
+        del self.buffer[: end + 1]
+        return line[:-1] if line.endswith(b"\r") else line
+
+    async def head(self, limit: int) -> bytes | None:
+        """The next message head with its blank line; None if the stream ends first.
+
+        Raises:
+            FramingError: the head is larger than ``limit``, or cut off.
+        """
+        while (end := self.buffer.find(b"\r\n\r\n")) < 0 and len(self.buffer) <= limit:
+            if not await self._fill():
+                if self.buffer:
+                    msg = "the upstream closed the connection inside a response head"
+                    raise FramingError(msg)
+                return None
+        if end < 0 or end + 4 > limit:
+            msg = f"a response head larger than {limit // 1024} KiB"
+            raise FramingError(msg)
+        head = bytes(self.buffer[: end + 4])
+        del self.buffer[: end + 4]
+        return head
+
+
+async def _copy_body(source: _Source, framing: Framing, write: Callable[[bytes], Awaitable[None]]) -> None:
+    """Copy one message body as ``framing`` delimits it, and nothing after it. A chunked
+    body is passed on re-framed, without extensions or trailers, so that what receives it
+    cannot read its end anywhere else.
+
+    Raises:
+        FramingError: a malformed chunked body.
+        EOFError: the stream ended inside the body (not for ``close`` framing).
+    """
+    if framing.kind == "close":
+        while data := await source.take():
+            await write(data)
+        return
+    if framing.kind == "length":
+        await _copy_exactly(source, framing.length, write)
+        return
+    if framing.kind != "chunked":
+        return
+    while size := chunk_size(await source.line(MAX_CHUNK_LINE)):
+        await write(b"%x\r\n" % size)
+        await _copy_exactly(source, size, write)
+        if await source.line(2) != b"":
+            msg = "a chunk is longer than its size says"
+            raise FramingError(msg)
+        await write(b"\r\n")
+    trailer = 0
+    while line := await source.line(MAX_HEAD):
+        trailer += len(line) + 2
+        if trailer > MAX_HEAD:
+            msg = f"a chunked body's trailer larger than {MAX_HEAD // 1024} KiB"
+            raise FramingError(msg)
+    await write(b"0\r\n\r\n")
+
+
+async def _copy_exactly(source: _Source, count: int, write: Callable[[bytes], Awaitable[None]]) -> None:
+    while count:
+        data = await source.take(min(count, _CHUNK))
+        if not data:
+            raise EOFError
+        count -= len(data)
+        await write(data)
+
+
+def _absolute_http(target: str) -> tuple[str, str] | None:
+    """(authority, path) of an absolute ``http://`` URL; None for any other target."""
+    if target[:7].lower() != "http://":
+        return None
+    remainder = target[7:]
+    cut = min((i for i in (remainder.find(c) for c in "/?#") if i >= 0), default=len(remainder))
+    return remainder[:cut], remainder[cut:].split("#", 1)[0]
+
+
 class _Refusal(Exception):
     """Refuse the request with an HTTP error, and record it as denied."""
 
@@ -316,6 +465,9 @@ class _Exchange:
         self.port: int | None = None
         self.address: str | None = None
         self.decided = False
+        # Set once the upstream's final response has begun: no request byte follows it.
+        self.answered = False
+        self.last_data = 0.0
 
     def decide(self, verdict: str, reason: str) -> None:
         """Record the request's verdict; only the first call counts."""
@@ -503,7 +655,11 @@ class _Exchange:
             return
         self.decide("allowed", f"allowed by '{pattern}'")
         upstream_writer.write(hello)
-        await self._splice(upstream_reader, upstream_writer, until_upstream_eof=False)
+        await self._splice(
+            self._pump(self.reader, upstream_writer),
+            self._pump(upstream_reader, self.writer),
+            until_download_done=False,
+        )
 
     async def _read_client_hello(self, rest: bytes) -> tuple[bytes, str | None]:
         data = bytearray(rest)
@@ -524,17 +680,20 @@ class _Exchange:
     async def _forward(
         self, method: str, target: str, version: str, headers: list[tuple[str, str]], rest: bytes
     ) -> None:
-        if target[:7].lower() != "http://":
+        url = _absolute_http(target)
+        if url is None:
             if "://" in target:
                 scheme = shown(target.split("://", 1)[0], 20)
                 raise _Refusal(400, f"only http:// URLs are proxied without CONNECT, not {scheme}://")
             raise _Refusal(400, "not a proxy request: use an absolute http:// URL or CONNECT")
-        remainder = target[7:]
-        cut = min((i for i in (remainder.find(c) for c in "/?#") if i >= 0), default=len(remainder))
-        authority, path = remainder[:cut], remainder[cut:].split("#", 1)[0]
+        authority, path = url
         if "@" in authority:
             raise _Refusal(400, "user names and passwords in the URL are not supported")
         host, port = self._set_destination(authority, default_port=80)
+        try:
+            framing = request_framing(version, headers)
+        except FramingError as exc:
+            raise _Refusal(400, str(exc)) from None
         upstream_reader, upstream_writer, pattern = await self._open_upstream(host, port)
         host_header = host if port == 80 else f"{host}:{port}"
         lines = [
@@ -542,48 +701,140 @@ class _Exchange:
             f"Host: {host_header}",
         ]
         lines += [f"{name}: {value}" for name, value in headers if name.lower() not in _DROPPED_HEADERS]
+        if framing.kind == "length":
+            lines.append(f"Content-Length: {framing.length}")
+        elif framing.kind == "chunked":
+            lines.append("Transfer-Encoding: chunked")
         lines += ["Connection: close", "", ""]
         self.decide("allowed", f"allowed by '{pattern}'")
-        upstream_writer.write("\r\n".join(lines).encode("latin-1") + rest)
-        await self._splice(upstream_reader, upstream_writer, until_upstream_eof=True)
+        upstream_writer.write("\r\n".join(lines).encode("latin-1"))
+        await self._splice(
+            self._send_body(_Source(self.reader, rest, self._active), framing, upstream_writer),
+            self._relay_response(_Source(upstream_reader, b"", self._active), method),
+            until_download_done=True,
+        )
+
+    async def _send_body(self, client: _Source, framing: Framing, upstream: asyncio.StreamWriter) -> None:
+        """Pass on the request's body, until the upstream answers; then record what the
+        client sends after it as a request of its own, denied."""
+
+        async def write(data: bytes) -> None:
+            # An upstream that answered without reading the body, and reads on, would
+            # take the rest of it for a request: drop it instead.
+            if not self.answered:
+                upstream.write(data)
+                await upstream.drain()
+
+        try:
+            await _copy_body(client, framing, write)
+        except EOFError:
+            pass
+        else:
+            await self._refuse_further_requests(client)
+        if upstream.can_write_eof() and not upstream.is_closing():
+            upstream.write_eof()
+
+    async def _refuse_further_requests(self, client: _Source) -> None:
+        """Read what the client sends after its request (at most LINGER_BYTES) and record
+        it, once, as a denied request; nothing of it is forwarded."""
+        further = bytearray()
+        recorded = False
+        try:
+            while len(further) < LINGER_BYTES and (data := await client.take()):
+                further += data
+                head = further.lstrip(b"\r\n")
+                if not recorded and (b"\r\n\r\n" in head or b"\n\n" in head or len(head) >= MAX_HEAD):
+                    recorded = True
+                    self._record_further(bytes(head))
+        finally:
+            head = further.lstrip(b"\r\n")
+            if head and not recorded:
+                self._record_further(bytes(head))
+
+    def _record_further(self, data: bytes) -> None:
+        further = _Exchange(self.kernel, self.reader, self.writer)
+        lines = data[:MAX_HEAD].split(b"\n\n", 1)[0].replace(b"\r\n", b"\n").decode("latin-1").split("\n")
+        request = _REQUEST_LINE.fullmatch(lines[0])
+        if request is not None:
+            further.method, target, _ = request.groups()
+            url = _absolute_http(target)
+            if further.method == "CONNECT":
+                authority, default_port = target, None
+            elif url is not None:
+                authority, default_port = url[0], 80
+            else:
+                hosts = [v for n, _, v in (line.partition(":") for line in lines[1:]) if n.lower() == "host"]
+                authority, default_port = (hosts[0].strip(" \t") if hosts else ""), 80
+            with contextlib.suppress(_Refusal):
+                further._set_destination(authority, default_port)
+        further.decide("denied", ONE_REQUEST_PER_CONNECTION)
+
+    async def _relay_response(self, upstream: _Source, method: str) -> None:
+        """Pass on the upstream's interim responses, then its final one telling the client
+        that the connection closes after it; return at its end."""
+        while True:
+            head = await upstream.head(MAX_RESPONSE_HEAD)
+            if head is None:
+                return
+            status = response_status(head)
+            if status == 101 or not 100 <= status < 200:
+                break
+            self.writer.write(head)
+            await self.writer.drain()
+        self.answered = True
+        self.writer.write(head if status == 101 else closing_response_head(head))
+
+        async def write(data: bytes) -> None:
+            self.writer.write(data)
+            await self.writer.drain()
+
+        with contextlib.suppress(EOFError):
+            await _copy_body(upstream, response_framing(method, status, head), write)
+        await self.writer.drain()
+
+    def _active(self) -> None:
+        self.last_data = asyncio.get_running_loop().time()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Copy bytes until the end, then pass on the half-close."""
+        while data := await reader.read(_CHUNK):
+            self._active()
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof() and not writer.is_closing():
+            writer.write_eof()
 
     async def _splice(
         self,
-        upstream_reader: asyncio.StreamReader,
-        upstream_writer: asyncio.StreamWriter,
-        until_upstream_eof: bool,
+        upload_copy: Coroutine[Any, Any, None],
+        download_copy: Coroutine[Any, Any, None],
+        until_download_done: bool,
     ) -> None:
-        """Copy bytes both ways, passing on half-closes, until both sides are done (or
-        only the upstream, for plain HTTP), an error, or IDLE_TIMEOUT without data."""
+        """Run both copies until both are done (or only the download, for plain HTTP),
+        one fails, or IDLE_TIMEOUT passes without data."""
         loop = asyncio.get_running_loop()
-        last_data = loop.time()
-
-        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal last_data
-            while True:
-                data = await reader.read(_CHUNK)
-                if not data:
-                    break
-                last_data = loop.time()
-                writer.write(data)
-                await writer.drain()
-            if writer.can_write_eof() and not writer.is_closing():
-                writer.write_eof()
-
-        upload = loop.create_task(pump(self.reader, upstream_writer))
-        download = loop.create_task(pump(upstream_reader, self.writer))
-        needed = {download} if until_upstream_eof else {upload, download}
+        self._active()
+        upload = loop.create_task(upload_copy)
+        download = loop.create_task(download_copy)
+        needed = {download} if until_download_done else {upload, download}
         try:
             while not all(task.done() for task in needed):
                 pending = {task for task in (upload, download) if not task.done()}
-                timeout = last_data + IDLE_TIMEOUT - loop.time()
+                timeout = self.last_data + IDLE_TIMEOUT - loop.time()
                 if timeout <= 0:
                     log.debug(
                         "egress: kernel %s tunnel to %s idle; closing", self.kernel.kernel_id, self.host
                     )
                     return
                 done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if any(task.exception() is not None for task in done):
+                failures = [task.exception() for task in done if task.exception() is not None]
+                if failures:
+                    log.debug(
+                        "egress: kernel %s exchange with %s cut: %r",
+                        self.kernel.kernel_id,
+                        self.host,
+                        failures[0],
+                    )
                     return
         finally:
             for task in (upload, download):

@@ -14,14 +14,18 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import docker
 import pytest
 from jupyter_client import KernelManager
+from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.ioloop import AsyncIOLoopKernelManager
+from traitlets.config import Config
 
 from sandbox_kernel.docker_api import SandboxDocker
 from sandbox_kernel.errors import SandboxKernelError
@@ -228,6 +232,25 @@ def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any)
     result = Execution()
     result.reply = kc.execute_interactive(code, timeout=timeout, output_hook=result.hook, **kwargs)
     return result
+
+
+@asynccontextmanager
+async def restarting_kernel(
+    workspace: Path, kernel_name: str = KERNEL, config: Config | None = None
+) -> AsyncIterator[tuple[AsyncIOLoopKernelManager, AsyncKernelClient, list[str]]]:
+    """A kernel with jupyter_client's restarter, as a server runs it: (manager, ready
+    client, the list :func:`count_restarts` grows). Shut down afterwards."""
+    km = AsyncIOLoopKernelManager(kernel_name=kernel_name, config=config or Config())
+    await km.start_kernel(cwd=str(workspace))
+    restarts = count_restarts(km)  # needs the restarter, started with the kernel
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        yield km, kc, restarts
+    finally:
+        kc.stop_channels()
+        await km.shutdown_kernel(now=True)
 
 
 def count_restarts(km: KernelManager) -> list[str]:

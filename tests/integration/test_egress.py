@@ -9,6 +9,7 @@ real connections decided by the real proxy.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
@@ -77,6 +78,45 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _KeepAliveUpstream:
+    """Plain HTTP/1.1 that parses request after request on a connection, whatever
+    ``Connection: close`` says (as virtual-hosting fronts may): anything a proxy forwards
+    after the first request reaches it. Records each request's method, path and Host."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.seen: list[dict[str, str | None]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        stream = conn.makefile("rb")
+        with conn, stream, contextlib.suppress(OSError, ValueError):
+            while line := stream.readline():
+                if not line.strip():
+                    continue
+                method, path, _ = line.decode("latin-1").split(" ", 2)
+                fields: dict[str, str] = {}
+                while (header := stream.readline().decode("latin-1").strip()) != "":
+                    name, _, value = header.partition(":")
+                    fields[name.strip().lower()] = value.strip()
+                stream.read(int(fields.get("content-length", "0")))
+                request = {"method": method, "path": path, "host": fields.get("host")}
+                self.seen.append(request)
+                body = json.dumps(request).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def paths(self) -> list[str | None]:
+        return [request["path"] for request in self.seen]
+
+
 @dataclass
 class Upstreams:
     http_port: int
@@ -84,6 +124,7 @@ class Upstreams:
     ca_pem: bytes
     #: A host service (bound on every address) that the sandbox must never reach.
     host_service_port: int
+    keepalive: _KeepAliveUpstream
 
 
 def _serve(bind: str, tls: ssl.SSLContext | None) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
@@ -105,7 +146,9 @@ def upstreams() -> Iterator[Upstreams]:
     cert.configure_cert(tls)
     servers = [_serve("127.0.0.1", None), _serve("127.0.0.1", tls), _serve("0.0.0.0", None)]
     plain, secure, host_service = (s.server_address[1] for s, _ in servers)
-    yield Upstreams(int(plain), int(secure), ca.cert_pem.bytes(), int(host_service))
+    keepalive = _KeepAliveUpstream()
+    yield Upstreams(int(plain), int(secure), ca.cert_pem.bytes(), int(host_service), keepalive)
+    keepalive.listener.close()
     for server, thread in servers:
         server.shutdown()
         server.server_close()
@@ -120,6 +163,7 @@ def _server_config(up: Upstreams, audit_log: Path, **extra: Any) -> Config:
                     f"allowed.test:{up.https_port}",
                     f"*.allowed.test:{up.https_port}",
                     f"plain.test:{up.http_port}",
+                    f"plain.test:{up.keepalive.port}",
                     f"other.test:{up.https_port}",
                 ],
                 "egress_host_map": {
@@ -148,7 +192,8 @@ def web_kernel(
     workspace: Path,
     tmp_path: Path,
 ) -> tuple[KernelManager, BlockingKernelClient, Path]:
-    """A kernel allowed allowed.test and its subdomains (HTTPS port) and plain.test (HTTP port)."""
+    """A kernel allowed allowed.test and its subdomains (HTTPS port) and plain.test (HTTP
+    and keep-alive ports)."""
     (workspace / "ca.pem").write_bytes(upstreams.ca_pem)
     name = make_kernelspec(
         "py-web",
@@ -158,6 +203,7 @@ def web_kernel(
                 f"allowed.test:{upstreams.https_port}",
                 f"*.allowed.test:{upstreams.https_port}",
                 f"plain.test:{upstreams.http_port}",
+                f"plain.test:{upstreams.keepalive.port}",
             ],
         },
         env={ca: "/workspace/ca.pem" for ca in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT")},
@@ -352,6 +398,62 @@ def test_proxy_abuse_is_refused(
     )
     assert sni.splitlines()[0].startswith("HTTP/1.1 200"), sni
     assert "HANDSHAKE FAILED" in sni, sni
+
+
+def test_a_second_request_on_one_connection_never_passes_unchecked(
+    web_kernel: tuple[KernelManager, BlockingKernelClient, Path], upstreams: Upstreams
+) -> None:
+    """Issue #8: an allowed request, then on the same connection one to a denied host,
+    pipelined in one write and with a keep-alive http.client connection."""
+    km, kc, audit_log = web_kernel
+    upstream = upstreams.keepalive
+    upstream.seen.clear()
+    first = f"http://plain.test:{upstream.port}/first"
+    pipelined = run_ok(
+        kc,
+        "import socket\n"
+        "s = socket.create_connection(('127.0.0.1', 3128), timeout=20)\n"
+        f"s.sendall(b'GET {first} HTTP/1.1\\r\\nHost: plain.test\\r\\n\\r\\n'\n"
+        "          b'GET /smuggled HTTP/1.1\\r\\nHost: evil.internal\\r\\n\\r\\n')\n"
+        "s.settimeout(3)\n"
+        "data = b''\n"
+        "try:\n"
+        "    while chunk := s.recv(65536):\n"
+        "        data += chunk\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(data.count(b'HTTP/1.1 200 OK'), data.count(b'/smuggled'))\n",
+    )
+    assert pipelined.split() == ["1", "0"], pipelined
+    assert upstream.paths() == ["/first"]
+
+    reused = run_ok(
+        kc,
+        "import http.client\n"
+        "c = http.client.HTTPConnection('127.0.0.1', 3128, timeout=20)\n"
+        f"c.request('GET', {first!r})\n"
+        "r = c.getresponse()\n"
+        "print(r.status, r.read().decode())\n"
+        f"c.request('GET', 'http://evil.internal:{upstream.port}/smuggled')\n"
+        "try:\n"
+        "    r = c.getresponse()\n"
+        "    print(r.status, r.reason)\n"
+        "except OSError as e:\n"
+        "    print('ERROR', type(e).__name__)\n",
+    )
+    assert reused.splitlines()[0].startswith("200 "), reused
+    assert "/smuggled" not in reused, reused
+    assert upstream.paths() == ["/first", "/first"], "the denied requests never reached the upstream"
+
+    records = _egress_records(audit_log, 4)
+    assert [(r["host"], r["verdict"]) for r in records] == [
+        ("plain.test", "allowed"),
+        ("evil.internal", "denied"),
+        ("plain.test", "allowed"),
+        ("evil.internal", "denied"),
+    ]
+    assert "one request per connection" in records[1]["reason"]
+    assert all(r["kernel_id"] == km.kernel_id for r in records)
 
 
 def test_executions_list_their_egress_decisions(

@@ -105,3 +105,15 @@ def test_environment_is_not_inherited_by_default_start(start_kernel: KernelStart
         assert run_ok(kc, "import os; print('SANDBOX_TEST_SECRET' in os.environ)").strip() == "False"
     finally:
         del os.environ["SANDBOX_TEST_SECRET"]
+
+
+def test_a_kernelspec_env_template_cannot_read_the_servers_secrets(
+    start_kernel: KernelStarter, make_kernelspec: Callable[..., str]
+) -> None:
+    """A user's kernelspec with `"env": {"T": "${JUPYTERHUB_API_TOKEN}"}` once printed the
+    server's token: templates read only what pass_env (bounded by max_pass_env) names."""
+    name = make_kernelspec("templated", env={"T": "${JUPYTERHUB_API_TOKEN}", "L": "${LANG}"})
+    env = {**os.environ, "JUPYTERHUB_API_TOKEN": "hub-secret-token", "LANG": "C.UTF-8"}
+    _, kc = start_kernel(name, env=env)
+    out = run_ok(kc, "import os; print(os.environ['T']); print(os.environ['L'])")
+    assert out.split() == ["${JUPYTERHUB_API_TOKEN}", "C.UTF-8"]

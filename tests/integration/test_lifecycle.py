@@ -14,13 +14,12 @@ import docker
 import pytest
 import zmq
 from jupyter_client import AsyncKernelManager
-from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 from sandbox_kernel.provisioner import SandboxProvisioner
 
-from .conftest import KERNEL, HostState, KernelStarter, count_restarts, run, run_ok, wait_for_restart
+from .conftest import KERNEL, HostState, KernelStarter, restarting_kernel, run, run_ok, wait_for_restart
 
 
 def kernel_containers(client: docker.DockerClient, kernel_id: str) -> list[str]:
@@ -95,13 +94,7 @@ def test_shutdown_leaves_nothing_behind(
 
 async def test_dead_container_is_auto_restarted(jupyter_dirs: Path, workspace: Path) -> None:
     client = docker.from_env()
-    km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
-    await km.start_kernel(cwd=str(workspace))
-    restarts = count_restarts(km)  # needs the restarter, started with the kernel
-    try:
-        kc = km.client()
-        kc.start_channels()
-        await kc.wait_for_ready(timeout=60)
+    async with restarting_kernel(workspace) as (km, kc, restarts):
         (first,) = kernel_containers(client, km.kernel_id)
         client.containers.get(first).kill()  # from outside, as an OOM killer or admin would
         await wait_for_restart(restarts, 45, "jupyter_client's restarter did not notice the dead kernel")
@@ -110,9 +103,6 @@ async def test_dead_container_is_auto_restarted(jupyter_dirs: Path, workspace: P
         assert reply["content"]["status"] == "ok"
         (second,) = kernel_containers(client, km.kernel_id)
         assert second != first
-        kc.stop_channels()
-    finally:
-        await km.shutdown_kernel(now=True)
     assert kernel_containers(client, km.kernel_id) == []
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import docker
 import pytest
 from jupyter_client import KernelManager
-from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from traitlets.config import Config
 
 from sandbox_kernel.errors import ConfigurationError
@@ -21,8 +20,8 @@ from .conftest import (
     KERNEL,
     HostState,
     KernelStarter,
-    count_restarts,
     fill_file,
+    restarting_kernel,
     run,
     run_ok,
     wait_for_restart,
@@ -147,15 +146,8 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
     make_kernelspec: Callable[..., str], workspace: Path, tmp_path: Path
 ) -> None:
     name = make_kernelspec("runaway", config={"exec_timeout": 2})
-    km = AsyncIOLoopKernelManager(
-        kernel_name=name, config=Config({"SandboxProvisioner": {"exec_kill_grace": 4}})
-    )
-    await km.start_kernel(cwd=str(workspace))
-    restarts = count_restarts(km)
-    try:
-        kc = km.client()
-        kc.start_channels()
-        await kc.wait_for_ready(timeout=60)
+    config = Config({"SandboxProvisioner": {"exec_kill_grace": 4}})
+    async with restarting_kernel(workspace, name, config) as (_, kc, restarts):
         started = time.monotonic()
         reply = await kc.execute_interactive(
             "import signal\n"
@@ -173,9 +165,6 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
-        kc.stop_channels()
-    finally:
-        await km.shutdown_kernel(now=True)
     audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
     statuses = [json.loads(line).get("status", "") for line in audit.read_text().splitlines()]
     assert any(
@@ -225,13 +214,7 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
     suicide: str, workspace: Path, jupyter_dirs: Path
 ) -> None:
     (workspace / "precious.csv").write_text("a,b\n1,2\n")
-    km = AsyncIOLoopKernelManager(kernel_name=KERNEL)
-    await km.start_kernel(cwd=str(workspace))
-    restarts = count_restarts(km)
-    try:
-        kc = km.client()
-        kc.start_channels()
-        await kc.wait_for_ready(timeout=60)
+    async with restarting_kernel(workspace) as (_, kc, restarts):
         outputs: list[dict] = []
         reply = await kc.execute_interactive(suicide, timeout=60, output_hook=outputs.append)
         content = reply["content"]
@@ -244,9 +227,6 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
         await kc.wait_for_ready(timeout=60)  # restarted by jupyter_client's restarter
         again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=30)
         assert again["content"]["status"] == "ok"
-        kc.stop_channels()
-    finally:
-        await km.shutdown_kernel(now=True)
     assert (workspace / "precious.csv").read_text() == "a,b\n1,2\n"
 
 
@@ -346,13 +326,7 @@ async def test_an_idle_kernel_is_stopped_and_says_so_until_restarted(
     make_kernelspec: Callable[..., str], workspace: Path
 ) -> None:
     name = make_kernelspec("short-idle", config={"idle_timeout": 3})
-    km = AsyncIOLoopKernelManager(kernel_name=name)
-    await km.start_kernel(cwd=str(workspace))
-    restarts = count_restarts(km)
-    kc = km.client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=60)
+    async with restarting_kernel(workspace, name) as (km, kc, restarts):
         reply = await kc.execute_interactive("import time; time.sleep(4); x = 1", timeout=30)
         assert reply["content"]["status"] == "ok", "a running cell is not idle"
         deadline = time.monotonic() + 20
@@ -380,6 +354,3 @@ async def test_an_idle_kernel_is_stopped_and_says_so_until_restarted(
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
-    finally:
-        kc.stop_channels()
-        await km.shutdown_kernel(now=True)

@@ -1,4 +1,4 @@
-"""A server killed with SIGKILL leaves kernels behind; they are found and removed."""
+"""A server or program killed with SIGKILL leaves kernels behind; they are found and removed."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from sandbox_kernel import orphans
 from sandbox_kernel.app import SandboxKernelApp
 from sandbox_kernel.provisioner import SandboxProvisioner
 
@@ -27,11 +28,30 @@ print(km.kernel_id, km.provisioner.runtime_dir, flush=True)
 sys.stdin.read()  # until killed
 """
 
+#: A program using plain jupyter_client: its kernel spins in a cell when it is killed.
+SPINNING_PROGRAM = """
+import sys, jupyter_client
+km = jupyter_client.KernelManager(kernel_name={kernel!r})
+km.start_kernel(cwd={cwd!r})
+kc = km.client()
+kc.start_channels()
+kc.wait_for_ready(timeout=60)
+msg_id = kc.execute("while True: pass")
+while True:  # until the kernel is busy with the cell
+    msg = kc.get_iopub_msg(timeout=60)
+    if msg["parent_header"].get("msg_id") == msg_id and msg["content"].get("execution_state") == "busy":
+        break
+print(km.kernel_id, km.provisioner.runtime_dir, flush=True)
+sys.stdin.read()  # until killed
+"""
 
-def start_doomed_server(workspace: Path, kernel: str = KERNEL) -> tuple[subprocess.Popen[str], str, Path]:
+
+def start_doomed_server(
+    workspace: Path, kernel: str = KERNEL, script: str = SERVER
+) -> tuple[subprocess.Popen[str], str, Path]:
     """A 'server' process that starts a sandboxed kernel and is then SIGKILLed."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER.format(kernel=kernel, cwd=str(workspace))],
+        [sys.executable, "-c", script.format(kernel=kernel, cwd=str(workspace))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -122,3 +142,51 @@ def test_stop_removes_a_kernel_by_id(
         )
         == []
     )
+
+
+def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
+    jupyter_dirs: Path,
+    workspace: Path,
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+    start_kernel: KernelStarter,
+    make_kernelspec: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue #8: a jupyter_client program SIGKILLed mid-cell leaves its kernel spinning.
+    Any live process with a sandboxed kernel of its own removes it within the reap
+    interval, without waiting for a kernel start or a `prune`; a persistent kernel within
+    its time-to-live is left alone."""
+    interval = 3.0
+    monkeypatch.setattr(orphans, "REAP_INTERVAL", interval)
+    lasting_spec = make_kernelspec(
+        "py-lasting-ttl", config={"lifecycle": "persistent", "persistent_ttl": 3600}
+    )
+    _, lasting_id, lasting_dir = start_doomed_server(workspace, lasting_spec)
+    try:
+        _, live_kc = start_kernel()  # this process now watches a kernel of its own
+
+        _, kernel_id, runtime_dir = start_doomed_server(workspace, script=SPINNING_PROGRAM)
+        killed = time.monotonic()
+        label = {"label": f"io.sandbox-kernel.kernel-id={kernel_id}"}
+        (orphan,) = docker_client.containers.list(all=True, filters=label)
+        assert orphan.status == "running"
+        while time.monotonic() < killed + 60 and (
+            docker_client.containers.list(all=True, filters=label) or runtime_dir.exists()
+        ):
+            time.sleep(0.5)
+        took = time.monotonic() - killed
+        assert docker_client.containers.list(all=True, filters=label) == [], "the orphan still spins"
+        assert not runtime_dir.exists()
+        assert took < interval + 15, f"removed only after {took:.0f} s"
+        assert f"Removing orphaned sandboxed kernel {kernel_id}" in caplog.text, "this process reaped it"
+
+        (lasting,) = docker_client.containers.list(
+            filters={"label": f"io.sandbox-kernel.kernel-id={lasting_id}"}
+        )
+        assert lasting.status == "running"
+        assert (lasting_dir / "provisioner.json").is_file()
+        assert run_ok(live_kc, "print('untouched')").strip() == "untouched"
+    finally:
+        cli("stop", lasting_id)
+    assert not lasting_dir.exists()

@@ -6,6 +6,7 @@ import json
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 from sandbox_kernel.audit import AuditLog, ExecutionAuditor
 
@@ -46,3 +47,51 @@ def test_idle_refusal_is_atomic_with_new_requests() -> None:
     assert not auditor.refuse_if_idle(0.0, "idle"), "refused once, not twice"
     auditor.refuse(None)
     assert auditor.idle_for() is not None
+
+
+def _message(
+    session: Any, msg_type: str, content: dict[str, Any], parent: dict[str, Any] | None = None
+) -> list[bytes]:
+    msg = session.msg(msg_type, content, parent=parent)
+    return list(session.serialize(msg, ident=[b"client"]))
+
+
+def test_replies_the_host_did_not_ask_for_are_not_activity() -> None:
+    """A thread in the kernel answering the last request again and again kept it past its
+    idle limit: only the first reply to a request a client sent counts."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    request = session.msg("execute_request", {"code": "1"})
+    auditor("shell", True, list(session.serialize(request, ident=[b"client"])))
+    reply = _message(session, "execute_reply", {"status": "ok"}, request)
+    auditor("shell", False, reply)
+    time.sleep(0.05)
+    for _ in range(10):
+        auditor("shell", False, reply)
+        auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, {"msg_id": "made-up"}))
+    assert auditor.refuse_if_idle(0.04, "idle")
+
+
+def test_the_running_execution_is_timed_without_the_kernels_word() -> None:
+    """The wall clock starts when a request reaches the head of the queue, whether or not
+    the kernel announces it (execute_input can be withheld)."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    first = session.msg("execute_request", {"code": "spin()"})
+    second = session.msg("execute_request", {"code": "queued()"})
+    auditor("shell", True, list(session.serialize(first, ident=[b"c"])))
+    auditor("shell", True, list(session.serialize(second, ident=[b"c"])))
+    time.sleep(0.1)
+    running = auditor.running()
+    assert running is not None
+    assert running[0] == first["header"]["msg_id"]
+    assert running[1] >= 0.1
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, first))
+    running = auditor.running()
+    assert running is not None
+    assert running[0] == second["header"]["msg_id"]
+    assert running[1] < 0.1  # the queued one's clock starts now, not when it was sent

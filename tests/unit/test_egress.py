@@ -8,6 +8,7 @@ reach them through the policy's host_map, so nothing here touches the internet o
 from __future__ import annotations
 
 import contextlib
+import http.client
 import ipaddress
 import json
 import os
@@ -36,6 +37,18 @@ import trustme
 from sandbox_kernel.egress import Decision, DomainRule, EgressPolicy, EgressProxy, EgressRules
 from sandbox_kernel.egress import proxy as egress
 from sandbox_kernel.egress import relay as egress_relay
+from sandbox_kernel.egress.http1 import (
+    CHUNKED,
+    NO_BODY,
+    UNTIL_CLOSE,
+    Framing,
+    FramingError,
+    chunk_size,
+    closing_response_head,
+    request_framing,
+    response_framing,
+    response_status,
+)
 from sandbox_kernel.egress.tls import IncompleteHello, client_hello_sni
 from sandbox_kernel.errors import ConfigurationError
 
@@ -120,12 +133,83 @@ class Upstream(ThreadingHTTPServer):
         self.server_close()
 
 
+class KeepAliveUpstream:
+    """A plain HTTP/1.1 server that keeps every connection open and parses request after
+    request on it, whatever ``Connection: close`` says, as some servers and most virtual
+    hosting fronts do: what a proxy forwards past the first request reaches it.
+
+    It records every request it parses, answers each with it as JSON (Content-Length,
+    no Connection header), reads chunked bodies, answers ``Expect: 100-continue``, and on
+    ``/early`` answers 417 at once without reading the body (then parses on).
+    """
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.seen: list[dict[str, Any]] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        stream = conn.makefile("rb")
+        with conn, stream, contextlib.suppress(OSError, ValueError):
+            while True:
+                line = stream.readline()
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                method, path, _ = line.decode("latin-1").split(" ", 2)
+                headers: list[list[str]] = []
+                while (header := stream.readline().decode("latin-1").strip()) != "":
+                    name, _, value = header.partition(":")
+                    headers.append([name.strip().lower(), value.strip()])
+                fields = {name: value for name, value in headers}
+                request = {"method": method, "path": path, "host": fields.get("host"), "headers": headers}
+                self.seen.append(request)
+                if fields.get("expect", "").lower() == "100-continue":
+                    if path == "/early":
+                        conn.sendall(b"HTTP/1.1 417 Expectation Failed\r\nContent-Length: 0\r\n\r\n")
+                        continue
+                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                body = b""
+                if fields.get("transfer-encoding", "").lower() == "chunked":
+                    while size := int(stream.readline().split(b";")[0], 16):
+                        body += stream.read(size)
+                        stream.readline()
+                    while stream.readline().strip():
+                        pass
+                elif "content-length" in fields:
+                    body = stream.read(int(fields["content-length"]))
+                request["body"] = body.decode("latin-1")
+                data = json.dumps(request).encode()
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                if path == "/chunked":
+                    head = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+                    data = b"".join(b"%x;x=y\r\n%s\r\n" % (len(part), part) for part in (data[:7], data[7:]))
+                    data += b"0\r\nX-Trailer: t\r\n\r\n"
+                conn.sendall(head.encode() + b"\r\n" + (b"" if method == "HEAD" else data))
+
+    def paths(self) -> list[str]:
+        return [request["path"] for request in self.seen]
+
+    def stop(self) -> None:
+        self.listener.close()
+
+
 @dataclass(frozen=True)
 class Upstreams:
     http: int
     https: int
     ca_file: Path
     client_context: ssl.SSLContext
+    keepalive: KeepAliveUpstream
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +221,18 @@ def upstreams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstreams]:
     ca.configure_trust(client_context)
     ca_file = tmp_path_factory.mktemp("ca") / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
-    plain, tls = Upstream(), Upstream(server_context)
-    yield Upstreams(plain.port, tls.port, ca_file, client_context)
+    plain, tls, keepalive = Upstream(), Upstream(server_context), KeepAliveUpstream()
+    yield Upstreams(plain.port, tls.port, ca_file, client_context, keepalive)
     plain.stop()
     tls.stop()
+    keepalive.stop()
+
+
+@pytest.fixture
+def keepalive(upstreams: Upstreams) -> KeepAliveUpstream:
+    """The keep-alive upstream (allowed.test on its port), with nothing seen yet."""
+    upstreams.keepalive.seen.clear()
+    return upstreams.keepalive
 
 
 # --- the relay and the kernel's registration ---------------------------------------------
@@ -261,6 +353,7 @@ def rules(upstreams: Upstreams) -> EgressRules:
         [
             f"allowed.test:{http}",
             f"allowed.test:{https}",
+            f"allowed.test:{upstreams.keepalive.port}",
             f"other.test:{https}",
             f"*.wild.test:{http}",
             *(f"{name}:{http}" for name in NON_PUBLIC),
@@ -528,6 +621,230 @@ def test_a_half_closed_request_still_gets_its_response(sandbox: Sandbox) -> None
     assert sandbox.decision()["verdict"] == "allowed"
 
 
+# --- one request per connection ---------------------------------------------------------
+
+SMUGGLED = "GET /smuggled HTTP/1.1\r\nHost: evil.internal\r\n\r\n"
+
+
+def response_head(response: bytes) -> tuple[str, dict[str, str]]:
+    """The status line and the (lowercased) header fields of the first response in ``response``."""
+    lines = response.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    fields = (line.partition(":") for line in lines[1:])
+    return lines[0], {name.strip().lower(): value.strip() for name, _, value in fields}
+
+
+def further_request(sandbox: Sandbox, host: str, port: int) -> Decision:
+    return expected(
+        sandbox,
+        method="GET",
+        host=host,
+        port=port,
+        verdict="denied",
+        reason=egress.ONE_REQUEST_PER_CONNECTION,
+    )
+
+
+@pytest.mark.parametrize(
+    ("second", "host", "port"),
+    [
+        (SMUGGLED, "evil.internal", 80),
+        ("GET http://evil.test:{port}/smuggled HTTP/1.1\r\nHost: evil.test\r\n\r\n", "evil.test", None),
+        # even an allowed one: every request is checked and logged on its own connection
+        (
+            "GET http://allowed.test:{port}/smuggled HTTP/1.1\r\nHost: allowed.test\r\n\r\n",
+            "allowed.test",
+            None,
+        ),
+    ],
+)
+def test_a_request_pipelined_behind_an_allowed_one_never_reaches_the_upstream(
+    sandbox: Sandbox, keepalive: KeepAliveUpstream, second: str, host: str, port: int | None
+) -> None:
+    """The attack of issue #8: a second request in the same write as an allowed one."""
+    first = f"GET http://allowed.test:{keepalive.port}/first HTTP/1.1\r\nHost: allowed.test\r\n\r\n"
+    started = time.monotonic()
+    response = sandbox.raw((first + second.format(port=keepalive.port)).encode())
+    assert keepalive.paths() == ["/first"]
+    assert response.count(b"HTTP/1.1 200 OK") == 1, response
+    status, fields = response_head(response)
+    assert status == "HTTP/1.1 200 OK"
+    assert fields["connection"] == "close"
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1])["path"] == "/first"
+    assert time.monotonic() - started < 3, "closed at the end of the response, not when the upstream is"
+    first_decision, second_decision = sandbox.take(2)
+    assert first_decision["verdict"] == "allowed"
+    assert second_decision == further_request(sandbox, host, port or keepalive.port)
+
+
+def test_a_keep_alive_client_sends_each_request_on_its_own_checked_connection(
+    sandbox: Sandbox, keepalive: KeepAliveUpstream
+) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", sandbox.port, timeout=10)
+    try:
+        connection.request("GET", f"http://allowed.test:{keepalive.port}/first")
+        first = connection.getresponse()
+        assert json.loads(first.read())["path"] == "/first"
+        assert first.getheader("Connection") == "close"
+        connection.request("GET", f"http://evil.test:{keepalive.port}/smuggled")
+        second = connection.getresponse()
+        second.read()
+    finally:
+        connection.close()
+    assert second.status == 403
+    assert keepalive.paths() == ["/first"]
+    assert [(d["host"], d["verdict"]) for d in sandbox.take(2)] == [
+        ("allowed.test", "allowed"),
+        ("evil.test", "denied"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("version", "framing", "reason"),
+    [
+        (
+            "1.1",
+            "Content-Length: 5\r\nTransfer-Encoding: chunked",
+            "both Content-Length and Transfer-Encoding",
+        ),
+        (
+            "1.1",
+            "Transfer-Encoding: chunked\r\nContent-Length: 5",
+            "both Content-Length and Transfer-Encoding",
+        ),
+        (
+            "1.1",
+            "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked",
+            "more than one Transfer-Encoding",
+        ),
+        ("1.1", "Transfer-Encoding: gzip, chunked", "Transfer-Encoding 'gzip, chunked' is not supported"),
+        ("1.1", "Transfer-Encoding: xchunked", "Transfer-Encoding 'xchunked' is not supported"),
+        ("1.1", "Transfer-Encoding: chunked, identity", "is not supported"),
+        ("1.0", "Transfer-Encoding: chunked", "Transfer-Encoding in an HTTP/1.0 request"),
+        ("1.1", "Content-Length: 5\r\nContent-Length: 6", "more than one Content-Length"),
+        ("1.1", "Content-Length: 5\r\nContent-Length: 5", "more than one Content-Length"),
+        ("1.1", "Content-Length: 5, 5", "Content-Length '5, 5' is not a number of bytes"),
+        ("1.1", "Content-Length: -1", "is not a number of bytes"),
+        ("1.1", "Content-Length: +5", "is not a number of bytes"),
+        ("1.1", "Content-Length: 0x5", "is not a number of bytes"),
+        ("1.1", "Content-Length: 99999999999999999999", "is not a number of bytes"),
+    ],
+)
+def test_requests_with_ambiguous_framing_are_refused(
+    sandbox: Sandbox, keepalive: KeepAliveUpstream, version: str, framing: str, reason: str
+) -> None:
+    request = (
+        f"POST http://allowed.test:{keepalive.port}/ambiguous HTTP/{version}\r\n{framing}\r\n\r\n"
+        f"0\r\n\r\n{SMUGGLED}"
+    )
+    response = sandbox.raw(request.encode())
+    assert status_line(response).startswith("HTTP/1.1 400 sandbox-kernel egress denied: "), response
+    assert keepalive.seen == []
+    decision = sandbox.decision()
+    assert decision["verdict"] == "denied"
+    assert reason in decision["reason"]
+    assert decision["host"] == "allowed.test"
+
+
+@pytest.mark.parametrize(
+    ("framing", "body"),
+    [
+        ("Content-Length: 5", "hello"),
+        ("Transfer-Encoding: chunked", "2;ext=1\r\nhe\r\n3\r\nllo\r\n0\r\nX-Trailer: t\r\n\r\n"),
+        ("Transfer-Encoding: Chunked", "5\nhello\n0\n\n"),
+    ],
+)
+def test_only_the_body_its_framing_announces_is_forwarded(
+    sandbox: Sandbox, keepalive: KeepAliveUpstream, framing: str, body: str
+) -> None:
+    request = (
+        f"POST http://allowed.test:{keepalive.port}/upload HTTP/1.1\r\n{framing}\r\n\r\n{body}{SMUGGLED}"
+    )
+    response = sandbox.raw(request.encode())
+    assert status_line(response) == "HTTP/1.1 200 OK"
+    (seen,) = keepalive.seen
+    assert seen["body"] == "hello"
+    if "chunked" in framing.lower():
+        # passed on re-framed, without extensions or trailers
+        assert ["transfer-encoding", "chunked"] in seen["headers"]
+    allowed, further = sandbox.take(2)
+    assert allowed["verdict"] == "allowed"
+    assert further == further_request(sandbox, "evil.internal", 80)
+
+
+def test_a_malformed_chunked_body_cuts_the_connection(sandbox: Sandbox, keepalive: KeepAliveUpstream) -> None:
+    request = (
+        f"POST http://allowed.test:{keepalive.port}/upload HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        f"5\r\nhello\r\nzz\r\n\r\n{SMUGGLED}"
+    )
+    sandbox.raw(request.encode())
+    assert keepalive.paths() in ([], ["/upload"])  # the head may be there; the smuggled request never
+    assert sandbox.decision()["verdict"] == "allowed"
+
+
+def test_expect_100_continue_passes_through(sandbox: Sandbox, keepalive: KeepAliveUpstream) -> None:
+    head = (
+        f"POST http://allowed.test:{keepalive.port}/upload HTTP/1.1\r\n"
+        "Content-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", sandbox.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += sock.recv(1)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(b"hello")
+        response = read_all(sock)
+    assert status_line(response) == "HTTP/1.1 200 OK"
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1])["body"] == "hello"
+    assert sandbox.decision()["verdict"] == "allowed"
+
+
+def test_no_body_is_forwarded_after_the_upstream_answered(
+    sandbox: Sandbox, keepalive: KeepAliveUpstream
+) -> None:
+    """An upstream answering before it read the body (417 to Expect: 100-continue) and
+    reading on would take the body for a request: the body is dropped instead."""
+    head = (
+        f"POST http://allowed.test:{keepalive.port}/early HTTP/1.1\r\n"
+        f"Content-Length: {len(SMUGGLED)}\r\nExpect: 100-continue\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", sandbox.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(1)
+        assert answer.startswith(b"HTTP/1.1 417 ")
+        with contextlib.suppress(OSError):
+            sock.sendall(SMUGGLED.encode())
+            read_all(sock)
+    time.sleep(0.5)
+    assert keepalive.paths() == ["/early"]
+    assert sandbox.decision()["verdict"] == "allowed"
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/plain"), ("HEAD", "/plain"), ("GET", "/chunked")])
+def test_the_connection_closes_when_the_response_ends(
+    sandbox: Sandbox, keepalive: KeepAliveUpstream, method: str, path: str
+) -> None:
+    """However long the upstream keeps its connection open."""
+    started = time.monotonic()
+    response = sandbox.raw(f"{method} http://allowed.test:{keepalive.port}{path} HTTP/1.1\r\n\r\n".encode())
+    assert time.monotonic() - started < 3
+    status, fields = response_head(response)
+    assert status == "HTTP/1.1 200 OK"
+    assert fields["connection"] == "close"
+    body = response.split(b"\r\n\r\n", 1)[1]
+    if method == "HEAD":
+        assert body == b""
+    elif path == "/chunked":
+        assert fields["transfer-encoding"] == "chunked"
+        assert body.endswith(b"\r\n0\r\n\r\n")
+        assert b'"path": "/chunked"' in body
+    else:
+        assert json.loads(body)["path"] == "/plain"
+    assert sandbox.decision()["verdict"] == "allowed"
+
+
 @pytest.mark.parametrize("setting", ["HEAD_TIMEOUT", "CLIENT_HELLO_TIMEOUT", "IDLE_TIMEOUT"])
 def test_silent_clients_are_cut_off(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
     monkeypatch.setattr(egress, setting, 0.3)
@@ -764,6 +1081,65 @@ def _cmdline(pid: str) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+# --- HTTP/1.x framing -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "headers", "framing"),
+    [
+        ("1.1", [], NO_BODY),
+        ("1.1", [("Content-Length", "0")], Framing("length", 0)),
+        ("1.0", [("content-length", "12")], Framing("length", 12)),
+        ("1.1", [("Transfer-Encoding", "chunked")], CHUNKED),
+        ("1.1", [("transfer-encoding", "CHUNKED")], CHUNKED),
+    ],
+)
+def test_request_framing(version: str, headers: list[tuple[str, str]], framing: Framing) -> None:
+    assert request_framing(version, headers) == framing
+
+
+@pytest.mark.parametrize(
+    ("method", "head", "framing"),
+    [
+        ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", Framing("length", 5)),
+        ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\n", Framing("length", 5)),
+        ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", UNTIL_CLOSE),
+        ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nContent-Length: 5\r\n\r\n", CHUNKED),
+        ("GET", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", UNTIL_CLOSE),
+        ("GET", b"HTTP/1.0 200 OK\r\n\r\n", UNTIL_CLOSE),
+        ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", NO_BODY),
+        ("GET", b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n", NO_BODY),
+        ("GET", b"HTTP/1.1 304 Not Modified\r\n\r\n", NO_BODY),
+        ("GET", b"HTTP/1.1 101 Switching Protocols\r\n\r\n", UNTIL_CLOSE),
+    ],
+)
+def test_response_framing(method: str, head: bytes, framing: Framing) -> None:
+    assert response_framing(method, response_status(head), head) == framing
+
+
+def test_a_response_head_is_made_to_close_the_connection() -> None:
+    head = (
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive,\r\n Upgrade\r\nKeep-Alive: timeout=5\r\n"
+        b"X-Folded: a\r\n\tb\r\nContent-Length: 2\r\n\r\n"
+    )
+    assert closing_response_head(head) == (
+        b"HTTP/1.1 200 OK\r\nX-Folded: a\r\n\tb\r\nContent-Length: 2\r\nConnection: close\r\n\r\n"
+    )
+    with pytest.raises(FramingError, match=r"not an HTTP/1\.x response"):
+        response_status(b"SSH-2.0-OpenSSH\r\n\r\n")
+
+
+@pytest.mark.parametrize(("line", "size"), [(b"0", 0), (b"1a", 26), (b"FF ; name=value", 255), (b"5;x", 5)])
+def test_chunk_sizes(line: bytes, size: int) -> None:
+    assert chunk_size(line) == size
+
+
+@pytest.mark.parametrize("line", [b"", b"-1", b"0x5", b"zz", b"1" * 16, b"+5"])
+def test_malformed_chunk_sizes_are_refused(line: bytes) -> None:
+    with pytest.raises(FramingError, match="malformed chunk size line"):
+        chunk_size(line)
 
 
 # --- rules and policies ------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import pytest
@@ -63,6 +65,13 @@ def test_without_an_exec_timeout_ceiling_any_limit_passes() -> None:
         check_within_ceilings(Limits(1.0, "1g", 64, "64m", asked), CEILINGS)
 
 
+@pytest.fixture(autouse=True)
+def _interpreter_state_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up code edits sys.path and os.environ: each test gets them back."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONSAFEPATH", "1")
+
+
 def _run_startup(limits: Limits) -> tuple[dict[str, object], dict[str, object], dict[str, object]]:
     registered: dict[str, object] = {}
     custom: dict[str, object] = {}
@@ -85,6 +94,27 @@ def _run_startup(limits: Limits) -> tuple[dict[str, object], dict[str, object], 
     exec(compile(kernel_startup(limits), "startup.py", "exec"), namespace)  # noqa: S102
     assert "_sandbox_kernel_startup" not in namespace, "start-up code must not litter the user's names"
     return registered, custom, {"shell": shell}
+
+
+def test_the_startup_code_puts_the_working_folder_back_where_ipython_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel starts with PYTHONSAFEPATH (nothing from the workspace runs before it is
+    up); once up, the notebook's folder imports as in a local kernel, and child processes
+    do not inherit PYTHONSAFEPATH."""
+    stdlib = ["/usr/lib/python311.zip", "/usr/lib/python3.11", "/usr/lib/python3.11/lib-dynload"]
+    monkeypatch.setattr(sys, "path", [*stdlib, "/opt/kernel/lib/python3.11/site-packages"])
+    _run_startup(Limits(1.0, "1g", 64, "64m"))
+    assert sys.path == [*stdlib, "", "/opt/kernel/lib/python3.11/site-packages"]
+    assert "PYTHONSAFEPATH" not in os.environ
+
+
+def test_the_startup_code_leaves_a_path_that_has_the_working_folder_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "path", ["", "/usr/lib/python3.11", "/x/site-packages"])
+    _run_startup(Limits(1.0, "1g", 64, "64m"))
+    assert sys.path == ["", "/usr/lib/python3.11", "/x/site-packages"]
 
 
 def test_the_startup_code_arms_the_wall_clock_limit_only_when_set() -> None:

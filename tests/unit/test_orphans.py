@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from sandbox_kernel import orphans
+from sandbox_kernel.background import BackgroundLoop
 from sandbox_kernel.orphans import (
+    OrphanReaper,
     SandboxedKernel,
     own_runtime_dir,
     owner_is_gone,
@@ -169,3 +175,152 @@ def test_only_this_users_private_runtime_folders_are_trusted(tmp_path: Path) -> 
     link.symlink_to(outer)
     assert own_runtime_dir(str(link / "run1"), str(tmp_path)) is None
     assert own_runtime_dir("", str(tmp_path)) is None
+
+
+# --- reaping while the process watches kernels -------------------------------------------
+
+
+class FakeHost:
+    """The two calls the reaper makes to Docker, over containers given as inspect output."""
+
+    def __init__(self, *containers: dict[str, Any]) -> None:
+        self.containers = {c["Id"]: c for c in containers}
+        self.removed: list[str] = []
+
+    async def managed_containers(self) -> list[dict[str, Any]]:
+        return list(self.containers.values())
+
+    async def remove(self, container_id: str) -> None:
+        self.removed.append(container_id)
+        self.containers.pop(container_id, None)
+
+
+def container(
+    container_id: str,
+    runtime: Path,
+    owner: str,
+    lifecycle: str = "ephemeral",
+    ttl: float = 0,
+    idle: float = 0,
+) -> dict[str, Any]:
+    """A sandbox container as Docker inspects it, with its runtime folder and owner file."""
+    (runtime / "run1").mkdir(parents=True)
+    (runtime / "owner").write_text(owner)
+    os.utime(runtime / "owner", (time.time() - idle, time.time() - idle))
+    return {
+        "Id": container_id,
+        "Config": {
+            "Labels": {
+                "io.sandbox-kernel.kernel-id": f"kernel-{container_id}",
+                "io.sandbox-kernel.runtime-dir": str(runtime / "run1"),
+                "io.sandbox-kernel.lifecycle": lifecycle,
+                "io.sandbox-kernel.ttl": f"{ttl:g}",
+            }
+        },
+        "State": {"Status": "running", "Pid": 0},
+    }
+
+
+def dead_owner() -> str:
+    host, namespace, _, _ = server_identity().split("/")
+    return f"{host}/{namespace}/999999999/1"
+
+
+@pytest.fixture
+def loop() -> Iterator[BackgroundLoop]:
+    """A watchdog loop of the test's own."""
+    loop = BackgroundLoop("test-watchdog")
+    yield loop
+    loop.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 5) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_chores_run_only_while_the_loop_has_work(
+    loop: BackgroundLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    rounds: list[float] = []
+
+    async def chore() -> None:
+        rounds.append(time.monotonic())
+
+    async def failing() -> None:
+        raise RuntimeError("boom")
+
+    loop.add_chore("count", chore, lambda: 0.05)
+    loop.add_chore("fail", failing, lambda: 0.05)
+    time.sleep(0.3)
+    assert rounds == [], "no kernel to watch, no chores"
+    work = loop.submit(asyncio.sleep(30))
+    assert wait_until(lambda: len(rounds) >= 3)
+    assert "Background chore 'fail' failed" in caplog.text, "a failing chore is logged and goes on"
+    work.cancel()
+    time.sleep(0.2)
+    after = len(rounds)
+    time.sleep(0.3)
+    assert len(rounds) == after, "the chores stop with the last work"
+    started = time.monotonic()
+    work = loop.submit(asyncio.sleep(30))
+    assert wait_until(lambda: len(rounds) > after)
+    assert rounds[after] - started >= 0.04, "a fresh start waits a whole interval first"
+    work.cancel()
+
+
+def test_the_reaper_removes_only_what_prune_removes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ours, elsewhere = tmp_path / "runtime", tmp_path / "elsewhere"
+    host = FakeHost(
+        container("orphan", ours / "sandbox-kernel-orphan", dead_owner()),
+        container("live", ours / "sandbox-kernel-live", server_identity()),
+        container("lasting", ours / "sandbox-kernel-lasting", dead_owner(), "persistent", ttl=3600, idle=60),
+        container("forever", ours / "sandbox-kernel-forever", dead_owner(), "persistent", idle=10**6),
+        container("expired", ours / "sandbox-kernel-expired", dead_owner(), "persistent", ttl=60, idle=120),
+        container("unjudged", ours / "sandbox-kernel-unjudged", "another-host/1/1/1"),
+        container("stray", elsewhere / "sandbox-kernel-stray", dead_owner()),
+    )
+    reaper = OrphanReaper(host)  # type: ignore[arg-type]
+    reaper._runtime_parents.append(ours)
+    removed = asyncio.run(reaper.reap())
+    assert sorted(k.container_id for k in removed) == ["expired", "orphan", "stray"]
+    assert sorted(host.removed) == ["expired", "orphan", "stray"]
+    assert sorted(p.name for p in ours.iterdir()) == [
+        "sandbox-kernel-forever",
+        "sandbox-kernel-lasting",
+        "sandbox-kernel-live",
+        "sandbox-kernel-unjudged",
+    ]
+    assert (elsewhere / "sandbox-kernel-stray").exists(), "only this process's runtime folders are deleted"
+    assert "Removing orphaned sandboxed kernel kernel-orphan" in caplog.text
+
+
+def test_a_kernel_owner_reaps_orphans_every_interval_while_it_watches_kernels(
+    tmp_path: Path, loop: BackgroundLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = tmp_path / "runtime"
+    host = FakeHost(container("orphan", parent / "sandbox-kernel-orphan", dead_owner()))
+    monkeypatch.setattr(OrphanReaper, "_instance", OrphanReaper(host))  # type: ignore[arg-type]
+    monkeypatch.setattr(BackgroundLoop, "_instance", loop)
+    monkeypatch.setattr(orphans, "REAP_INTERVAL", 0.1)
+    mine = parent / "sandbox-kernel-mine"
+    mine.mkdir()
+    write_owner(mine)  # as a provisioner does when it starts a kernel
+    time.sleep(0.3)
+    assert host.removed == [], "no reaping before there is a kernel to watch"
+    watchdog = loop.submit(asyncio.sleep(30))
+    assert wait_until(lambda: not (parent / "sandbox-kernel-orphan").exists())
+    assert host.removed == ["orphan"]
+    assert mine.exists()
+    watchdog.cancel()
+
+
+def test_writing_an_owner_file_elsewhere_starts_no_reaping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reaper = OrphanReaper(FakeHost())  # type: ignore[arg-type]
+    monkeypatch.setattr(OrphanReaper, "_instance", reaper)
+    write_owner(tmp_path)
+    assert reaper._runtime_parents == []

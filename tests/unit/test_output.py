@@ -105,3 +105,27 @@ def test_output_after_the_reply_still_counts_against_its_request() -> None:
     assert limiter.admit(stream(kernel, 1500)) != []
     running.msg_id = None  # the reply overtook the tail of the output
     assert len(limiter.admit(stream(kernel, 1500))) == 1  # the notice, not a fresh budget
+
+
+def status(session: Session, state: str = "busy", **extra: Any) -> list[zmq.Frame]:
+    return kernel_message(session, "status", {"execution_state": state, **extra}, "cell-1")
+
+
+def test_status_messages_are_charged_and_padded_ones_stop_at_the_cap() -> None:
+    """The red team pushed 52.6 MB through a 1 MiB cap as small padded status messages."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(10_000, Session(key=KEY), Running())
+    padded = status(kernel, p="A" * 560)
+    passed = sum(sum(len(f) for f in m) for _ in range(2000) for m in limiter.admit(padded))
+    assert passed < 10_000 + 2_000  # the budget, plus one notice
+
+
+def test_past_the_cap_a_few_plain_status_messages_still_pass() -> None:
+    """After a capped execution, clients must still see the kernel go idle."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(2000, Session(key=KEY), Running())
+    limiter.admit(stream(kernel, 3000))
+    idle = status(kernel, "idle")
+    assert limiter.admit(idle) == [idle]
+    passed = [limiter.admit(idle) for _ in range(100)]
+    assert sum(1 for p in passed if p) < 20

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import grp
 import json
 import os
+import pwd
 from pathlib import Path
+from typing import Any
 
 import pytest
 from docker.models.containers import _create_container_args
@@ -14,6 +18,7 @@ from sandbox_kernel.policy import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,
+    DEFAULT_ENV,
     DEFAULT_KERNEL_UID,
     FIXED_ENV,
     IPC_PREFIX,
@@ -23,7 +28,9 @@ from sandbox_kernel.policy import (
     LABEL_MANAGED,
     LABEL_RUNTIME_DIR,
     LABEL_WORKSPACE,
+    SECCOMP_PROFILE,
     SandboxSpec,
+    check_default_uid_unused,
     check_lifetime,
     container_connection_info,
     container_create_kwargs,
@@ -35,6 +42,7 @@ from sandbox_kernel.policy import (
     validate_size,
     volume_name,
     volume_setup_kwargs,
+    volume_user,
 )
 
 
@@ -59,6 +67,85 @@ def make_spec(tmp_path: Path, **overrides: object) -> SandboxSpec:
     return SandboxSpec(**values)  # type: ignore[arg-type]
 
 
+def no_accounts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose passwd and group know no uid or gid, whatever this one's hold."""
+
+    def unknown(number: int) -> Any:
+        raise KeyError(number)
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    monkeypatch.setattr(grp, "getgrgid", unknown)
+
+
+# ---------------------------------------------------------------- the seccomp profile
+
+
+def seccomp_verdict(name: str, *args: int) -> int | None:
+    """The errno :data:`SECCOMP_PROFILE` returns for ``name(*args)``, None if allowed.
+
+    Evaluated as runsc does: a rule applies when every one of its conditions holds
+    (conditions on different arguments are ANDed).
+    """
+    for rule in json.loads(SECCOMP_PROFILE)["syscalls"]:
+        if name not in rule["names"]:
+            continue
+        conditions = rule.get("args", [])
+        assert len({c["index"] for c in conditions}) == len(conditions), "runsc ORs same-index conditions"
+        for c in conditions:
+            assert c["op"] == "SCMP_CMP_MASKED_EQ"
+        if all(args[c["index"]] & c["value"] == c["valueTwo"] for c in conditions):
+            assert rule["action"] == "SCMP_ACT_ERRNO"
+            return int(rule["errnoRet"])
+    return None
+
+
+AT_FDCWD = -100
+CREATE = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
+
+
+class TestSeccompProfile:
+    @pytest.mark.parametrize("mode", [0o4755, 0o2755, 0o1777, 0o7777, 0o6000, 0o104755])
+    def test_no_call_may_give_a_file_a_special_bit(self, mode: int) -> None:
+        """setuid, setgid and sticky bits set by the kernel are honoured by the host."""
+        assert seccomp_verdict("chmod", 0, mode) == errno.EPERM
+        assert seccomp_verdict("fchmod", 3, mode) == errno.EPERM
+        assert seccomp_verdict("fchmodat", AT_FDCWD, 0, mode, 0) == errno.EPERM
+        assert seccomp_verdict("fchmodat2", AT_FDCWD, 0, mode, 0x100) == errno.EPERM
+        assert seccomp_verdict("mkdir", 0, mode) == errno.EPERM
+        assert seccomp_verdict("mkdirat", AT_FDCWD, 0, mode) == errno.EPERM
+        assert seccomp_verdict("creat", 0, mode) == errno.EPERM
+        assert seccomp_verdict("open", 0, CREATE, mode) == errno.EPERM
+        assert seccomp_verdict("openat", AT_FDCWD, 0, CREATE, mode) == errno.EPERM
+
+    @pytest.mark.parametrize("mode", [0o755, 0o644, 0o777, 0o700, 0o000, 0o600])
+    def test_ordinary_modes_are_allowed(self, mode: int) -> None:
+        for name, args in [
+            ("chmod", (0, mode)),
+            ("fchmod", (3, mode)),
+            ("fchmodat", (AT_FDCWD, 0, mode, 0)),
+            ("mkdir", (0, mode)),
+            ("mkdirat", (AT_FDCWD, 0, mode)),
+            ("creat", (0, mode)),
+            ("open", (0, CREATE, mode)),
+            ("openat", (AT_FDCWD, 0, CREATE, mode)),
+        ]:
+            assert seccomp_verdict(name, *args) is None, (name, oct(mode))
+
+    def test_opening_without_creating_ignores_the_mode_argument(self) -> None:
+        """Without O_CREAT the mode is unused, and some callers leave junk there."""
+        assert seccomp_verdict("openat", AT_FDCWD, 0, os.O_RDONLY, 0o7777) is None
+        assert seccomp_verdict("open", 0, os.O_RDWR | os.O_APPEND, 0o4755) is None
+
+    def test_calls_whose_mode_seccomp_cannot_read_are_unimplemented(self) -> None:
+        assert seccomp_verdict("openat2", AT_FDCWD, 0, 0, 24) == errno.ENOSYS
+        assert seccomp_verdict("io_uring_setup", 8, 0) == errno.ENOSYS
+
+    def test_links_device_nodes_and_escape_calls_stay_refused(self) -> None:
+        for name in ("symlink", "linkat", "mknod", "mount", "unshare", "ptrace", "bpf"):
+            assert seccomp_verdict(name, 0, 0, 0, 0, 0) == errno.EPERM
+        assert seccomp_verdict("read", 0, 0, 0) is None
+
+
 # ---------------------------------------------------------------- container_create_kwargs
 
 
@@ -80,8 +167,9 @@ class TestContainerCreateKwargs:
         assert no_new_privileges == "no-new-privileges:true"
         profile = json.loads(seccomp.removeprefix("seccomp="))
         assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
-        (rule,) = profile["syscalls"]
+        rule = profile["syscalls"][0]
         assert rule["action"] == "SCMP_ACT_ERRNO"
+        assert "args" not in rule
         assert {"symlink", "symlinkat", "link", "linkat", "mknod", "mknodat", "mount", "ptrace"} <= set(
             rule["names"]
         )
@@ -185,7 +273,7 @@ class TestSandboxEnv:
 
     def test_only_allow_listed_and_kernelspec_names_pass(self) -> None:
         env = sandbox_env(SERVER_ENV, pass_env=["LANG", "TZ"], kernelspec_env=["MY_SETTING"])
-        assert env == {"LANG": "C.UTF-8", "MY_SETTING": "on", **FIXED_ENV}
+        assert env == {**DEFAULT_ENV, "LANG": "C.UTF-8", "MY_SETTING": "on", **FIXED_ENV}
 
     @pytest.mark.parametrize(
         ("pass_env", "kernelspec_env"),
@@ -208,7 +296,21 @@ class TestSandboxEnv:
 
     def test_allowed_names_missing_from_the_env_are_not_invented(self) -> None:
         env = sandbox_env({"LANG": "C"}, pass_env=["LANG", "TZ"], kernelspec_env=["NOT_SET"])
-        assert env == {"LANG": "C", **FIXED_ENV}
+        assert env == {**DEFAULT_ENV, "LANG": "C", **FIXED_ENV}
+
+    def test_the_kernel_starts_with_a_safe_path_and_a_user_name(self) -> None:
+        """PYTHONSAFEPATH: nothing in the workspace runs as the kernel starts; USER and
+        LOGNAME: getpass.getuser() works for a uid the image's passwd does not know."""
+        env = sandbox_env(
+            {**SERVER_ENV, "PYTHONSAFEPATH": ""}, pass_env=["PYTHONSAFEPATH"], kernelspec_env=[]
+        )
+        assert env["PYTHONSAFEPATH"] == "1"
+        assert env["USER"] == env["LOGNAME"] == "sandbox"
+
+    def test_a_kernelspec_may_name_the_user(self) -> None:
+        env = sandbox_env({"USER": "analyst", "LOGNAME": "root"}, pass_env=[], kernelspec_env=["USER"])
+        assert env["USER"] == "analyst"
+        assert env["LOGNAME"] == "sandbox", "the server's own is not passed unless allow-listed"
 
 
 # ---------------------------------------------------------------- resolve_workspace
@@ -382,8 +484,35 @@ class TestKernelUser:
         root_owned = Path("/")
         assert root_owned.stat().st_uid == 0
         monkeypatch.setattr(os, "getuid", lambda: 0)
+        no_accounts(monkeypatch)
         assert kernel_user(root_owned) == (DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID)
+        assert volume_user() == (DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID)
         assert DEFAULT_KERNEL_UID != 0
+
+    def test_the_default_uid_is_reserved_for_no_one(self) -> None:
+        """Not 1000 (the first human account on most hosts, ``cloudsdk`` on ours), not
+        65534 (nobody): 65533, which Debian policy reserves and never allocates."""
+        assert DEFAULT_KERNEL_UID == 65533
+
+    @pytest.mark.parametrize("taken", ["account", "group"])
+    def test_a_default_uid_that_is_a_host_account_is_refused(
+        self, taken: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(os, "getuid", lambda: 0)
+        no_accounts(monkeypatch)
+        if taken == "account":
+            entry = pwd.struct_passwd(("someone", "x", DEFAULT_KERNEL_UID, 100, "", "/home/x", "/bin/sh"))
+            monkeypatch.setattr(pwd, "getpwuid", lambda uid: entry)
+        else:
+            monkeypatch.setattr(grp, "getgrgid", lambda gid: grp.struct_group(("staff2", "x", gid, [])))
+        for choose in (lambda: kernel_user(Path("/")), volume_user, check_default_uid_unused):
+            with pytest.raises(
+                ConfigurationError, match=r"uid and gid 65533.*SandboxProvisioner\.kernel_uid"
+            ):
+                choose()
+        # A configured uid, or a workspace owner, needs no default.
+        assert kernel_user(Path("/"), 4321) == (4321, 4321)
+        assert volume_user(4321) == (4321, 4321)
 
     def test_a_configured_uid_of_zero_is_never_used(self, tmp_path: Path) -> None:
         try:
@@ -445,6 +574,7 @@ class TestWorkspaceVolumes:
         setup = volume_setup_kwargs(spec)
         assert setup["command"] == ["chown", f"{spec.uid}:{spec.gid}", "/workspace"]
         assert setup["cap_add"] == ["CHOWN"]
+        assert setup["security_opt"] == ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"]
         assert setup["network_mode"] == "none"
         assert setup["runtime"] == spec.runtime
 

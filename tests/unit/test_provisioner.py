@@ -100,7 +100,12 @@ def kernel_binds_its_sockets(container: FakeContainer) -> None:
     """A well-behaved kernel: running, with its five ipc sockets in the runtime dir."""
     container.client.run_container(container)
     for port in IPC_PORTS.values():
-        (container.runtime_dir / f"{Path(IPC_PREFIX).name}-{port}").touch()
+        make_socket_file(container.runtime_dir / f"{Path(IPC_PREFIX).name}-{port}")
+
+
+def make_socket_file(path: Path) -> None:
+    """A socket's entry, as binding one leaves it (the seal checks the kernel's are sockets)."""
+    os.mknod(path, stat.S_IFSOCK | 0o600)
 
 
 def kernel_crashes(container: FakeContainer) -> None:
@@ -355,9 +360,10 @@ async def test_a_launched_kernel_is_hardened_and_reachable_on_localhost(
     assert json.loads(conn_file.read_text())["transport"] == "ipc"
     assert json.loads(conn_file.read_text())["ip"] == IPC_PREFIX
 
-    # What clients get.
-    assert info["transport"] == "tcp"
-    assert info["ip"] == "127.0.0.1"
+    # What clients get: unix sockets in the server's private runtime folder.
+    assert info["transport"] == "ipc"
+    assert info["ip"] == str(runtime_dir.parent / "client")
+    assert stat.S_IMODE(runtime_dir.parent.stat().st_mode) == 0o700
     ports = [info[f"{c}_port"] for c in ("shell", "iopub", "stdin", "control", "hb")]
     assert all(isinstance(p, int) and p > 0 for p in ports)
     assert len(set(ports)) == 5
@@ -426,11 +432,43 @@ async def test_a_restart_keeps_the_client_ports_with_a_fresh_launch_dir(
     assert not outer.exists()
 
 
-async def test_a_bridge_port_is_freed_after_cleanup(
+async def test_kernelspec_env_templates_read_only_what_pass_env_allows(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
+) -> None:
+    """jupyter_client fills ${VAR} in a kernelspec's env from the server's environment: a
+    kernelspec printed the server's JUPYTERHUB_API_TOKEN that way."""
+    fake_client.on_start = kernel_binds_its_sockets
+    spec = kernel_spec(env={"STOLEN": "${JUPYTER_TOKEN}", "AWS": "x-$AWS_SECRET_ACCESS_KEY", "L": "${LANG}"})
+    prov = make_provisioner(spec, image="img:1")
+    await launch(prov, workspace)
+    (container,) = fake_client.containers_created
+    env = container.create_kwargs["environment"]
+    assert env["STOLEN"] == "${JUPYTER_TOKEN}"
+    assert env["AWS"] == "x-$AWS_SECRET_ACCESS_KEY"
+    assert env["L"] == SERVER_ENV["LANG"]  # pass_env names it
+    assert SERVER_ENV["JUPYTER_TOKEN"] not in json.dumps(env)
+
+
+async def test_the_client_sockets_are_gone_after_cleanup(
     make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
 ) -> None:
     fake_client.on_start = kernel_binds_its_sockets
     prov = make_provisioner(image="img:1")
+    info = await launch(prov, workspace)
+    sockets = [
+        Path(f"{info['ip']}-{info[f'{c}_port']}") for c in ("shell", "iopub", "stdin", "control", "hb")
+    ]
+    assert all(stat.S_ISSOCK(p.stat().st_mode) for p in sockets)
+    await prov.cleanup()
+    assert not any(p.exists() for p in sockets)
+    assert not Path(info["ip"]).parent.exists()
+
+
+async def test_a_bridge_port_is_freed_after_cleanup(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
+) -> None:
+    fake_client.on_start = kernel_binds_its_sockets
+    prov = make_provisioner(image="img:1", client_transport="tcp")
     info = await launch(prov, workspace)
     await prov.cleanup()
     ctx = zmq.Context()
@@ -512,7 +550,7 @@ async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
 ) -> None:
     def kernel_and_relay_bind(container: FakeContainer) -> None:
         kernel_binds_its_sockets(container)
-        (container.runtime_dir / "egress.sock").touch()
+        make_socket_file(container.runtime_dir / "egress.sock")
 
     fake_client.on_start = kernel_and_relay_bind
     config = {"network": "allowlist", "allowed_domains": ["docs.python.org", "*.readthedocs.io:443"]}

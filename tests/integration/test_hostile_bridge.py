@@ -1,0 +1,202 @@
+"""Red-team attacks on the bridge, written the way the attackers did them (issue #8).
+
+From another local user: connecting to a kernel's channels, forging requests without the
+key. From code in the kernel: forged replies to escape the time limits, status messages
+to escape the output cap, malformed and oversized frames to kill or bloat the bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from jupyter_client import KernelManager
+from jupyter_client.session import Session
+from traitlets.config import Config
+
+from .conftest import KernelStarter, restarting_kernel, run_ok, wait_for_restart
+
+pytestmark = pytest.mark.integration
+
+CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+
+#: In a cell: answer the running execute_request ourselves, as the red team did.
+FORGE_REPLY = (
+    "k = get_ipython().kernel\n"
+    "def forge():\n"
+    "    k.session.send(k.shell_stream, 'execute_reply', {'status': 'ok', 'execution_count': 1},\n"
+    "                   parent=k.get_parent('shell'), ident=k._parent_ident['shell'])\n"
+)
+
+
+def addresses(km: KernelManager) -> list[str]:
+    info = km.get_connection_info()
+    return [f"{info['ip']}-{info[f'{c}_port']}" for c in CHANNELS]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another local user")
+def test_another_local_user_cannot_reach_a_kernels_channels(start_kernel: KernelStarter) -> None:
+    """As uid 65534 (nobody), connect to each of the kernel's sockets: all refused."""
+    km, kc = start_kernel()
+    assert km.transport == "ipc"
+    paths = addresses(km)
+    folder = Path(paths[0]).parent
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    probe = (
+        "import socket, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n"
+        "        s.connect(path); print('CONNECTED', path)\n"
+        "    except OSError as e:\n"
+        "        print('refused', type(e).__name__)\n"
+    )
+    out = subprocess.run(
+        ["/usr/bin/python3", "-c", probe, *paths], user=65534, capture_output=True, text=True, check=True
+    ).stdout
+    assert "CONNECTED" not in out
+    assert out.count("refused PermissionError") == 5
+    assert run_ok(kc, "print(6 * 7)").strip() == "42"  # the owner is unaffected
+
+
+def test_over_tcp_a_request_without_the_key_acts_on_nothing(
+    start_kernel: KernelStarter, workspace: Path, tmp_path: Path
+) -> None:
+    """A local user sends a forged execute_request to the kernel's TCP port: it never runs,
+    never reaches the audit log, and the owner's kernel works on."""
+    audit = tmp_path / "audit.jsonl"
+    config = Config({"SandboxProvisioner": {"client_transport": "tcp", "audit_log": str(audit)}})
+    km, kc = start_kernel(config=config)
+    info = km.get_connection_info()
+    assert info["transport"] == "tcp"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        attacker = ctx.socket(zmq.DEALER)
+        attacker.linger = 0
+        attacker.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+        forger = Session(key=b"")
+        forged = forger.msg("execute_request", {"code": "open('/workspace/pwned', 'w').write('x')"})
+        forged["header"]["username"] = "alice"
+        for _ in range(3):
+            attacker.send_multipart(list(forger.serialize(forged)))
+        attacker.send_multipart([b"<IDS|MSG>", b"", b"{}", b"{}", b"{}", b"x" * (80 * 2**20)])
+        time.sleep(1)
+    finally:
+        ctx.destroy(linger=0)
+    assert run_ok(kc, "print('owner')").strip() == "owner"
+    assert not (workspace / "pwned").exists()
+    logged = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [entry["code"] for entry in logged] == ["print('owner')"] * 2  # started, finished
+    assert km.provisioner.bridge.dropped["shell message from a client: bad signature"] == 3  # type: ignore[union-attr]
+
+
+async def test_a_forged_reply_does_not_escape_the_wall_clock_limit(
+    make_kernelspec: Callable[..., str], workspace: Path
+) -> None:
+    """The cell answers its own request and spins on: the host sees the CPU and kills it."""
+    name = make_kernelspec("forger", config={"exec_timeout": 3})
+    config = Config({"SandboxProvisioner": {"exec_kill_grace": 2}})
+    async with restarting_kernel(workspace, name, config) as (_, kc, restarts):
+        started = time.monotonic()
+        msg_id = kc.execute(
+            FORGE_REPLY
+            + "forge()\nimport signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass"
+        )
+        reply = await kc.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["status"] == "ok"  # the forged reply: the host cannot tell
+        await wait_for_restart(restarts, 40, "the kernel spinning after its forged reply was not stopped")
+        assert time.monotonic() - started < 3 + 2 + 20
+        await kc.wait_for_ready(timeout=60)
+        reply = await kc.execute_interactive("print('back')", timeout=30)
+        assert reply["content"]["status"] == "ok"
+
+
+async def test_forged_replies_do_not_keep_an_idle_kernel_alive(
+    make_kernelspec: Callable[..., str], workspace: Path
+) -> None:
+    """A thread answers the last request again and again: that is not activity."""
+    name = make_kernelspec("chatty", config={"idle_timeout": 4})
+    async with restarting_kernel(workspace, name) as (km, kc, _):
+        code = (
+            FORGE_REPLY + "import threading, time\n"
+            "parent, ident = k.get_parent('shell'), k._parent_ident['shell']\n"
+            "def spam():\n"
+            "    while True:\n"
+            "        k.session.send(k.shell_stream, 'execute_reply', {'status': 'ok'},\n"
+            "                       parent=parent, ident=ident)\n"
+            "        time.sleep(0.2)\n"
+            "threading.Thread(target=spam, daemon=True).start()"
+        )
+        assert (await kc.execute_interactive(code, timeout=30))["content"]["status"] == "ok"
+        deadline = time.monotonic() + 30
+        while await km.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert not await km.is_alive(), "forged replies kept the kernel past its idle limit"
+
+
+def test_status_messages_are_charged_to_the_output_cap(start_kernel: KernelStarter) -> None:
+    """52.6 MB of padded status messages once went through a 1 MiB cap."""
+    config = Config({"SandboxProvisioner": {"output_limit": "1m"}})
+    _, kc = start_kernel(config=config)
+    msg_id = kc.execute(
+        "k = get_ipython().kernel\n"
+        "for _ in range(20000):\n"
+        "    k.session.send(k.iopub_socket, 'status', {'execution_state': 'busy', 'p': 'A' * 560},\n"
+        "                   parent=k.get_parent('shell'))\n"
+    )
+    received = 0
+    reply: dict[str, Any] | None = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if reply is None and kc.shell_channel.msg_ready():
+            reply = kc.get_shell_msg()
+        try:
+            msg = kc.get_iopub_msg(timeout=1)
+        except Exception:  # noqa: BLE001  # queue.Empty: quiet for a second
+            if reply is not None:
+                break
+            continue
+        if msg["msg_type"] == "status":
+            received += len(json.dumps(msg["content"]))
+    assert reply is not None
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert received < 2 * 2**20, f"{received} bytes of status messages passed a 1 MiB cap"
+    assert run_ok(kc, "print('after')").strip() == "after"
+
+
+def test_malformed_and_oversized_frames_from_the_kernel_leave_the_bridge_working(
+    start_kernel: KernelStarter,
+) -> None:
+    """A nested header (once a RecursionError that killed the relay for good), an unsigned
+    message and a 40 MiB reply: dropped, and the kernel answers on, restarts included."""
+    km, kc = start_kernel()
+    run_ok(
+        kc,
+        "k = get_ipython().kernel\n"
+        "k.iopub_socket.send_multipart([b'x', b'<IDS|MSG>', b'', b'[' * 1005, b'{}', b'{}', b'{}'])\n"
+        "k.iopub_socket.send_multipart([b'x', b'<IDS|MSG>', b'', b'{}', b'{}', b'{}', b'{}'])\n"
+        "print('sent')",
+    )
+    # Over the cap: the bridge cuts the kernel off (so this cell's own reply may be lost
+    # with it) and connects again.
+    kc.execute(
+        "k.session.send(k.shell_stream, 'execute_reply', {'p': 'x' * (40 * 2**20)},\n"
+        "               parent=k.get_parent('shell'), ident=k._parent_ident['shell'])"
+    )
+    time.sleep(3)
+    assert run_ok(kc, "print('alive')").strip() == "alive"
+    dropped = km.provisioner.bridge.dropped  # type: ignore[union-attr]
+    assert dropped["iopub message from the kernel: bad signature"] >= 1
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert run_ok(kc, "print('restarted')").strip() == "restarted"
