@@ -151,8 +151,7 @@ def test_status_messages_are_charged_to_the_output_cap(start_kernel: KernelStart
     msg_id = kc.execute(
         "k = get_ipython().kernel\n"
         "for _ in range(20000):\n"
-        "    k.session.send(k.iopub_socket, 'status', {'execution_state': 'busy', 'p': 'A' * 560},\n"
-        "                   parent=k.get_parent('shell'))\n"
+        "    k.session.send(k.iopub_socket, 'status', {'execution_state': 'busy', 'p': 'A' * 560})\n"
     )
     received = 0
     reply: dict[str, Any] | None = None
