@@ -118,6 +118,20 @@ def _ipc_in_use(path: str) -> bool:
     return True
 
 
+def _socket_file(address: str) -> str:
+    """Where the socket behind the client address ``address`` lives (see :func:`_link`)."""
+    folder, name = os.path.split(address)
+    return os.path.join(folder, f".{name}.sock")
+
+
+def _link(address: str) -> None:
+    """Make ``address`` (what clients connect to) a relative link to its socket file."""
+    tmp = f"{address}.new"
+    Path(tmp).unlink(missing_ok=True)
+    os.symlink(os.path.basename(_socket_file(address)), tmp)
+    os.replace(tmp, address)
+
+
 class KernelBridge:
     """Relays a sandboxed kernel's ZeroMQ channels to clients on the host.
 
@@ -170,12 +184,10 @@ class KernelBridge:
         # zmq sockets are not thread-safe; injections come from the loop and the bridge thread.
         self._inject_lock = threading.Lock()
         # msg_id -> routing identities of each client waiting for that reply, per channel.
-        self._outstanding: dict[str, OrderedDict[str, list[list[bytes]]]] = {
+        self._outstanding: dict[str, OrderedDict[str, list[tuple[float, list[bytes]]]]] = {
             channel: OrderedDict() for channel in _REQUEST_REPLY
         }
         self._last_warning = 0.0
-        #: When a client last sent a (signed) shell or control request.
-        self.last_request = float("-inf")
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
         #: Messages dropped, by reason ("shell from a client: bad signature", ...).
@@ -255,23 +267,24 @@ class KernelBridge:
         # bridge's socket (a second process reattaching to the same kernel).
         if _ipc_in_use(path):
             raise zmq.ZMQError(errno.EADDRINUSE, f"{path} is in use by another process")
-        front.bind(f"ipc://{path}")
+        front.bind(f"ipc://{_socket_file(path)}")
+        _link(path)
         return port
 
-    def _rebind_lost_ipc_fronts(self) -> None:
-        """Bind again any ipc socket whose file is gone.
+    def _restore_ipc_links(self) -> None:
+        """Put back any client address that is gone.
 
         jupyter_client removes a kernel's ipc files when it restarts the kernel
-        (``cleanup_ipc_files``); the bridge lives on, and new clients must find it.
+        (``cleanup_ipc_files``); the bridge lives on, and new clients must find it. The
+        address clients use is a link to the socket the bridge bound once, so only the
+        link is made again: the listener, and every client connected through it, stay.
         """
         if self.transport != "ipc":
             return
-        for channel, front in self._fronts.items():
+        for channel in self._fronts:
             path = f"{self.ip}-{self.ports[channel]}"
-            if not os.path.exists(path):
-                # A second listener at the same address: the clients connected through
-                # the first one (whose file is gone) stay connected.
-                front.bind(f"ipc://{path}")
+            if not os.path.lexists(path):
+                _link(path)
 
     def attach(self, kernel_endpoints: Mapping[str, str]) -> None:
         """Connect fresh kernel-facing sockets to ``kernel_endpoints`` and relay."""
@@ -279,7 +292,7 @@ class KernelBridge:
             msg = "attach() before start()"
             raise RuntimeError(msg)
         self.detach()
-        self._rebind_lost_ipc_fronts()
+        self._restore_ipc_links()
         self._kernel_endpoints = dict(kernel_endpoints)
         for pending in self._outstanding.values():
             pending.clear()  # the next kernel answers none of the last one's requests
@@ -472,7 +485,7 @@ class KernelBridge:
             try:
                 peer.send_multipart(message, zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                log.warning("Bridge dropped a %s message: the receiver is not keeping up", channel)
+                self._drop(channel, to_kernel, "the receiver is not keeping up")
             except zmq.ZMQError as exc:
                 # A ROUTER cannot deliver to a peer that has gone away.
                 log.debug("Bridge could not forward a %s message: %s", channel, exc)
@@ -492,10 +505,12 @@ class KernelBridge:
             return frames
         outstanding = self._outstanding[channel]
         if to_kernel:
-            self.last_request = time.monotonic()
-            msg_id = str(load_dict(frames[index + 2]).get("msg_id", ""))
+            header = load_dict(frames[index + 2])
+            if not str(header.get("msg_type", "")).endswith("_request"):
+                return frames  # comm messages: the kernel answers none of them
+            msg_id = str(header.get("msg_id", ""))
             waiting = outstanding.pop(msg_id, [])
-            waiting.append([frame_bytes(frame) for frame in frames[:index]])
+            waiting.append((time.monotonic(), [frame_bytes(frame) for frame in frames[:index]]))
             outstanding[msg_id] = waiting
             while len(outstanding) > _MAX_OUTSTANDING:
                 outstanding.popitem(last=False)
@@ -507,10 +522,23 @@ class KernelBridge:
         if not waiting:
             self._drop(channel, to_kernel, "reply to no pending request")
             return None
-        idents = waiting.pop(0)
+        _, idents = waiting.pop(0)
         if not waiting:
             del outstanding[msg_id]
         return [*idents, *frames[index:]]
+
+    def requests_in_flight(self, max_age: float) -> bool:
+        """Whether a client's request younger than ``max_age`` seconds awaits its reply
+        (any thread; a glance, not a snapshot)."""
+        oldest_allowed = time.monotonic() - max_age
+        try:
+            for outstanding in self._outstanding.values():
+                for waiting in list(outstanding.values())[-64:]:
+                    if any(since >= oldest_allowed for since, _ in waiting):
+                        return True
+        except RuntimeError:  # changed by the bridge thread meanwhile: assume busy
+            return True
+        return False
 
     def _drop(self, channel: str, to_kernel: bool, reason: str) -> None:
         source = "from a client" if to_kernel else "from the kernel"
@@ -533,7 +561,9 @@ class KernelBridge:
                 sock.close(linger=0)
         if self.transport == "ipc":
             for channel in self._fronts:
-                Path(f"{self.ip}-{self.ports[channel]}").unlink(missing_ok=True)
+                path = f"{self.ip}-{self.ports[channel]}"
+                Path(path).unlink(missing_ok=True)
+                Path(_socket_file(path)).unlink(missing_ok=True)
         self._fronts = {}
         self._inject_rx = None
         if self._context is not None:

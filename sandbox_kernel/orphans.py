@@ -345,9 +345,18 @@ async def prune_orphans(
 
 
 async def _prune(
-    docker_api: SandboxDocker, runtime_parent_of: Callable[[SandboxedKernel], str | None]
+    docker_api: SandboxDocker,
+    runtime_parent_of: Callable[[SandboxedKernel], str | None],
+    only_own: bool = False,
 ) -> list[SandboxedKernel]:
-    doomed = [k for k in await list_kernels(docker_api) if k.removable]
+    doomed = [
+        k
+        for k in await list_kernels(docker_api)
+        # Unattended, judge only kernels of this uid whose owner file could be read: one
+        # in another user's folder may have been adopted by a process the label does
+        # not name.
+        if k.removable and (not only_own or (k.server_uid == os.getuid() and k.owner_seen is not None))
+    ]
     for kernel in doomed:
         log.warning(
             "Removing %s sandboxed kernel %s (container %s): its server %s is gone",
@@ -411,7 +420,7 @@ class OrphanReaper:
     async def reap(self) -> list[SandboxedKernel]:
         """One round: remove the kernels whose owner is gone; return them."""
         try:
-            return await _prune(self.docker, self._runtime_parent_of)
+            return await _prune(self.docker, self._runtime_parent_of, only_own=True)
         except SandboxKernelError as exc:
             log.warning("Could not remove orphaned sandboxed kernels: %s", exc)
             return []

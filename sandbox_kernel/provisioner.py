@@ -84,8 +84,8 @@ from .wire import stderr_notice
 
 #: Launch variables a kernel needs again when a reattached manager restarts it.
 RELAUNCH_ENV = ("JPY_SESSION_NAME", "JUPYTERHUB_USER")
-#: Seconds of CPU a client's request (a completion, say) may cause outside executions
-#: before it counts as the kernel computing on its own.
+#: Seconds a client's request (a completion, say) may take, awaiting its reply, before
+#: the kernel's CPU counts as computing on its own again.
 REQUEST_CPU_CREDIT = 10.0
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
@@ -102,7 +102,7 @@ class _Watch:
     interrupted: str | None = None
     docker_lost: bool = False
     compute: UntrackedCompute = field(default_factory=UntrackedCompute)
-    executions: int = 0
+    cpu_unknown: bool = False
 
 
 class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignore[metaclass]  # as upstream
@@ -681,12 +681,18 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self.exec_timeout <= 0 or watch.pid is None:
             return False
         bridge = self.bridge
-        now = time.monotonic()
         busy = auditor.current() is not None or (
-            bridge is not None and now - bridge.last_request < REQUEST_CPU_CREDIT
+            bridge is not None and bridge.requests_in_flight(REQUEST_CPU_CREDIT)
         )
-        executions, watch.executions = watch.executions, auditor.executions
-        untracked = watch.compute.observe(now, cpu_seconds(watch.pid), busy, auditor.executions != executions)
+        cpu = cpu_seconds(watch.pid)
+        if cpu is None and not watch.cpu_unknown:
+            watch.cpu_unknown = True
+            self.log.warning(
+                "Sandboxed kernel %s: cannot read its CPU time from the host's cgroup; computing "
+                "outside executions is not limited (exec_timeout still bounds each execution)",
+                self.kernel_id,
+            )
+        untracked = watch.compute.observe(time.monotonic(), cpu, busy)
         if not exceeds_exec_timeout(untracked, self.exec_timeout, self.exec_kill_grace):
             return False
         self.log.warning(
@@ -892,6 +898,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await asyncio.to_thread(self.bridge.detach if keep_bridge else self.bridge.stop)
             if not keep_bridge:
                 self.bridge = None
+        # A request the relay passed on meanwhile went to the dead kernel and is lost: its
+        # client hears why (once the bridge relays again), and it must not run the next
+        # kernel's clocks.
+        self._answer_pending(ename, reason)
         doomed = self.launch_dir if keep_bridge else self.runtime_dir
         if doomed is not None:
             # The kernel may have left any number of files: never on the event loop.

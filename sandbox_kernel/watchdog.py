@@ -16,31 +16,32 @@ IDLE_ALLOWANCE = 0.15
 
 @dataclass
 class UntrackedCompute:
-    """CPU time a kernel spends while no request of a client is being worked on.
+    """CPU time a kernel spends while no request of a client is being worked on: a
+    leaky bucket, filled by what it uses beyond :data:`IDLE_ALLOWANCE` and drained by
+    what it leaves of it.
 
-    It counts from the last execution a client started, beyond :data:`IDLE_ALLOWANCE`,
-    so a kernel that keeps computing after its reply (a forged reply, or a background
-    thread) runs into the same wall-clock limit as an execution.
+    So a kernel that keeps computing after its reply (a forged reply, or a background
+    thread) runs into the same limit as an execution, whether or not clients send more
+    cells meanwhile, while short bursts (a widget redrawing, garbage collection) drain
+    away.
     """
 
     allowance: float = IDLE_ALLOWANCE
     seconds: float = 0.0
     _last: tuple[float, float] | None = None
 
-    def observe(self, now: float, cpu: float | None, busy: bool, new_execution: bool) -> float:
-        """Account for the time since the last look; returns the seconds counted so far.
+    def observe(self, now: float, cpu: float | None, busy: bool) -> float:
+        """Account for the time since the last look; returns the seconds in the bucket.
 
-        ``busy``: a client's request is being worked on (its CPU is the request's);
-        ``new_execution``: a client started an execution since the last look.
+        ``busy``: a client's request is being worked on (its CPU is the request's, and
+        the bucket neither fills nor drains).
         """
-        if new_execution:
-            self.seconds = 0.0
         if cpu is None:
             self._last = None
             return self.seconds
         if self._last is not None and not busy:
             then, used = self._last
-            self.seconds += max(0.0, (cpu - used) - self.allowance * (now - then))
+            self.seconds = max(0.0, self.seconds + (cpu - used) - self.allowance * (now - then))
         self._last = (now, cpu)
         return self.seconds
 

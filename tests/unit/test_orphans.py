@@ -202,15 +202,20 @@ def container(
     lifecycle: str = "ephemeral",
     ttl: float = 0,
     idle: float = 0,
+    server_uid: int | None = None,
+    owner_file: bool = True,
 ) -> dict[str, Any]:
     """A sandbox container as Docker inspects it, with its runtime folder and owner file."""
     (runtime / "run1").mkdir(parents=True)
-    (runtime / "owner").write_text(owner)
-    os.utime(runtime / "owner", (time.time() - idle, time.time() - idle))
+    if owner_file:
+        (runtime / "owner").write_text(owner)
+        os.utime(runtime / "owner", (time.time() - idle, time.time() - idle))
     return {
         "Id": container_id,
         "Config": {
             "Labels": {
+                "io.sandbox-kernel.owner": owner,
+                "io.sandbox-kernel.server-uid": str(os.getuid() if server_uid is None else server_uid),
                 "io.sandbox-kernel.kernel-id": f"kernel-{container_id}",
                 "io.sandbox-kernel.runtime-dir": str(runtime / "run1"),
                 "io.sandbox-kernel.lifecycle": lifecycle,
@@ -281,6 +286,10 @@ def test_the_reaper_removes_only_what_prune_removes(tmp_path: Path, caplog: pyte
         container("expired", ours / "sandbox-kernel-expired", dead_owner(), "persistent", ttl=60, idle=120),
         container("unjudged", ours / "sandbox-kernel-unjudged", "another-host/1/1/1"),
         container("stray", elsewhere / "sandbox-kernel-stray", dead_owner()),
+        # Another user's, and one whose owner file cannot be read: the labels name the
+        # server that created them, which may not be who holds them now.
+        container("theirs", ours / "sandbox-kernel-theirs", dead_owner(), server_uid=os.getuid() + 1),
+        container("unreadable", ours / "sandbox-kernel-unreadable", dead_owner(), owner_file=False),
     )
     reaper = OrphanReaper(host)  # type: ignore[arg-type]
     reaper._runtime_parents.append(ours)
@@ -291,7 +300,9 @@ def test_the_reaper_removes_only_what_prune_removes(tmp_path: Path, caplog: pyte
         "sandbox-kernel-forever",
         "sandbox-kernel-lasting",
         "sandbox-kernel-live",
+        "sandbox-kernel-theirs",
         "sandbox-kernel-unjudged",
+        "sandbox-kernel-unreadable",
     ]
     assert (elsewhere / "sandbox-kernel-stray").exists(), "only this process's runtime folders are deleted"
     assert "Removing orphaned sandboxed kernel kernel-orphan" in caplog.text
