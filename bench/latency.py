@@ -21,7 +21,7 @@ of ``jupyter_client`` would see it:
   cache): under gVisor the guest's memory lives in a memory file that no host process's
   RSS/PSS reflects, so the cgroup is the honest figure of what the host pays.
 
-All kernels run in one temporary working folder made for the run (owned by uid 1000
+All kernels run in one temporary working folder made for the run (owned by uid 65533
 when run as root, so the sandboxed kernel can write to it), one kernel at a time: each
 is shut down before the next one starts. Progress goes to stderr, the table (and, with ``--json``,
 the raw numbers) to stdout.
@@ -52,10 +52,11 @@ from jupyter_client import KernelManager
 from jupyter_client.blocking import BlockingKernelClient
 
 from sandbox_kernel.cgroups import memory_usage
+from sandbox_kernel.policy import DEFAULT_KERNEL_UID
 
 STARTUP_TIMEOUT = 120.0  # seconds for one kernel to become ready
 EXECUTE_TIMEOUT = 30.0  # seconds for one `1+1` round trip
-SANDBOX_UID = 1000  # the uid the sandboxed kernel runs as when we are root
+SANDBOX_UID = DEFAULT_KERNEL_UID  # the uid the sandboxed kernel runs as when we are root
 CODE = "1+1"
 
 
@@ -246,7 +247,7 @@ def format_table(local: dict[str, float], sandboxed: dict[str, float], headers: 
 
 @contextmanager
 def workspace() -> Iterator[str]:
-    """A temporary working folder the sandboxed kernel (uid 1000 under root) can write to."""
+    """A temporary working folder the sandboxed kernel (uid 65533 under root) can write to."""
     with tempfile.TemporaryDirectory(prefix="sandbox-kernel-bench-") as path:
         if os.geteuid() == 0:
             os.chown(path, SANDBOX_UID, SANDBOX_UID)
