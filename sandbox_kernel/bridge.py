@@ -132,6 +132,35 @@ def _link(address: str) -> None:
     os.replace(tmp, address)
 
 
+class _Routes:
+    """What a relay thread polls, and where a message read from each socket goes."""
+
+    def __init__(self) -> None:
+        self.poller = zmq.Poller()
+        self.fronts: dict[str, zmq.Socket[bytes]] = {}
+        #: socket -> (channel, whether it comes from a client, the socket to send it to)
+        self.peers: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]] = {}
+        #: disconnect monitor -> the channel whose kernel-facing socket it watches
+        self.monitors: dict[zmq.Socket[bytes], str] = {}
+
+    def connect(
+        self, channel: str, front: zmq.Socket[bytes], back: zmq.Socket[bytes], monitor: zmq.Socket[bytes]
+    ) -> None:
+        self.fronts[channel] = front
+        self.peers[front] = (channel, True, back)
+        self.peers[back] = (channel, False, front)
+        self.monitors[monitor] = channel
+        for sock in (front, back, monitor):
+            self.poller.register(sock, zmq.POLLIN)
+
+    def disconnect(self, back: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+        """Forget a kernel-facing socket and its monitor (before they are closed)."""
+        for sock in (back, monitor):
+            self.poller.unregister(sock)
+        self.peers.pop(back, None)
+        self.monitors.pop(monitor, None)
+
+
 class KernelBridge:
     """Relays a sandboxed kernel's ZeroMQ channels to clients on the host.
 
@@ -199,10 +228,13 @@ class KernelBridge:
 
     def endpoint(self, channel: str) -> str:
         """The address clients connect to for ``channel``."""
-        port = self.ports[channel]
         if self.transport == "ipc":
-            return f"ipc://{self.ip}-{port}"
-        return f"tcp://{self.ip}:{port}"
+            return f"ipc://{self._ipc_path(channel)}"
+        return f"tcp://{self.ip}:{self.ports[channel]}"
+
+    def _ipc_path(self, channel: str, port: int | None = None) -> str:
+        """The file clients connect to for ``channel``, as jupyter_client names it."""
+        return f"{self.ip}-{port or self.ports[channel]}"
 
     def start(self) -> dict[str, int]:
         """Bind the client-facing sockets, connect to the kernel, start relaying.
@@ -262,7 +294,7 @@ class KernelBridge:
                 return port
             return front.bind_to_random_port(f"tcp://{self.ip}")
         port = port or IPC_PORTS[channel]
-        path = f"{self.ip}-{port}"
+        path = self._ipc_path(channel, port)
         # ZeroMQ unlinks whatever is at the path before binding: never another live
         # bridge's socket (a second process reattaching to the same kernel).
         if _ipc_in_use(path):
@@ -282,7 +314,7 @@ class KernelBridge:
         if self.transport != "ipc":
             return
         for channel in self._fronts:
-            path = f"{self.ip}-{self.ports[channel]}"
+            path = self._ipc_path(channel)
             if not os.path.lexists(path):
                 _link(path)
 
@@ -298,7 +330,9 @@ class KernelBridge:
             pending.clear()  # the next kernel answers none of the last one's requests
         for channel in CHANNELS:
             self._connect_back(channel)
-        pairs = {channel: (self._fronts[channel], self._backs[channel]) for channel in CHANNELS}
+        routes = _Routes()
+        for channel in CHANNELS:
+            routes.connect(channel, self._fronts[channel], self._backs[channel], self._monitors[channel])
         # A stop channel of its own per relay thread: a stop meant for an earlier thread
         # (one that had already ended) can never end this one.
         name = f"inproc://stop-{id(self)}-{next(self._attachments)}"
@@ -308,7 +342,7 @@ class KernelBridge:
         self._stop_tx.connect(name)
         self._thread = threading.Thread(
             target=self._relay,
-            args=(pairs, stop_rx, self._inject_rx),
+            args=(routes, stop_rx, self._inject_rx),
             name="sandbox-kernel-bridge",
             daemon=True,
         )
@@ -374,20 +408,11 @@ class KernelBridge:
 
     def _relay(
         self,
-        pairs: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
+        routes: _Routes,
         stop_rx: zmq.Socket[bytes],
         inject_rx: zmq.Socket[bytes] | None,
     ) -> None:
-        poller = zmq.Poller()
-        route: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]] = {}
-        for channel, (front, back) in pairs.items():
-            route[front] = (channel, True, back)
-            route[back] = (channel, False, front)
-            poller.register(front, zmq.POLLIN)
-            poller.register(back, zmq.POLLIN)
-        monitors = {monitor: channel for channel, monitor in self._monitors.items()}
-        for monitor in monitors:
-            poller.register(monitor, zmq.POLLIN)
+        poller = routes.poller
         poller.register(stop_rx, zmq.POLLIN)
         if inject_rx is not None:
             poller.register(inject_rx, zmq.POLLIN)
@@ -396,18 +421,18 @@ class KernelBridge:
                 for sock, _ in poller.poll():
                     if sock is stop_rx:
                         return
-                    if sock in monitors or sock is inject_rx:
+                    if sock in routes.monitors or sock is inject_rx:
                         try:
                             if inject_rx is not None and sock is inject_rx:
-                                self._deliver_injected(inject_rx, pairs)
+                                self._deliver_injected(inject_rx, routes.fronts)
                             else:
-                                self._reconnect(monitors.pop(sock), pairs, route, monitors, poller)
+                                self._reconnect(routes.monitors[sock], routes)
                         except Exception:
                             log.exception("Bridge could not handle an event; relaying on")
                         continue
-                    if sock not in route:
+                    if sock not in routes.peers:
                         continue  # a socket replaced earlier in this round
-                    channel, to_kernel, peer = route[sock]
+                    channel, to_kernel, peer = routes.peers[sock]
                     # Drain what is queued, but bounded, so one busy channel cannot
                     # starve the others (or the stop request).
                     for _ in range(_BATCH):
@@ -427,39 +452,24 @@ class KernelBridge:
         finally:
             stop_rx.close(linger=0)
 
-    def _reconnect(
-        self,
-        channel: str,
-        pairs: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
-        route: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]],
-        monitors: dict[zmq.Socket[bytes], str],
-        poller: zmq.Poller,
-    ) -> None:
+    def _reconnect(self, channel: str, routes: _Routes) -> None:
         """The kernel-facing socket of ``channel`` lost its kernel: connect a new one.
 
         A kernel that sent an oversized frame was cut off and ZeroMQ would not reconnect;
         a kernel that died is simply reconnected to (its successor binds the same path).
         """
-        front, old = pairs[channel]
-        poller.unregister(old)
-        poller.unregister(self._monitors[channel])
-        route.pop(old, None)
+        routes.disconnect(self._backs[channel], self._monitors[channel])
         self._close_back(channel)
         back = self._connect_back(channel)
-        pairs[channel] = (front, back)
-        route[front] = (channel, True, back)
-        route[back] = (channel, False, front)
-        poller.register(back, zmq.POLLIN)
-        monitors[self._monitors[channel]] = channel
-        poller.register(self._monitors[channel], zmq.POLLIN)
+        routes.connect(channel, routes.fronts[channel], back, self._monitors[channel])
 
     def _deliver_injected(
         self,
         inject_rx: zmq.Socket[bytes],
-        pairs: Mapping[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes]]],
+        fronts: Mapping[str, zmq.Socket[bytes]],
     ) -> None:
         target, *message = inject_rx.recv_multipart()
-        front = pairs[target.decode()][0]
+        front = fronts[target.decode()]
         try:
             front.send_multipart(message, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -561,7 +571,7 @@ class KernelBridge:
                 sock.close(linger=0)
         if self.transport == "ipc":
             for channel in self._fronts:
-                path = f"{self.ip}-{self.ports[channel]}"
+                path = self._ipc_path(channel)
                 Path(path).unlink(missing_ok=True)
                 Path(_socket_file(path)).unlink(missing_ok=True)
         self._fronts = {}
