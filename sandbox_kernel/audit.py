@@ -138,8 +138,6 @@ class ExecutionAuditor:
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
         self.on_refused: Callable[[PendingExecution], None] | None = None
-        #: Executions clients have started so far.
-        self.executions = 0
         self._egress_tokens = float(_EGRESS_BURST)
         self._egress_stamp = time.monotonic()
         self._egress_suppressed = 0
@@ -192,7 +190,6 @@ class ExecutionAuditor:
                 if superseded is not None:
                     self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
                 self._pending[msg_id] = pending
-                self.executions += 1
                 # Written now too, so a server that dies mid-cell still leaves a trace.
                 self._write(self._record("started", msg_id, pending))
                 while len(self._pending) > _MAX_PENDING:

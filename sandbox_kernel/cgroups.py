@@ -16,11 +16,6 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def _memory_cgroup(pid: int, proc: Path = Path("/proc")) -> tuple[Path, int] | None:
-    """(folder of ``pid``'s memory cgroup, cgroup version), or None if unknown."""
-    return _cgroup(pid, "memory", proc)
-
-
 def _cgroup(pid: int, controller: str, proc: Path = Path("/proc")) -> tuple[Path, int] | None:
     """(folder of ``pid``'s cgroup for ``controller``, cgroup version), or None if unknown."""
     try:
@@ -55,7 +50,7 @@ def _read_keyed(path: Path) -> dict[str, int]:
 
 def oom_kills(pid: int, proc: Path = Path("/proc")) -> int | None:
     """How many processes the OOM killer has killed in ``pid``'s memory cgroup; None if unknown."""
-    found = _memory_cgroup(pid, proc)
+    found = _cgroup(pid, "memory", proc)
     if found is None:
         return None
     folder, version = found
@@ -65,7 +60,7 @@ def oom_kills(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 def memory_usage(pid: int, proc: Path = Path("/proc")) -> int | None:
     """Bytes of memory charged to ``pid``'s memory cgroup; None if unknown."""
-    found = _memory_cgroup(pid, proc)
+    found = _cgroup(pid, "memory", proc)
     if found is None:
         return None
     folder, version = found

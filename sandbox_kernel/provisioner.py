@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import getpass
 import json
 import os
@@ -297,9 +296,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self._spec is None:
             msg = "launch_kernel() called before pre_launch()"
             raise RuntimeError(msg)
-        km = self.parent
-        key: bytes = km.session.key if km is not None else b""
-        scheme: str = km.session.signature_scheme if km is not None else "hmac-sha256"
+        key, scheme = self._session_key()
         try:
             launch_dir = await asyncio.to_thread(self._new_launch_dir, self._spec.uid, self._spec.gid)
             spec = replace(self._spec, runtime_dir=launch_dir)
@@ -982,16 +979,18 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             self._egress = self.egress_policy()  # the server's ceilings may have narrowed
-            same_transport = info.get("transport") == self.client_transport
-            try:
-                if not same_transport:
-                    raise zmq.ZMQError(errno.EPROTONOSUPPORT, "the server's client_transport changed")
-                await self._attach_bridge(self.launch_dir, ports, str(info.get("ip", "")))
-            except zmq.ZMQError as exc:
-                # The old addresses are taken (another process holds the kernel too) or
-                # unusable: clients get new ones.
-                self.log.info("Sandboxed kernel %s: %s unavailable (%s)", self.kernel_id, ports, exc)
-                self.bridge = None
+            unusable: str | None = None
+            if info.get("transport") != self.client_transport:
+                unusable = "the server's client_transport changed"
+            else:
+                try:
+                    await self._attach_bridge(self.launch_dir, ports, str(info.get("ip", "")))
+                except zmq.ZMQError as exc:
+                    unusable = str(exc)  # taken: another process holds the kernel too
+                    self.bridge = None
+            if unusable is not None:
+                # Clients get new addresses.
+                self.log.info("Sandboxed kernel %s: %s unavailable (%s)", self.kernel_id, ports, unusable)
                 fresh = await self._attach_bridge(self.launch_dir, ip=self._spare_client_ip())
                 moved: dict[str, Any] = {
                     **info,
