@@ -102,15 +102,8 @@ def owner_is_gone(identity: str) -> bool:
 
 
 def write_owner(runtime_dir: Path) -> None:
-    """Record this process as the owner of the kernel whose runtime folder this is.
-
-    An owner also removes the kernels of owners that died: while this process watches
-    kernels, its :class:`OrphanReaper` runs every ``REAP_INTERVAL`` seconds and removes
-    their runtime folders from ``runtime_dir``'s parent folder.
-    """
+    """Record this process as the owner of the kernel whose runtime folder this is."""
     _replace_file(runtime_dir / OWNER_FILE, server_identity().encode(), 0o644)
-    if runtime_dir.name.startswith(RUNTIME_DIR_PREFIX):
-        OrphanReaper.instance().watch(runtime_dir.parent)
 
 
 def _replace_file(path: Path, data: bytes, mode: int) -> None:

@@ -43,7 +43,7 @@ from .errors import (
 )
 from .launch_folder import seal_launch_dir
 from .limits import check_within_ceilings, kernel_startup, size_bytes
-from .orphans import prune_orphans, remove_tree, server_identity, write_owner, write_state
+from .orphans import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
 from .policy import (
     CONTAINER_EGRESS_SOCKET,
@@ -572,8 +572,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         return str(execution.header.get("msg_id", "")), execution.header
 
     def _start_watchdog(self, container_id: str) -> None:
+        """Watch the kernel; while this process watches kernels, it also removes those of
+        owners that died (see :class:`~.orphans.OrphanReaper`)."""
         self._manager_loop = asyncio.get_running_loop()
         self._watchdog = BackgroundLoop.instance().submit(self._watch(container_id))
+        if self.runtime_dir is not None:
+            OrphanReaper.instance().watch(self.runtime_dir.parent)
 
     async def _watch(self, container_id: str) -> None:
         """The kernel's watchdog, on the background loop (whether or not its manager's

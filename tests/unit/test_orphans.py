@@ -318,7 +318,7 @@ def test_a_kernel_owner_reaps_orphans_every_interval_while_it_watches_kernels(
     monkeypatch.setattr(orphans, "REAP_INTERVAL", 0.1)
     mine = parent / "sandbox-kernel-mine"
     mine.mkdir()
-    write_owner(mine)  # as a provisioner does when it starts a kernel
+    OrphanReaper.instance().watch(parent)  # as a provisioner does when it starts watching a kernel
     time.sleep(0.3)
     assert host.removed == [], "no reaping before there is a kernel to watch"
     watchdog = loop.submit(asyncio.sleep(30))
@@ -328,10 +328,9 @@ def test_a_kernel_owner_reaps_orphans_every_interval_while_it_watches_kernels(
     watchdog.cancel()
 
 
-def test_writing_an_owner_file_elsewhere_starts_no_reaping(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_writing_an_owner_file_starts_no_reaping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reaper = OrphanReaper(FakeHost())  # type: ignore[arg-type]
     monkeypatch.setattr(OrphanReaper, "_instance", reaper)
-    write_owner(tmp_path)
+    (tmp_path / "sandbox-kernel-x").mkdir()
+    write_owner(tmp_path / "sandbox-kernel-x")
     assert reaper._runtime_parents == []
