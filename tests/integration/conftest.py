@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -166,6 +167,19 @@ def make_workspace(path: Path) -> Path:
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     return make_workspace(tmp_path / "workspace")
+
+
+@pytest.fixture
+def volume_prefix(docker_client: docker.DockerClient) -> Iterator[str]:
+    """A unique prefix for this test's workspace volumes; they are removed afterwards."""
+    prefix = f"sk-test-{secrets.token_hex(4)}"
+    yield prefix
+    for volume in docker_client.volumes.list():
+        if volume.name.startswith(prefix):
+            # Kernels still running on it (a failed test) go first.
+            for container in docker_client.containers.list(all=True, filters={"volume": volume.name}):
+                container.remove(force=True)
+            volume.remove(force=True)
 
 
 KernelStarter = Callable[..., tuple[KernelManager, BlockingKernelClient]]

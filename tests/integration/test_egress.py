@@ -9,7 +9,6 @@ real connections decided by the real proxy.
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import io
 import json
@@ -32,6 +31,7 @@ from traitlets.config import Config
 from sandbox_kernel.egress import EgressProxy
 from sandbox_kernel.errors import ConfigurationError
 
+from ..upstreams import KeepAliveUpstream
 from .conftest import KERNEL, KernelStarter, run, run_ok
 
 pytestmark = pytest.mark.integration
@@ -78,45 +78,6 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
         pass
 
 
-class _KeepAliveUpstream:
-    """Plain HTTP/1.1 that parses request after request on a connection, whatever
-    ``Connection: close`` says (as virtual-hosting fronts may): anything a proxy forwards
-    after the first request reaches it. Records each request's method, path and Host."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.listener.getsockname()[1])
-        self.seen: list[dict[str, str | None]] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = self.listener.accept()
-                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(10)
-        stream = conn.makefile("rb")
-        with conn, stream, contextlib.suppress(OSError, ValueError):
-            while line := stream.readline():
-                if not line.strip():
-                    continue
-                method, path, _ = line.decode("latin-1").split(" ", 2)
-                fields: dict[str, str] = {}
-                while (header := stream.readline().decode("latin-1").strip()) != "":
-                    name, _, value = header.partition(":")
-                    fields[name.strip().lower()] = value.strip()
-                stream.read(int(fields.get("content-length", "0")))
-                request = {"method": method, "path": path, "host": fields.get("host")}
-                self.seen.append(request)
-                body = json.dumps(request).encode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-
-    def paths(self) -> list[str | None]:
-        return [request["path"] for request in self.seen]
-
-
 @dataclass
 class Upstreams:
     http_port: int
@@ -124,7 +85,7 @@ class Upstreams:
     ca_pem: bytes
     #: A host service (bound on every address) that the sandbox must never reach.
     host_service_port: int
-    keepalive: _KeepAliveUpstream
+    keepalive: KeepAliveUpstream
 
 
 def _serve(bind: str, tls: ssl.SSLContext | None) -> tuple[http.server.ThreadingHTTPServer, threading.Thread]:
@@ -146,9 +107,9 @@ def upstreams() -> Iterator[Upstreams]:
     cert.configure_cert(tls)
     servers = [_serve("127.0.0.1", None), _serve("127.0.0.1", tls), _serve("0.0.0.0", None)]
     plain, secure, host_service = (s.server_address[1] for s, _ in servers)
-    keepalive = _KeepAliveUpstream()
+    keepalive = KeepAliveUpstream(timeout=10)
     yield Upstreams(int(plain), int(secure), ca.cert_pem.bytes(), int(host_service), keepalive)
-    keepalive.listener.close()
+    keepalive.stop()
     for server, thread in servers:
         server.shutdown()
         server.server_close()

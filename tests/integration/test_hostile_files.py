@@ -13,9 +13,8 @@ import grp
 import json
 import os
 import pwd
-import secrets
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -131,18 +130,6 @@ def special_files(root: Path) -> list[str]:
             if not path.is_symlink() and "security.capability" in os.listxattr(path):
                 found.append(f"{path.relative_to(root)} security.capability")
     return found
-
-
-@pytest.fixture
-def volume_prefix(docker_client: docker.DockerClient) -> Iterator[str]:
-    """A unique prefix for this test's workspace volumes; they are removed afterwards."""
-    prefix = f"sk-files-{secrets.token_hex(4)}"
-    yield prefix
-    for volume in docker_client.volumes.list():
-        if volume.name.startswith(prefix):
-            for container in docker_client.containers.list(all=True, filters={"volume": volume.name}):
-                container.remove(force=True)
-            volume.remove(force=True)
 
 
 @pytest.mark.parametrize("kind", ["folder", "volume"])

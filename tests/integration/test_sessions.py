@@ -9,7 +9,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import docker
@@ -35,19 +35,6 @@ WRITE_RESULTS = (
     "print(hashlib.sha256(data).hexdigest())"
 )
 READ_RESULTS = "import hashlib\nprint(hashlib.sha256(open('results.bin', 'rb').read()).hexdigest())"
-
-
-@pytest.fixture
-def volume_prefix(docker_client: docker.DockerClient) -> Iterator[str]:
-    """A unique prefix for this test's workspace volumes; they are removed afterwards."""
-    prefix = f"sk-test-{secrets.token_hex(4)}"
-    yield prefix
-    for volume in docker_client.volumes.list():
-        if volume.name.startswith(prefix):
-            # Kernels still running on it (a failed test) go first.
-            for container in docker_client.containers.list(all=True, filters={"volume": volume.name}):
-                container.remove(force=True)
-            volume.remove(force=True)
 
 
 def _kernelspec(make_kernelspec: Callable[..., str], kind: str, prefix: str, **config: object) -> str:
