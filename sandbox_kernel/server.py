@@ -62,14 +62,30 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         if self.keep_sessions:
             self._keep_sessions_in_a_file()
         if self.adopt_persistent_kernels:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                # The server's loop has not started: adopt before it serves any request,
-                # or the first session listing would drop sessions of kernels not yet back.
-                run_sync(self.adopt_kernels)()
-            else:
-                self._adopting = asyncio.ensure_future(self.adopt_kernels())
+            self._adopt_before_serving()
+
+    def _adopt_before_serving(self) -> None:
+        """Adopt on the loop the server will serve on, before it serves any request
+        (the first session listing would drop sessions of kernels not yet back).
+
+        ServerApp creates that loop (``io_loop``) before this manager and runs it only
+        after ``initialize``: running it here until adoption is done puts the adopted
+        kernels' ZeroMQ streams, restarter and culler on it. ``jupyter lab`` and
+        ``jupyter notebook`` make another loop current meanwhile, so ``run_sync`` would
+        adopt onto a loop that never runs again, and the kernels would hang.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:  # created by a running program: adopt alongside it
+            self._adopting = asyncio.ensure_future(self.adopt_kernels())
+            return
+        serving = getattr(getattr(self.parent, "io_loop", None), "asyncio_loop", None)
+        if isinstance(serving, asyncio.AbstractEventLoop) and not serving.is_closed():
+            serving.run_until_complete(self.adopt_kernels())
+        else:  # no ServerApp around it
+            run_sync(self.adopt_kernels)()
 
     @property
     def adoption_scope(self) -> str:

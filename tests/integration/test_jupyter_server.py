@@ -45,19 +45,24 @@ class Server:
         return response
 
 
+# How users start a server: analysts run ``jupyter lab`` or ``jupyter notebook``,
+# JupyterHub and deployments run ``jupyter server``. Each wraps jupyter_server's
+# ServerApp differently (an extension app launches it), so each is tested.
+SERVER_COMMANDS = ("server", "lab", "notebook")
+
+
 def start_server(
-    root: Path, log_path: Path, port: int | None = None
+    root: Path, log_path: Path, port: int | None = None, command: str = "server"
 ) -> tuple[Server, subprocess.Popen[bytes]]:
-    """A real ``jupyter server`` process serving ``root``, up and answering."""
+    """A real ``jupyter <command>`` process serving ``root``, up and answering."""
     token = secrets.token_hex(16)
     port = port or free_port()
     env = {**os.environ, "JUPYTER_TOKEN": token}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "jupyter_server",
+                str(Path(sys.executable).with_name("jupyter")),
+                command,
                 "--no-browser",
                 "--allow-root",
                 f"--port={port}",
@@ -182,11 +187,12 @@ async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Ser
         server.api("DELETE", f"/api/sessions/{session['id']}")
 
 
+@pytest.mark.parametrize("command", SERVER_COMMANDS)
 async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnects(
-    jupyter_dirs: Path, tmp_path: Path, make_kernelspec: Any, docker_client: docker.DockerClient
+    command: str, jupyter_dirs: Path, tmp_path: Path, make_kernelspec: Any, docker_client: docker.DockerClient
 ) -> None:
-    """x = 42; the server is killed (SIGKILL); a new server adopts the kernel: print(x)
-    gives 42 in the notebook's same session. A clean stop lets go of it too."""
+    """x = 42; ``jupyter <command>`` is killed (SIGKILL); a new one adopts the kernel:
+    print(x) gives 42 in the notebook's same session. A clean stop lets go of it too."""
     name = make_kernelspec("py-persistent", config={"lifecycle": "persistent"})
     config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
     config_dir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +203,7 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
     make_workspace(root / "project")
     log = tmp_path / "server.log"
     port = free_port()  # a restarted server comes back on its port
-    server, proc = start_server(root, log, port)
+    server, proc = start_server(root, log, port, command)
     session_id = kernel_id = ""
     try:
         session = server.api(
@@ -215,7 +221,7 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
         assert container.status == "running"
 
         for stop in ("SIGKILL above", "clean stop"):
-            server, proc = start_server(root, log, port)
+            server, proc = start_server(root, log, port, command)
             sessions = server.api("GET", "/api/sessions").json()
             assert [(s["id"], s["kernel"]["id"]) for s in sessions] == [(session_id, kernel_id)], stop
             assert await execute_over_websocket(server, kernel_id, "print(x)") == ("ok", "42\n"), stop
