@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from . import in_kernel
 from .errors import ConfigurationError
 
 _SIZE_RE = re.compile(r"^([1-9][0-9]*)([kmg]?)$", re.IGNORECASE)
@@ -101,71 +103,6 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
             raise ConfigurationError(msg)
 
 
-def kernel_startup(limits: Limits) -> str:
-    """Python the kernel runs at its start (as PYTHONSTARTUP): clear messages for the limits,
-    and the notebook's folder back on ``sys.path``.
-
-    This is for the user's benefit, not enforcement (the kernel's own code could undo it):
-
-    - the kernel starts with PYTHONSAFEPATH, so that nothing in the workspace runs
-      before it is up; once it is, ``import mymodule`` of a file next to the notebook
-      works as in a local kernel (``''`` where IPython puts it: after the standard
-      library, before site-packages), and child processes (``!python script.py``)
-      start without PYTHONSAFEPATH, finding their own folder's modules as usual;
-    - a ``MemoryError`` names the memory limit (gVisor fails allocations with ENOMEM at
-      the container's limit rather than killing the kernel);
-    - with a wall-clock limit, a SIGALRM armed before each cell raises a TimeoutError
-      naming it, so the user keeps the kernel. Code that blocks or ignores the signal is
-      the host's business: the provisioner interrupts, then kills the kernel.
-    """
-    return f"""\
-def _sandbox_kernel_startup(memory, exec_timeout):
-    import os
-    import signal
-    import sys
-
-    os.environ.pop("PYTHONSAFEPATH", None)
-    if "" not in sys.path:
-        names = [os.path.basename(entry) for entry in sys.path]
-        packages = [i for i, name in enumerate(names) if name in ("site-packages", "dist-packages")]
-        sys.path.insert(packages[0] if packages else 0, "")
-
-    shell = get_ipython()  # noqa: F821
-
-    def memory_error(self, etype, value, tb, tb_offset=None):
-        detail = str(value)
-        message = (
-            f"memory limit {{memory}} of this sandboxed kernel reached"
-            + (f" ({{detail}})" if detail else "")
-            + ": the allocation failed and the kernel keeps running; free memory (del, gc) "
-            "or restart the kernel, or ask for a higher limit"
-        )
-        value.args = (message,)
-        # Some errors (numpy's) render from their own fields: show a plain one instead.
-        shown = value if str(value) == message else MemoryError(message)
-        self.showtraceback((type(shown), shown, tb), tb_offset=tb_offset)
-
-    shell.set_custom_exc((MemoryError,), memory_error)
-    if exec_timeout <= 0:
-        return
-
-    def expired(signum, frame):
-        raise TimeoutError(
-            f"execution stopped: the wall-clock limit of {{exec_timeout:g}} s per execution was exceeded "
-            "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
-        )
-
-    def arm(info):
-        signal.signal(signal.SIGALRM, expired)
-        signal.setitimer(signal.ITIMER_REAL, exec_timeout)
-
-    def disarm(result):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-    shell.events.register("pre_run_cell", arm)
-    shell.events.register("post_run_cell", disarm)
-
-
-_sandbox_kernel_startup({limits.memory!r}, {float(limits.exec_timeout)!r})
-del _sandbox_kernel_startup
-"""
+def kernel_startup() -> str:
+    """Python the kernel runs at its start (as PYTHONSTARTUP): see :mod:`.in_kernel`."""
+    return Path(in_kernel.__file__).read_text()

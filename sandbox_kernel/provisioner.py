@@ -432,7 +432,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     def _write_launch_files(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
         """What the kernel reads at its start: connection file, start-up code, the relay."""
         self._write_container_connection_file(spec, key, scheme)
-        (spec.runtime_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(kernel_startup(self.limits))
+        (spec.runtime_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(kernel_startup())
         if self._egress is not None:
             relay = Path(egress_relay.__file__).read_text()
             (spec.runtime_dir / Path(CONTAINER_RELAY_FILE).name).write_text(relay)
@@ -719,8 +719,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     def _memory_reason(self) -> str:
         return (
-            f"memory limit {self.memory} exceeded: the kernel was killed and lost its state; "
-            "it restarts (Jupyter restarts it, or call restart_kernel)"
+            f"memory limit {self.memory} exceeded: the kernel was stopped and its variables are lost. "
+            "Restart the kernel to go on (JupyterLab does it for you), and use less memory at once "
+            "(files in /tmp count) or ask for a higher limit"
         )
 
     async def _stop_idle_kernel(self, container_id: str, reason: str) -> None:

@@ -279,6 +279,29 @@ def test_everything_else_is_denied_by_the_proxy_with_a_reason(
     assert all(r["kernel_id"] == km.kernel_id for r in records)
 
 
+def test_a_refusal_reads_as_one_line_in_the_notebook(
+    web_kernel: tuple[KernelManager, BlockingKernelClient, Path], upstreams: Upstreams
+) -> None:
+    """Uncaught, as an analyst's cell leaves it: the proxy's reason, or the kernel's
+    network policy, in one line instead of the library's traceback."""
+    _, kc, _ = web_kernel
+    port = upstreams.https_port
+    cases = {
+        f"import urllib.request\nurllib.request.urlopen('https://other.test:{port}/', timeout=20)": (
+            f"sandbox-kernel egress denied: other.test:{port} is not in this kernel's allowed domains"
+        ),
+        "import socket\nsocket.create_connection(('other.test', 443), timeout=5)": (
+            "cannot resolve 'other.test': this sandboxed kernel reaches only HTTP(S) to its allowed "
+            f"domains (allowed.test:{port}, *.allowed.test:{port}, "
+        ),
+    }
+    for code, reason in cases.items():
+        result = run(kc, code)
+        (error,) = [output for output in result.outputs if output["type"] == "error"]
+        (line,) = error["traceback"]
+        assert reason in line, line
+
+
 def test_no_way_around_the_proxy(
     web_kernel: tuple[KernelManager, BlockingKernelClient, Path], upstreams: Upstreams
 ) -> None:

@@ -126,6 +126,31 @@ def test_no_network_at_all(start_kernel: KernelStarter, host_server: int) -> Non
     assert "interfaces ['lo']" in out
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import urllib.request\nurllib.request.urlopen('https://example.com', timeout=10)",
+        "import requests\nrequests.get('https://example.com/data.csv', timeout=10)",
+        "import pandas\npandas.read_csv('https://example.com/data.csv')",
+    ],
+    ids=["urllib", "requests", "pandas"],
+)
+def test_code_that_tries_the_network_learns_in_one_line_that_there_is_none(
+    code: str, start_kernel: KernelStarter
+) -> None:
+    """What a notebook shows: one line saying why, not forty lines of retries ending in
+    'Temporary failure in name resolution'."""
+    _, kc = start_kernel()
+    result = run(kc, code, timeout=60)
+    assert result.status == "error"
+    (error,) = [output for output in result.outputs if output["type"] == "error"]
+    (line,) = error["traceback"]
+    assert line.endswith(
+        ": cannot resolve 'example.com': this sandboxed kernel has no network (network policy: none)"
+    ), line
+    assert "Traceback" not in line
+
+
 def test_server_secrets_do_not_enter_the_sandbox(start_kernel: KernelStarter) -> None:
     env = dict(os.environ)
     env.update(
