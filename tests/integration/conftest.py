@@ -108,6 +108,17 @@ def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
         pytest.fail("Left behind after the tests: " + "; ".join(problems), pytrace=False)
 
 
+#: Each phase's report, for fixtures that keep evidence when a test fails.
+REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    item.stash.setdefault(REPORTS, {})[report.when] = report
+    return report
+
+
 @pytest.fixture(scope="session")
 def kernelspec_root(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient) -> Path:
     """A Jupyter data folder holding the shipped kernelspec and test variants of it."""
@@ -137,8 +148,11 @@ def make_kernelspec(jupyter_dirs: Path) -> Callable[..., str]:
         argv: list[str] | None = None,
         config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        display_name: str | None = None,
     ) -> str:
         spec = json.loads((jupyter_dirs / "kernels" / KERNEL / "kernel.json").read_text())
+        if display_name is not None:
+            spec["display_name"] = display_name
         if argv is not None:
             spec["argv"] = argv
         if env is not None:

@@ -52,10 +52,10 @@ SERVER_COMMANDS = ("server", "lab", "notebook")
 
 
 def start_server(
-    root: Path, log_path: Path, port: int | None = None, command: str = "server"
+    root: Path, log_path: Path, port: int | None = None, command: str = "server", token: str | None = None
 ) -> tuple[Server, subprocess.Popen[bytes]]:
     """A real ``jupyter <command>`` process serving ``root``, up and answering."""
-    token = secrets.token_hex(16)
+    token = token or secrets.token_hex(16)
     port = port or free_port()
     env = {**os.environ, "JUPYTER_TOKEN": token}
     with open(log_path, "ab") as log:

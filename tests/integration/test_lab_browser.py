@@ -1,0 +1,240 @@
+"""The analyst's path as analysts take it: ``jupyter lab`` in a real browser.
+
+Playwright drives Debian's ``chromium`` (Playwright cannot download its own browsers
+here): Launcher tile, cells, an inline plot, the file browser, interrupt, restart, the
+memory and network messages as a notebook shows them, and a persistent kernel that
+survives a SIGKILL of ``jupyter lab``. When a test fails, a screenshot of the page and
+the server's log are kept in ``.ci/artifacts/`` (or ``$SANDBOX_KERNEL_TEST_ARTIFACTS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
+
+from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.orphans import list_kernels, remove_kernel
+
+from .conftest import REPORTS, make_workspace
+from .test_jupyter_server import Server, start_server, stop_server
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(
+    os.environ.get("SANDBOX_KERNEL_TEST_ARTIFACTS") or Path(__file__).parents[2] / ".ci" / "artifacts"
+)
+#: Quiet JupyterLab: no news or update checks (they reach for the internet).
+LAB_CONFIG = """\
+c.LabApp.news_url = None
+c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
+"""
+PERSISTENT_CONFIG = 'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
+
+
+class Lab:
+    """One JupyterLab page, driven as an analyst drives it."""
+
+    def __init__(self, page: Page, server: Server) -> None:
+        self.page = page
+        self.server = server
+
+    def open(self, reset: bool = True) -> None:
+        self.page.goto(f"{self.server.url}/lab?{'reset&' if reset else ''}token={self.server.token}")
+
+    def new_notebook(self, kernel: str) -> None:
+        """From the Launcher's tile, as a new user starts."""
+        self.page.locator(f'.jp-LauncherCard[title="{kernel}"][data-category="Notebook"]').click()
+        self.wait_for_kernel(kernel)
+
+    def wait_for_kernel(self, kernel: str, state: str = "Idle", timeout: float = 60) -> None:
+        item = self.page.locator(".jp-StatusBar-TextItem", has_text=f"{kernel} | {state}")
+        expect(item).to_be_visible(timeout=timeout * 1000)
+
+    @property
+    def cells(self) -> Locator:
+        return self.page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell")
+
+    def type_cell(self, code: str) -> Locator:
+        """Type ``code`` into the last (empty) cell and run it; the cell."""
+        cell = self.cells.nth(self.cells.count() - 1)  # pinned: running it appends a cell
+        cell.locator(".cm-content").click()
+        self.page.keyboard.insert_text(code)  # as pasted: no auto-indent
+        self.page.keyboard.press("Shift+Enter")
+        return cell
+
+    def run(self, code: str, timeout: float = 60) -> str:
+        """Run ``code`` in a new cell; the text of its output once it has finished."""
+        cell = self.type_cell(code)
+        expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=timeout * 1000)
+        return cell.locator(".jp-OutputArea").inner_text().strip()
+
+    def command(self, name: str) -> None:
+        """Click the notebook toolbar's button for a JupyterLab command."""
+        self.page.locator(f'.jp-NotebookPanel-toolbar [data-command="{name}"]').click()
+
+    def dialogs(self) -> list[str]:
+        return self.page.locator(".jp-Dialog").all_inner_texts()
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+class Labs:
+    """Real ``jupyter lab`` processes serving one notebook folder, and pages on them."""
+
+    def __init__(self, browser: Browser, root: Path, log: Path) -> None:
+        self.browser = browser
+        self.root = root
+        self.log = log
+        self.pages: list[Page] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, persistent: bool = False) -> Lab:
+        """A server (``persistent``: with the documented kernel_manager_class line) and
+        a fresh page on it."""
+        config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+        config_dir.mkdir(parents=True, exist_ok=True)
+        config = LAB_CONFIG + (PERSISTENT_CONFIG if persistent else "")
+        (config_dir / "jupyter_server_config.py").write_text(config)
+        server = self.serve()
+        page = self.browser.new_page(viewport={"width": 1400, "height": 900})
+        self.pages.append(page)
+        lab = Lab(page, server)
+        lab.open()
+        return lab
+
+    def serve(self, port: int | None = None, token: str | None = None) -> Server:
+        server, proc = start_server(self.root, self.log, port, command="lab", token=token)
+        self.processes.append(proc)
+        return server
+
+
+@pytest.fixture
+def labs(
+    request: pytest.FixtureRequest, browser: Browser, jupyter_dirs: Path, tmp_path: Path
+) -> Iterator[Labs]:
+    """Keeps a screenshot of each page and the server's log if the test fails."""
+    labs = Labs(browser, make_workspace(tmp_path / "notebooks"), tmp_path / "lab.log")
+    yield labs
+    report = request.node.stash.get(REPORTS, {}).get("call")
+    if report is not None and report.failed:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        for i, page in enumerate(labs.pages):
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}-{i}.png"), full_page=True)
+        if labs.log.exists():
+            shutil.copy(labs.log, ARTIFACTS / f"{request.node.name}-lab.log")
+    for page in labs.pages:
+        page.close()
+    for proc in labs.processes:
+        stop_server(proc)
+
+
+def test_an_analyst_works_in_a_sandboxed_notebook(labs: Labs) -> None:
+    analyst = labs.start()
+    analyst.new_notebook("Sandboxed Python")
+
+    assert analyst.run("import os\nx = 'kept'\nprint(os.uname().release, os.getcwd())") == "4.4.0 /workspace"
+
+    # an inline plot
+    analyst.run("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('revenue')\nplt.show()")
+    image = analyst.cells.nth(-2).locator(".jp-OutputArea img")
+    expect(image).to_have_attribute("src", re.compile(r"^data:image/png;base64,"))
+
+    # a result file shows up in the file browser
+    analyst.run("import pandas as pd\npd.DataFrame({'a': [1, 2]}).to_csv('from-notebook.csv')")
+    analyst.page.locator('[data-command="filebrowser:refresh"]').first.click()
+    expect(analyst.page.locator(".jp-DirListing-itemText", has_text="from-notebook.csv")).to_be_visible()
+
+    # the network: one line saying there is none
+    shown = analyst.run("import urllib.request\nurllib.request.urlopen('https://example.com', timeout=10)")
+    assert shown == (
+        "URLError: cannot resolve 'example.com': this sandboxed kernel has no network (network policy: none)"
+    )
+
+    # a cell that keeps allocating: a MemoryError in that cell; the kernel and x live on
+    shown = analyst.run("hoard = []\nwhile True:\n    hoard.append(bytearray(2**24))", timeout=120)
+    assert "MemoryError: memory limit 2g of this sandboxed kernel reached" in shown, shown
+    assert "the cell was stopped and the kernel keeps its other variables" in shown
+    assert analyst.dialogs() == []
+    assert analyst.run("del hoard\nprint(x)") == "kept"
+
+    # interrupt a long cell from the toolbar
+    cell = analyst.type_cell("import time\ntime.sleep(120)")
+    expect(cell.locator(".jp-InputPrompt")).to_have_text("[*]:")
+    time.sleep(1)
+    analyst.command("notebook:interrupt-kernel")
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=30_000)
+    assert "KeyboardInterrupt" in cell.locator(".jp-OutputArea").inner_text()
+
+    # restart: the variables go, the files stay
+    analyst.command("notebook:restart-kernel")
+    analyst.page.locator(".jp-Dialog .jp-mod-accept").click()
+    analyst.wait_for_kernel("Sandboxed Python")
+    shown = analyst.run("import os\nprint(os.path.exists('from-notebook.csv'))\nx")
+    assert shown.startswith("True"), shown
+    assert "NameError: name 'x' is not defined" in shown
+
+
+def test_a_persistent_kernel_survives_a_sigkill_of_jupyter_lab(
+    labs: Labs, make_kernelspec: Callable[..., str]
+) -> None:
+    """x = 42; ``jupyter lab`` is killed outright and started again; the analyst reloads
+    the page: the notebook reconnects to the same kernel, 42, and no dialog asks anything."""
+    make_kernelspec("py-persistent", config={"lifecycle": "persistent"}, display_name="Persistent Python")
+    analyst = labs.start(persistent=True)
+    try:
+        analyst.new_notebook("Persistent Python")
+        assert analyst.run("x = 42\nprint('set')") == "set"
+        analyst.page.keyboard.press("Control+s")  # JupyterLab asks for a name on first save
+        analyst.page.locator(".jp-Dialog input[type=text]").fill("analysis.ipynb")
+        analyst.page.locator(".jp-Dialog .jp-mod-accept").click()
+        expect(analyst.page.locator(".jp-mod-dirty")).to_have_count(0)
+        # JupyterLab tells the server the session's new name just after saving
+        deadline = time.monotonic() + 10
+        while (session := analyst.server.api("GET", "/api/sessions").json()[0])["path"] != "analysis.ipynb":
+            assert time.monotonic() < deadline, session
+            time.sleep(0.2)
+        kernel_id = session["kernel"]["id"]
+
+        (killed,) = labs.processes
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        port = int(analyst.server.url.rsplit(":", 1)[1])
+        analyst.server = labs.serve(port, token=analyst.server.token)
+        analyst.open(reset=False)
+        if not analyst.cells.count():  # the layout was not saved before the kill
+            analyst.page.locator(".jp-DirListing-itemText", has_text="analysis.ipynb").dblclick()
+        analyst.wait_for_kernel("Persistent Python")
+        assert analyst.run("print(x)") == "42"
+        assert analyst.dialogs() == []
+        assert f"Adopted persistent sandboxed kernel {kernel_id}" in labs.log.read_text()
+        for session in analyst.server.api("GET", "/api/sessions").json():
+            analyst.server.api("DELETE", f"/api/sessions/{session['id']}")
+    finally:  # a persistent kernel outlives its server, never the test (in a thread:
+        # Playwright's loop runs in this one)
+        with ThreadPoolExecutor(1) as thread:
+            thread.submit(asyncio.run, _remove_kernels("py-persistent")).result()
+
+
+async def _remove_kernels(kernelspec: str) -> None:
+    docker = SandboxDocker()
+    for kernel in await list_kernels(docker):
+        if kernel.kernelspec == kernelspec:
+            await remove_kernel(docker, kernel, None)
