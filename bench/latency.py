@@ -9,6 +9,10 @@ of ``jupyter_client`` would see it:
   ``wait_for_ready()`` returns, over ``--starts`` fresh kernels (median and max).
   ``wait_for_ready()`` only returns once IOPub has been quiet for 0.2 s, so the second
   figure carries that fixed wait for both kernels; the first does not.
+* restart: from ``KernelManager.restart_kernel()`` (what JupyterLab's restart button
+  asks of the server: a graceful shutdown, then a new kernel with the same connection)
+  to the new kernel's first ``kernel_info`` reply, over ``--restarts`` restarts of one
+  kernel (median and max). The workspace stays; the interpreter is new.
 * execute round trip: ``client.execute_interactive("1+1")``, i.e. from sending the
   ``execute_request`` until both the ``execute_reply`` and the ``idle`` status on
   IOPub have arrived, ``--runs`` times after ``--warmup`` untimed runs, on one kernel
@@ -84,6 +88,7 @@ class Timings:
     kernel_name: str
     kernel_info_s: list[float] = field(default_factory=list)
     ready_s: list[float] = field(default_factory=list)
+    restart_s: list[float] = field(default_factory=list)
     execute_ms: list[float] = field(default_factory=list)
     memory_idle_mib: float = math.nan
     memory_pandas_mib: float = math.nan
@@ -129,7 +134,7 @@ def execute_once(client: BlockingKernelClient) -> float:
     return elapsed
 
 
-def measure(kernel_name: str, starts: int, runs: int, warmup: int, cwd: str) -> Timings:
+def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int, cwd: str) -> Timings:
     timings = Timings(kernel_name)
     for i in range(1, starts + 1):
         with running_kernel(kernel_name, cwd) as kernel:
@@ -142,6 +147,11 @@ def measure(kernel_name: str, starts: int, runs: int, warmup: int, cwd: str) -> 
 
     progress(f"[{kernel_name}] execute {CODE!r}: {warmup} warm-up + {runs} timed runs on a new kernel")
     with running_kernel(kernel_name, cwd) as kernel:
+        for i in range(1, restarts + 1):
+            timings.restart_s.append(restart_once(kernel))
+            progress(
+                f"[{kernel_name}] restart {i}/{restarts}: kernel_info after {timings.restart_s[-1]:.3f} s"
+            )
         for _ in range(warmup):
             execute_once(kernel.client)
         timings.execute_ms = [execute_once(kernel.client) * 1000 for _ in range(runs)]
@@ -162,6 +172,16 @@ def measure(kernel_name: str, starts: int, runs: int, warmup: int, cwd: str) -> 
         f"p95 {percentile(timings.execute_ms, 95):.2f} ms"
     )
     return timings
+
+
+def restart_once(kernel: StartedKernel) -> float:
+    """Seconds from restart_kernel() to the new kernel's first kernel_info reply."""
+    client = kernel.client
+    started = time.perf_counter()
+    kernel.manager.restart_kernel()
+    client.kernel_info_reply_at = None
+    client.wait_for_ready(timeout=STARTUP_TIMEOUT)
+    return (client.kernel_info_reply_at or time.perf_counter()) - started
 
 
 def host_memory_mib(manager: KernelManager) -> float:
@@ -200,6 +220,8 @@ def summarize(t: Timings) -> dict[str, float]:
         "kernel_info_max_s": max(t.kernel_info_s),
         "ready_median_s": statistics.median(t.ready_s),
         "ready_max_s": max(t.ready_s),
+        "restart_median_s": statistics.median(t.restart_s) if t.restart_s else math.nan,
+        "restart_max_s": max(t.restart_s) if t.restart_s else math.nan,
         "execute_p50_ms": percentile(t.execute_ms, 50),
         "execute_p95_ms": percentile(t.execute_ms, 95),
         "memory_idle_mib": t.memory_idle_mib,
@@ -213,6 +235,8 @@ ROWS = (
     ("kernel_info_max_s", "start -> kernel_info reply, max", "s"),
     ("ready_median_s", "start -> wait_for_ready() returns, median", "s"),
     ("ready_max_s", "start -> wait_for_ready() returns, max", "s"),
+    ("restart_median_s", "restart -> kernel_info reply, median", "s"),
+    ("restart_max_s", "restart -> kernel_info reply, max", "s"),
     ("execute_p50_ms", f"execute {CODE!r} round trip, p50", "ms"),
     ("execute_p95_ms", f"execute {CODE!r} round trip, p95", "ms"),
     ("memory_idle_mib", "host memory, idle kernel", "MiB"),
@@ -275,6 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--starts", type=positive_int, default=3, help="kernel starts to time")
+    parser.add_argument("--restarts", type=non_negative_int, default=3, help="restarts to time")
     parser.add_argument("--runs", type=positive_int, default=50, help=f"timed {CODE!r} runs")
     parser.add_argument("--warmup", type=non_negative_int, default=5, help=f"untimed {CODE!r} runs first")
     parser.add_argument("--kernel", default="sandboxed-python", help="sandboxed kernelspec")
@@ -286,19 +311,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with workspace() as cwd:
-        local = measure(args.baseline, args.starts, args.runs, args.warmup, cwd)
-        sandboxed = measure(args.kernel, args.starts, args.runs, args.warmup, cwd)
+        local = measure(args.baseline, args.starts, args.restarts, args.runs, args.warmup, cwd)
+        sandboxed = measure(args.kernel, args.starts, args.restarts, args.runs, args.warmup, cwd)
 
     summaries = {"local": summarize(local), "sandboxed": summarize(sandboxed)}
     headers = (f"local ({args.baseline})", f"sandboxed ({args.kernel})")
     print(
-        f"Kernel latency and memory: {args.starts} starts each; {args.runs} timed runs of {CODE!r} "
+        f"Kernel latency and memory: {args.starts} starts and {args.restarts} restarts each; "
+        f"{args.runs} timed runs of {CODE!r} "
         f"after {args.warmup} warm-up runs"
     )
     print(format_table(summaries["local"], summaries["sandboxed"], headers))
     if args.json:
         result = {
-            "settings": {"starts": args.starts, "runs": args.runs, "warmup": args.warmup},
+            "settings": {
+                "starts": args.starts,
+                "restarts": args.restarts,
+                "runs": args.runs,
+                "warmup": args.warmup,
+            },
             "local": {**summaries["local"], "samples": asdict(local)},
             "sandboxed": {**summaries["sandboxed"], "samples": asdict(sandboxed)},
         }
