@@ -1,4 +1,4 @@
-"""``jupyter sandbox-kernel``: install the kernelspec, build the image, check the host, run notebooks."""
+"""``jupyter sandbox-kernel``: install the kernelspecs, build the images, check the host, run notebooks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
-from traitlets import Bool, Float, Int, List, TraitError, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, Unicode, default
 
 from ._version import __version__
 from .docker_api import SandboxDocker
@@ -28,13 +28,31 @@ from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .policy import check_lifetime, check_pass_env, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .resources import data_path
-from .settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from .settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 T = TypeVar("T")
 
 KERNEL_NAME = "sandboxed-python"
 RECIPE_LABEL = "io.sandbox-kernel.recipe"
 DEBIAN_BASE = "sandbox-kernel-base:bookworm"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One image recipe shipped under images/, and the kernelspec that runs its image."""
+
+    folder: str
+    """The build context, relative to images/ ("" is images/ itself); it holds the Dockerfile."""
+    tag: str
+    kernelspec: str
+    builds_on: str | None = None
+    """The recipe whose image is this one's base (build argument BASE), if any."""
+
+
+RECIPES = {
+    "python": Recipe("", DEFAULT_IMAGE, KERNEL_NAME),
+    "datascience": Recipe("datascience", DATASCIENCE_IMAGE, "sandboxed-python-datascience", "python"),
+}
 
 
 class _SubApp(JupyterApp):
@@ -47,11 +65,14 @@ class _SubApp(JupyterApp):
 
 
 class InstallApp(_SubApp):
-    """Install the Sandboxed Python kernelspec."""
+    """Install the Sandboxed Python kernelspec, or the data-science one."""
 
     name = "jupyter-sandbox-kernel-install"
     description = """Install the "Sandboxed Python" kernelspec, so that Jupyter offers it and
-    `KernelManager(kernel_name="sandboxed-python")` starts kernels inside gVisor.
+    `KernelManager(kernel_name="sandboxed-python")` starts kernels inside gVisor. With
+    --recipe datascience it installs "Sandboxed Python (data science)", kernel name
+    sandboxed-python-datascience, whose kernels run the image that
+    `jupyter sandbox-kernel build-image --recipe datascience` builds.
     By default it installs system-wide (for all users, e.g. /usr/local/share/jupyter);
     use --user, --sys-prefix or --prefix to choose another place. Limits and the network
     given here are validated and written into the spec; one beyond the server's ceilings
@@ -59,6 +80,7 @@ class InstallApp(_SubApp):
     the server allows them."""
     examples = """
     jupyter sandbox-kernel install --sys-prefix
+    jupyter sandbox-kernel install --sys-prefix --recipe datascience
     jupyter sandbox-kernel install --user --name py-sandbox --display-name "Python (sandbox)"
     jupyter sandbox-kernel install --image registry.example/sandbox-python:2 --replace
     jupyter sandbox-kernel install --name py-small --display-name "Python (small)" --memory 512m --cpus 0.5
@@ -74,9 +96,28 @@ class InstallApp(_SubApp):
         # The server's config holds the ceilings a new spec is checked against.
         return "jupyter_server_config"
 
-    kernel_name = Unicode(KERNEL_NAME, config=True, help="Name (folder) of the installed kernelspec.")
-    display_name = Unicode("Sandboxed Python", config=True, help="Name shown in Jupyter's launcher.")
-    image = Unicode("", config=True, help=f"Kernel image the kernelspec uses (default {DEFAULT_IMAGE}).")
+    recipe = CaselessStrEnum(
+        list(RECIPES),
+        default_value="python",
+        config=True,
+        help=f"""Which shipped kernelspec to install: python ("Sandboxed Python", image
+        {DEFAULT_IMAGE}) or datascience ("Sandboxed Python (data science)",
+        image {DATASCIENCE_IMAGE}: build it with --recipe datascience).""",
+    )
+    kernel_name = Unicode(
+        config=True,
+        help="Name (folder) of the installed kernelspec (default: sandboxed-python, or "
+        "sandboxed-python-datascience with --recipe datascience).",
+    )
+    display_name = Unicode(
+        "", config=True, help="Name shown in Jupyter's launcher (default: the shipped spec's)."
+    )
+    image = Unicode(
+        "",
+        config=True,
+        help=f"Kernel image the kernelspec uses (default {DEFAULT_IMAGE}; "
+        f"with --recipe datascience, {DATASCIENCE_IMAGE}).",
+    )
     user = Bool(False, config=True, help="Install for the current user only.")
     prefix = Unicode("", config=True, help="Install into PREFIX/share/jupyter/kernels.")
     replace = Bool(False, config=True, help="Replace an existing kernelspec of the same name.")
@@ -118,6 +159,7 @@ class InstallApp(_SubApp):
 
     aliases = {
         **base_aliases,
+        "recipe": "InstallApp.recipe",
         "name": "InstallApp.kernel_name",
         "display-name": "InstallApp.display_name",
         "image": "InstallApp.image",
@@ -143,12 +185,16 @@ class InstallApp(_SubApp):
         "replace": ({"InstallApp": {"replace": True}}, "Replace an existing kernelspec of the same name."),
     }
 
+    @default("kernel_name")
+    def _kernel_name_default(self) -> str:
+        return RECIPES[self.recipe].kernelspec
+
     def start(self) -> None:
         if self.user and self.prefix:
             self.fail("choose one of --user and --prefix/--sys-prefix")
-        source = data_path("kernelspecs") / KERNEL_NAME
+        source = data_path("kernelspecs") / RECIPES[self.recipe].kernelspec
         spec = json.loads((source / "kernel.json").read_text())
-        spec["display_name"] = self.display_name
+        spec["display_name"] = self.display_name or spec["display_name"]
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
         chosen = {"image": self.image, "memory": self.memory, "cpus": self.cpus, "pids": self.pids}
         chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout, idle_timeout=self.idle_timeout)
@@ -173,7 +219,7 @@ class InstallApp(_SubApp):
                 )
             except PermissionError as exc:
                 self.fail(f"{exc}; install with --user, --sys-prefix, or as root")
-        print(f"Installed kernelspec {self.kernel_name!r} ({self.display_name}) in {dest}")
+        print(f"Installed kernelspec {self.kernel_name!r} ({spec['display_name']}) in {dest}")
 
     def _validate(self, config: dict[str, Any]) -> None:
         """Check the spec's settings as a kernel start will, so a bad spec never lands.
@@ -220,34 +266,72 @@ class InstallApp(_SubApp):
 
 
 class BuildImageApp(_SubApp):
-    """Build the kernel image from images/Dockerfile."""
+    """Build a kernel image from one of the recipes under images/."""
 
     name = "jupyter-sandbox-kernel-build-image"
-    description = """Build the kernel image (ipykernel, numpy, pandas, matplotlib, requests; non-root user)
-    from the bundled images/Dockerfile, showing the build's progress.
+    description = f"""Build a kernel image from a bundled recipe, showing the build's progress.
 
-    The Dockerfile's base is a build argument. Sites with a registry use the default
+    --recipe python (the default) builds {DEFAULT_IMAGE} from images/Dockerfile:
+    ipykernel, ipywidgets, numpy, pandas, matplotlib and requests, non-root user.
+
+    --recipe datascience builds {DATASCIENCE_IMAGE} from
+    images/datascience/Dockerfile, FROM the default image, sharing its layers; it adds
+    scipy, scikit-learn, statsmodels, seaborn, plotly, polars, duckdb, pyarrow and
+    openpyxl. The default image is built first if it is missing or was built from another
+    recipe.
+
+    The default recipe's base is a build argument. Sites with a registry use the default
     (python:3.11-slim-bookworm). Sites without one pass --debian-base: the base is then
-    built from a Debian rootfs with debootstrap (as root, about a minute) unless it exists."""
+    built from a Debian rootfs with debootstrap (as root, about a minute) unless it exists.
+    Each image is labelled with a digest of its recipe (its files under images/, and for
+    datascience the id of the image it builds on): --if-missing rebuilds only what changed."""
     examples = """
     jupyter sandbox-kernel build-image
     jupyter sandbox-kernel build-image --debian-base --if-missing
+    jupyter sandbox-kernel build-image --recipe datascience --debian-base --if-missing
     jupyter sandbox-kernel build-image --base my-registry/python:3.12 --tag sandbox-kernel/python:3.12
+    jupyter sandbox-kernel build-image --recipe datascience --base sandbox-kernel/python:3.12 \\
+        --tag sandbox-kernel/python-datascience:3.12
     """
 
-    tag = Unicode(DEFAULT_IMAGE, config=True, help="Tag of the image to build.")
-    base = Unicode("", config=True, help="Base image (build argument BASE); must have python3 with venv.")
+    recipe = CaselessStrEnum(
+        list(RECIPES),
+        default_value="python",
+        config=True,
+        help="""What to build: python (images/Dockerfile, the default kernel image) or
+        datascience (images/datascience/Dockerfile, built FROM the python image).""",
+    )
+    tag = Unicode(
+        "",
+        config=True,
+        help=f"Tag of the image to build (default {DEFAULT_IMAGE}; with --recipe datascience, "
+        f"{DATASCIENCE_IMAGE}).",
+    )
+    base = Unicode(
+        "",
+        config=True,
+        help=f"""Base image (build argument BASE): for python, an image with python3 and
+        venv; for datascience, one the python recipe built. Default for datascience:
+        {DEFAULT_IMAGE}, built or brought up to date first.""",
+    )
     debian_base = Bool(
-        False, config=True, help=f"Use {DEBIAN_BASE}, building it from a Debian rootfs if it is missing."
+        False,
+        config=True,
+        help=f"Build the python recipe on {DEBIAN_BASE}, building it from a Debian rootfs if it is missing.",
     )
     if_missing = Bool(
         False,
         config=True,
-        help="Do nothing if the tag exists and was built from the current recipe (images/).",
+        help="Do nothing if the tag exists and was built from the current recipe.",
     )
     no_cache = Bool(False, config=True, help="Build without Docker's layer cache.")
 
-    aliases = {**base_aliases, "tag": "BuildImageApp.tag", "base": "BuildImageApp.base"}
+    aliases = {
+        **base_aliases,
+        "recipe": "BuildImageApp.recipe",
+        "tag": "BuildImageApp.tag",
+        "base": "BuildImageApp.base",
+    }
     flags = {
         **base_flags,
         "debian-base": (
@@ -263,39 +347,71 @@ class BuildImageApp(_SubApp):
 
     def start(self) -> None:
         import docker
-        from docker.errors import BuildError, DockerException, ImageNotFound
+        from docker.errors import DockerException
 
         try:
             client = docker.from_env()
         except DockerException as exc:
             self.fail(f"cannot reach the Docker daemon ({exc}); start dockerd first")
+        self._build_recipe(
+            client, self.recipe, self.tag or RECIPES[self.recipe].tag, self.base, self.if_missing
+        )
+
+    def _build_recipe(self, client: Any, name: str, tag: str, base: str, if_missing: bool) -> None:
+        """Build recipe ``name`` as ``tag``; the image it builds on comes first."""
         images = data_path("images")
-        recipe = _recipe_digest(images)
-        if self.if_missing:
-            built_from = _image_recipe(client, self.tag)
-            if built_from == recipe:
-                print(f"==> image {self.tag} already present, built from the current recipe")
+        recipe = RECIPES[name]
+        base_id = ""
+        if recipe.builds_on is not None:
+            below = RECIPES[recipe.builds_on]
+            base = base or below.tag
+            if base == below.tag:
+                # Built on a stale or missing base, the image would lack what that recipe adds.
+                print(f"==> the {name} image builds on {base}")
+                self._build_recipe(client, recipe.builds_on, base, "", if_missing=True)
+            base_id = _image_id(client, base) or ""
+            if not base_id:
+                self.fail(
+                    f"the base image {base} is not on this Docker host; build it first "
+                    f"(jupyter sandbox-kernel build-image --tag {base}), or choose another --base"
+                )
+                return
+        digest = _recipe_digest(images, name, base_id)
+        if if_missing:
+            built_from = _image_recipe(client, tag)
+            if built_from == digest:
+                print(f"==> image {tag} already present, built from the current recipe")
                 return
             if built_from is not None:
-                print(f"==> image {self.tag} was built from another recipe; rebuilding")
-        base = self.base
-        if self.debian_base:
+                print(f"==> image {tag} was built from another recipe; rebuilding")
+        if recipe.builds_on is None and self.debian_base:
             base = base or DEBIAN_BASE
-            try:
-                client.images.get(base)
-            except ImageNotFound:
-                print(f"==> building the base image {base} from a Debian rootfs")
-                script = images / "base" / "build-debian-base.sh"
-                if subprocess.call(["bash", str(script), base]) != 0:  # noqa: S603, S607
-                    self.fail(f"building the base image {base} failed (see the output above)")
-        print(f"==> building {self.tag} from {images / 'Dockerfile'}" + (f" on {base}" if base else ""))
+            self._ensure_debian_base(client, images, base)
+        self._docker_build(client, images / recipe.folder, tag, base, digest)
+
+    def _ensure_debian_base(self, client: Any, images: Path, base: str) -> None:
+        from docker.errors import ImageNotFound
+
+        try:
+            client.images.get(base)
+        except ImageNotFound:
+            print(f"==> building the base image {base} from a Debian rootfs")
+            script = images / "base" / "build-debian-base.sh"
+            if subprocess.call(["bash", str(script), base]) != 0:  # noqa: S603, S607
+                self.fail(f"building the base image {base} failed (see the output above)")
+
+    def _docker_build(self, client: Any, context: Path, tag: str, base: str, digest: str) -> None:
+        """Run the build of ``context``'s Dockerfile, echoing its progress."""
+        from docker.errors import BuildError, DockerException
+
+        print(f"==> building {tag} from {context / 'Dockerfile'}" + (f" on {base}" if base else ""))
         buildargs = {"BASE": base} if base else {}
         try:
             for chunk in client.api.build(
-                path=str(images),
-                tag=self.tag,
+                path=str(context),
+                tag=tag,
                 buildargs=buildargs,
-                labels={RECIPE_LABEL: recipe},
+                labels={RECIPE_LABEL: digest},
                 rm=True,
                 forcerm=True,
                 nocache=self.no_cache,
@@ -310,14 +426,25 @@ class BuildImageApp(_SubApp):
                     self.fail(f"image build failed: {chunk['error'].strip()}")
         except (BuildError, DockerException) as exc:
             self.fail(f"image build failed: {exc}")
-        print(f"==> built {self.tag}")
+        print(f"==> built {tag}")
 
 
-def _recipe_digest(images: Path) -> str:
-    """A digest of the image recipe (every file under images/), stored as a label."""
+def _recipe_digest(images: Path, recipe: str = "python", base_id: str = "") -> str:
+    """A digest of ``recipe``, stored as a label on its image.
+
+    It covers the files of the recipe's folder under ``images`` but not those of another
+    recipe's folder inside it (a change to images/datascience/ leaves the python recipe's
+    digest alone), and ``base_id``: the id of the image it builds on, if it builds on one.
+    """
+    folder = images / RECIPES[recipe].folder
+    others = [images / other.folder for name, other in RECIPES.items() if name != recipe]
+    nested = [other for other in others if other != folder and other.is_relative_to(folder)]
+    files = [p for p in folder.rglob("*") if p.is_file() and not any(p.is_relative_to(o) for o in nested)]
     digest = hashlib.sha256()
-    for path in sorted(p for p in images.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(images).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(files):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    if base_id:
+        digest.update(b"FROM\0" + base_id.encode())
     return digest.hexdigest()[:16]
 
 
@@ -330,6 +457,16 @@ def _image_recipe(client: Any, tag: str) -> str | None:
     except ImageNotFound:
         return None
     return str((image.labels or {}).get(RECIPE_LABEL, ""))
+
+
+def _image_id(client: Any, tag: str) -> str | None:
+    """The id of ``tag``, or None if there is no such image."""
+    from docker.errors import ImageNotFound
+
+    try:
+        return str(client.images.get(tag).id)
+    except ImageNotFound:
+        return None
 
 
 class CheckApp(_SubApp):
@@ -564,16 +701,26 @@ class SandboxKernelApp(JupyterApp):
     description = """Run Jupyter's IPython kernels inside hardened gVisor containers.
 
     Typical setup: build the image, install the kernelspec, check the host; then choose
-    "Sandboxed Python" in JupyterLab, or KernelManager(kernel_name="sandboxed-python")."""
+    "Sandboxed Python" in JupyterLab, or KernelManager(kernel_name="sandboxed-python").
+    For data work, also build and install the data-science recipe (--recipe datascience):
+    "Sandboxed Python (data science)", kernel name sandboxed-python-datascience."""
     examples = """
     jupyter sandbox-kernel build-image --debian-base
     jupyter sandbox-kernel install --sys-prefix
     jupyter sandbox-kernel check
+    jupyter sandbox-kernel build-image --recipe datascience --debian-base
+    jupyter sandbox-kernel install --sys-prefix --recipe datascience
     jupyter sandbox-kernel run notebooks/demo.ipynb
     """
     subcommands = {
-        "install": (InstallApp, "Install the Sandboxed Python kernelspec."),
-        "build-image": (BuildImageApp, "Build the kernel image, showing progress."),
+        "install": (
+            InstallApp,
+            "Install the Sandboxed Python kernelspec (--recipe datascience: its data-science one).",
+        ),
+        "build-image": (
+            BuildImageApp,
+            "Build a kernel image (--recipe python or datascience), showing progress.",
+        ),
         "check": (CheckApp, "Check Docker, the gVisor runtime, the image and the kernelspec."),
         "run": (RunApp, "Execute a notebook in a sandboxed kernel."),
         "list": (ListApp, "List the sandboxed kernels on this Docker host (--json for JSON)."),

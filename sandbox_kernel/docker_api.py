@@ -22,6 +22,7 @@ from .errors import (
     RuntimeMissingError,
 )
 from .policy import LABEL_MANAGED
+from .settings import DATASCIENCE_IMAGE
 
 T = TypeVar("T")
 
@@ -45,6 +46,13 @@ def runtime_setup_hint(runtime: str) -> str:
         f'"runtimeArgs": [{args}]}}}}}} and reload dockerd (kill -HUP its pid), or run '
         "`bash .ci/setup` from the sandbox-kernel checkout, which installs gVisor and does this."
     )
+
+
+def build_command(image: str) -> str:
+    """The command that builds ``image``: its own recipe for a shipped tag, else the default recipe."""
+    if image == DATASCIENCE_IMAGE:
+        return "jupyter sandbox-kernel build-image --recipe datascience"
+    return f"jupyter sandbox-kernel build-image --tag {image}"
 
 
 class SandboxDocker:
@@ -132,7 +140,7 @@ class SandboxDocker:
         except (ImageNotFound, NotFound) as exc:
             msg = (
                 f"The kernel image {image!r} is not on this Docker host, and sandbox-kernel "
-                f"never pulls images. Build it with: jupyter sandbox-kernel build-image --tag {image}"
+                f"never pulls images. Build it with: {build_command(image)}"
             )
             raise ImageNotFoundError(msg) from exc
 

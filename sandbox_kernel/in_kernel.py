@@ -24,7 +24,7 @@
 # - Code that tries a network the kernel does not have learns it in one line: a name that
 #   does not resolve says the kernel's network policy, and errors that carry it (or the
 #   egress proxy's refusal) are shown as that one line instead of the library's traceback.
-# - BLAS and OpenMP start one thread per CPU the kernel may use, not per host core
+# - BLAS, OpenMP and polars start one thread per CPU the kernel may use, not per host core
 #   (``os.cpu_count()`` shows the host's), unless the kernelspec's ``env`` says otherwise.
 # - With a wall-clock limit, a SIGALRM armed before each cell raises a ``TimeoutError``
 #   naming it, so the user keeps the kernel. Code that blocks or ignores the signal is the
@@ -64,7 +64,13 @@ def _sandbox_kernel_startup() -> None:
         names = [os.path.basename(entry) for entry in sys.path]
         packages = [i for i, name in enumerate(names) if name in ("site-packages", "dist-packages")]
         sys.path.insert(packages[0] if packages else 0, "")
-    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_MAX_THREADS"):
+    for name in (
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "NUMEXPR_MAX_THREADS",
+        "POLARS_MAX_THREADS",
+    ):
         os.environ.setdefault(name, str(max(1, math.ceil(float(policy.get("cpus") or 1)))))
 
     shell = get_ipython()

@@ -23,6 +23,8 @@ from .limits import Limits
 from .policy import CONTAINER_WORKSPACE, validate_size
 
 DEFAULT_IMAGE = "sandbox-kernel/python:latest"
+#: The data-science image (`build-image --recipe datascience`), built FROM DEFAULT_IMAGE.
+DATASCIENCE_IMAGE = "sandbox-kernel/python-datascience:latest"
 DEFAULT_RUNTIME = "runsc-sandbox-kernel"
 
 

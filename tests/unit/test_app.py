@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import docker
 import pytest
+from docker.errors import ImageNotFound
 
 from sandbox_kernel.app import (
+    DEBIAN_BASE,
     KERNEL_NAME,
+    RECIPE_LABEL,
     BuildImageApp,
     CheckApp,
     InstallApp,
     RunApp,
     SandboxKernelApp,
+    _recipe_digest,
 )
+from sandbox_kernel.resources import data_path
+from sandbox_kernel.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
+
+from .conftest import FakeDockerClient
 
 APPS = (SandboxKernelApp, InstallApp, BuildImageApp, CheckApp, RunApp)
 
@@ -225,3 +237,242 @@ def test_install_refuses_domains_with_network_none(
         )
     assert "is set but network is 'none'" in capsys.readouterr().err
     assert not (tmp_path / "share/jupyter/kernels/x").exists()
+
+
+def test_install_recipe_datascience_installs_the_data_science_spec(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(InstallApp, "--prefix", str(tmp_path), "--recipe", "datascience")
+
+    spec = installed_spec(tmp_path, "sandboxed-python-datascience")
+    assert spec["display_name"] == "Sandboxed Python (data science)"
+    assert spec["metadata"]["kernel_provisioner"] == {  # type: ignore[index]
+        "provisioner_name": "sandbox-provisioner",
+        "config": {"image": DATASCIENCE_IMAGE},
+    }
+    assert (tmp_path / "share/jupyter/kernels/sandboxed-python-datascience/logo-64x64.png").is_file()
+    out = capsys.readouterr().out
+    assert "Installed kernelspec 'sandboxed-python-datascience' (Sandboxed Python (data science))" in out
+    assert not (tmp_path / "share/jupyter/kernels" / KERNEL_NAME).exists()
+
+
+def test_install_recipe_datascience_takes_the_usual_options(tmp_path: Path) -> None:
+    run(
+        InstallApp,
+        "--prefix",
+        str(tmp_path),
+        "--recipe",
+        "DataScience",
+        "--name",
+        "ds-big",
+        "--display-name",
+        "Data science (big)",
+        "--memory",
+        "3g",
+    )
+    spec = installed_spec(tmp_path, "ds-big")
+    assert spec["display_name"] == "Data science (big)"
+    config = spec["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"image": DATASCIENCE_IMAGE, "memory": "3g"}
+
+    InstallApp.clear_instance()
+    run(InstallApp, "--prefix", str(tmp_path), "--recipe", "datascience", "--image", "ds:2", "--name", "ds2")
+    config = installed_spec(tmp_path, "ds2")["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"image": "ds:2"}
+
+
+def test_install_refuses_an_unknown_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(InstallApp, "--prefix", str(tmp_path), "--recipe", "rust")
+    assert info.value.code == 1
+    assert "expected any of ['python', 'datascience']" in capsys.readouterr().err
+    assert not (tmp_path / "share").exists()
+
+
+# ---------------------------------------------------------------- build-image
+
+
+@dataclass
+class FakeImage:
+    id: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class FakeBuildDocker:
+    """The part of docker-py that build-image uses: ``images.get`` and ``api.build``.
+
+    A build "succeeds" at once: the tag then names a new image with the build's labels.
+    """
+
+    def __init__(self, *present: str) -> None:
+        self.present = {tag: FakeImage(f"sha256:{tag}") for tag in present}
+        self.builds: list[dict[str, Any]] = []
+        self.images = self
+        self.api = self
+
+    def get(self, tag: str) -> FakeImage:
+        if tag not in self.present:
+            raise ImageNotFound(f"No such image: {tag}")
+        return self.present[tag]
+
+    def build(self, **kwargs: Any) -> Iterator[dict[str, str]]:
+        self.builds.append(kwargs)
+        self.present[kwargs["tag"]] = FakeImage(f"sha256:build{len(self.builds)}", dict(kwargs["labels"]))
+        yield {"stream": f"Step 1/1 : FROM {kwargs['buildargs'].get('BASE', 'the default BASE')}\n"}
+
+    def built_tags(self) -> list[str]:
+        return [build["tag"] for build in self.builds]
+
+
+@pytest.fixture
+def build_docker(monkeypatch: pytest.MonkeyPatch) -> FakeBuildDocker:
+    """What ``docker.from_env()`` returns to build-image: a fake holding the Debian base."""
+    fake = FakeBuildDocker(DEBIAN_BASE)
+    monkeypatch.setattr(docker, "from_env", lambda: fake)
+    return fake
+
+
+IMAGES = data_path("images")
+
+
+def test_build_image_builds_the_default_recipe_with_progress(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(BuildImageApp, "--debian-base")
+
+    (build,) = build_docker.builds
+    assert build["path"] == str(IMAGES)
+    assert build["tag"] == DEFAULT_IMAGE
+    assert build["buildargs"] == {"BASE": DEBIAN_BASE}
+    assert build["labels"] == {RECIPE_LABEL: _recipe_digest(IMAGES, "python")}
+    out = capsys.readouterr().out
+    assert f"==> building {DEFAULT_IMAGE} from {IMAGES / 'Dockerfile'} on {DEBIAN_BASE}" in out
+    assert f"Step 1/1 : FROM {DEBIAN_BASE}" in out
+    assert f"==> built {DEFAULT_IMAGE}" in out
+
+
+def test_build_image_datascience_builds_the_default_image_first(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(BuildImageApp, "--recipe", "datascience", "--debian-base")
+
+    assert build_docker.built_tags() == [DEFAULT_IMAGE, DATASCIENCE_IMAGE]
+    default, datascience = build_docker.builds
+    assert default["buildargs"] == {"BASE": DEBIAN_BASE}
+    assert datascience["path"] == str(IMAGES / "datascience")
+    assert datascience["buildargs"] == {"BASE": DEFAULT_IMAGE}
+    default_id = build_docker.present[DEFAULT_IMAGE].id
+    assert datascience["labels"] == {RECIPE_LABEL: _recipe_digest(IMAGES, "datascience", default_id)}
+    out = capsys.readouterr().out
+    assert f"==> the datascience image builds on {DEFAULT_IMAGE}" in out
+    assert f"==> built {DATASCIENCE_IMAGE}" in out
+
+
+def test_build_image_if_missing_builds_nothing_when_both_images_are_current(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(BuildImageApp, "--recipe", "datascience", "--debian-base")
+    BuildImageApp.clear_instance()
+    capsys.readouterr()
+
+    run(BuildImageApp, "--recipe", "datascience", "--debian-base", "--if-missing")
+    BuildImageApp.clear_instance()
+    run(BuildImageApp, "--debian-base", "--if-missing")
+
+    assert build_docker.built_tags() == [DEFAULT_IMAGE, DATASCIENCE_IMAGE]
+    out = capsys.readouterr().out
+    assert f"==> image {DATASCIENCE_IMAGE} already present, built from the current recipe" in out
+    assert out.count(f"==> image {DEFAULT_IMAGE} already present, built from the current recipe") == 2
+
+
+def test_build_image_rebuilds_the_datascience_image_on_a_new_default_image(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(BuildImageApp, "--recipe", "datascience", "--debian-base")
+    BuildImageApp.clear_instance()
+    # The default image rebuilt from the same recipe (say with --no-cache): a new id.
+    build_docker.present[DEFAULT_IMAGE].id = "sha256:rebuilt"
+    capsys.readouterr()
+
+    run(BuildImageApp, "--recipe", "datascience", "--debian-base", "--if-missing")
+
+    assert build_docker.built_tags() == [DEFAULT_IMAGE, DATASCIENCE_IMAGE, DATASCIENCE_IMAGE]
+    label = build_docker.builds[-1]["labels"][RECIPE_LABEL]
+    assert label == _recipe_digest(IMAGES, "datascience", "sha256:rebuilt")
+    assert (
+        f"==> image {DATASCIENCE_IMAGE} was built from another recipe; rebuilding" in capsys.readouterr().out
+    )
+
+
+def test_build_image_refreshes_a_stale_default_image_before_the_datascience_one(
+    build_docker: FakeBuildDocker,
+) -> None:
+    build_docker.present[DEFAULT_IMAGE] = FakeImage("sha256:old", {RECIPE_LABEL: "an-older-recipe"})
+    run(BuildImageApp, "--recipe", "datascience", "--debian-base")
+    assert build_docker.built_tags() == [DEFAULT_IMAGE, DATASCIENCE_IMAGE]
+    assert build_docker.builds[1]["buildargs"] == {"BASE": DEFAULT_IMAGE}
+
+
+def test_build_image_datascience_on_a_given_base_and_tag(build_docker: FakeBuildDocker) -> None:
+    build_docker.present["my/py:3.12"] = FakeImage("sha256:mine")
+    run(BuildImageApp, "--recipe", "datascience", "--base", "my/py:3.12", "--tag", "my/ds:3.12")
+
+    (build,) = build_docker.builds
+    assert (build["tag"], build["buildargs"]) == ("my/ds:3.12", {"BASE": "my/py:3.12"})
+    assert build["labels"] == {RECIPE_LABEL: _recipe_digest(IMAGES, "datascience", "sha256:mine")}
+
+
+def test_build_image_datascience_on_a_missing_base_names_it(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(BuildImageApp, "--recipe", "datascience", "--base", "my/py:3.12")
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "the base image my/py:3.12 is not on this Docker host" in err
+    assert "--base" in err
+    assert build_docker.builds == []
+
+
+def test_build_image_refuses_an_unknown_recipe(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(BuildImageApp, "--recipe", "rust")
+    assert info.value.code == 1
+    assert "expected any of ['python', 'datascience']" in capsys.readouterr().err
+    assert build_docker.builds == []
+
+
+def test_recipe_digests_cover_each_recipe_s_own_files(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    shutil.copytree(IMAGES, images)
+    python, datascience = _recipe_digest(images, "python"), _recipe_digest(images, "datascience", "sha256:a")
+    assert python == _recipe_digest(IMAGES)
+    assert datascience != _recipe_digest(images, "datascience", "sha256:b")
+
+    # A change to the data-science recipe leaves the default image's digest alone.
+    with (images / "datascience" / "Dockerfile").open("a") as dockerfile:
+        dockerfile.write("# changed\n")
+    assert _recipe_digest(images, "python") == python
+    assert _recipe_digest(images, "datascience", "sha256:a") != datascience
+
+    # The default recipe reaches the data-science image through its base's id, not its files.
+    datascience = _recipe_digest(images, "datascience", "sha256:a")
+    with (images / "Dockerfile").open("a") as dockerfile:
+        dockerfile.write("# changed\n")
+    assert _recipe_digest(images, "python") != python
+    assert _recipe_digest(images, "datascience", "sha256:a") == datascience
+
+
+def test_check_names_the_datascience_recipe_for_its_missing_image(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeDockerClient(images_present={DEFAULT_IMAGE})
+    monkeypatch.setattr(docker, "from_env", lambda: fake)
+    with pytest.raises(SystemExit) as info:
+        run(CheckApp, "--image", DATASCIENCE_IMAGE)
+    assert info.value.code == 1
+    out = capsys.readouterr().out
+    assert f"FAIL  kernel image {DATASCIENCE_IMAGE!r} present" in out
+    assert "Build it with: jupyter sandbox-kernel build-image --recipe datascience" in out

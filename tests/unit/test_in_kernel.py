@@ -17,7 +17,13 @@ import pytest
 
 from sandbox_kernel.limits import kernel_startup
 
-THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_MAX_THREADS")
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "NUMEXPR_MAX_THREADS",
+    "POLARS_MAX_THREADS",
+)
 
 
 class Shell:
@@ -128,7 +134,7 @@ def test_blas_threads_follow_the_cpu_limit_unless_the_kernelspec_env_says(
     started: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started(cpus=1.5)
-    assert [os.environ[name] for name in THREAD_ENV] == ["2"] * 4
+    assert [os.environ[name] for name in THREAD_ENV] == ["2"] * 5
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     started(cpus=0.5)
     assert os.environ["OMP_NUM_THREADS"] == "8"
