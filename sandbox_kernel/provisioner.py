@@ -90,6 +90,16 @@ REQUEST_CPU_CREDIT = 10.0
 OWNER_TOUCH_INTERVAL = 60.0
 
 
+@dataclass(frozen=True)
+class LimitStop:
+    """A limit (memory, wall-clock, idle) stopped the kernel: which, why, when, which container."""
+
+    ename: str
+    reason: str
+    time: float
+    container_id: str
+
+
 @dataclass
 class _Watch:
     """What a kernel's watchdog carries from one look to the next."""
@@ -135,6 +145,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # current container's end once noted.
         self._planned_exit: tuple[str, str, str] | None = None
         self._exit_cause: tuple[str, str] | None = None
+        self._limit_stop: LimitStop | None = None
         # Of the launch environment, what a relaunch after reattaching needs again.
         self._launch_env: dict[str, str] = {}
         # Signs the provisioner's own messages to clients (notices, replies for the dead).
@@ -149,6 +160,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     @property
     def has_process(self) -> bool:
         return self.container_id is not None
+
+    @property
+    def limit_stop(self) -> LimitStop | None:
+        """The last time a limit stopped this kernel, kept across restarts (Jupyter may
+        restart it within a second, before anyone asks), or None."""
+        return self._limit_stop
 
     @property
     def kernel_name(self) -> str:
@@ -798,6 +815,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 ename = "KernelDied"
                 reason = f"the kernel stopped (exit code {code}) before this execution finished"
         self._exit_cause = (ename, reason)
+        if ename != "KernelDied":
+            self._limit_stop = LimitStop(ename, reason, time.time(), container_id)
         if ename == "KernelDied":
             self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
         else:

@@ -152,6 +152,16 @@ def test_an_analyst_works_in_a_sandboxed_notebook(labs: Labs) -> None:
 
     assert analyst.run("import os\nx = 'kept'\nprint(os.uname().release, os.getcwd())") == "4.4.0 /workspace"
 
+    # which sandbox, how close to its limits: the status bar, and its policy on click
+    status = analyst.page.locator("#sandbox-kernel-status")
+    expect(status).to_have_text(re.compile(r"^gVisor · no network · \d+\.\d/2\.0 GiB$"), timeout=15_000)
+    status.click()
+    policy = analyst.page.locator(".jp-Dialog .sandbox-kernel-policy")
+    expect(policy).to_contain_text("Network")
+    expect(policy).to_contain_text("none")
+    analyst.page.locator(".jp-Dialog button", has_text="Close").click()
+    expect(analyst.page.locator(".jp-Dialog")).to_have_count(0)
+
     # an inline plot
     analyst.run("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('revenue')\nplt.show()")
     image = analyst.cells.nth(-2).locator(".jp-OutputArea img")
@@ -190,6 +200,27 @@ def test_an_analyst_works_in_a_sandboxed_notebook(labs: Labs) -> None:
     shown = analyst.run("import os\nprint(os.path.exists('from-notebook.csv'))\nx")
     assert shown.startswith("True"), shown
     assert "NameError: name 'x' is not defined" in shown
+
+
+def test_a_limit_that_stops_the_kernel_is_announced(labs: Labs, make_kernelspec: Callable[..., str]) -> None:
+    """Memory filled out of the kernel's reach (files in /tmp) gets it killed at the
+    limit: the analyst is told so, in words, and the kernel comes back."""
+    make_kernelspec("py-small", config={"memory": "512m", "tmp_size": "1g"}, display_name="Small Python")
+    analyst = labs.start()
+    analyst.new_notebook("Small Python")
+    analyst.run("x = 1")
+    expect(analyst.page.locator("#sandbox-kernel-status")).to_have_text(
+        re.compile(r"^gVisor · no network · \d+/512 MiB$"), timeout=15_000
+    )
+    analyst.type_cell("f = open('/tmp/fill', 'wb')\nwhile True:\n    f.write(b'x' * 2**24)")
+    notice = analyst.page.locator(".Toastify__toast.jp-Notification-Toast-error")
+    expect(notice).to_contain_text("reached its memory limit (512m)", timeout=60_000)
+    # JupyterLab's own word on a dead kernel, which the analyst acknowledges
+    dialog = analyst.page.locator(".jp-Dialog")
+    expect(dialog).to_contain_text("appears to have died. It will restart automatically.")
+    dialog.locator(".jp-mod-accept").click()
+    analyst.wait_for_kernel("Small Python")
+    assert "NameError" in analyst.run("x")
 
 
 def test_a_persistent_kernel_survives_a_sigkill_of_jupyter_lab(

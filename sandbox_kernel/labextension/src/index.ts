@@ -1,0 +1,366 @@
+/**
+ * sandbox-kernel in JupyterLab's status bar: which sandbox the current notebook's or
+ * console's kernel runs in and how close it is to its limits ("gVisor · no network ·
+ * 1.2/2.0 GiB"). A click shows the kernel's policy; a limit that stops the kernel gets
+ * a notice. The server side is sandbox_kernel/lab.py.
+ */
+import {
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import {
+  Dialog,
+  ISessionContext,
+  Notification,
+  showDialog
+} from '@jupyterlab/apputils';
+import { ConsolePanel, IConsoleTracker } from '@jupyterlab/console';
+import { URLExt } from '@jupyterlab/coreutils';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { ServerConnection } from '@jupyterlab/services';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+import { Widget } from '@lumino/widgets';
+
+/** How often the current sandboxed kernel is asked about (ms). */
+const INTERVAL = 3000;
+const GiB = 1024 ** 3;
+const MiB = 1024 ** 2;
+
+/** What `GET /api/sandbox-kernel/kernels/<id>` answers for a sandboxed kernel. */
+interface ISandbox {
+  sandboxed: true;
+  runtime: string;
+  docker_runtime: string;
+  image: string;
+  network: 'none' | 'allowlist';
+  allowed_domains: string[];
+  limits: {
+    memory: string;
+    cpus: number;
+    pids: number;
+    tmp_size: string;
+    file_size: string;
+    exec_timeout: number;
+    idle_timeout: number;
+    output_limit: string;
+  };
+  memory: { used: number | null; limit: number };
+  stopped: IStop | null;
+}
+
+/** The last time a limit stopped the kernel. */
+interface IStop {
+  ename: string;
+  /** "memory", "wall-clock" or "idle". */
+  limit: string;
+  reason: string;
+  /** When (ISO 8601), and how many seconds ago. */
+  time: string;
+  age: number;
+  /** False once the kernel runs again. */
+  current: boolean;
+}
+
+/** The sandbox of kernel `kernelId`; null if it is not sandboxed or gone. */
+async function fetchSandbox(
+  settings: ServerConnection.ISettings,
+  kernelId: string
+): Promise<ISandbox | null> {
+  const url = URLExt.join(
+    settings.baseUrl,
+    'api/sandbox-kernel/kernels',
+    encodeURIComponent(kernelId)
+  );
+  const response = await ServerConnection.makeRequest(url, {}, settings);
+  if (response.status === 404) {
+    return null;
+  }
+  if (!response.ok) {
+    throw new ServerConnection.ResponseError(response);
+  }
+  const data = await response.json();
+  return data.sandboxed ? (data as ISandbox) : null;
+}
+
+function memoryText({ used, limit }: ISandbox['memory']): string {
+  const [unit, name, digits] = limit >= GiB ? [GiB, 'GiB', 1] : [MiB, 'MiB', 0];
+  const amount = (bytes: number) => (bytes / unit).toFixed(digits);
+  return `${used === null ? '–' : amount(used)}/${amount(limit)} ${name}`;
+}
+
+function networkText(sandbox: ISandbox): string {
+  const n = sandbox.allowed_domains.length;
+  return sandbox.network === 'none'
+    ? 'no network'
+    : `${n} ${n === 1 ? 'domain' : 'domains'}`;
+}
+
+/** The status bar's text, e.g. "gVisor · no network · 1.2/2.0 GiB". */
+function statusText(sandbox: ISandbox): string {
+  if (sandbox.stopped?.current) {
+    return `${sandbox.runtime} · stopped: ${sandbox.stopped.limit} limit`;
+  }
+  return [
+    sandbox.runtime,
+    networkText(sandbox),
+    memoryText(sandbox.memory)
+  ].join(' · ');
+}
+
+function seconds(value: number): string {
+  return value > 0 ? `${value} s` : 'none';
+}
+
+/** A short notice (JupyterLab shows at most 140 characters of it). */
+function stopNotice(sandbox: ISandbox, stop: IStop): string {
+  const { limits } = sandbox;
+  switch (stop.limit) {
+    case 'memory':
+      return `The sandboxed kernel reached its memory limit (${limits.memory}) and was stopped; its variables are lost.`;
+    case 'wall-clock':
+      return `The sandboxed kernel was stopped: an execution ran past its wall-clock limit (${limits.exec_timeout} s); its variables are lost.`;
+    case 'idle':
+      return `The sandboxed kernel was stopped after ${limits.idle_timeout} s without executions (idle limit). Restart it to go on.`;
+    default:
+      return `The sandboxed kernel was stopped by a limit (${stop.ename}).`;
+  }
+}
+
+/** The policy, as rows of a table: [what, value]. */
+function policyRows(sandbox: ISandbox): [string, string][] {
+  const { limits, memory } = sandbox;
+  const network =
+    sandbox.network === 'none'
+      ? 'none: no network at all'
+      : `allow-list: HTTP(S) to ${sandbox.allowed_domains.join(', ')} only, through the host's proxy`;
+  const rows: [string, string][] = [
+    [
+      'Runtime',
+      `${sandbox.runtime} (Docker runtime ${sandbox.docker_runtime})`
+    ],
+    ['Image', sandbox.image],
+    ['Network', network],
+    [
+      'Memory',
+      `${limits.memory}` +
+        (memory.used === null ? '' : ` (${memoryText(memory)} in use)`)
+    ],
+    ['CPUs', `${limits.cpus}`],
+    ['Processes and threads', `${limits.pids}`],
+    ['/tmp', limits.tmp_size],
+    ['Largest file written', limits.file_size],
+    ['Output per execution', limits.output_limit],
+    ['Wall-clock limit per execution', seconds(limits.exec_timeout)],
+    ['Idle limit', seconds(limits.idle_timeout)]
+  ];
+  if (sandbox.stopped) {
+    const { stopped } = sandbox;
+    rows.push([
+      stopped.current ? 'Stopped' : 'Last stopped',
+      `${stopped.reason} (${new Date(stopped.time).toLocaleString()})`
+    ]);
+  }
+  return rows;
+}
+
+/** A dialog with the kernel's policy. */
+function showPolicy(sandbox: ISandbox): Promise<unknown> {
+  const body = new Widget();
+  body.addClass('sandbox-kernel-policy');
+  const table = document.createElement('table');
+  for (const [what, value] of policyRows(sandbox)) {
+    const row = table.insertRow();
+    const th = document.createElement('th');
+    th.textContent = what;
+    row.appendChild(th);
+    row.insertCell().textContent = value;
+  }
+  body.node.appendChild(table);
+  return showDialog({
+    title: 'Sandboxed kernel',
+    body,
+    buttons: [Dialog.okButton({ label: 'Close' })]
+  });
+}
+
+/**
+ * The status-bar item. It asks the server about the current kernel every few seconds
+ * while that kernel is sandboxed, and not at all otherwise.
+ */
+class SandboxStatus extends Widget {
+  constructor(private readonly _settings: ServerConnection.ISettings) {
+    super();
+    this.id = 'sandbox-kernel-status';
+    this.addClass('jp-StatusBar-TextItem');
+    this.addClass('jp-mod-highlighted');
+    this.addClass('sandbox-kernel-status');
+    this.node.setAttribute('role', 'button');
+    this.node.tabIndex = 0;
+    this.node.addEventListener('click', () => this._showPolicy());
+    this.node.addEventListener('keydown', event => {
+      if (event.key === 'Enter' || event.key === ' ') {
+        this._showPolicy();
+      }
+    });
+    this._poll = new Poll({
+      auto: false,
+      factory: () => this._check(),
+      frequency: { interval: INTERVAL, backoff: true, max: 10 * INTERVAL },
+      name: 'sandbox-kernel:status',
+      standby: 'when-hidden'
+    });
+  }
+
+  /** Whether the current kernel is sandboxed (the item shows only then). */
+  get active(): boolean {
+    return this._sandbox !== null;
+  }
+
+  get activeChanged(): ISignal<this, void> {
+    return this._activeChanged;
+  }
+
+  /** The current notebook's or console's session, or null. */
+  set sessionContext(context: ISessionContext | null) {
+    if (context === this._context) {
+      return;
+    }
+    this._context?.kernelChanged.disconnect(this._kernelChanged, this);
+    this._context = context;
+    context?.kernelChanged.connect(this._kernelChanged, this);
+    this._kernelChanged();
+  }
+
+  dispose(): void {
+    this._poll.dispose();
+    super.dispose();
+  }
+
+  private _kernelChanged(): void {
+    this._show(null);
+    void this._poll.refresh();
+  }
+
+  private get _kernelId(): string | null {
+    return this._context?.session?.kernel?.id ?? null;
+  }
+
+  private async _check(): Promise<void> {
+    const kernelId = this._kernelId;
+    const sandbox = kernelId
+      ? await fetchSandbox(this._settings, kernelId)
+      : null;
+    if (kernelId !== this._kernelId) {
+      return; // another kernel meanwhile: its own check follows
+    }
+    this._show(sandbox);
+    if (kernelId === null || sandbox === null) {
+      void this._poll.stop();
+      return;
+    }
+    if (sandbox.stopped) {
+      this._notice(kernelId, sandbox, sandbox.stopped);
+    }
+  }
+
+  /** Once per stop: a notice, unless the stop is older than this page and over. */
+  private _notice(kernelId: string, sandbox: ISandbox, stop: IStop): void {
+    const key = `${kernelId} ${stop.time}`;
+    if (this._noticed.has(key)) {
+      return;
+    }
+    this._noticed.add(key);
+    if (!stop.current && Date.now() - stop.age * 1000 < this._since) {
+      return;
+    }
+    Notification.error(stopNotice(sandbox, stop), {
+      autoClose: false,
+      actions: [{ label: 'Details', callback: () => void showPolicy(sandbox) }]
+    });
+  }
+
+  private _show(sandbox: ISandbox | null): void {
+    const wasActive = this.active;
+    this._sandbox = sandbox;
+    if (sandbox === null) {
+      this.node.textContent = '';
+      this.node.title = '';
+    } else {
+      const { used, limit } = sandbox.memory;
+      const stopped = sandbox.stopped?.current ?? false;
+      this.node.textContent = statusText(sandbox);
+      this.node.title = stopped
+        ? `This sandboxed kernel was stopped: ${sandbox.stopped?.reason}`
+        : `Sandboxed kernel (${sandbox.runtime}, image ${sandbox.image}): ` +
+          (sandbox.network === 'none'
+            ? 'no network'
+            : `HTTP(S) to ${sandbox.allowed_domains.join(', ')} only`) +
+          `; memory ${memoryText(sandbox.memory)} in use. Click for its policy.`;
+      this.toggleClass('sandbox-kernel-mod-stopped', stopped);
+      this.toggleClass(
+        'sandbox-kernel-mod-near-limit',
+        !stopped && used !== null && used >= 0.8 * limit
+      );
+    }
+    if (this.active !== wasActive) {
+      this._activeChanged.emit();
+    }
+  }
+
+  private _showPolicy(): void {
+    if (this._sandbox) {
+      void showPolicy(this._sandbox);
+    }
+  }
+
+  private _context: ISessionContext | null = null;
+  private _sandbox: ISandbox | null = null;
+  private _poll: Poll;
+  private _noticed = new Set<string>();
+  private _since = Date.now();
+  private _activeChanged = new Signal<this, void>(this);
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'sandbox-kernel:status',
+  description:
+    "Shows the current kernel's sandbox and limits in the status bar, and when a limit stopped it.",
+  autoStart: true,
+  // Without a status bar (Notebook 7), the notices still come.
+  optional: [IStatusBar, INotebookTracker, IConsoleTracker],
+  activate: (
+    app: JupyterFrontEnd,
+    statusBar: IStatusBar | null,
+    notebooks: INotebookTracker | null,
+    consoles: IConsoleTracker | null
+  ) => {
+    const status = new SandboxStatus(app.serviceManager.serverSettings);
+    statusBar?.registerStatusItem(plugin.id, {
+      item: status,
+      align: 'left',
+      rank: 100,
+      isActive: () => status.active,
+      activeStateChanged: status.activeChanged
+    });
+    const current = (): ISessionContext | null => {
+      const widget = app.shell.currentWidget;
+      if (widget && notebooks?.has(widget)) {
+        return (widget as NotebookPanel).sessionContext;
+      }
+      if (widget && consoles?.has(widget)) {
+        return (widget as ConsolePanel).sessionContext;
+      }
+      return null;
+    };
+    app.shell.currentChanged?.connect(() => {
+      status.sessionContext = current();
+    });
+    void app.restored.then(() => {
+      status.sessionContext = current();
+    });
+  }
+};
+
+export default plugin;

@@ -1,0 +1,128 @@
+"""The JupyterLab server extension's logic: what the status bar is told, with a fake Docker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandbox_kernel import lab
+from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.provisioner import SandboxProvisioner
+
+from .conftest import RUNNING, CountingFactory, FakeDockerClient
+
+CONTAINER = "c0ffee"
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture
+def provisioner(client_factory: CountingFactory) -> SandboxProvisioner:
+    prov = SandboxProvisioner(kernel_id="k1", parent=None, memory="512m", cpus=0.5, exec_timeout=30)
+    prov.docker = SandboxDocker(client_factory=client_factory)
+    return prov
+
+
+def test_a_sandboxed_kernel_is_described_by_its_policy_and_memory(provisioner: SandboxProvisioner) -> None:
+    assert lab.describe(provisioner, 100 * 1024**2, NOW) == {
+        "sandboxed": True,
+        "runtime": "gVisor",
+        "docker_runtime": "runsc-sandbox-kernel",
+        "image": "sandbox-kernel/python:latest",
+        "network": "none",
+        "allowed_domains": [],
+        "limits": {
+            "memory": "512m",
+            "cpus": 0.5,
+            "pids": 256,
+            "tmp_size": "256m",
+            "exec_timeout": 30.0,
+            "idle_timeout": 0.0,
+            "file_size": "4g",
+            "output_limit": "10m",
+        },
+        "memory": {"used": 100 * 1024**2, "limit": 512 * 1024**2},
+        "stopped": None,
+    }
+
+
+def test_an_allow_list_names_its_domains(provisioner: SandboxProvisioner) -> None:
+    provisioner.network = "allowlist"
+    provisioner.allowed_domains = ["docs.python.org", "*.pythonhosted.org"]
+    described = lab.describe(provisioner, None, NOW)
+    assert described["network"] == "allowlist"
+    assert described["allowed_domains"] == ["docs.python.org", "*.pythonhosted.org"]
+
+
+async def test_a_limit_stop_stays_on_record_across_a_restart(
+    provisioner: SandboxProvisioner, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states[CONTAINER] = {"Status": "exited", "ExitCode": 137, "OOMKilled": True}
+    provisioner.container_id = CONTAINER
+    assert await provisioner.poll() == 137  # noticed: Docker's OOM killer stopped it
+    stop = provisioner.limit_stop
+    assert stop is not None
+    assert (stop.ename, stop.container_id) == ("MemoryLimitExceeded", CONTAINER)
+
+    stopped = lab.describe(provisioner, None, stop.time + 2)["stopped"]
+    assert stopped["limit"] == "memory"
+    assert stopped["reason"].startswith("memory limit 512m exceeded")
+    assert (stopped["current"], stopped["age"]) == (True, 2.0)
+    assert stopped["time"].endswith("+00:00")
+
+    provisioner.container_id = "restarted"  # what a restart leaves
+    later = lab.describe(provisioner, 1, stop.time + 5)["stopped"]
+    assert (later["ename"], later["current"]) == ("MemoryLimitExceeded", False)
+
+
+async def test_a_kernel_that_dies_by_itself_is_no_limit_stop(
+    provisioner: SandboxProvisioner, fake_client: FakeDockerClient
+) -> None:
+    fake_client.states[CONTAINER] = {"Status": "exited", "ExitCode": 1, "OOMKilled": False}
+    provisioner.container_id = CONTAINER
+    assert await provisioner.poll() == 1
+    assert provisioner.limit_stop is None
+    assert lab.describe(provisioner, None, NOW)["stopped"] is None
+
+
+async def test_memory_is_read_from_the_cgroup_of_the_containers_process(
+    provisioner: SandboxProvisioner, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[int] = []
+
+    def memory_usage(pid: int) -> int:
+        read.append(pid)
+        return 4096
+
+    monkeypatch.setattr(lab, "memory_usage", memory_usage)
+    fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4242}
+    provisioner.container_id = CONTAINER
+    gauge = lab.MemoryGauge()
+    assert [await gauge.used(provisioner) for _ in range(3)] == [4096] * 3
+    assert read == [4242] * 3
+    assert len(fake_client.called("api.inspect_container")) == 1, "one Docker call per container"
+
+    provisioner.exit_code = 137  # stopped: its pid may belong to someone else by now
+    assert await gauge.used(provisioner) is None
+    provisioner.container_id = None
+    assert await gauge.used(provisioner) is None
+    assert read == [4242] * 3
+
+
+async def test_memory_of_a_container_docker_cannot_tell_about_is_unknown(
+    provisioner: SandboxProvisioner, fake_client: FakeDockerClient
+) -> None:
+    provisioner.container_id = "gone"  # no such container: NotFound
+    assert await lab.MemoryGauge().used(provisioner) is None
+    fake_client.states["created"] = {"Status": "created", "ExitCode": 0, "Pid": 0}
+    provisioner.container_id = "created"
+    assert await lab.MemoryGauge().used(provisioner) is None
+
+
+def test_installing_the_package_enables_the_server_extension() -> None:
+    config = Path(__file__).parents[2] / "jupyter-config" / "jupyter_server_config.d" / "sandbox_kernel.json"
+    enabled: dict[str, Any] = json.loads(config.read_text())["ServerApp"]["jpserver_extensions"]
+    assert enabled == {"sandbox_kernel.lab": True}
+    assert lab._jupyter_server_extension_points() == [{"module": "sandbox_kernel.lab"}]
