@@ -40,6 +40,7 @@ from pathlib import Path
 import zmq
 
 from .output import OutputLimiter
+from .sanitize import OutputSanitizer
 from .wire import Signatures, find_delimiter, frame_bytes, load_dict
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ class KernelBridge:
         curve: CurveKeys | None = None,
         tap: Tap | None = None,
         output_limiter: OutputLimiter | None = None,
+        sanitizer: OutputSanitizer | None = None,
         *,
         transport: str = "tcp",
         key: bytes = b"",
@@ -196,6 +198,7 @@ class KernelBridge:
         self.ip = ip
         self._tap = tap
         self._limiter = output_limiter
+        self._sanitizer = sanitizer
         self._signatures = Signatures(key, signature_scheme)
         self._caps = caps or SizeCaps()
         self._kernel_endpoints = dict(kernel_endpoints)
@@ -483,6 +486,12 @@ class KernelBridge:
         if checked is None:
             return
         frames = checked
+        if self._sanitizer is not None and not to_kernel:
+            cleaned = self._sanitizer.clean(channel, frames)
+            if cleaned is None:
+                self._drop(channel, to_kernel, "could not be made safe to show")
+                return
+            frames = cleaned
         if self._tap is not None:
             try:
                 self._tap(channel, to_kernel, frames)

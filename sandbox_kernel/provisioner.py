@@ -77,6 +77,7 @@ from .policy import (
     volume_setup_kwargs,
     volume_user,
 )
+from .sanitize import OutputSanitizer
 from .settings import SandboxSettings
 from .watchdog import UntrackedCompute, exceeds_exec_timeout
 from .wire import stderr_notice
@@ -501,12 +502,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self._auditor.on_refused = self._refuse_execution
             km = self.parent
             key, scheme = self._session_key()
-            limiter = None
+            limiter = sanitizer = None
             if km is not None:
                 self._signer = Session(key=key, signature_scheme=scheme)
                 limiter = OutputLimiter(
                     size_bytes("output_limit", self.output_limit), self._signer, self._current_execution
                 )
+            if self.safe_output:
+                sanitizer = OutputSanitizer(self._signer or Session(key=key, signature_scheme=scheme))
             if self.client_transport == "ipc":
                 if ip is None or self.runtime_dir is None or Path(ip).parent != self.runtime_dir:
                     ip = str(self.runtime_dir / "client") if self.runtime_dir else None
@@ -522,6 +525,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 curve=self._curve,
                 tap=self._auditor,
                 output_limiter=limiter,
+                sanitizer=sanitizer,
                 transport=self.client_transport,
                 key=key,
                 signature_scheme=scheme,

@@ -14,7 +14,7 @@ import tempfile
 from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import CaselessStrEnum, Dict, Float, Int, List, TraitError, Unicode, default, validate
+from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, TraitError, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
 from .egress import EgressPolicy, EgressRules
@@ -203,6 +203,17 @@ class SandboxSettings(LoggingConfigurable):
         help="""Most output (printed text, displays, errors) one execution may send to
         clients, e.g. '10m'; past it the rest is dropped and clients get one notice.
         Server config only.""",
+    )
+    safe_output = Bool(
+        True,
+        config=True,
+        help="""Clean what the kernel shows before any client sees it, so that a browser
+        rendering it runs none of the kernel's code: HTML without scripts or event
+        handlers, no JavaScript or other code-running output types, no HTML in widgets
+        (see sandbox_kernel/sanitize.py). JupyterLab runs script in output it trusts, and
+        it trusts the output of its own session: turn this off only where everyone who
+        sees a kernel's output could run code as the server's user anyway. Server config
+        only.""",
     )
     max_cpus = Float(
         2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."

@@ -167,6 +167,14 @@ def test_an_analyst_works_in_a_sandboxed_notebook(labs: Labs) -> None:
     image = analyst.cells.nth(-2).locator(".jp-OutputArea img")
     expect(image).to_have_attribute("src", re.compile(r"^data:image/png;base64,"))
 
+    # a widget: the slider renders and moving it reaches the kernel
+    analyst.run("import ipywidgets\nslider = ipywidgets.IntSlider(value=3, max=10)\nslider")
+    handle = analyst.cells.nth(-2).locator(".widget-slider .noUi-handle")
+    expect(handle).to_be_visible()
+    handle.focus()
+    analyst.page.keyboard.press("ArrowRight")
+    assert analyst.run("print(slider.value)") == "4"
+
     # a result file shows up in the file browser
     analyst.run("import pandas as pd\npd.DataFrame({'a': [1, 2]}).to_csv('from-notebook.csv')")
     analyst.page.locator('[data-command="filebrowser:refresh"]').first.click()
@@ -200,6 +208,37 @@ def test_an_analyst_works_in_a_sandboxed_notebook(labs: Labs) -> None:
     shown = analyst.run("import os\nprint(os.path.exists('from-notebook.csv'))\nx")
     assert shown.startswith("True"), shown
     assert "NameError: name 'x' is not defined" in shown
+
+
+ATTACK = """\
+from IPython.display import HTML, Javascript, Markdown, display
+import ipywidgets, pandas
+
+def attack(name):
+    return ("(window.__pwned = window.__pwned || []).push('" + name + "');"
+            "fetch('/api/terminals', {method: 'POST', headers: {'X-XSRFToken': "
+            "(document.cookie.match(/_xsrf=([^;]+)/) || [])[1] || ''}})")
+
+display(Javascript(attack('javascript')))
+display(HTML('<script>' + attack('script') + '</script>'))
+display(HTML('<img src=x onerror="' + attack('img') + '">'))
+display(Markdown('<img src=x onerror="' + attack('markdown') + '">'))
+display(ipywidgets.HTML('<img src=x onerror="' + attack('widget') + '">'))
+pandas.DataFrame({'revenue': [1, 2]})
+"""
+
+
+def test_the_kernels_output_runs_no_code_in_the_analysts_browser(labs: Labs) -> None:
+    """Written as an attacker would: JupyterLab trusts what its own session outputs, so
+    script in it would act with the analyst's session: here, open a terminal on the host.
+    Nothing of it may run; a DataFrame still shows as a table."""
+    analyst = labs.start()
+    analyst.new_notebook("Sandboxed Python")
+    analyst.run(ATTACK)
+    expect(analyst.cells.nth(-2).locator("table.dataframe")).to_be_visible()
+    time.sleep(3)  # images fail to load, scripts would have run
+    assert analyst.page.evaluate("window.__pwned || []") == []
+    assert analyst.server.api("GET", "/api/terminals").json() == []
 
 
 def test_a_limit_that_stops_the_kernel_is_announced(labs: Labs, make_kernelspec: Callable[..., str]) -> None:
