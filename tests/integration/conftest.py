@@ -217,7 +217,10 @@ def start_kernel(
         kc = km.client()
         started.append((km, kc))
         kc.start_channels()
-        kc.wait_for_ready(timeout=60)
+        try:
+            kc.wait_for_ready(timeout=60)
+        except RuntimeError as exc:  # say why: the container's state and last output
+            raise RuntimeError(f"{exc}; {container_report(docker_client, km)}") from exc
         return km, kc
 
     yield start
@@ -229,6 +232,23 @@ def start_kernel(
             all=True, filters={"label": f"{LABEL_KERNEL_ID}={km.kernel_id}"}
         )
         assert remaining == [], f"kernel {km.kernel_id} left containers behind: {remaining}"
+
+
+def container_report(client: docker.DockerClient, km: KernelManager) -> str:
+    """A sandboxed kernel's container state and last output, for a failure message."""
+    container_id = getattr(km.provisioner, "container_id", None)
+    if container_id is None:
+        return "no container"
+    try:
+        container = client.containers.get(container_id)
+    except docker.errors.NotFound:
+        return f"container {container_id[:12]} is gone"
+    state = container.attrs["State"]
+    output = container.logs(tail=40).decode(errors="replace")
+    return (
+        f"container {container_id[:12]} {state['Status']}, exit code {state['ExitCode']}, "
+        f"OOM-killed {state['OOMKilled']}, error {state['Error']!r}; its output:\n{output}"
+    )
 
 
 class Execution:
