@@ -82,6 +82,7 @@ def _sandbox_kernel_startup() -> None:
 
     # ---------------------------------------------------------------- memory
     threshold = memory_bytes - (64 * 2**20 + memory_bytes // 16)
+    fastest_growth = 2 * 2**30  # bytes per second: more than a kernel allocates under gVisor
     step = max(16 * 2**20, memory_bytes // 64)
     executing = threading.Event()
     kernel_threads = {thread.ident for thread in threading.enumerate()}
@@ -108,7 +109,9 @@ def _sandbox_kernel_startup() -> None:
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(
                             ctypes.c_ulong(ident), ctypes.py_object(MemoryError)
                         )
-            time.sleep(0.01 if used > threshold // 2 else 0.1)
+            # Look again before the fastest allocation could cross the threshold: an idle
+            # kernel far below it costs a wake-up a second, one near it is watched closely.
+            time.sleep(min(1.0, max(0.01, (threshold - used) / fastest_growth)))
 
     def memory_error_text(value: BaseException) -> str:
         detail = str(value)
