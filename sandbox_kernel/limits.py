@@ -11,10 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from . import in_kernel
 from .errors import ConfigurationError
 
 _SIZE_RE = re.compile(r"^([1-9][0-9]*)([kmg]?)$", re.IGNORECASE)
@@ -101,8 +99,3 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
                 "or have the server's administrator raise the ceiling."
             )
             raise ConfigurationError(msg)
-
-
-def kernel_startup() -> str:
-    """Python the kernel runs at its start (as PYTHONSTARTUP): see :mod:`.in_kernel`."""
-    return Path(in_kernel.__file__).read_text()

@@ -64,7 +64,7 @@ DEFAULT_KERNEL_UID = 65533
 #: sys.path while the kernel starts: ``python -m ipykernel_launcher`` would otherwise
 #: run an ``ipykernel_launcher.py`` (or ``zmq.py``...) planted there by an earlier
 #: kernel, before its runtime folder is sealed. The start-up code puts the folder back
-#: once the kernel is up (see :func:`~.limits.kernel_startup`).
+#: once the kernel is up (see :mod:`~.in_kernel`).
 FIXED_ENV: Mapping[str, str] = {
     "HOME": "/tmp",
     "IPYTHONDIR": "/tmp/.ipython",

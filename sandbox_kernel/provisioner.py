@@ -27,6 +27,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 
+from . import in_kernel
 from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
@@ -42,7 +43,7 @@ from .errors import (
     WorkspaceError,
 )
 from .launch_folder import seal_launch_dir
-from .limits import check_within_ceilings, kernel_startup, size_bytes
+from .limits import check_within_ceilings, size_bytes
 from .orphans import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
 from .policy import (
@@ -450,7 +451,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     def _write_launch_files(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
         """What the kernel reads at its start: connection file, start-up code, the relay."""
         self._write_container_connection_file(spec, key, scheme)
-        (spec.runtime_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(kernel_startup())
+        startup = Path(in_kernel.__file__).read_text()
+        (spec.runtime_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(startup)
         if self._egress is not None:
             relay = Path(egress_relay.__file__).read_text()
             (spec.runtime_dir / Path(CONTAINER_RELAY_FILE).name).write_text(relay)
@@ -819,11 +821,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 ename = "KernelDied"
                 reason = f"the kernel stopped (exit code {code}) before this execution finished"
         self._exit_cause = (ename, reason)
-        if ename != "KernelDied":
-            self._limit_stop = LimitStop(ename, reason, time.time(), container_id)
         if ename == "KernelDied":
             self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
         else:
+            self._limit_stop = LimitStop(ename, reason, time.time(), container_id)
             self.log.warning("Sandboxed kernel %s ended: %s", self.kernel_id, reason)
         await self._abandon_executions(ename, reason)
 

@@ -10,12 +10,13 @@ import socket
 import sys
 import threading
 import urllib.error
+from pathlib import Path
 from typing import Any
 
 import IPython
 import pytest
 
-from sandbox_kernel.limits import kernel_startup
+from sandbox_kernel import in_kernel
 
 THREAD_ENV = (
     "OMP_NUM_THREADS",
@@ -87,7 +88,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
         monkeypatch.setenv("SANDBOX_KERNEL_POLICY", json.dumps({"memory": "1g", "cpus": 1.0, **policy}))
         namespace: dict[str, object] = {"__name__": "__main__"}
-        exec(compile(kernel_startup(), "startup.py", "exec"), namespace)  # noqa: S102
+        exec(compile(Path(in_kernel.__file__).read_text(), "startup.py", "exec"), namespace)  # noqa: S102
         assert set(namespace) <= {"__name__", "__builtins__"}, (
             "start-up code must not litter the user's names"
         )
