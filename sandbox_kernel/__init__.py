@@ -12,6 +12,7 @@ from .errors import (
     SandboxKernelError,
     WorkspaceError,
 )
+from .pool import SandboxPool, warm_pool
 from .provisioner import SandboxProvisioner
 
 __all__ = [
@@ -23,7 +24,9 @@ __all__ = [
     "KernelStartupError",
     "RuntimeMissingError",
     "SandboxKernelError",
+    "SandboxPool",
     "SandboxProvisioner",
     "WorkspaceError",
     "__version__",
+    "warm_pool",
 ]

@@ -25,7 +25,7 @@ from .docker_api import SandboxDocker
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
 from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
-from .policy import check_lifetime, check_pass_env, validate_kernelspec_config, volume_name
+from .policy import check_lifetime, check_pass_env, check_pool_size, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .resources import data_path
 from .settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE, DEFAULT_RUNTIME
@@ -156,6 +156,11 @@ class InstallApp(_SubApp):
         config=True,
         help="A named Docker volume as workspace, e.g. 'team-{project}' or '{user}-{notebook}'.",
     )
+    pool_size = Int(
+        0,
+        config=True,
+        help="Sandboxes kept started for its kernels, each ready in about 0.1 s (server as root).",
+    )
 
     aliases = {
         **base_aliases,
@@ -177,6 +182,7 @@ class InstallApp(_SubApp):
         "lifecycle": "InstallApp.lifecycle",
         "persistent-ttl": "InstallApp.persistent_ttl",
         "workspace-volume": "InstallApp.workspace_volume",
+        "pool-size": "InstallApp.pool_size",
     }
     flags = {
         **base_flags,
@@ -200,7 +206,7 @@ class InstallApp(_SubApp):
         chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout, idle_timeout=self.idle_timeout)
         chosen.update(file_size=self.file_size, network=self.network, allowed_domains=self.allowed_domains)
         chosen.update(pass_env=self.pass_env, lifecycle=self.lifecycle, persistent_ttl=self.persistent_ttl)
-        chosen.update(workspace_volume=self.workspace_volume)
+        chosen.update(workspace_volume=self.workspace_volume, pool_size=self.pool_size)
         if self.allowed_domains and not self.network:
             chosen["network"] = "allowlist"
         config.update({key: value for key, value in chosen.items() if value})
@@ -242,6 +248,7 @@ class InstallApp(_SubApp):
             partial(
                 check_lifetime, provisioner.lifecycle, provisioner.persistent_ttl, ceilings.max_persistent_ttl
             ),
+            partial(check_pool_size, provisioner.pool_size, ceilings.max_pool_size),
         ]
         if rules is not None:
             checks.append(partial(ceilings.check_domains, rules))
@@ -545,7 +552,8 @@ class ListApp(_KernelsApp):
     state, lifecycle, age, memory in use and its limit, the server that owns it
     (host/pid-namespace/pid/start) and its workspace. An ephemeral kernel whose server is
     gone is "orphaned" (`prune` removes it); a persistent one is "detached" until a server
-    adopts it, or "expired" once its time-to-live has run out."""
+    adopts it, or "expired" once its time-to-live has run out. A sandbox a kernelspec's
+    pool started ahead, which no kernel has claimed yet, is "pooled" (no kernel id)."""
     json_output = Bool(False, config=True, help="Print JSON instead of a table.")
     flags = {**base_flags, "json": ({"ListApp": {"json_output": True}}, "Print JSON instead of a table.")}
 
@@ -571,7 +579,7 @@ class ListApp(_KernelsApp):
         header = ("KERNEL ID", "KERNELSPEC", "STATE", "LIFECYCLE", "AGE", "MEMORY", "OWNER", "WORKSPACE")
         rows_text = [header] + [
             (
-                k.kernel_id,
+                k.kernel_id or "-",
                 k.kernelspec,
                 k.status,
                 k.lifecycle + (f" (ttl {_human_age(k.ttl)})" if k.persistent and k.ttl else ""),

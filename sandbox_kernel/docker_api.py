@@ -164,6 +164,16 @@ class SandboxDocker:
             return None
         return dict(volume.attrs.get("Labels") or {})
 
+    async def volume_mountpoint(self, name: str) -> str:
+        """Where the named volume's files are on the Docker host."""
+        client = await self.client()
+        volume = await self._api(f"inspect volume {name}", client.volumes.get, name)
+        return str(volume.attrs.get("Mountpoint") or "")
+
+    async def rename(self, container_id: str, name: str) -> None:
+        client = await self.client()
+        await self._api("rename the kernel container", client.api.rename, container_id, name)
+
     async def create_volume(self, name: str, labels: Mapping[str, str]) -> None:
         client = await self.client()
         await self._api(f"create volume {name}", client.volumes.create, name=name, labels=dict(labels))
@@ -251,6 +261,25 @@ class SandboxDocker:
             except NotFound:
                 continue  # removed meanwhile
         return result
+
+    def remove_blocking(self, container_id: str) -> None:
+        """Force-remove a container from the calling thread (at the process's exit, when
+        worker threads can no longer start); a missing one is fine.
+
+        Raises:
+            DockerOperationError, DockerUnavailableError: it may still exist.
+        """
+        try:
+            client = self._client or self._client_factory()
+            client.api.remove_container(container_id, force=True)
+        except NotFound:
+            return
+        except APIError as exc:
+            msg = f"Docker failed to remove the kernel container: {exc.explanation or exc}"
+            raise DockerOperationError(msg) from exc
+        except _TRANSPORT_ERRORS as exc:
+            msg = f"Lost the Docker daemon while removing a kernel container: {exc}. Is dockerd running?"
+            raise DockerUnavailableError(msg) from exc
 
     async def remove(self, container_id: str) -> None:
         """Force-remove a container; a missing one is fine.

@@ -181,9 +181,6 @@ def _sandbox_kernel_startup() -> None:
         threading.Thread(target=watch_memory, name="sandbox-kernel-memory", daemon=True).start()
 
     # ---------------------------------------------------------------- wall clock
-    if exec_timeout <= 0:
-        return
-
     def expired(signum: int, frame: Any) -> None:
         msg = (
             f"execution stopped: the wall-clock limit of {exec_timeout:g} s per execution was exceeded "
@@ -198,8 +195,43 @@ def _sandbox_kernel_startup() -> None:
     def disarm(result: Any) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
-    shell.events.register("pre_run_cell", arm)
-    shell.events.register("post_run_cell", disarm)
+    if exec_timeout > 0:
+        shell.events.register("pre_run_cell", arm)
+        shell.events.register("post_run_cell", disarm)
+
+    # ---------------------------------------------------------------- claim (pooled)
+    # A pooled sandbox starts before its kernel is asked for: the host hands it its
+    # working folder (the workspace, attached meanwhile) and session variables through
+    # a socket it listens on once, and it answers "ok". Bound last: its existence tells
+    # the host that the kernel is ready. Nobody else reaches the socket (it lies in the
+    # server's private folder), and no code of a user has run yet.
+    claim_path = os.environ.pop("SANDBOX_KERNEL_CLAIM", "")
+    if not claim_path:
+        return
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(claim_path)
+    listener.listen(1)
+
+    def await_claim() -> None:
+        conn, _ = listener.accept()
+        listener.close()  # a host socket would keep the sandbox from a checkpoint
+        with conn:
+            data = b""
+            while len(data) < 1 << 20:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            claim = json.loads(data)
+            os.environ.update({str(k): str(v) for k, v in claim.get("env", {}).items()})
+            cwd = str(claim["cwd"])
+            os.chdir(cwd)
+            shell.user_ns["_dh"] = [cwd]
+            if "JPY_SESSION_NAME" in claim.get("env", {}):
+                shell.user_ns["__session__"] = os.environ["JPY_SESSION_NAME"]
+            conn.sendall(b"ok\n")
+
+    threading.Thread(target=await_claim, name="sandbox-kernel-claim", daemon=True).start()
 
 
 if __name__ == "__main__":  # as the kernel's PYTHONSTARTUP

@@ -10,18 +10,31 @@ entry but the kernel's sockets and the files the host wrote itself.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
 import shutil
+import socket
 import stat
+import tempfile
+import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from . import in_kernel
+from .docker_api import SandboxDocker
+from .egress import relay as egress_relay
 from .errors import KernelStartupError
+from .orphans import RUNTIME_DIR_PREFIX, write_owner
 from .policy import (
+    CONTAINER_CLAIM_SOCKET,
     CONTAINER_CONNECTION_FILE,
     CONTAINER_EGRESS_SOCKET,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
+    container_connection_info,
     kernel_sockets,
 )
 
@@ -31,8 +44,9 @@ log = logging.getLogger(__name__)
 HOST_FILES = frozenset(
     Path(p).name for p in (CONTAINER_CONNECTION_FILE, CONTAINER_STARTUP_FILE, CONTAINER_RELAY_FILE)
 )
-#: A socket the kernel binds only with network "allowlist" (the egress relay's).
-OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name})
+#: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
+#: (where it hears its claim).
+OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
 #: How many times the folders of an entry being removed are locked again, for the
 #: kernel may be creating subfolders while the host walks them.
 _LOCK_PASSES = 5
@@ -107,3 +121,112 @@ def _remove(path: Path, mode: int, owner: tuple[int, int]) -> None:
     except OSError as exc:
         msg = f"Could not remove {str(path)!r}, which the sandboxed kernel made before the seal: {exc}"
         raise KernelStartupError(msg) from exc
+
+
+def new_runtime_dir(runtime_parent: str) -> Path:
+    """A kernel's server-only (0700) runtime folder, owned by this process."""
+    runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX, dir=runtime_parent))
+    write_owner(runtime_dir)
+    return runtime_dir
+
+
+def new_launch_dir(runtime_dir: Path, number: int, uid: int, gid: int) -> Path:
+    """A fresh folder for one kernel process, inside the server-only runtime folder.
+
+    The outer folder (0700, the server's) keeps other host users, including one whose
+    uid the kernel happens to share, away from the key and the sockets. A fresh inner
+    folder per launch means nothing the previous kernel left there can disturb the next.
+    """
+    launch_dir = runtime_dir / f"run{number}"
+    launch_dir.mkdir(mode=0o700)
+    if os.getuid() == 0:
+        os.chown(launch_dir, uid, gid)
+    return launch_dir
+
+
+def write_launch_files(
+    launch_dir: Path, owner: tuple[int, int], key: bytes, scheme: str, kernel_name: str, egress: bool
+) -> None:
+    """What the kernel reads at its start: connection file (its own, 0600), start-up
+    code, and with network "allowlist" the egress relay."""
+    info = container_connection_info(key, scheme, kernel_name)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    fd = os.open(launch_dir / Path(CONTAINER_CONNECTION_FILE).name, flags, 0o600)
+    with os.fdopen(fd, "w") as f:
+        if os.getuid() == 0:
+            os.fchown(f.fileno(), *owner)
+        json.dump(info, f)
+    (launch_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(Path(in_kernel.__file__).read_text())
+    if egress:
+        (launch_dir / Path(CONTAINER_RELAY_FILE).name).write_text(Path(egress_relay.__file__).read_text())
+
+
+def expected_sockets(launch_dir: Path, egress: bool, pooled: bool) -> list[Path]:
+    """Every socket the kernel binds in ``launch_dir`` once it is ready."""
+    sockets = list(kernel_sockets(launch_dir).values())
+    if egress:
+        sockets.append(launch_dir / Path(CONTAINER_EGRESS_SOCKET).name)
+    if pooled:
+        # Bound by the start-up code, so after every import: the kernel is ready.
+        sockets.append(launch_dir / Path(CONTAINER_CLAIM_SOCKET).name)
+    return sockets
+
+
+async def wait_until_ready(
+    docker: SandboxDocker, container_id: str, sockets: list[Path], timeout: float, image: str
+) -> None:
+    """Wait until the kernel has bound all ``sockets``, or fail with its logs.
+
+    Raises:
+        KernelStartupError: it exited, or did not get there within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    next_check = 0.0
+    while True:
+        if all(s.exists() for s in sockets):
+            return
+        now = time.monotonic()
+        if now >= next_check:
+            _, code = await docker.state(container_id)
+            if code is not None:
+                logs = await docker.logs(container_id)
+                msg = (
+                    f"The sandboxed kernel exited during startup (exit code {code}, image "
+                    f"{image!r}). Its last output:\n{logs or '(no output)'}"
+                )
+                raise KernelStartupError(msg, logs)
+            next_check = now + 0.5
+        if now >= deadline:
+            logs = await docker.logs(container_id)
+            msg = (
+                f"The sandboxed kernel did not open its channels within {timeout:g} s "
+                f"(image {image!r}); raise SandboxProvisioner.startup_timeout if the host is "
+                f"slow. Its last output:\n{logs or '(no output)'}"
+            )
+            raise KernelStartupError(msg, logs)
+        await asyncio.sleep(0.05)
+
+
+def send_claim(launch_dir: Path, cwd: str, env: Mapping[str, str], timeout: float = 10.0) -> None:
+    """Hand a pooled sandbox's kernel its working folder and session env; wait for its "ok".
+
+    The kernel's answer is untrusted: only a bounded read, compared with b"ok".
+
+    Raises:
+        KernelStartupError: the kernel did not take the claim.
+    """
+    claim: dict[str, Any] = {"cwd": cwd, "env": dict(env)}
+    path = launch_dir / Path(CONTAINER_CLAIM_SOCKET).name
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(str(path))
+            conn.sendall(json.dumps(claim).encode() + b"\n")
+            conn.shutdown(socket.SHUT_WR)
+            answer = conn.recv(64)
+    except OSError as exc:
+        msg = f"The pooled sandbox's kernel did not take its claim ({exc})"
+        raise KernelStartupError(msg) from exc
+    if answer.strip() != b"ok":
+        msg = f"The pooled sandbox's kernel refused its claim: {answer[:64]!r}"
+        raise KernelStartupError(msg)

@@ -36,16 +36,19 @@ from .background import BackgroundLoop
 from .cgroups import memory_usage
 from .docker_api import SandboxDocker
 from .errors import SandboxKernelError
+from .mounts import detach_mounts
 from .policy import (
     LABEL_KERNEL_ID,
     LABEL_KERNELSPEC,
     LABEL_LIFECYCLE,
     LABEL_OWNER,
+    LABEL_POOL,
     LABEL_RUNTIME_DIR,
     LABEL_SCOPE,
     LABEL_SERVER_UID,
     LABEL_TTL,
     LABEL_WORKSPACE,
+    POOL_NAME_PREFIX,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ RUNTIME_DIR_PREFIX = "sandbox-kernel-"
 #: How often (seconds) a process that watches sandboxed kernels removes the kernels whose
 #: owner has died (see OrphanReaper); read before each round.
 REAP_INTERVAL = 60.0
+#: Written into a pooled sandbox's runtime folder once its kernel is ready to be claimed.
+POOL_READY_FILE = "pool-ready"
 #: What a process needs to reattach to the kernel, kept by its owner (private: it holds the key).
 STATE_FILE = "provisioner.json"
 
@@ -168,6 +173,10 @@ class SandboxedKernel:
     owner_seen: float | None = None
     #: The adopting server's scope (see sandbox_kernel.server), "" outside a server.
     scope: str = ""
+    #: A pooled sandbox no kernel has claimed yet (see sandbox_kernel.pool), and whether
+    #: its kernel is up, ready to be claimed.
+    pooled: bool = False
+    pool_ready: bool = False
 
     @property
     def persistent(self) -> bool:
@@ -179,8 +188,8 @@ class SandboxedKernel:
 
     @property
     def orphaned(self) -> bool:
-        """An ephemeral kernel nobody will shut down."""
-        return not self.persistent and self.owner_gone
+        """An ephemeral kernel nobody will shut down, or a pooled sandbox nobody will claim."""
+        return (not self.persistent or self.pooled) and self.owner_gone
 
     @property
     def expired(self) -> bool:
@@ -214,6 +223,8 @@ class SandboxedKernel:
             return f"{self.state}, abandoned"
         if self.detached:
             return f"{self.state}, detached"
+        if self.pooled:
+            return "pooled" if self.pool_ready else "pooled, starting"
         return self.state
 
     @property
@@ -235,12 +246,26 @@ class SandboxedKernel:
         except ValueError:
             ttl = 0.0
         uid = labels.get(LABEL_SERVER_UID, "")
+        kernel_id, workspace = labels.get(LABEL_KERNEL_ID, ""), labels.get(LABEL_WORKSPACE, "")
+        name = str(attrs.get("Name", "")).lstrip("/")
+        pool_ready = False
+        pooled = LABEL_POOL in labels and name.startswith(POOL_NAME_PREFIX)
+        if LABEL_POOL in labels and not pooled:
+            # Claimed: renamed after its kernel, which the labels (fixed before) cannot say.
+            kernel_id = name.removeprefix("sandbox-kernel-")
+            runtime_dir = own_runtime_dir(labels.get(LABEL_RUNTIME_DIR, ""))
+            saved = (read_state(runtime_dir) or {}) if runtime_dir is not None else {}
+            workspace = str((saved.get("provisioner_info") or {}).get("workspace") or workspace)
+        elif pooled:
+            kernel_id = ""
+            runtime_dir = own_runtime_dir(labels.get(LABEL_RUNTIME_DIR, ""))
+            pool_ready = runtime_dir is not None and (runtime_dir / POOL_READY_FILE).exists()
         return cls(
             container_id=str(attrs.get("Id", "")),
-            kernel_id=labels.get(LABEL_KERNEL_ID, ""),
+            kernel_id=kernel_id,
             kernelspec=labels.get(LABEL_KERNELSPEC, ""),
             owner=owner[0] if owner else labels.get(LABEL_OWNER, ""),
-            workspace=labels.get(LABEL_WORKSPACE, ""),
+            workspace=workspace,
             runtime_dir=labels.get(LABEL_RUNTIME_DIR, ""),
             state=str(state.get("Status", "unknown")),
             created=str(attrs.get("Created", "")),
@@ -251,6 +276,8 @@ class SandboxedKernel:
             server_uid=int(uid) if uid.isdigit() else None,
             owner_seen=owner[1] if owner else None,
             scope=labels.get(LABEL_SCOPE, ""),
+            pooled=pooled,
+            pool_ready=pool_ready,
         )
 
 
@@ -299,7 +326,16 @@ def remove_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> No
 
 def remove_tree(path: Path, attempts: int = 20) -> None:
     """Remove a kernel's folder, retrying a while: just after its sandbox stops (after a
-    dockerd restart, say), gVisor's processes may still hold it for a moment."""
+    dockerd restart, say), gVisor's processes may still hold it for a moment.
+
+    A pooled kernel's workspace is mounted inside its folder: everything mounted there
+    is detached first, and a folder with a mount left in it is never deleted (that
+    would delete the user's files).
+    """
+    left = detach_mounts(path)
+    if left:
+        log.error("Not removing %s: %s still mounted there; unmount it, then remove it", path, left[0])
+        return
     for _ in range(attempts):
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):

@@ -49,6 +49,10 @@ LABEL_SCOPE = "io.sandbox-kernel.scope"
 #: a server of this uid; no other volume is ever mounted.
 LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"
 LABEL_VOLUME_UID = "io.sandbox-kernel.workspace-volume-uid"
+#: On a pooled sandbox: made before its kernel (see :mod:`~.pool`); its name says
+#: whether a kernel has claimed it (``sandbox-kernel-pool-*`` until then).
+LABEL_POOL = "io.sandbox-kernel.pool"
+POOL_NAME_PREFIX = "sandbox-kernel-pool-"
 
 #: The uid (and gid) a kernel runs as when neither the server user nor the workspace
 #: owner is a usable (non-root) uid. Files the kernel writes belong to it on the host, so
@@ -163,6 +167,7 @@ KERNELSPEC_KEYS = frozenset(
         "lifecycle",
         "persistent_ttl",
         "pass_env",
+        "pool_size",
     }
 )
 #: Where the kernel finds its start-up code (clear messages for its limits).
@@ -171,6 +176,12 @@ CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
 #: proxy dials into, and the loopback port programs use as their HTTP(S) proxy.
 CONTAINER_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/egress_relay.py"
 CONTAINER_EGRESS_SOCKET = f"{CONTAINER_RUNTIME_DIR}/egress.sock"
+#: A pooled sandbox's kernel listens here for its claim: working folder and session env.
+CONTAINER_CLAIM_SOCKET = f"{CONTAINER_RUNTIME_DIR}/claim.sock"
+CLAIM_ENV = "SANDBOX_KERNEL_CLAIM"
+#: Launch variables that differ from one kernel to the next of one kernelspec: a pooled
+#: sandbox gets them when it is claimed; every other variable is fixed when it starts.
+PER_KERNEL_ENV = ("JPY_SESSION_NAME",)
 EGRESS_PROXY_PORT = 3128
 
 #: Host folders that are never mounted as a workspace, nor is anything inside them.
@@ -234,14 +245,22 @@ class SandboxSpec:
     #: A named Docker volume mounted as the workspace instead of the ``workspace`` folder.
     volume: str | None = None
     extra_labels: dict[str, str] = field(default_factory=dict)
+    #: Where the workspace appears inside: /workspace, or /workspace/<folder name> for a
+    #: kernelspec with a pool (see :func:`pooled_workspace_path`).
+    workspace_path: str = CONTAINER_WORKSPACE
+    #: A pooled sandbox's empty slot folder, mounted at /workspace so that the workspace
+    #: can be attached under it once a kernel claims the sandbox (see :mod:`~.mounts`).
+    slot: Path | None = None
 
     @property
     def container_name(self) -> str:
+        if self.slot is not None:
+            return f"{POOL_NAME_PREFIX}{self.kernel_id}"
         return f"sandbox-kernel-{self.kernel_id}"
 
     @property
     def labels(self) -> dict[str, str]:
-        return {
+        labels = {
             LABEL_MANAGED: "true",
             LABEL_KERNEL_ID: self.kernel_id,
             LABEL_KERNELSPEC: self.kernelspec,
@@ -249,6 +268,31 @@ class SandboxSpec:
             LABEL_WORKSPACE: f"volume:{self.volume}" if self.volume else str(self.workspace),
             **self.extra_labels,
         }
+        if self.slot is not None:
+            labels[LABEL_POOL] = "true"
+            labels[LABEL_WORKSPACE] = "(attached when claimed)"
+        return labels
+
+    def workspace_mount(self) -> Mount:
+        """The workspace (or a pooled sandbox's slot) as Docker mounts it."""
+        if self.slot is not None:
+            return Mount(CONTAINER_WORKSPACE, str(self.slot), type="bind", propagation="rslave")
+        if self.volume:
+            # no_copy: Docker would otherwise copy the image's /workspace (root's) over
+            # an empty volume at every mount, undoing its hand-over to the kernel's uid.
+            return Mount(self.workspace_path, self.volume, type="volume", read_only=False, no_copy=True)
+        return Mount(self.workspace_path, str(self.workspace), type="bind", read_only=False)
+
+
+def pooled_workspace_path(workspace: Path, volume: str | None) -> str:
+    """Where a kernelspec with a pool shows the workspace: ``/workspace/<its name>``.
+
+    gVisor cannot swap ``/workspace`` itself in a running sandbox, only what appears
+    under it, so every kernel of such a kernelspec (pooled or started cold) sees its
+    workspace one level down, named after the folder (or volume).
+    """
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", volume or workspace.name).strip("-.")
+    return f"{CONTAINER_WORKSPACE}/{name or 'work'}"
 
 
 def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
@@ -278,11 +322,7 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "network_mode": "none",
         "ipc_mode": "private",
         "mounts": [
-            # no_copy: Docker would otherwise copy the image's /workspace (root's) over
-            # an empty volume at every mount, undoing its hand-over to the kernel's uid.
-            Mount(CONTAINER_WORKSPACE, spec.volume, type="volume", read_only=False, no_copy=True)
-            if spec.volume
-            else Mount(CONTAINER_WORKSPACE, str(spec.workspace), type="bind", read_only=False),
+            spec.workspace_mount(),
             Mount(CONTAINER_RUNTIME_DIR, str(spec.runtime_dir), type="bind", read_only=False),
         ],
         "mem_limit": spec.memory,
@@ -571,6 +611,21 @@ def check_lifetime(lifecycle: str, ttl: float, max_ttl: float) -> None:
             f"persistent_ttl={ttl!r} ({asked}) exceeds the server's ceiling of {max_ttl:g} s "
             "(SandboxProvisioner.max_persistent_ttl). Ask for at most that in the kernelspec, "
             "or have the server's administrator raise the ceiling."
+        )
+        raise ConfigurationError(msg)
+
+
+def check_pool_size(size: int, ceiling: int) -> None:
+    """Refuse a pool larger than the server's ceiling.
+
+    Raises:
+        ConfigurationError: naming the values and the ceiling.
+    """
+    if size > ceiling:
+        msg = (
+            f"pool_size={size} exceeds the server's ceiling of {ceiling} "
+            "(SandboxProvisioner.max_pool_size). Ask for at most that in the kernelspec, or have "
+            "the server's administrator raise the ceiling."
         )
         raise ConfigurationError(msg)
 

@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -27,14 +26,12 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 
-from . import in_kernel
 from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
 from .docker_api import SandboxDocker
 from .egress import Decision, EgressPolicy, EgressProxy
-from .egress import relay as egress_relay
 from .errors import (
     ConfigurationError,
     DockerUnavailableError,
@@ -42,13 +39,21 @@ from .errors import (
     SandboxKernelError,
     WorkspaceError,
 )
-from .launch_folder import seal_launch_dir
+from .launch_folder import (
+    expected_sockets,
+    new_launch_dir,
+    new_runtime_dir,
+    seal_launch_dir,
+    send_claim,
+    wait_until_ready,
+    write_launch_files,
+)
 from .limits import check_within_ceilings, size_bytes
+from .mounts import attach_workspace, can_mount, detach_mounts
 from .orphans import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
 from .policy import (
     CONTAINER_EGRESS_SOCKET,
-    CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
     LABEL_LIFECYCLE,
@@ -58,18 +63,20 @@ from .policy import (
     LABEL_TTL,
     LABEL_VOLUME,
     LABEL_VOLUME_UID,
+    PER_KERNEL_ENV,
     POLICY_ENV,
     SandboxSpec,
     can_write,
     check_lifetime,
     check_pass_env,
-    container_connection_info,
+    check_pool_size,
     container_create_kwargs,
     egress_command,
     ensure_outside_workspace,
     kernel_command,
     kernel_sockets,
     kernel_user,
+    pooled_workspace_path,
     proxy_env,
     resolve_workspace,
     sandbox_env,
@@ -78,6 +85,7 @@ from .policy import (
     volume_setup_kwargs,
     volume_user,
 )
+from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sanitize import OutputSanitizer
 from .settings import SandboxSettings
 from .watchdog import UntrackedCompute, exceeds_exec_timeout
@@ -156,6 +164,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._egress_registered = False
         self._restarter_stopped = False
         self._cwd: str | None = None
+        # With a pool_size: what this kernelspec's pooled sandboxes are made from.
+        self._pool_plan: PoolPlan | None = None
+        #: Whether the running kernel's sandbox came from the pool (False: started cold).
+        self.from_pool = False
 
     # ------------------------------------------------------------------ launch
 
@@ -197,9 +209,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
         check_lifetime(self.lifecycle, self.persistent_ttl, self.max_persistent_ttl)
         cwd = Path(kwargs.get("cwd") or os.getcwd())
-        launch_env = kwargs.get("env") or {}
+        # As jupyter_client's: without an env, the launch environment is the process's.
+        launch_env = kwargs.get("env")
+        if launch_env is None:
+            launch_env = dict(os.environ)
         self._launch_env = {k: v for k, v in launch_env.items() if k in RELAUNCH_ENV}
         volume = None
+        check_pool_size(self.pool_size, self.max_pool_size)
         if self.workspace_volume:
             volume = volume_name(
                 self.workspace_volume,
@@ -230,6 +246,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 workspace,
                 uid,
             )
+        workspace_path = CONTAINER_WORKSPACE
+        if self.pool_size > 0:
+            # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
+            workspace_path = pooled_workspace_path(workspace, volume)
+            workdir = workspace_path + workdir.removeprefix(CONTAINER_WORKSPACE)
         cmd = kernel_command(self.kernel_spec.argv, extra_arguments)
         # jupyter_client fills the kernelspec's `env` templates (${VAR}) from the launch
         # environment, the server's own: only what pass_env (bounded by max_pass_env)
@@ -263,6 +284,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             tmp_size=self.tmp_size,
             file_size=self.file_size,
             volume=volume,
+            workspace_path=workspace_path,
             extra_labels={
                 LABEL_OWNER: server_identity(),
                 LABEL_LIFECYCLE: self.lifecycle,
@@ -273,7 +295,38 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         )
         self._cwd = str(cwd)
         await self._sweep_orphans_once()
+        self._pool_plan = self._plan_pool(self._spec)
         return kwargs
+
+    _warned_pool_needs_root = False
+
+    def _plan_pool(self, spec: SandboxSpec) -> PoolPlan | None:
+        """With a pool_size: the kernelspec's pool plan, handed to the process's pool
+        (which starts filling it in the background)."""
+        if self.pool_size <= 0:
+            return None
+        if not can_mount():
+            if not SandboxProvisioner._warned_pool_needs_root:
+                SandboxProvisioner._warned_pool_needs_root = True
+                self.log.warning(
+                    "pool_size=%d of kernelspec %r is ignored: attaching a workspace to a running "
+                    "sandbox is a mount, which needs a server running as root. Kernels start cold.",
+                    self.pool_size,
+                    self.kernel_name,
+                )
+            return None
+        km = self.parent
+        plan = PoolPlan(
+            spec=spec,
+            size=self.pool_size,
+            scheme=km.session.signature_scheme if km is not None else "hmac-sha256",
+            egress=self._egress is not None,
+            startup_timeout=self.startup_timeout,
+            runtime_parent=self.runtime_parent,
+            budget=size_bytes("max_pool_memory", self.max_pool_memory),
+        )
+        SandboxPool.instance().want(plan)
+        return plan
 
     _swept_orphans = False
 
@@ -316,30 +369,34 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             msg = "launch_kernel() called before pre_launch()"
             raise RuntimeError(msg)
         key, scheme = self._session_key()
+        pooled = None
+        if self._pool_plan is not None and not self.connection_info:
+            # Only a first start: a restart keeps the session key clients already use.
+            pooled = SandboxPool.instance().claim(self._pool_plan.fingerprint)
+            if pooled is None:
+                self.log.info(
+                    "Sandboxed kernel %s: no pooled sandbox of %s ready; starting one cold",
+                    self.kernel_id,
+                    self.kernel_name,
+                )
         try:
-            launch_dir = await asyncio.to_thread(self._new_launch_dir, self._spec.uid, self._spec.gid)
-            spec = replace(self._spec, runtime_dir=launch_dir)
-            await asyncio.to_thread(self._write_launch_files, spec, key, scheme)
-            await self._prepare_volume(spec)
-            container = await self.docker.create_and_start(container_create_kwargs(spec))
-            self.container_id = str(container.id)
-            self.exit_code = None
-            self._exit_cause = None
-            self.log.info(
-                "Sandboxed kernel %s: container %s (image %s, runtime %s, uid %d, workspace %s)",
-                self.kernel_id,
-                self.container_id[:12],
-                spec.image,
-                spec.runtime,
-                spec.uid,
-                spec.workspace,
-            )
-            ports = await self._attach_bridge(launch_dir)
-            await self._open_egress(launch_dir)
-            await self._wait_until_ready(self.container_id, launch_dir)
-            await asyncio.to_thread(self._seal, launch_dir)
+            if pooled is not None and await self._bind_pooled(self._spec, pooled):
+                # The manager adopts the sandbox's key (fresh, and nobody else's), as
+                # when reattaching: jupyter_client loads it from the connection info.
+                key, scheme = pooled.key, pooled.scheme
+                self.connection_info = {"key": key, "signature_scheme": scheme}  # type: ignore[typeddict-item]
+                launch_dir, container_id = pooled.launch_dir, pooled.container_id
+                ports = await self._attach_bridge(launch_dir)
+                await self._open_egress(launch_dir)
+            else:
+                launch_dir, container_id = await self._start_cold(self._spec, key, scheme)
+                ports = await self._attach_bridge(launch_dir)
+                await self._open_egress(launch_dir)
+                sockets = expected_sockets(launch_dir, self._egress is not None, pooled=False)
+                await wait_until_ready(self.docker, container_id, sockets, self.startup_timeout, self.image)
+                await asyncio.to_thread(self._seal, launch_dir)
             self._reopen()
-            self._start_watchdog(self.container_id)
+            self._start_watchdog(container_id)
         except BaseException:
             try:
                 await self._teardown(keep_bridge=False)
@@ -360,6 +417,84 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.connection_info = info  # type: ignore[assignment]
         await self._save_state()
         return self.connection_info
+
+    async def _start_cold(self, plan: SandboxSpec, key: bytes, scheme: str) -> tuple[Path, str]:
+        """Create and start a container for this kernel: (its launch folder, its id)."""
+        if self.runtime_dir is None or not self.runtime_dir.is_dir():
+            self.runtime_dir = await asyncio.to_thread(new_runtime_dir, self.runtime_parent)
+        self._launches += 1
+        launch_dir = await asyncio.to_thread(
+            new_launch_dir, self.runtime_dir, self._launches, plan.uid, plan.gid
+        )
+        self.launch_dir = launch_dir
+        self.from_pool = False
+        spec = replace(plan, runtime_dir=launch_dir)
+        await asyncio.to_thread(
+            write_launch_files,
+            launch_dir,
+            (spec.uid, spec.gid),
+            key,
+            scheme,
+            self.kernel_name,
+            self._egress is not None,
+        )
+        await self._prepare_volume(spec)
+        container = await self.docker.create_and_start(container_create_kwargs(spec))
+        self.container_id = str(container.id)
+        self.exit_code = None
+        self._exit_cause = None
+        self.log.info(
+            "Sandboxed kernel %s: container %s (image %s, runtime %s, uid %d, workspace %s)",
+            self.kernel_id,
+            self.container_id[:12],
+            spec.image,
+            spec.runtime,
+            spec.uid,
+            spec.workspace,
+        )
+        return launch_dir, self.container_id
+
+    async def _bind_pooled(self, spec: SandboxSpec, sandbox: PooledSandbox) -> bool:
+        """Make a claimed pooled sandbox this kernel's: its workspace mounted, its kernel
+        told its working folder and session variables, its container renamed. False
+        (and the sandbox removed) if that fails: the kernel then starts cold."""
+        self.runtime_dir, self.launch_dir, self._launches = sandbox.runtime_dir, sandbox.launch_dir, 1
+        self.container_id = sandbox.container_id
+        self.exit_code = None
+        self._exit_cause = None
+        try:
+            await self._prepare_volume(spec)
+            source = Path(await self.docker.volume_mountpoint(spec.volume)) if spec.volume else spec.workspace
+            await asyncio.to_thread(attach_workspace, sandbox.slot, spec.workspace_path, source)
+            env = {name: value for name, value in spec.env.items() if name in PER_KERNEL_ENV}
+            await asyncio.gather(
+                asyncio.to_thread(send_claim, sandbox.launch_dir, spec.workdir, env),
+                self.docker.rename(sandbox.container_id, spec.container_name),
+            )
+        except (SandboxKernelError, OSError) as exc:
+            self.log.warning(
+                "Sandboxed kernel %s: could not bind pooled sandbox %s (%s); starting one cold",
+                self.kernel_id,
+                sandbox.container_id[:12],
+                exc,
+            )
+            self.container_id = None
+            self.runtime_dir = self.launch_dir = None
+            self._launches = 0
+            await SandboxPool.instance().discard(sandbox)
+            return False
+        self._spec = replace(spec, runtime_dir=sandbox.launch_dir)
+        self.from_pool = True
+        self.log.info(
+            "Sandboxed kernel %s: pooled sandbox %s (image %s, uid %d, workspace %s at %s)",
+            self.kernel_id,
+            sandbox.container_id[:12],
+            spec.image,
+            spec.uid,
+            spec.workspace,
+            spec.workspace_path,
+        )
+        return True
 
     async def _prepare_volume(self, spec: SandboxSpec) -> None:
         """Create the workspace volume on first use, owned by the kernel's uid.
@@ -428,44 +563,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self._restarter_stopped and km is not None and hasattr(km, "start_restarter"):
             km.start_restarter()
         self._restarter_stopped = False
-
-    def _new_launch_dir(self, uid: int, gid: int) -> Path:
-        """A fresh folder for one kernel process, inside the server-only runtime folder.
-
-        The outer folder (0700, the server's) keeps other host users, including one
-        whose uid the kernel happens to share, away from the key and the sockets. A
-        fresh inner folder per launch means nothing the previous kernel left there can
-        disturb the next one.
-        """
-        if self.runtime_dir is None or not self.runtime_dir.is_dir():
-            self.runtime_dir = Path(tempfile.mkdtemp(prefix="sandbox-kernel-", dir=self.runtime_parent))
-            write_owner(self.runtime_dir)
-        self._launches += 1
-        launch_dir = self.runtime_dir / f"run{self._launches}"
-        launch_dir.mkdir(mode=0o700)
-        if os.getuid() == 0:
-            os.chown(launch_dir, uid, gid)
-        self.launch_dir = launch_dir
-        return launch_dir
-
-    def _write_launch_files(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
-        """What the kernel reads at its start: connection file, start-up code, the relay."""
-        self._write_container_connection_file(spec, key, scheme)
-        startup = Path(in_kernel.__file__).read_text()
-        (spec.runtime_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(startup)
-        if self._egress is not None:
-            relay = Path(egress_relay.__file__).read_text()
-            (spec.runtime_dir / Path(CONTAINER_RELAY_FILE).name).write_text(relay)
-
-    def _write_container_connection_file(self, spec: SandboxSpec, key: bytes, scheme: str) -> None:
-        info = container_connection_info(key, scheme, self.kernel_name)
-        fd = os.open(
-            spec.runtime_dir / "connection.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
-        )
-        with os.fdopen(fd, "w") as f:
-            if os.getuid() == 0:
-                os.fchown(f.fileno(), spec.uid, spec.gid)
-            json.dump(info, f)
 
     @staticmethod
     def _seal(launch_dir: Path) -> None:
@@ -555,37 +652,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self.client_transport != "ipc" or self.runtime_dir is None:
             return None
         return str(self.runtime_dir / f"client-{secrets.token_hex(3)}")
-
-    async def _wait_until_ready(self, container_id: str, runtime_dir: Path) -> None:
-        """Wait until the kernel has bound all its sockets, or fail with its logs."""
-        sockets = list(kernel_sockets(runtime_dir).values())
-        if self._egress is not None:
-            sockets.append(runtime_dir / Path(CONTAINER_EGRESS_SOCKET).name)
-        deadline = time.monotonic() + self.startup_timeout
-        next_check = 0.0
-        while True:
-            if all(s.exists() for s in sockets):
-                return
-            now = time.monotonic()
-            if now >= next_check:
-                _, code = await self.docker.state(container_id)
-                if code is not None:
-                    logs = await self.docker.logs(container_id)
-                    msg = (
-                        f"The sandboxed kernel exited during startup (exit code {code}, image "
-                        f"{self.image!r}). Its last output:\n{logs or '(no output)'}"
-                    )
-                    raise KernelStartupError(msg, logs)
-                next_check = now + 0.5
-            if now >= deadline:
-                logs = await self.docker.logs(container_id)
-                msg = (
-                    f"The sandboxed kernel did not open its channels within {self.startup_timeout:g} s "
-                    f"(image {self.image!r}); raise SandboxProvisioner.startup_timeout if the host is "
-                    f"slow. Its last output:\n{logs or '(no output)'}"
-                )
-                raise KernelStartupError(msg, logs)
-            await asyncio.sleep(0.05)
 
     def _current_execution(self) -> tuple[str, dict[str, Any]] | None:
         """For the output cap: the request the host knows is running (bridge thread)."""
@@ -929,6 +995,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # kernel's clocks.
         self._answer_pending(ename, reason)
         doomed = self.launch_dir if keep_bridge else self.runtime_dir
+        if keep_bridge and self.runtime_dir is not None:
+            # A pooled sandbox's workspace mount goes with it; the restart starts cold.
+            await asyncio.to_thread(detach_mounts, self.runtime_dir / "slot")
         if doomed is not None:
             # The kernel may have left any number of files: never on the event loop.
             await asyncio.to_thread(remove_tree, doomed)
@@ -1044,11 +1113,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         p = Path(path)
         if p.is_absolute():
             try:
-                p = workspace / p.relative_to(CONTAINER_WORKSPACE)
+                p = workspace / p.relative_to(self._spec.workspace_path)
             except ValueError:
                 return None
         else:
-            p = workspace / Path(self._spec.workdir).relative_to(CONTAINER_WORKSPACE) / p
+            p = workspace / Path(self._spec.workdir).relative_to(self._spec.workspace_path) / p
         resolved = p.resolve()
         if not resolved.is_relative_to(workspace) or not resolved.exists():
             return None

@@ -37,6 +37,7 @@ from traitlets import Bool
 from .docker_api import SandboxDocker
 from .errors import SandboxKernelError
 from .orphans import list_kernels, prune_orphans
+from .pool import SandboxPool, plan_pool
 from .provisioner import SandboxProvisioner
 from .reattach import attach_manager, load_state
 
@@ -57,16 +58,30 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         is set), so notebooks find their persistent kernels after a restart.""",
     )
 
+    warm_pools = Bool(
+        True,
+        config=True,
+        help="""At start, fill the pool of every sandboxed kernelspec with a pool_size (see
+        SandboxProvisioner.pool_size), so the first notebooks' kernels are ready at once.""",
+    )
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         if self.keep_sessions:
             self._keep_sessions_in_a_file()
-        if self.adopt_persistent_kernels:
-            self._adopt_before_serving()
+        if self.adopt_persistent_kernels or self.warm_pools:
+            self._before_serving()
 
-    def _adopt_before_serving(self) -> None:
-        """Adopt on the loop the server will serve on, before it serves any request
-        (the first session listing would drop sessions of kernels not yet back).
+    async def _prepare(self) -> None:
+        if self.adopt_persistent_kernels:
+            await self.adopt_kernels()
+        if self.warm_pools:
+            await self.fill_pools()
+
+    def _before_serving(self) -> None:
+        """Adopt kernels and fill pools on the loop the server will serve on, before it
+        serves any request (the first session listing would drop sessions of kernels
+        not yet back).
 
         ServerApp creates that loop (``io_loop``) before this manager and runs it only
         after ``initialize``: running it here until adoption is done puts the adopted
@@ -79,13 +94,35 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         except RuntimeError:
             pass
         else:  # created by a running program: adopt alongside it
-            self._adopting = asyncio.ensure_future(self.adopt_kernels())
+            self._adopting = asyncio.ensure_future(self._prepare())
             return
         serving = getattr(getattr(self.parent, "io_loop", None), "asyncio_loop", None)
         if isinstance(serving, asyncio.AbstractEventLoop) and not serving.is_closed():
-            serving.run_until_complete(self.adopt_kernels())
+            serving.run_until_complete(self._prepare())
         else:  # no ServerApp around it
-            run_sync(self.adopt_kernels)()
+            run_sync(self._prepare)()
+
+    async def fill_pools(self) -> list[str]:
+        """Start filling the pool of every sandboxed kernelspec that has one (in the
+        background); their names. Failures are logged: a server always starts."""
+        filled = []
+        if self.kernel_spec_manager is None:
+            return []
+        specs = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
+        for name, entry in specs.items():
+            provisioner = (entry.get("spec", {}).get("metadata") or {}).get("kernel_provisioner") or {}
+            if provisioner.get("provisioner_name") != "sandbox-provisioner":
+                continue
+            if not (provisioner.get("config") or {}).get("pool_size"):
+                continue
+            try:
+                if await plan_pool(name, self.root_dir, parent=self):
+                    filled.append(name)
+            except Exception as exc:  # noqa: BLE001  # one bad kernelspec must not keep the server from starting
+                self.log.warning("Cannot fill the sandbox pool of kernelspec %r: %s", name, exc)
+        if filled:
+            self.log.info("Filling sandbox pools of %s in the background", ", ".join(filled))
+        return filled
 
     @property
     def adoption_scope(self) -> str:
@@ -184,6 +221,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
             self._kernels.pop(kernel_id, None)
             self._kernel_connections.pop(kernel_id, None)
             self._kernel_ports.pop(kernel_id, None)
+        await asyncio.to_thread(SandboxPool.instance().drain)
         await super()._async_shutdown_all(now=now)
 
     # As jupyter_server's own async managers do.

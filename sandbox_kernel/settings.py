@@ -227,6 +227,26 @@ class SandboxSettings(LoggingConfigurable):
     max_tmp_size = Unicode(
         "1g", config=True, help="Ceiling for `tmp_size`: no kernelspec may ask for more. Server config only."
     )
+    pool_size = Int(
+        0,
+        config=True,
+        help="""Sandboxes of this kernelspec kept started and waiting (kernel imported,
+        channels open, no workspace yet), so that a new kernel is ready in about 0.1 s
+        instead of seconds: the workspace is attached when one is claimed (the kernel
+        sees it at /workspace/<folder name>), and each sandbox serves one kernel only.
+        0: every kernel starts cold. Needs a server running as root (attaching the
+        workspace is a mount); at most `max_pool_size`.""",
+    )
+    max_pool_size = Int(
+        4, config=True, help="Ceiling for `pool_size`: no kernelspec may ask for more. Server config only."
+    )
+    max_pool_memory = Unicode(
+        "8g",
+        config=True,
+        help="""Most memory (the sum of their memory limits) that waiting pooled sandboxes of
+        all kernelspecs may reserve in this process; a pool stops filling at it.
+        Server config only.""",
+    )
     kernel_uid = Int(
         None,
         allow_none=True,
@@ -294,7 +314,14 @@ class SandboxSettings(LoggingConfigurable):
         return tempfile.gettempdir()
 
     @validate(
-        "memory", "tmp_size", "max_memory", "max_tmp_size", "output_limit", "file_size", "max_file_size"
+        "memory",
+        "tmp_size",
+        "max_memory",
+        "max_tmp_size",
+        "output_limit",
+        "file_size",
+        "max_file_size",
+        "max_pool_memory",
     )
     def _validate_size(self, proposal: dict[str, Any]) -> str:
         try:
@@ -345,6 +372,14 @@ class SandboxSettings(LoggingConfigurable):
         value = float(proposal["value"])
         if not 0 < value <= 64:
             msg = f"cpus={value!r} is out of range; use a number of cores above 0, e.g. 1 or 0.5."
+            raise TraitError(msg)
+        return value
+
+    @validate("pool_size", "max_pool_size")
+    def _validate_pool_size(self, proposal: dict[str, Any]) -> int:
+        value = int(proposal["value"])
+        if not 0 <= value <= 64:
+            msg = f"{proposal['trait'].name}={value!r} is out of range; use 0 (no pool) to 64."
             raise TraitError(msg)
         return value
 

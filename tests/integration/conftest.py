@@ -230,7 +230,7 @@ def start_kernel(
             km.shutdown_kernel(now=True)
         remaining = docker_client.containers.list(
             all=True, filters={"label": f"{LABEL_KERNEL_ID}={km.kernel_id}"}
-        )
+        ) + docker_client.containers.list(all=True, filters={"name": f"sandbox-kernel-{km.kernel_id}"})
         assert remaining == [], f"kernel {km.kernel_id} left containers behind: {remaining}"
 
 

@@ -1,0 +1,455 @@
+"""A warm pool: sandboxes started before anyone asks for their kernel.
+
+Starting a kernel under gVisor takes seconds, most of it Python's imports through the
+gofer. A kernelspec with ``pool_size`` N keeps up to N sandboxes of its own fully
+started in this process: container running with the kernelspec's policy, kernel
+imported, channels bound, launch folder sealed, no workspace. Starting a kernel then
+*claims* one (see :meth:`~.provisioner.SandboxProvisioner.launch_kernel`): the
+workspace is mounted under its slot (:mod:`~.mounts`), its kernel is told its working
+folder and session variables, the container is renamed after the kernel, and the
+manager adopts the sandbox's session key (fresh and random per sandbox, seen by nobody
+else, as when a kernel is reattached).
+
+- One sandbox serves one kernel, ever: a claimed sandbox never comes back. No user code
+  has run in a sandbox before its claim.
+- Only a sandbox made from exactly the claimant's plan is claimed (image, command,
+  environment, limits, uid, labels: :func:`plan_fingerprint`); otherwise the kernel
+  starts cold, with one log line.
+- Refilling runs on the background loop's thread after each claim, one sandbox at a
+  time, and never blocks a server's event loop. The pool stops at ``max_pool_memory``
+  (the sum of the waiting sandboxes' memory limits).
+- Pooled sandboxes belong to this process (owner label and file): removed when it exits
+  (:meth:`SandboxPool.close`, at exit) and swept as orphans by the next process when
+  it dies without doing so (see :mod:`~.orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .background import BackgroundLoop
+from .docker_api import SandboxDocker
+from .errors import SandboxKernelError
+from .launch_folder import (
+    expected_sockets,
+    new_launch_dir,
+    new_runtime_dir,
+    seal_launch_dir,
+    wait_until_ready,
+    write_launch_files,
+)
+from .limits import size_bytes
+from .mounts import make_shared
+from .orphans import POOL_READY_FILE, remove_tree
+from .policy import (
+    CLAIM_ENV,
+    CONTAINER_CLAIM_SOCKET,
+    CONTAINER_WORKSPACE,
+    LABEL_OWNER,
+    PER_KERNEL_ENV,
+    SandboxSpec,
+    container_create_kwargs,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds a failed fill waits before the pool tries that kernelspec again.
+RETRY_AFTER = 30.0
+
+
+def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
+    """What must be equal for a pooled sandbox to serve a kernel: everything fixed when
+    its container starts. The workspace, kernel id and per-kernel variables are given
+    at the claim."""
+    fixed = asdict(
+        replace(
+            spec,
+            kernel_id="",
+            workspace=Path(),
+            workdir="",
+            workspace_path="",
+            volume=None,
+            runtime_dir=Path(),
+        )
+    )
+    fixed["env"] = {k: v for k, v in spec.env.items() if k not in PER_KERNEL_ENV}
+    fixed["extra_labels"] = {k: v for k, v in spec.extra_labels.items() if k != LABEL_OWNER}
+    fixed["scheme"] = scheme
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What a kernelspec's pooled sandboxes are made from, and how many to keep."""
+
+    spec: SandboxSpec
+    size: int
+    scheme: str
+    egress: bool
+    startup_timeout: float
+    runtime_parent: str
+    #: Most bytes of memory limits all waiting sandboxes of the process may reserve.
+    budget: int
+
+    @property
+    def kernelspec(self) -> str:
+        return self.spec.kernelspec
+
+    @property
+    def fingerprint(self) -> str:
+        return plan_fingerprint(self.spec, self.scheme)
+
+    @property
+    def memory(self) -> int:
+        return size_bytes("memory", self.spec.memory)
+
+
+@dataclass(frozen=True)
+class PooledSandbox:
+    """A started sandbox waiting for its kernel."""
+
+    container_id: str
+    runtime_dir: Path
+    launch_dir: Path
+    slot: Path
+    key: bytes
+    scheme: str
+    fingerprint: str
+    memory: int
+    created: float
+
+
+class SandboxPool:
+    """The process's pooled sandboxes, per kernelspec; thread-safe."""
+
+    _instance: ClassVar[SandboxPool | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, docker: SandboxDocker | None = None, loop: BackgroundLoop | None = None) -> None:
+        self.docker = docker or SandboxDocker()
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._plans: dict[str, PoolPlan] = {}
+        self._ready: dict[str, list[PooledSandbox]] = {}
+        self._starting: dict[str, int] = {}
+        self._fills: dict[str, concurrent.futures.Future[None]] = {}
+        self._failed: dict[str, float] = {}
+        self._over_budget: set[str] = set()
+        self._closed = False
+
+    @classmethod
+    def instance(cls) -> SandboxPool:
+        """The process's pool; its sandboxes are removed when the process exits."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+                atexit.register(cls._instance.close)
+            return cls._instance
+
+    @property
+    def loop(self) -> BackgroundLoop:
+        if self._loop is None:
+            self._loop = BackgroundLoop.instance()
+        return self._loop
+
+    # ------------------------------------------------------------------ asking
+
+    def want(self, plan: PoolPlan) -> None:
+        """Keep ``plan.size`` sandboxes of ``plan`` ready (filling in the background). A
+        kernelspec's older plan is dropped, its waiting sandboxes removed."""
+        with self._lock:
+            if self._closed:
+                return
+            old = self._plans.get(plan.kernelspec)
+            self._plans[plan.kernelspec] = plan
+            stale = []
+            if old is not None and old.fingerprint != plan.fingerprint:
+                stale = self._ready.pop(old.fingerprint, [])
+        for sandbox in stale:
+            self.loop.submit(self._remove(sandbox))
+        self._fill_soon(plan)
+
+    def claim(self, fingerprint: str) -> PooledSandbox | None:
+        """A waiting sandbox made from the plan ``fingerprint``, now the caller's alone;
+        None when none is ready. The pool refills in the background."""
+        with self._lock:
+            ready = self._ready.get(fingerprint)
+            sandbox = ready.pop(0) if ready else None
+            plan = next((p for p in self._plans.values() if p.fingerprint == fingerprint), None)
+        if plan is not None:
+            self._fill_soon(plan)
+        return sandbox
+
+    def ready(self, kernelspec: str | None = None) -> int:
+        """How many sandboxes wait (for one kernelspec's current plan, or in all)."""
+        with self._lock:
+            if kernelspec is None:
+                return sum(len(r) for r in self._ready.values())
+            plan = self._plans.get(kernelspec)
+            return len(self._ready.get(plan.fingerprint, [])) if plan else 0
+
+    def wait_ready(self, kernelspec: str, count: int | None = None, timeout: float = 120.0) -> int:
+        """Block until ``count`` (default: the pool's size) sandboxes of ``kernelspec`` wait,
+        or the timeout passes; how many wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                plan = self._plans.get(kernelspec)
+                want = count if count is not None else (plan.size if plan else 0)
+                have = len(self._ready.get(plan.fingerprint, [])) if plan else 0
+                busy = plan is not None and (
+                    self._starting.get(plan.fingerprint, 0) > 0
+                    or not self._fills.get(plan.fingerprint, concurrent.futures.Future()).done()
+                )
+            if have >= want or time.monotonic() >= deadline or not busy:
+                return have
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ filling
+
+    def _fill_soon(self, plan: PoolPlan) -> None:
+        with self._lock:
+            if self._closed or plan.size <= 0:
+                return
+            running = self._fills.get(plan.fingerprint)
+            if running is not None and not running.done():
+                return
+            if time.monotonic() < self._failed.get(plan.fingerprint, 0.0):
+                return
+            self._fills[plan.fingerprint] = self.loop.submit(self._fill(plan))
+
+    def _current(self, plan: PoolPlan) -> bool:
+        """Whether ``plan`` is still what its kernelspec's pool is made from (lock held)."""
+        current = self._plans.get(plan.kernelspec)
+        return current is not None and current.fingerprint == plan.fingerprint
+
+    def _reserved(self) -> int:
+        """Memory limits of the waiting and starting sandboxes (with the lock held)."""
+        by_fingerprint = {p.fingerprint: p.memory for p in self._plans.values()}
+        waiting = sum(s.memory for ready in self._ready.values() for s in ready)
+        starting = sum(by_fingerprint.get(fp, 0) * n for fp, n in self._starting.items())
+        return waiting + starting
+
+    async def _fill(self, plan: PoolPlan) -> None:
+        """Start sandboxes one at a time until the plan's size is reached."""
+        fingerprint = plan.fingerprint
+        while True:
+            with self._lock:
+                if self._closed or not self._current(plan):
+                    return
+                plan = self._plans[plan.kernelspec]  # the same, with the latest size and budget
+                if len(self._ready.get(fingerprint, [])) >= plan.size:
+                    return
+                if self._reserved() + plan.memory > plan.budget:
+                    if fingerprint not in self._over_budget:
+                        self._over_budget.add(fingerprint)
+                        log.warning(
+                            "Sandbox pool of %s: not starting more, the waiting sandboxes would reserve "
+                            "more than max_pool_memory; kernels beyond the pool start cold",
+                            plan.kernelspec,
+                        )
+                    return
+                self._starting[fingerprint] = self._starting.get(fingerprint, 0) + 1
+            try:
+                sandbox = await self._start(plan)
+            except (SandboxKernelError, OSError) as exc:
+                log.warning(
+                    "Sandbox pool of %s: could not start a sandbox (%s); kernels start cold, "
+                    "and the pool tries again in %g s",
+                    plan.kernelspec,
+                    exc,
+                    RETRY_AFTER,
+                )
+                with self._lock:
+                    self._failed[fingerprint] = time.monotonic() + RETRY_AFTER
+                return
+            finally:
+                with self._lock:
+                    self._starting[fingerprint] -= 1
+            with self._lock:
+                keep = not self._closed and self._current(plan)
+                if keep:
+                    self._ready.setdefault(fingerprint, []).append(sandbox)
+            if not keep:
+                await self._remove(sandbox)
+                return
+            log.info("Sandbox pool of %s: sandbox %s ready", plan.kernelspec, sandbox.container_id[:12])
+
+    async def _start(self, plan: PoolPlan) -> PooledSandbox:
+        """One sandbox of ``plan``, started and sealed; nothing left behind on failure."""
+        spec = plan.spec
+        key = secrets.token_hex(32).encode()
+        runtime_dir = await asyncio.to_thread(new_runtime_dir, plan.runtime_parent)
+
+        def prepare() -> tuple[Path, Path]:
+            make_shared(runtime_dir)
+            slot = runtime_dir / "slot"
+            slot.mkdir(mode=0o755)
+            launch_dir = new_launch_dir(runtime_dir, 1, spec.uid, spec.gid)
+            owner = (spec.uid, spec.gid)
+            write_launch_files(launch_dir, owner, key, plan.scheme, spec.kernelspec, plan.egress)
+            return slot, launch_dir
+
+        container_id = None
+        try:
+            slot, launch_dir = await asyncio.to_thread(prepare)
+            pooled = replace(
+                spec,
+                # Nothing of the plan's first claimant: no folder, name or volume.
+                workspace=slot,
+                workdir=CONTAINER_WORKSPACE,
+                workspace_path=CONTAINER_WORKSPACE,
+                volume=None,
+                kernel_id=secrets.token_hex(6),
+                runtime_dir=launch_dir,
+                slot=slot,
+                env={**spec.env, CLAIM_ENV: CONTAINER_CLAIM_SOCKET},
+            )
+            container = await self.docker.create_and_start(container_create_kwargs(pooled))
+            container_id = str(container.id)
+            sockets = expected_sockets(launch_dir, plan.egress, pooled=True)
+            await wait_until_ready(self.docker, container_id, sockets, plan.startup_timeout, spec.image)
+            if os.getuid() == 0:
+                await asyncio.to_thread(seal_launch_dir, launch_dir)
+            await asyncio.to_thread((runtime_dir / POOL_READY_FILE).touch)
+        except BaseException:
+            if container_id is not None:
+                await self.docker.remove(container_id)
+            await asyncio.to_thread(remove_tree, runtime_dir)
+            raise
+        return PooledSandbox(
+            container_id=container_id,
+            runtime_dir=runtime_dir,
+            launch_dir=launch_dir,
+            slot=slot,
+            key=key,
+            scheme=plan.scheme,
+            fingerprint=plan.fingerprint,
+            memory=plan.memory,
+            created=time.time(),
+        )
+
+    async def _remove(self, sandbox: PooledSandbox) -> None:
+        try:
+            await self.docker.remove(sandbox.container_id)
+        except SandboxKernelError as exc:
+            log.warning("Sandbox pool: could not remove sandbox %s: %s", sandbox.container_id[:12], exc)
+        await asyncio.to_thread(remove_tree, sandbox.runtime_dir)
+
+    async def discard(self, sandbox: PooledSandbox) -> None:
+        """Remove a claimed sandbox that could not be bound to its kernel."""
+        await self._remove(sandbox)
+
+    # ------------------------------------------------------------------ ending
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Forget every plan and remove every waiting sandbox, blocking (never on an event
+        loop's thread; also at the process's exit, when no new thread may start). Kernels
+        already claimed are not touched."""
+        with self._lock:
+            self._plans.clear()
+            fills = list(self._fills.values())
+        for fill in fills:
+            fill.cancel()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(self._starting.values()):
+                    break
+            time.sleep(0.05)
+        with self._lock:
+            doomed = [s for ready in self._ready.values() for s in ready]
+            self._ready.clear()
+            self._failed.clear()
+            self._over_budget.clear()
+        for sandbox in doomed:
+            try:
+                self.docker.remove_blocking(sandbox.container_id)
+            except SandboxKernelError as exc:
+                log.warning("Sandbox pool: could not remove sandbox %s: %s", sandbox.container_id[:12], exc)
+            remove_tree(sandbox.runtime_dir)
+
+    def close(self) -> None:
+        """Remove every waiting sandbox and take no more plans (at the process's exit)."""
+        with self._lock:
+            self._closed = True
+        try:
+            self.drain(timeout=10.0)
+        except Exception:
+            log.exception("Sandbox pool: could not remove its sandboxes; the next start sweeps them")
+
+    def describe(self) -> dict[str, Any]:
+        """Per kernelspec: size, waiting, starting."""
+        with self._lock:
+            return {
+                name: {
+                    "size": plan.size,
+                    "ready": len(self._ready.get(plan.fingerprint, [])),
+                    "starting": self._starting.get(plan.fingerprint, 0),
+                }
+                for name, plan in self._plans.items()
+            }
+
+
+async def plan_pool(kernel_name: str, cwd: str | os.PathLike[str] | None = None, parent: Any = None) -> bool:
+    """Start filling the pool of ``kernel_name`` as a kernel start would (same checks,
+    same settings; ``parent``: the configurable whose config the kernels get, e.g. a
+    server's kernel manager). False if the kernelspec has no pool (or cannot have one
+    here). The sandboxes start in the background.
+
+    Raises:
+        ConfigurationError, DockerUnavailableError, RuntimeMissingError,
+        ImageNotFoundError: as a kernel start of that kernelspec would.
+    """
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+    specs = getattr(parent, "kernel_spec_manager", None)
+    km = AsyncKernelManager(
+        kernel_name=kernel_name, parent=parent, **({"kernel_spec_manager": specs} if specs else {})
+    )
+    factory = KernelProvisionerFactory.instance(parent=km.parent)
+    provisioner = factory.create_provisioner_instance(secrets.token_hex(8), km.kernel_spec, parent=km)
+    if getattr(provisioner, "pool_size", 0) <= 0:
+        return False
+    await provisioner.pre_launch(cwd=str(cwd or os.getcwd()), env=os.environ.copy())
+    return getattr(provisioner, "_pool_plan", None) is not None
+
+
+def warm_pool(
+    kernel_name: str = "sandboxed-python",
+    cwd: str | os.PathLike[str] | None = None,
+    wait: bool = True,
+    timeout: float = 300.0,
+) -> int:
+    """Fill this process's pool of ``kernel_name`` (a kernelspec with ``pool_size``) and,
+    with ``wait``, block until it is full; how many sandboxes wait. For programs using
+    jupyter_client: every later kernel start of that kernelspec claims one::
+
+        from jupyter_client.manager import start_new_kernel
+        import sandbox_kernel
+
+        sandbox_kernel.warm_pool("sandboxed-python", cwd="/srv/work")
+        km, kc = start_new_kernel(kernel_name="sandboxed-python", cwd="/srv/work")  # ~0.1 s
+
+    ``cwd`` is where kernels will start (it decides the kernels' uid, see kernel_uid).
+    Call it outside a running event loop (in async code: ``await asyncio.to_thread(...)``).
+    """
+    from jupyter_core.utils import run_sync
+
+    if not run_sync(plan_pool)(kernel_name, cwd):
+        return 0
+    pool = SandboxPool.instance()
+    return pool.wait_ready(kernel_name, timeout=timeout) if wait else pool.ready(kernel_name)

@@ -1,0 +1,236 @@
+"""The warm pool: kernels claimed from sandboxes started ahead, as programs and servers use it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import docker
+import pytest
+
+from sandbox_kernel import SandboxPool, warm_pool
+from sandbox_kernel.mounts import mounts_under
+from sandbox_kernel.policy import LABEL_KERNELSPEC, LABEL_POOL
+
+from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run_ok, runtime_dirs
+from .test_jupyter_server import execute_over_websocket, start_server, stop_server
+
+POOLED = "sandboxed-python-pooled"
+JUPYTER = str(Path(sys.executable).with_name("jupyter"))
+
+
+@pytest.fixture
+def pool() -> Iterator[SandboxPool]:
+    """The process's pool, emptied after the test."""
+    pool = SandboxPool.instance()
+    yield pool
+    pool.drain()
+
+
+@pytest.fixture
+def pooled(make_kernelspec: Callable[..., str]) -> str:
+    return make_kernelspec(POOLED, config={"pool_size": 2}, display_name="Sandboxed Python (pooled)")
+
+
+def waiting(client: docker.DockerClient, kernelspec: str = POOLED) -> dict[str, str]:
+    """Pooled sandboxes no kernel has claimed: id -> name."""
+    found = client.containers.list(
+        all=True, filters={"label": [LABEL_POOL, f"{LABEL_KERNELSPEC}={kernelspec}"]}
+    )
+    return {c.id: c.name for c in found if c.name.startswith("sandbox-kernel-pool-")}
+
+
+def ready_in_pool(kernelspec: str = POOLED) -> list[str]:
+    """Container ids of pooled sandboxes ready to be claimed, as `list` shows them."""
+    return [str(row["container_id"]) for row in listed(kernelspec) if row["status"] == "pooled"]
+
+
+def listed(kernelspec: str = POOLED) -> list[dict[str, object]]:
+    """``jupyter sandbox-kernel list --json`` rows of one kernelspec."""
+    out = subprocess.run(
+        [JUPYTER, "sandbox-kernel", "list", "--json"], capture_output=True, text=True, check=True
+    )
+    return [row for row in json.loads(out.stdout) if row["kernelspec"] == kernelspec]
+
+
+def test_a_pooled_kernel_works_in_its_notebook_folder_and_restarts_there(
+    start_kernel: KernelStarter,
+    pooled: str,
+    pool: SandboxPool,
+    workspace: Path,
+    docker_client: docker.DockerClient,
+) -> None:
+    assert warm_pool(pooled, cwd=workspace) == 2
+    ready = waiting(docker_client)
+    assert len(ready) == 2
+    assert {row["status"] for row in listed()} == {"pooled"}
+
+    km, kc = start_kernel(pooled)
+    assert km.provisioner.from_pool
+    assert km.provisioner.container_id in ready
+    out = run_ok(
+        kc,
+        "import os; print(os.uname().release, os.getcwd(), os.getuid(), os.listdir('/workspace'))\n"
+        "open('result.csv', 'w').write('x,1')",
+    )
+    assert out.split() == ["4.4.0", "/workspace/workspace", str(SANDBOX_UID), "['workspace']"]
+    result = workspace / "result.csv"
+    assert result.read_text() == "x,1"
+    assert result.stat().st_uid == SANDBOX_UID, "owned as a cold start's files are"
+    assert docker_client.containers.get(km.provisioner.container_id).name == f"sandbox-kernel-{km.kernel_id}"
+    rows = {row["kernel_id"]: row for row in listed()}
+    assert rows[km.kernel_id]["workspace"] == str(workspace)
+
+    # A restart starts cold (the clients keep their session key), in the same place.
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert not km.provisioner.from_pool
+    out = run_ok(kc, "import os; print(os.getcwd(), open('result.csv').read())")
+    assert out.split() == ["/workspace/workspace", "x,1"]
+
+
+def test_two_claims_never_share_a_sandbox_and_the_pool_refills(
+    start_kernel: KernelStarter,
+    pooled: str,
+    pool: SandboxPool,
+    workspace: Path,
+    tmp_path: Path,
+    docker_client: docker.DockerClient,
+) -> None:
+    other = make_workspace(tmp_path / "other")
+    (workspace / "only-mine.txt").write_text("first notebook's file")
+    warm_pool(pooled, cwd=workspace)
+    first = set(waiting(docker_client))
+    km1, kc1 = start_kernel(pooled)
+    km2, kc2 = start_kernel(pooled, cwd=other)
+    claimed = {km1.provisioner.container_id, km2.provisioner.container_id}
+    assert km1.provisioner.from_pool
+    assert km2.provisioner.from_pool, "another folder, same plan: also from the pool"
+    assert len(claimed) == 2
+    assert claimed <= first
+
+    run_ok(kc1, "secret = 'kernel one'; open('/tmp/mine', 'w').write(secret)")
+    out = run_ok(
+        kc2,
+        "import os; print(os.path.exists('/tmp/mine'), 'secret' in globals(), os.getcwd(), "
+        "os.listdir('/workspace'), os.listdir('.'))",
+    )
+    assert out.strip().split(maxsplit=3) == ["False", "False", "/workspace/other", "['other'] []"]
+
+    assert pool.wait_ready(pooled) == 2
+    refilled = set(waiting(docker_client))
+    assert len(refilled) == 2
+    assert refilled.isdisjoint(claimed), "a claimed sandbox never returns to the pool"
+
+
+def test_a_kernelspec_without_a_pool_starts_cold_at_workspace(start_kernel: KernelStarter) -> None:
+    km, kc = start_kernel()
+    assert not km.provisioner.from_pool
+    assert run_ok(kc, "import os; print(os.getcwd())").strip() == "/workspace"
+
+
+PROGRAM = """
+import os, sys, time
+from jupyter_client.manager import KernelManager
+import sandbox_kernel
+
+workspace = sys.argv[1]
+print(sandbox_kernel.warm_pool({kernelspec!r}, cwd=workspace), flush=True)
+if sys.argv[2] == "claim":
+    km = KernelManager(kernel_name={kernelspec!r})
+    km.start_kernel(cwd=workspace)
+    kc = km.client(); kc.start_channels(); kc.wait_for_ready(timeout=60)
+    kc.execute_interactive("_ = open('kept.txt', 'w').write('mine')", timeout=60)
+    print(km.kernel_id, km.provisioner.from_pool, flush=True)
+sys.stdin.read()  # until the test closes stdin (a clean exit) or kills us
+"""
+
+
+def run_program(workspace: Path, mode: str) -> tuple[subprocess.Popen[str], list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PROGRAM.format(kernelspec=POOLED)), str(workspace), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline().strip() for _ in range(2 if mode == "claim" else 1)]
+    return proc, lines
+
+
+def test_pooled_sandboxes_go_with_their_program_even_when_it_is_killed(
+    pooled: str, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    dirs_before = runtime_dirs()
+    # A clean exit removes the waiting sandboxes.
+    proc, lines = run_program(workspace, "warm")
+    assert lines == ["2"]
+    assert len(waiting(docker_client)) == 2
+    proc.communicate(timeout=60)
+    assert waiting(docker_client) == {}
+
+    # SIGKILL: a claimed kernel (its workspace mounted into its sandbox) and the
+    # refilled pool are left; they are orphans, and pruning them keeps the user's files.
+    proc, lines = run_program(workspace, "claim")
+    kernel_id, from_pool = lines[1].split()
+    assert from_pool == "True"
+    deadline = time.monotonic() + 60
+    while len(waiting(docker_client)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    statuses = {row["kernel_id"] or "-": row["status"] for row in listed()}
+    assert statuses == {kernel_id: "orphaned", "-": "orphaned"}
+    pruned = subprocess.run([JUPYTER, "sandbox-kernel", "prune"], capture_output=True, text=True, check=True)
+    assert "3 kernel(s) removed" in pruned.stdout
+    assert listed() == []
+    assert (workspace / "kept.txt").read_text() == "mine", "the workspace survives its kernel's removal"
+    assert runtime_dirs() - dirs_before == set(), pruned.stderr
+    assert [p for p in mounts_under(Path("/tmp")) if "sandbox-kernel-" in str(p)] == [], pruned.stderr
+
+
+async def test_pooled_kernels_under_jupyter_server(
+    jupyter_dirs: Path,
+    tmp_path: Path,
+    make_kernelspec: Callable[..., str],
+    docker_client: docker.DockerClient,
+) -> None:
+    make_kernelspec(POOLED, config={"pool_size": 1})
+    root = make_workspace(tmp_path / "notebooks")
+    folder = make_workspace(root / "project")
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(
+        'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
+    )
+    server, proc = start_server(root, tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 60
+        while not ready_in_pool() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ready = ready_in_pool()
+        assert len(ready) == 1, "the server fills the pool when it starts"
+        session = server.api(
+            "POST",
+            "/api/sessions",
+            json={"path": "project/analysis.ipynb", "type": "notebook", "kernel": {"name": POOLED}},
+        ).json()
+        kernel_id = session["kernel"]["id"]
+        status, out = await execute_over_websocket(
+            server, kernel_id, "import os; print(os.getcwd()); open('from-lab.txt', 'w').write('saved')"
+        )
+        assert (status, out) == ("ok", "/workspace/project\n")
+        assert (folder / "from-lab.txt").read_text() == "saved"
+        claimed = docker_client.containers.get(f"sandbox-kernel-{kernel_id}")
+        assert claimed.id in ready
+    finally:
+        stop_server(proc)
+    assert waiting(docker_client) == {}
+    assert listed() == []
