@@ -25,6 +25,18 @@ of ``jupyter_client`` would see it:
   cache): under gVisor the guest's memory lives in a memory file that no host process's
   RSS/PSS reflects, so the cgroup is the honest figure of what the host pays.
 
+* the warm pool: a temporary variant of the sandboxed kernelspec with ``pool_size``
+  ``--pool-size`` (default 4): start -> first ``kernel_info`` reply of ``--pooled-starts``
+  kernels, each claimed from a full pool (p50, p95; compared with the local kernel's cold
+  start); ``--at-once`` kernels (default 10) requested at the same moment through
+  ``AsyncKernelManager`` (as a server or an assistant would), with no pool and with a
+  full pool, until the last one's ``kernel_info`` reply; host memory of one idle pooled
+  sandbox (its cgroup).
+* idle CPU: those ``--at-once`` kernels left idle, host CPU over ``--idle-seconds``:
+  for the sandboxed ones their containers' cgroups plus this process (the bridges and
+  watchdogs run here), for local ones their processes plus this process; in % of one core
+  for all of them together.
+
 All kernels run in one temporary working folder made for the run (owned by uid 65533
 when run as root, so the sandboxed kernel can write to it), one kernel at a time: each
 is shut down before the next one starts. Progress goes to stderr, the table (and, with ``--json``,
@@ -39,6 +51,7 @@ Run from the project root::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -49,13 +62,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import docker
-from jupyter_client import KernelManager
+from jupyter_client import AsyncKernelManager, KernelManager
 from jupyter_client.blocking import BlockingKernelClient
+from jupyter_client.kernelspec import KernelSpecManager
 
-from sandbox_kernel.cgroups import memory_usage
+from sandbox_kernel import SandboxPool, warm_pool
+from sandbox_kernel.cgroups import cpu_seconds, memory_usage
 from sandbox_kernel.policy import DEFAULT_KERNEL_UID
 
 STARTUP_TIMEOUT = 120.0  # seconds for one kernel to become ready
@@ -92,6 +108,11 @@ class Timings:
     execute_ms: list[float] = field(default_factory=list)
     memory_idle_mib: float = math.nan
     memory_pandas_mib: float = math.nan
+    pooled_kernel_info_s: list[float] = field(default_factory=list)
+    at_once_s: float = math.nan
+    at_once_pooled_s: float = math.nan
+    memory_pooled_mib: float = math.nan
+    idle_cpu_pct: float = math.nan
 
 
 def progress(message: str) -> None:
@@ -205,6 +226,129 @@ def host_memory_mib(manager: KernelManager) -> float:
     return math.nan
 
 
+def pooled_kernelspec(kernel_name: str, pool_size: int, folder: Path) -> str:
+    """A variant of ``kernel_name`` with a pool, in ``folder`` (put first on JUPYTER_PATH)."""
+    spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    data = spec.to_dict()
+    data["metadata"]["kernel_provisioner"].setdefault("config", {})["pool_size"] = pool_size
+    name = f"{kernel_name}-bench-pool"
+    (folder / "kernels" / name).mkdir(parents=True)
+    (folder / "kernels" / name / "kernel.json").write_text(json.dumps(data))
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("JUPYTER_PATH")]))
+    return name
+
+
+def measure_pool(timings: Timings, kernel_name: str, pool_size: int, starts: int, cwd: str) -> None:
+    """Pooled starts, each from a full pool, and one idle pooled sandbox's memory."""
+    pool = SandboxPool.instance()
+    warm_pool(kernel_name, cwd=cwd)
+    memory = [pooled_sandbox_memory_mib(kernel_name)]
+    for i in range(1, starts + 1):
+        pool.wait_ready(kernel_name, pool_size)
+        with running_kernel(kernel_name, cwd) as kernel:
+            if not getattr(kernel.manager.provisioner, "from_pool", False):
+                msg = "a pooled start did not come from the pool (see the log above)"
+                raise RuntimeError(msg)
+            timings.pooled_kernel_info_s.append(kernel.kernel_info_s)
+            progress(
+                f"[{kernel_name}] pooled start {i}/{starts}: "
+                f"kernel_info reply after {kernel.kernel_info_s:.3f} s"
+            )
+    timings.memory_pooled_mib = statistics.median(memory)
+    pool.drain()
+
+
+def pooled_sandbox_memory_mib(kernel_name: str) -> float:
+    """The cgroup memory of one waiting sandbox of ``kernel_name``'s pool."""
+    client = docker.from_env()
+    try:
+        for container in client.containers.list(filters={"label": "io.sandbox-kernel.pool"}):
+            if container.name.startswith("sandbox-kernel-pool-"):
+                usage = memory_usage(int(container.attrs["State"]["Pid"]))
+                return usage / 2**20 if usage is not None else math.nan
+    finally:
+        client.close()
+    return math.nan
+
+
+async def start_at_once(kernel_name: str, count: int, cwd: str) -> tuple[float, list[AsyncKernelManager]]:
+    """Start ``count`` kernels at the same moment; seconds until the last one answered
+    ``kernel_info``, and their managers (still running)."""
+
+    async def one() -> AsyncKernelManager:
+        manager = AsyncKernelManager(kernel_name=kernel_name)
+        await manager.start_kernel(cwd=cwd)
+        client = manager.client()
+        client.start_channels()
+        await client.wait_for_ready(timeout=STARTUP_TIMEOUT)
+        client.stop_channels()
+        return manager
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+    elapsed = time.perf_counter() - started
+    managers = [r for r in results if isinstance(r, AsyncKernelManager)]
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        await shutdown_all(managers)
+        raise failures[0]
+    return elapsed, managers
+
+
+async def shutdown_all(managers: list[AsyncKernelManager]) -> None:
+    await asyncio.gather(*(m.shutdown_kernel() for m in managers if m.has_kernel), return_exceptions=True)
+
+
+def kernel_cpu_seconds(manager: AsyncKernelManager) -> float:
+    """CPU the host spent on one kernel so far: its container's cgroup, or its process."""
+    container_id = getattr(manager.provisioner, "container_id", None)
+    if container_id is not None:
+        client = docker.from_env()
+        try:
+            pid = client.api.inspect_container(container_id)["State"]["Pid"]
+        finally:
+            client.close()
+        return cpu_seconds(pid) or 0.0
+    process = getattr(manager.provisioner, "process", None)
+    if process is None:
+        return 0.0
+    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_at_once(
+    timings: Timings, kernel_name: str, count: int, idle_seconds: float, cwd: str
+) -> None:
+    """``count`` kernels at once (no pool), then their idle CPU."""
+    timings.at_once_s, managers = await start_at_once(kernel_name, count, cwd)
+    progress(f"[{kernel_name}] {count} kernels at once: all ready after {timings.at_once_s:.2f} s")
+    try:
+        await asyncio.sleep(5)  # let start-up work settle
+        before = sum(kernel_cpu_seconds(m) for m in managers) + time.process_time()
+        wall = time.perf_counter()
+        await asyncio.sleep(idle_seconds)
+        used = sum(kernel_cpu_seconds(m) for m in managers) + time.process_time() - before
+        timings.idle_cpu_pct = 100 * used / (time.perf_counter() - wall)
+        progress(f"[{kernel_name}] {count} idle kernels: {timings.idle_cpu_pct:.1f} % of a core together")
+    finally:
+        await shutdown_all(managers)
+
+
+async def measure_at_once_pooled(
+    timings: Timings, kernel_name: str, count: int, pool_size: int, cwd: str
+) -> None:
+    pool = SandboxPool.instance()
+    await asyncio.to_thread(warm_pool, kernel_name, cwd)
+    await asyncio.to_thread(pool.wait_ready, kernel_name, pool_size)
+    timings.at_once_pooled_s, managers = await start_at_once(kernel_name, count, cwd)
+    progress(
+        f"[{kernel_name}] {count} kernels at once, pool of {pool_size}: "
+        f"all ready after {timings.at_once_pooled_s:.2f} s"
+    )
+    await shutdown_all(managers)
+    await asyncio.to_thread(pool.drain)
+
+
 def percentile(values: list[float], pct: float) -> float:
     """Linearly interpolated percentile (numpy's default method)."""
     ordered = sorted(values)
@@ -215,7 +359,15 @@ def percentile(values: list[float], pct: float) -> float:
 
 
 def summarize(t: Timings) -> dict[str, float]:
+    # A local kernel has no pool: its pooled rows compare with its cold start.
+    pooled = t.pooled_kernel_info_s or t.kernel_info_s
     return {
+        "pooled_p50_s": percentile(pooled, 50),
+        "pooled_p95_s": percentile(pooled, 95),
+        "at_once_s": t.at_once_s,
+        "at_once_pooled_s": t.at_once_pooled_s if t.pooled_kernel_info_s else t.at_once_s,
+        "memory_pooled_mib": t.memory_pooled_mib if t.pooled_kernel_info_s else t.memory_idle_mib,
+        "idle_cpu_pct": t.idle_cpu_pct,
         "kernel_info_median_s": statistics.median(t.kernel_info_s),
         "kernel_info_max_s": max(t.kernel_info_s),
         "ready_median_s": statistics.median(t.ready_s),
@@ -241,6 +393,12 @@ ROWS = (
     ("execute_p95_ms", f"execute {CODE!r} round trip, p95", "ms"),
     ("memory_idle_mib", "host memory, idle kernel", "MiB"),
     ("memory_pandas_mib", "host memory, after import pandas", "MiB"),
+    ("pooled_p50_s", "pooled start -> kernel_info reply, p50 (local: cold)", "s"),
+    ("pooled_p95_s", "pooled start -> kernel_info reply, p95 (local: cold)", "s"),
+    ("at_once_s", "N kernels at once, all ready (no pool)", "s"),
+    ("at_once_pooled_s", "N kernels at once, all ready (pool; local: none)", "s"),
+    ("memory_pooled_mib", "host memory, one idle pooled sandbox (local: idle)", "MiB"),
+    ("idle_cpu_pct", "host CPU of N idle kernels, % of one core", "%"),
 )
 
 
@@ -250,7 +408,7 @@ def format_table(local: dict[str, float], sandboxed: dict[str, float], headers: 
             f"{value:.3f} {unit}"
             if unit == "s"
             else f"{value:.1f} {unit}"
-            if unit == "MiB"
+            if unit in ("MiB", "%")
             else f"{value:.2f} {unit}"
         )
 
@@ -304,22 +462,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=non_negative_int, default=5, help=f"untimed {CODE!r} runs first")
     parser.add_argument("--kernel", default="sandboxed-python", help="sandboxed kernelspec")
     parser.add_argument("--baseline", default="python3", help="local kernelspec to compare against")
+    parser.add_argument("--pool-size", type=positive_int, default=4, help="pool size for the pooled rows")
+    parser.add_argument(
+        "--pooled-starts", type=non_negative_int, default=10, help="pooled starts to time (0: skip)"
+    )
+    parser.add_argument(
+        "--at-once", type=non_negative_int, default=10, help="kernels started at once (0: skip)"
+    )
+    parser.add_argument("--idle-seconds", type=float, default=20.0, help="how long idle CPU is measured")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with workspace() as cwd:
+    with workspace() as cwd, tempfile.TemporaryDirectory(prefix="sandbox-kernel-bench-specs-") as specs:
         local = measure(args.baseline, args.starts, args.restarts, args.runs, args.warmup, cwd)
         sandboxed = measure(args.kernel, args.starts, args.restarts, args.runs, args.warmup, cwd)
+        if args.pooled_starts:
+            pooled = pooled_kernelspec(args.kernel, args.pool_size, Path(specs))
+            measure_pool(sandboxed, pooled, args.pool_size, args.pooled_starts, cwd)
+        if args.at_once:
+            asyncio.run(measure_at_once(local, args.baseline, args.at_once, args.idle_seconds, cwd))
+            asyncio.run(measure_at_once(sandboxed, args.kernel, args.at_once, args.idle_seconds, cwd))
+            if args.pooled_starts:
+                asyncio.run(measure_at_once_pooled(sandboxed, pooled, args.at_once, args.pool_size, cwd))
 
     summaries = {"local": summarize(local), "sandboxed": summarize(sandboxed)}
     headers = (f"local ({args.baseline})", f"sandboxed ({args.kernel})")
     print(
         f"Kernel latency and memory: {args.starts} starts and {args.restarts} restarts each; "
         f"{args.runs} timed runs of {CODE!r} "
-        f"after {args.warmup} warm-up runs"
+        f"after {args.warmup} warm-up runs; pool of {args.pool_size}, {args.pooled_starts} pooled starts; "
+        f"N = {args.at_once} kernels at once, idle CPU over {args.idle_seconds:g} s"
     )
     print(format_table(summaries["local"], summaries["sandboxed"], headers))
     if args.json:

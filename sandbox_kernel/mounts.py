@@ -54,12 +54,12 @@ def bind(source: Path, target: Path) -> None:
     )
 
 
-def mounts_under(folder: Path) -> list[Path]:
-    """Mount points at or below ``folder``, deepest first (from /proc/self/mountinfo)."""
+def mounts_under(folder: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[Path]:
+    """Mount points at or below ``folder``, deepest first."""
     top = os.path.abspath(folder)
     found = []
     try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+        lines = mountinfo.read_text().splitlines()
     except OSError:
         return []
     for line in lines:

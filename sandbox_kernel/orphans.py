@@ -248,18 +248,18 @@ class SandboxedKernel:
         uid = labels.get(LABEL_SERVER_UID, "")
         kernel_id, workspace = labels.get(LABEL_KERNEL_ID, ""), labels.get(LABEL_WORKSPACE, "")
         name = str(attrs.get("Name", "")).lstrip("/")
-        pool_ready = False
-        pooled = LABEL_POOL in labels and name.startswith(POOL_NAME_PREFIX)
-        if LABEL_POOL in labels and not pooled:
-            # Claimed: renamed after its kernel, which the labels (fixed before) cannot say.
-            kernel_id = name.removeprefix("sandbox-kernel-")
+        pool_ready = pooled = False
+        if LABEL_POOL in labels:
+            # Labels are fixed before a kernel claims the sandbox: its runtime folder (the
+            # kernel's saved state) and its name (renamed after the kernel) say more.
             runtime_dir = own_runtime_dir(labels.get(LABEL_RUNTIME_DIR, ""))
             saved = (read_state(runtime_dir) or {}) if runtime_dir is not None else {}
-            workspace = str((saved.get("provisioner_info") or {}).get("workspace") or workspace)
-        elif pooled:
-            kernel_id = ""
-            runtime_dir = own_runtime_dir(labels.get(LABEL_RUNTIME_DIR, ""))
-            pool_ready = runtime_dir is not None and (runtime_dir / POOL_READY_FILE).exists()
+            if saved or not name.startswith(POOL_NAME_PREFIX):
+                kernel_id = str(saved.get("kernel_id") or name.removeprefix("sandbox-kernel-"))
+                workspace = str((saved.get("provisioner_info") or {}).get("workspace") or workspace)
+            else:
+                pooled, kernel_id = True, ""
+                pool_ready = runtime_dir is not None and (runtime_dir / POOL_READY_FILE).exists()
         return cls(
             container_id=str(attrs.get("Id", "")),
             kernel_id=kernel_id,

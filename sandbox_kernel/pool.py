@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds a failed fill waits before the pool tries that kernelspec again.
 RETRY_AFTER = 30.0
+#: Seconds a refill waits after a claim: starting a sandbox takes both cores for a
+#: moment, which the claimed kernel's first replies should not have to share.
+REFILL_DELAY = 1.0
 
 
 def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
@@ -189,8 +192,13 @@ class SandboxPool:
             sandbox = ready.pop(0) if ready else None
             plan = next((p for p in self._plans.values() if p.fingerprint == fingerprint), None)
         if plan is not None:
-            self._fill_soon(plan)
+            self._fill_soon(plan, delay=REFILL_DELAY if sandbox is not None else 0.0)
         return sandbox
+
+    def ready_for(self, fingerprint: str) -> int:
+        """How many sandboxes of the plan ``fingerprint`` wait."""
+        with self._lock:
+            return len(self._ready.get(fingerprint, []))
 
     def ready(self, kernelspec: str | None = None) -> int:
         """How many sandboxes wait (for one kernelspec's current plan, or in all)."""
@@ -219,7 +227,7 @@ class SandboxPool:
 
     # ------------------------------------------------------------------ filling
 
-    def _fill_soon(self, plan: PoolPlan) -> None:
+    def _fill_soon(self, plan: PoolPlan, delay: float = 0.0) -> None:
         with self._lock:
             if self._closed or plan.size <= 0:
                 return
@@ -228,7 +236,7 @@ class SandboxPool:
                 return
             if time.monotonic() < self._failed.get(plan.fingerprint, 0.0):
                 return
-            self._fills[plan.fingerprint] = self.loop.submit(self._fill(plan))
+            self._fills[plan.fingerprint] = self.loop.submit(self._fill(plan, delay))
 
     def _current(self, plan: PoolPlan) -> bool:
         """Whether ``plan`` is still what its kernelspec's pool is made from (lock held)."""
@@ -242,9 +250,10 @@ class SandboxPool:
         starting = sum(by_fingerprint.get(fp, 0) * n for fp, n in self._starting.items())
         return waiting + starting
 
-    async def _fill(self, plan: PoolPlan) -> None:
+    async def _fill(self, plan: PoolPlan, delay: float = 0.0) -> None:
         """Start sandboxes one at a time until the plan's size is reached."""
         fingerprint = plan.fingerprint
+        await asyncio.sleep(delay)
         while True:
             with self._lock:
                 if self._closed or not self._current(plan):
@@ -290,6 +299,8 @@ class SandboxPool:
     async def _start(self, plan: PoolPlan) -> PooledSandbox:
         """One sandbox of ``plan``, started and sealed; nothing left behind on failure."""
         spec = plan.spec
+        await self.docker.check_runtime(spec.runtime)
+        await self.docker.check_image(spec.image)
         key = secrets.token_hex(32).encode()
         runtime_dir = await asyncio.to_thread(new_runtime_dir, plan.runtime_parent)
 

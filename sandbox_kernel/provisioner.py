@@ -17,7 +17,7 @@ import secrets
 import signal
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,7 @@ from .policy import (
 from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sanitize import OutputSanitizer
 from .settings import SandboxSettings
-from .watchdog import UntrackedCompute, exceeds_exec_timeout
+from .watchdog import Act, Look, Verdict, Watch, WatchLimits, judge, memory_reason
 from .wire import stderr_notice
 
 #: Launch variables a kernel needs again when a reattached manager restarts it.
@@ -108,20 +108,6 @@ class LimitStop:
     reason: str
     time: float
     container_id: str
-
-
-@dataclass
-class _Watch:
-    """What a kernel's watchdog carries from one look to the next."""
-
-    next_touch: float
-    next_check: float = 0.0
-    pid: int | None = None
-    oom_baseline: int | None = None
-    interrupted: str | None = None
-    docker_lost: bool = False
-    compute: UntrackedCompute = field(default_factory=UntrackedCompute)
-    cpu_unknown: bool = False
 
 
 class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignore[metaclass]  # as upstream
@@ -166,6 +152,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._cwd: str | None = None
         # With a pool_size: what this kernelspec's pooled sandboxes are made from.
         self._pool_plan: PoolPlan | None = None
+        self._host_checked = False
         #: Whether the running kernel's sandbox came from the pool (False: started cold).
         self.from_pool = False
 
@@ -203,9 +190,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         check_within_ceilings(limits, self.ceilings)
         check_pass_env(spec_config.get("pass_env", []), self.max_pass_env)
         self._egress = self.egress_policy()
-
-        await self.docker.check_runtime(self.docker_runtime)
-        await self.docker.check_image(self.image)
 
         check_lifetime(self.lifecycle, self.persistent_ttl, self.max_persistent_ttl)
         cwd = Path(kwargs.get("cwd") or os.getcwd())
@@ -294,9 +278,20 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             },
         )
         self._cwd = str(cwd)
-        await self._sweep_orphans_once()
         self._pool_plan = self._plan_pool(self._spec)
+        self._host_checked = False
+        if self._pool_plan is None or not SandboxPool.instance().ready_for(self._pool_plan.fingerprint):
+            # A pooled sandbox was made on a host checked then; a cold start checks now.
+            await self._check_host()
+        await self._sweep_orphans_once()
         return kwargs
+
+    async def _check_host(self) -> None:
+        """The gVisor runtime (with our flags) and the image are there; once per launch."""
+        if not self._host_checked:
+            await self.docker.check_runtime(self.docker_runtime)
+            await self.docker.check_image(self.image)
+            self._host_checked = True
 
     _warned_pool_needs_root = False
 
@@ -386,6 +381,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 key, scheme = pooled.key, pooled.scheme
                 self.connection_info = {"key": key, "signature_scheme": scheme}  # type: ignore[typeddict-item]
                 launch_dir, container_id = pooled.launch_dir, pooled.container_id
+                BackgroundLoop.instance().submit(self._rename(container_id, self._spec.container_name))
                 ports = await self._attach_bridge(launch_dir)
                 await self._open_egress(launch_dir)
             else:
@@ -420,6 +416,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     async def _start_cold(self, plan: SandboxSpec, key: bytes, scheme: str) -> tuple[Path, str]:
         """Create and start a container for this kernel: (its launch folder, its id)."""
+        await self._check_host()
         if self.runtime_dir is None or not self.runtime_dir.is_dir():
             self.runtime_dir = await asyncio.to_thread(new_runtime_dir, self.runtime_parent)
         self._launches += 1
@@ -467,10 +464,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             source = Path(await self.docker.volume_mountpoint(spec.volume)) if spec.volume else spec.workspace
             await asyncio.to_thread(attach_workspace, sandbox.slot, spec.workspace_path, source)
             env = {name: value for name, value in spec.env.items() if name in PER_KERNEL_ENV}
-            await asyncio.gather(
-                asyncio.to_thread(send_claim, sandbox.launch_dir, spec.workdir, env),
-                self.docker.rename(sandbox.container_id, spec.container_name),
-            )
+            await asyncio.to_thread(send_claim, sandbox.launch_dir, spec.workdir, env)
         except (SandboxKernelError, OSError) as exc:
             self.log.warning(
                 "Sandboxed kernel %s: could not bind pooled sandbox %s (%s); starting one cold",
@@ -495,6 +489,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             spec.workspace_path,
         )
         return True
+
+    async def _rename(self, container_id: str, name: str) -> None:
+        """Name a claimed pooled sandbox after its kernel (for `docker ps`); in the
+        background: the kernel's saved state already says whose it is."""
+        try:
+            await self.docker.rename(container_id, name)
+        except SandboxKernelError as exc:
+            self.log.warning("Sandboxed kernel %s: %s", self.kernel_id, exc)
 
     async def _prepare_volume(self, spec: SandboxSpec) -> None:
         """Create the workspace volume on first use, owned by the kernel's uid.
@@ -670,132 +672,80 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     async def _watch(self, container_id: str) -> None:
         """The kernel's watchdog, on the background loop (whether or not its manager's
-        loop runs): tells waiting clients when the kernel dies, enforces the idle limit,
-        and backs up the in-kernel wall-clock limit: interrupt, then kill.
+        loop runs): looks at the kernel, has :func:`~.watchdog.judge` decide, and acts.
+        It tells waiting clients when the kernel dies, enforces the idle limit, and
+        backs up the in-kernel wall-clock limit: interrupt, then kill.
 
-        Only the execution the kernel is running counts, from when it began; cells
-        queued behind it wait without spending their limit. A failing step is logged
-        and retried: a watchdog never gives up while its kernel runs.
+        A failing step is logged and retried: a watchdog never gives up while its kernel runs.
         """
-        watch = _Watch(next_touch=time.monotonic() + OWNER_TOUCH_INTERVAL)
+        watch = Watch()
+        limits = WatchLimits(self.exec_timeout, self.exec_kill_grace, self.idle_timeout, self.memory)
+        pid: int | None = None
+        next_deep = 0.0
+        next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
+        docker_lost = cpu_unknown = False
         while self.container_id == container_id and self._auditor is not None:
             await asyncio.sleep(0.5)
+            auditor = self._auditor
+            if auditor is None:
+                return
             try:
-                if await self._watch_step(container_id, watch):
+                now = time.monotonic()
+                look = Look(now, running=auditor.running(), idle_for=auditor.idle_for())
+                if now >= next_deep:
+                    next_deep = now + 1.0
+                    if pid is None:
+                        pid = await self.docker.main_pid(container_id)
+                    _, code = await self.docker.state(container_id)
+                    docker_lost = False
+                    bridge = self.bridge
+                    busy = auditor.current() is not None or (
+                        bridge is not None and bridge.requests_in_flight(REQUEST_CPU_CREDIT)
+                    )
+                    cpu = cpu_seconds(pid) if pid is not None else None
+                    if cpu is None and pid is not None and self.exec_timeout > 0 and not cpu_unknown:
+                        cpu_unknown = True
+                        self.log.warning(
+                            "Sandboxed kernel %s: cannot read its CPU time from the host's cgroup; computing "
+                            "outside executions is not limited (exec_timeout still bounds each execution)",
+                            self.kernel_id,
+                        )
+                    kills = oom_kills(pid) if pid is not None else None
+                    look = replace(look, deep=True, exit_code=code, cpu=cpu, oom_kills=kills, busy=busy)
+                    if now >= next_touch and self.runtime_dir is not None:
+                        # A persistent kernel's time-to-live counts from the last touch.
+                        next_touch = now + OWNER_TOUCH_INTERVAL
+                        await asyncio.to_thread(write_owner, self.runtime_dir)
+                if await self._act(container_id, judge(look, watch, limits), look):
                     return
             except DockerUnavailableError as exc:
                 # dockerd restarting, say: keep watching once it is back.
-                if not watch.docker_lost:
+                if not docker_lost:
                     self.log.warning("Sandboxed kernel %s: %s; retrying", self.kernel_id, exc)
-                watch.docker_lost, watch.next_check = True, time.monotonic() + 2.0
+                docker_lost, next_deep = True, time.monotonic() + 2.0
             except Exception:
                 self.log.exception("Sandboxed kernel %s: watchdog step failed; retrying", self.kernel_id)
                 await asyncio.sleep(2.0)
 
-    async def _watch_step(self, container_id: str, watch: _Watch) -> bool:
-        """One look at the kernel; True once it has ended (nothing left to watch)."""
-        auditor = self._auditor
-        if auditor is None:
+    async def _act(self, container_id: str, verdict: Verdict, look: Look) -> bool:
+        """Carry out the watchdog's verdict; True once the kernel has ended."""
+        if verdict.act is Act.NOTHING:
+            return False
+        if verdict.act is Act.EXITED:
+            await self._note_exit(container_id, look.exit_code if look.exit_code is not None else 255)
             return True
-        if time.monotonic() >= watch.next_check:
-            watch.next_check = time.monotonic() + 1.0
-            if watch.pid is None:
-                watch.pid = await self.docker.main_pid(container_id)
-                watch.oom_baseline = oom_kills(watch.pid) if watch.pid is not None else None
-            _, code = await self.docker.state(container_id)
-            watch.docker_lost = False
-            if code is not None:
-                await self._note_exit(container_id, code)
-                return True
-            if time.monotonic() >= watch.next_touch and self.runtime_dir is not None:
-                # A persistent kernel's time-to-live counts from the last touch.
-                watch.next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
-                await asyncio.to_thread(write_owner, self.runtime_dir)
-            if await self._computes_untracked(container_id, watch, auditor):
-                return True
-            kills = oom_kills(watch.pid) if watch.pid is not None else None
-            if watch.oom_baseline is not None and kills is not None and kills > watch.oom_baseline:
-                # The host's OOM killer hit the sandbox but not its main process: the
-                # kernel hangs for good (see .cgroups). End it, so clients hear why.
-                self.log.warning(
-                    "Sandboxed kernel %s ran out of memory (limit %s) and hangs; killing it",
-                    self.kernel_id,
-                    self.memory,
-                )
-                await self._kill_for(container_id, "MemoryLimitExceeded", self._memory_reason())
-                return True
-        if self.idle_timeout > 0:
-            idle_reason = (
-                f"stopped after {self.idle_timeout:g} s without executions (idle limit, sandbox-kernel "
-                "idle_timeout) to free its memory; its variables are gone. Restart the kernel to continue"
-            )
-            if auditor.refuse_if_idle(self.idle_timeout, idle_reason):
-                await self._stop_idle_kernel(container_id, idle_reason)
-                return True
-        limit, grace = self.exec_timeout, self.exec_kill_grace
-        running = auditor.running()
-        if limit <= 0 or running is None:
-            return False
-        msg_id, age = running
-        if age < limit + min(2.0, grace / 2):
-            return False
-        if watch.interrupted != msg_id:
-            self.log.warning(
-                "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit; interrupting",
-                self.kernel_id,
-                limit,
-            )
+        if verdict.act is Act.INTERRUPT:
+            self.log.warning("Sandboxed kernel %s: %s; interrupting", self.kernel_id, verdict.why)
             await self.docker.signal(container_id, signal.SIGINT)
-            watch.interrupted = msg_id
-        elif age >= limit + grace:
-            self.log.warning(
-                "Sandboxed kernel %s: an execution ignored its %g s wall-clock limit and the "
-                "interrupt; killing the kernel (Jupyter restarts it)",
-                self.kernel_id,
-                limit,
-            )
-            reason = (
-                f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
-                "interrupt ignored; the kernel restarts without its state"
-            )
-            await self._kill_for(container_id, "WallClockLimitExceeded", reason)
+            return False
+        if verdict.act is Act.STOP_IDLE:
+            # The auditor decides atomically: a request that came meanwhile wins.
+            if self._auditor is None or not self._auditor.refuse_if_idle(self.idle_timeout, verdict.reason):
+                return False
+            await self._stop_idle_kernel(container_id, verdict.reason)
             return True
-        return False
-
-    async def _computes_untracked(self, container_id: str, watch: _Watch, auditor: ExecutionAuditor) -> bool:
-        """Kill a kernel that keeps computing with no execution running (True if killed).
-
-        The kernel's replies are its word: one that answers its own execution and spins
-        on, or leaves a thread computing, is judged by the CPU time the host sees.
-        """
-        if self.exec_timeout <= 0 or watch.pid is None:
-            return False
-        bridge = self.bridge
-        busy = auditor.current() is not None or (
-            bridge is not None and bridge.requests_in_flight(REQUEST_CPU_CREDIT)
-        )
-        cpu = cpu_seconds(watch.pid)
-        if cpu is None and not watch.cpu_unknown:
-            watch.cpu_unknown = True
-            self.log.warning(
-                "Sandboxed kernel %s: cannot read its CPU time from the host's cgroup; computing "
-                "outside executions is not limited (exec_timeout still bounds each execution)",
-                self.kernel_id,
-            )
-        untracked = watch.compute.observe(time.monotonic(), cpu, busy)
-        if not exceeds_exec_timeout(untracked, self.exec_timeout, self.exec_kill_grace):
-            return False
-        self.log.warning(
-            "Sandboxed kernel %s kept computing for %g CPU-seconds with no execution running; killing it",
-            self.kernel_id,
-            untracked,
-        )
-        reason = (
-            f"killed: it kept computing for more than {self.exec_timeout:g} s with no execution running "
-            "(a background thread, or code that answered for its own cell), beyond the wall-clock limit "
-            "per execution; the kernel restarts without its state"
-        )
-        await self._kill_for(container_id, "WallClockLimitExceeded", reason)
+        self.log.warning("Sandboxed kernel %s %s; killing it", self.kernel_id, verdict.why)
+        await self._kill_for(container_id, verdict.ename, verdict.reason)
         return True
 
     async def _kill_for(self, container_id: str, ename: str, reason: str) -> None:
@@ -805,13 +755,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         await self._wait_exited(container_id)
         _, code = await self.docker.state(container_id)
         await self._note_exit(container_id, 137 if code is None else code)
-
-    def _memory_reason(self) -> str:
-        return (
-            f"memory limit {self.memory} exceeded: the kernel was stopped and its variables are lost. "
-            "Restart the kernel to go on (JupyterLab does it for you), and use less memory at once "
-            "(files in /tmp count) or ask for a higher limit"
-        )
 
     async def _stop_idle_kernel(self, container_id: str, reason: str) -> None:
         """Stop a kernel idle past its limit, for good: Jupyter must not restart it.
@@ -882,7 +825,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             except SandboxKernelError:
                 oom = False
             if oom:
-                ename, reason = "MemoryLimitExceeded", self._memory_reason()
+                ename, reason = "MemoryLimitExceeded", memory_reason(self.memory)
             else:
                 ename = "KernelDied"
                 reason = f"the kernel stopped (exit code {code}) before this execution finished"

@@ -7,7 +7,8 @@ container's CPU time is not its word; it is read from the host's cgroup.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 
 #: CPU (in cores) a kernel may use while it runs nothing the host knows of: gVisor's
 #: own idle work, a completion, garbage collection.
@@ -49,3 +50,129 @@ class UntrackedCompute:
 def exceeds_exec_timeout(untracked: float, exec_timeout: float, grace: float) -> bool:
     """Whether compute outside executions has outrun the per-execution limit and its grace."""
     return exec_timeout > 0 and untracked >= exec_timeout + grace
+
+
+@dataclass(frozen=True)
+class WatchLimits:
+    """The limits a watchdog enforces (the kernel's settings)."""
+
+    exec_timeout: float = 0.0
+    exec_kill_grace: float = 10.0
+    idle_timeout: float = 0.0
+    memory: str = ""
+
+
+@dataclass(frozen=True)
+class Look:
+    """What the host saw of a kernel at one moment.
+
+    ``deep``: this look includes what costs a Docker call or a cgroup read (exit code,
+    CPU, OOM kills), taken about once a second; the cheap part (what the bridge knows)
+    is looked at every half second.
+    """
+
+    now: float
+    deep: bool = False
+    exit_code: int | None = None
+    cpu: float | None = None
+    oom_kills: int | None = None
+    #: A client's request is being worked on (its CPU is the request's).
+    busy: bool = False
+    #: The execution the kernel is running: (msg_id, seconds running).
+    running: tuple[str, float] | None = None
+    #: Seconds since the last execution began or ended; None while one is pending.
+    idle_for: float | None = None
+
+
+@dataclass
+class Watch:
+    """What a kernel's watchdog carries from one look to the next."""
+
+    oom_baseline: int | None = None
+    interrupted: str | None = None
+    compute: UntrackedCompute = field(default_factory=UntrackedCompute)
+
+
+class Act(Enum):
+    NOTHING = "nothing"
+    EXITED = "exited"  # the kernel ended on its own: note why, answer its clients
+    INTERRUPT = "interrupt"  # SIGINT: an execution outran its wall-clock limit
+    KILL = "kill"  # SIGKILL, telling clients ``ename``: ``reason``
+    STOP_IDLE = "stop-idle"  # stop for good (no restart): idle past its limit
+
+
+@dataclass(frozen=True)
+class Verdict:
+    act: Act
+    ename: str = ""
+    reason: str = ""
+    #: For the server's log: what was seen.
+    why: str = ""
+
+
+NOTHING = Verdict(Act.NOTHING)
+
+
+def memory_reason(memory: str) -> str:
+    return (
+        f"memory limit {memory} exceeded: the kernel was stopped and its variables are lost. "
+        "Restart the kernel to go on (JupyterLab does it for you), and use less memory at once "
+        "(files in /tmp count) or ask for a higher limit"
+    )
+
+
+def idle_reason(idle_timeout: float) -> str:
+    return (
+        f"stopped after {idle_timeout:g} s without executions (idle limit, sandbox-kernel "
+        "idle_timeout) to free its memory; its variables are gone. Restart the kernel to continue"
+    )
+
+
+def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
+    """What to do about a kernel, from one look and what earlier looks left in ``watch``.
+
+    In order: it ended; the host's OOM killer hit it without ending it (it hangs for
+    good, see .cgroups); it keeps computing with no execution running; it is idle past
+    its limit; an execution outran its wall-clock limit (interrupt, then kill).
+    """
+    if look.deep:
+        if look.exit_code is not None:
+            return Verdict(Act.EXITED)
+        if watch.oom_baseline is None:
+            watch.oom_baseline = look.oom_kills
+        elif look.oom_kills is not None and look.oom_kills > watch.oom_baseline:
+            return Verdict(
+                Act.KILL,
+                "MemoryLimitExceeded",
+                memory_reason(limits.memory),
+                f"ran out of memory (limit {limits.memory}) and hangs",
+            )
+        if limits.exec_timeout > 0:
+            untracked = watch.compute.observe(look.now, look.cpu, look.busy)
+            if exceeds_exec_timeout(untracked, limits.exec_timeout, limits.exec_kill_grace):
+                reason = (
+                    f"killed: it kept computing for more than {limits.exec_timeout:g} s with no execution "
+                    "running (a background thread, or code that answered for its own cell), beyond the "
+                    "wall-clock limit per execution; the kernel restarts without its state"
+                )
+                why = f"kept computing for {untracked:g} CPU-seconds with no execution running"
+                return Verdict(Act.KILL, "WallClockLimitExceeded", reason, why)
+    if limits.idle_timeout > 0 and look.idle_for is not None and look.idle_for >= limits.idle_timeout:
+        return Verdict(Act.STOP_IDLE, "IdleLimitExceeded", idle_reason(limits.idle_timeout), "idle")
+    limit, grace = limits.exec_timeout, limits.exec_kill_grace
+    if limit <= 0 or look.running is None:
+        return NOTHING
+    msg_id, age = look.running
+    if age < limit + min(2.0, grace / 2):
+        return NOTHING
+    if watch.interrupted != msg_id:
+        watch.interrupted = msg_id
+        return Verdict(Act.INTERRUPT, why=f"an execution ignored its {limit:g} s wall-clock limit")
+    if age >= limit + grace:
+        reason = (
+            f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
+            "interrupt ignored; the kernel restarts without its state"
+        )
+        why = f"an execution ignored its {limit:g} s wall-clock limit and the interrupt"
+        return Verdict(Act.KILL, "WallClockLimitExceeded", reason, why)
+    return NOTHING

@@ -19,7 +19,7 @@ from sandbox_kernel import SandboxPool, warm_pool
 from sandbox_kernel.mounts import mounts_under
 from sandbox_kernel.policy import LABEL_KERNELSPEC, LABEL_POOL
 
-from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run_ok, runtime_dirs
+from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run_ok
 from .test_jupyter_server import execute_over_websocket, start_server, stop_server
 
 POOLED = "sandboxed-python-pooled"
@@ -84,7 +84,10 @@ def test_a_pooled_kernel_works_in_its_notebook_folder_and_restarts_there(
     result = workspace / "result.csv"
     assert result.read_text() == "x,1"
     assert result.stat().st_uid == SANDBOX_UID, "owned as a cold start's files are"
-    assert docker_client.containers.get(km.provisioner.container_id).name == f"sandbox-kernel-{km.kernel_id}"
+    deadline = time.monotonic() + 10  # renamed in the background
+    while docker_client.containers.get(km.provisioner.container_id).name != f"sandbox-kernel-{km.kernel_id}":
+        assert time.monotonic() < deadline, "the claimed sandbox is named after its kernel"
+        time.sleep(0.1)
     rows = {row["kernel_id"]: row for row in listed()}
     assert rows[km.kernel_id]["workspace"] == str(workspace)
 
@@ -168,7 +171,6 @@ def run_program(workspace: Path, mode: str) -> tuple[subprocess.Popen[str], list
 def test_pooled_sandboxes_go_with_their_program_even_when_it_is_killed(
     pooled: str, workspace: Path, docker_client: docker.DockerClient
 ) -> None:
-    dirs_before = runtime_dirs()
     # A clean exit removes the waiting sandboxes.
     proc, lines = run_program(workspace, "warm")
     assert lines == ["2"]
@@ -186,14 +188,17 @@ def test_pooled_sandboxes_go_with_their_program_even_when_it_is_killed(
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    statuses = {row["kernel_id"] or "-": row["status"] for row in listed()}
+    orphans = listed()
+    statuses = {row["kernel_id"] or "-": row["status"] for row in orphans}
     assert statuses == {kernel_id: "orphaned", "-": "orphaned"}
+    folders = {Path(str(row["runtime_dir"])).parent for row in orphans}
+    assert len(folders) == 3
     pruned = subprocess.run([JUPYTER, "sandbox-kernel", "prune"], capture_output=True, text=True, check=True)
     assert "3 kernel(s) removed" in pruned.stdout
     assert listed() == []
     assert (workspace / "kept.txt").read_text() == "mine", "the workspace survives its kernel's removal"
-    assert runtime_dirs() - dirs_before == set(), pruned.stderr
-    assert [p for p in mounts_under(Path("/tmp")) if "sandbox-kernel-" in str(p)] == [], pruned.stderr
+    assert [folder for folder in folders if folder.exists()] == [], pruned.stderr
+    assert [p for folder in folders for p in mounts_under(folder)] == [], pruned.stderr
 
 
 async def test_pooled_kernels_under_jupyter_server(

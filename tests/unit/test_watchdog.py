@@ -44,3 +44,59 @@ def test_an_unknown_cpu_reading_counts_nothing() -> None:
     meter.observe(0.0, 0.0, busy=False)
     assert meter.observe(1.0, None, busy=False) == 0.0
     assert meter.observe(2.0, 50.0, busy=False) == 0.0  # no baseline yet
+
+
+# ---------------------------------------------------------------- judge()
+
+from sandbox_kernel.watchdog import Act, Look, Watch, WatchLimits, judge  # noqa: E402
+
+LIMITS = WatchLimits(exec_timeout=10, exec_kill_grace=4, idle_timeout=0, memory="1g")
+
+
+def test_an_ended_kernel_is_noted_once_seen() -> None:
+    assert judge(Look(0, deep=True, exit_code=137), Watch(), LIMITS).act is Act.EXITED
+    # The cheap half-second look does not ask Docker: it cannot tell.
+    assert judge(Look(0, exit_code=137), Watch(), LIMITS).act is Act.NOTHING
+
+
+def test_an_execution_past_its_limit_is_interrupted_then_killed() -> None:
+    watch = Watch()
+    assert judge(Look(0, running=("a", 11.0)), watch, LIMITS).act is Act.NOTHING  # within 2 s
+    assert judge(Look(0, running=("a", 12.0)), watch, LIMITS).act is Act.INTERRUPT
+    assert judge(Look(0, running=("a", 13.0)), watch, LIMITS).act is Act.NOTHING  # interrupted once
+    verdict = judge(Look(0, running=("a", 14.0)), watch, LIMITS)
+    assert (verdict.act, verdict.ename) == (Act.KILL, "WallClockLimitExceeded")
+    assert "10 s" in verdict.reason
+    # A new execution gets its own interrupt.
+    assert judge(Look(0, running=("b", 12.0)), watch, LIMITS).act is Act.INTERRUPT
+
+
+def test_an_oom_kill_that_left_the_kernel_hanging_is_ended() -> None:
+    watch = Watch()
+    assert judge(Look(0, deep=True, oom_kills=2), watch, LIMITS).act is Act.NOTHING  # baseline
+    assert judge(Look(1, deep=True, oom_kills=2), watch, LIMITS).act is Act.NOTHING
+    verdict = judge(Look(2, deep=True, oom_kills=3), watch, LIMITS)
+    assert (verdict.act, verdict.ename) == (Act.KILL, "MemoryLimitExceeded")
+    assert "memory limit 1g exceeded" in verdict.reason
+
+
+def test_computing_with_no_execution_running_is_killed_by_the_host_seen_cpu() -> None:
+    watch = Watch()
+    verdicts = [judge(Look(float(t), deep=True, cpu=float(t)), watch, LIMITS) for t in range(20)]
+    kill = next(v for v in verdicts if v.act is not Act.NOTHING)
+    assert (kill.act, kill.ename) == (Act.KILL, "WallClockLimitExceeded")
+    assert "no execution running" in kill.reason
+    # With no wall-clock limit, nothing bounds it.
+    free = Watch()
+    limits = WatchLimits(exec_timeout=0)
+    assert all(
+        judge(Look(float(t), deep=True, cpu=float(t)), free, limits).act is Act.NOTHING for t in range(20)
+    )
+
+
+def test_an_idle_kernel_is_stopped_only_past_its_idle_limit() -> None:
+    limits = WatchLimits(idle_timeout=60)
+    assert judge(Look(0, idle_for=59.0), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, idle_for=None), Watch(), limits).act is Act.NOTHING  # an execution pending
+    verdict = judge(Look(0, idle_for=60.0), Watch(), limits)
+    assert (verdict.act, verdict.ename) == (Act.STOP_IDLE, "IdleLimitExceeded")

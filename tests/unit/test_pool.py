@@ -1,0 +1,107 @@
+"""The pool's pure parts: which sandbox may serve which kernel, and where mounts are."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from sandbox_kernel.mounts import mounts_under
+from sandbox_kernel.orphans import SandboxedKernel
+from sandbox_kernel.policy import LABEL_OWNER, SandboxSpec, container_create_kwargs, pooled_workspace_path
+from sandbox_kernel.pool import plan_fingerprint
+
+SPEC = SandboxSpec(
+    kernel_id="k1",
+    kernelspec="sandboxed-python",
+    image="img",
+    runtime="runsc",
+    command=["python", "-m", "ipykernel_launcher"],
+    env={"LANG": "C.UTF-8", "JPY_SESSION_NAME": "a.ipynb"},
+    workspace=Path("/srv/a"),
+    workdir="/workspace/a",
+    runtime_dir=Path("/tmp/x/run1"),
+    uid=1000,
+    gid=1000,
+    workspace_path="/workspace/a",
+    extra_labels={LABEL_OWNER: "host/1/2/3"},
+)
+
+
+def test_kernels_of_one_plan_share_a_fingerprint_whatever_their_folder_or_session() -> None:
+    other = replace(
+        SPEC,
+        kernel_id="k2",
+        env={**SPEC.env, "JPY_SESSION_NAME": "b.ipynb"},
+        workspace=Path("/srv/b"),
+        workdir="/workspace/b/sub",
+        workspace_path="/workspace/b",
+        runtime_dir=Path("/tmp/y/run1"),
+        extra_labels={LABEL_OWNER: "host/1/2/4"},
+    )
+    assert plan_fingerprint(SPEC, "hmac-sha256") == plan_fingerprint(other, "hmac-sha256")
+
+
+def test_what_is_fixed_when_a_sandbox_starts_must_match() -> None:
+    base = plan_fingerprint(SPEC, "hmac-sha256")
+    for changed in (
+        replace(SPEC, uid=1001),
+        replace(SPEC, memory="4g"),
+        replace(SPEC, image="other"),
+        replace(SPEC, env={**SPEC.env, "LANG": "de_DE.UTF-8"}),
+        replace(SPEC, command=["python3", "-m", "ipykernel_launcher"]),
+    ):
+        assert plan_fingerprint(changed, "hmac-sha256") != base
+    assert plan_fingerprint(SPEC, "hmac-sha512") != base
+
+
+def test_a_pooled_sandbox_mounts_only_its_empty_slot_and_says_so() -> None:
+    slot = Path("/tmp/x/slot")
+    pooled = replace(SPEC, slot=slot, workspace=slot, workdir="/workspace", workspace_path="/workspace")
+    kwargs = container_create_kwargs(pooled)
+    workspace_mount = kwargs["mounts"][0]
+    assert (workspace_mount["Target"], workspace_mount["Source"]) == ("/workspace", str(slot))
+    assert workspace_mount["BindOptions"] == {"Propagation": "rslave"}
+    assert kwargs["name"].startswith("sandbox-kernel-pool-")
+    assert kwargs["labels"]["io.sandbox-kernel.pool"] == "true"
+    # A cold kernel of a pooled kernelspec: its folder straight at /workspace/<name>.
+    cold = container_create_kwargs(SPEC)["mounts"][0]
+    assert (cold["Target"], cold["Source"]) == ("/workspace/a", "/srv/a")
+
+
+def test_the_workspace_appears_under_its_own_name() -> None:
+    assert pooled_workspace_path(Path("/home/ana/Sales 2026"), None) == "/workspace/Sales-2026"
+    assert pooled_workspace_path(Path("/srv/x"), "team-data") == "/workspace/team-data"
+    assert pooled_workspace_path(Path("/srv/..."), None) == "/workspace/work"
+
+
+def test_mounts_under_a_folder_come_deepest_first(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+        "50 27 254:0 /tmp/sk-a /tmp/sk-a rw shared:3 - ext4 /dev/vda rw\n"
+        "68 50 254:0 /srv/a /tmp/sk-a/slot/my\\040project rw shared:7 - ext4 /dev/vda rw\n"
+        "70 27 254:0 /tmp/sk-ab /tmp/sk-ab rw - ext4 /dev/vda rw\n"
+    )
+    assert mounts_under(Path("/tmp/sk-a"), info) == [Path("/tmp/sk-a/slot/my project"), Path("/tmp/sk-a")]
+
+
+def test_a_waiting_pooled_sandbox_is_listed_as_pooled_and_orphaned_with_its_owner() -> None:
+    attrs = {
+        "Id": "c1",
+        "Name": "/sandbox-kernel-pool-abc",
+        "Config": {
+            "Labels": {
+                "io.sandbox-kernel.pool": "true",
+                "io.sandbox-kernel.lifecycle": "persistent",
+                "io.sandbox-kernel.owner": "elsewhere/1/2/3",
+            }
+        },
+        "State": {"Status": "running"},
+    }
+    kernel = SandboxedKernel.from_inspect(attrs)
+    assert kernel.pooled
+    assert kernel.kernel_id == ""
+    assert kernel.status == "pooled, starting"  # its ready mark cannot be read here
+    claimed = SandboxedKernel.from_inspect({**attrs, "Name": "/sandbox-kernel-1234-5678"})
+    assert not claimed.pooled
+    assert claimed.kernel_id == "1234-5678"
