@@ -21,10 +21,10 @@ from jupyter_core.paths import SYSTEM_JUPYTER_PATH
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, Unicode, default
 
 from ._version import __version__
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
-from .orphans import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
+from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .policy import check_lifetime, check_pass_env, check_pool_size, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .resources import data_path
@@ -502,11 +502,11 @@ class CheckApp(_SubApp):
         print("This host is ready to run sandboxed kernels.")
 
     async def _check(self) -> int:
-        docker_api = SandboxDocker()
+        docker_backend = DockerBackend()
         checks = [
-            ("Docker daemon reachable", docker_api.client()),
-            (f"gVisor runtime {self.runtime!r} registered", docker_api.check_runtime(self.runtime)),
-            (f"kernel image {self.image!r} present", docker_api.check_image(self.image)),
+            ("Docker daemon reachable", docker_backend.client()),
+            (f"gVisor runtime {self.runtime!r} registered", docker_backend.check_runtime(self.runtime)),
+            (f"kernel image {self.image!r} present", docker_backend.check_image(self.image)),
         ]
         for label, check in checks:
             try:
@@ -532,10 +532,10 @@ class _KernelsApp(_SubApp):
         "", config=True, help="Where the servers keep runtime folders (default: the system temp folder)."
     )
 
-    def docker(self, operation: Callable[[SandboxDocker], Coroutine[Any, Any, T]]) -> T:
+    def docker(self, operation: Callable[[DockerBackend], Coroutine[Any, Any, T]]) -> T:
         """Run one async Docker operation; a Docker error is a user error, not a traceback."""
         try:
-            return asyncio.run(operation(SandboxDocker()))
+            return asyncio.run(operation(DockerBackend()))
         except SandboxKernelError as exc:
             self.fail(str(exc))
             raise  # unreachable: fail() exits

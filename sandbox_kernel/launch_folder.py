@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from . import in_kernel
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .egress import relay as egress_relay
 from .errors import KernelStartupError
-from .orphans import RUNTIME_DIR_PREFIX, write_owner
+from .ownership import RUNTIME_DIR_PREFIX, write_owner
 from .policy import (
     CONTAINER_CLAIM_SOCKET,
     CONTAINER_CONNECTION_FILE,
@@ -173,7 +173,7 @@ def expected_sockets(launch_dir: Path, egress: bool, pooled: bool) -> list[Path]
 
 
 async def wait_until_ready(
-    docker: SandboxDocker, container_id: str, sockets: list[Path], timeout: float, image: str
+    docker: DockerBackend, container_id: str, sockets: list[Path], timeout: float, image: str
 ) -> None:
     """Wait until the kernel has bound all ``sockets``, or fail with its logs.
 

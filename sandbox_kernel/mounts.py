@@ -10,7 +10,7 @@ sandbox holds it open), so the workspace appears one level down, at
 
 Unmounting is the other half: a runtime folder with a workspace mounted in it must
 never be deleted recursively, or the user's files go with it. :func:`detach_mounts`
-comes first in every removal (see :func:`~.orphans.remove_tree`).
+comes first in every removal (see :func:`~.ownership.remove_tree`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .background import BackgroundLoop
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .launch_folder import (
     expected_sockets,
@@ -52,7 +52,7 @@ from .launch_folder import (
 )
 from .limits import size_bytes
 from .mounts import make_shared
-from .orphans import POOL_READY_FILE, remove_tree
+from .ownership import POOL_READY_FILE, remove_tree
 from .policy import (
     CLAIM_ENV,
     CONTAINER_CLAIM_SOCKET,
@@ -140,8 +140,8 @@ class SandboxPool:
     _instance: ClassVar[SandboxPool | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, docker: SandboxDocker | None = None, loop: BackgroundLoop | None = None) -> None:
-        self.docker = docker or SandboxDocker()
+    def __init__(self, docker: DockerBackend | None = None, loop: BackgroundLoop | None = None) -> None:
+        self.docker = docker or DockerBackend()
         self._loop = loop
         self._lock = threading.Lock()
         self._plans: dict[str, PoolPlan] = {}

@@ -30,7 +30,7 @@ from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
     ConfigurationError,
@@ -50,8 +50,8 @@ from .launch_folder import (
 )
 from .limits import check_within_ceilings, size_bytes
 from .mounts import attach_workspace, can_mount, detach_mounts
-from .orphans import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .output import OutputLimiter
+from .ownership import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .policy import (
     CONTAINER_EGRESS_SOCKET,
     CONTAINER_STARTUP_FILE,
@@ -128,7 +128,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.launch_dir: Path | None = None
         self._launches = 0
         self.bridge: KernelBridge | None = None
-        self.docker = SandboxDocker()
+        self.docker = DockerBackend()
         self._spec: SandboxSpec | None = None
         self._curve: CurveKeys | None = None
         self._auditor: ExecutionAuditor | None = None
@@ -664,7 +664,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     def _start_watchdog(self, container_id: str) -> None:
         """Watch the kernel; while this process watches kernels, it also removes those of
-        owners that died (see :class:`~.orphans.OrphanReaper`)."""
+        owners that died (see :class:`~.ownership.OrphanReaper`)."""
         self._manager_loop = asyncio.get_running_loop()
         self._watchdog = BackgroundLoop.instance().submit(self._watch(container_id))
         if self.runtime_dir is not None:

@@ -31,9 +31,9 @@ from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_core.utils import run_sync
 
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .errors import KernelNotFoundError
-from .orphans import SandboxedKernel, list_kernels, own_runtime_dir, read_state
+from .ownership import SandboxedKernel, list_kernels, own_runtime_dir, read_state
 from .provisioner import SandboxProvisioner
 
 M = TypeVar("M", bound=KernelManager)
@@ -57,7 +57,7 @@ async def kernel_state(km: KernelManager) -> dict[str, Any]:
 
 
 async def saved_state(
-    kernel_id: str, docker: SandboxDocker | None = None, runtime_parent: str | None = None
+    kernel_id: str, docker: DockerBackend | None = None, runtime_parent: str | None = None
 ) -> dict[str, Any]:
     """The reattach state a sandboxed kernel's owner keeps, found by kernel id (or a prefix).
 
@@ -68,7 +68,7 @@ async def saved_state(
             its state is unreadable (another user's kernel).
         DockerUnavailableError: the daemon cannot be reached.
     """
-    kernels = [k for k in await list_kernels(docker or SandboxDocker()) if k.kernel_id.startswith(kernel_id)]
+    kernels = [k for k in await list_kernels(docker or DockerBackend()) if k.kernel_id.startswith(kernel_id)]
     if len(kernels) != 1:
         found = "no sandboxed kernel" if not kernels else f"{len(kernels)} sandboxed kernels"
         msg = f"{found} with an id starting with {kernel_id!r}; see `jupyter sandbox-kernel list`."
@@ -87,7 +87,7 @@ async def saved_state(
 
 def load_state(kernel: SandboxedKernel, runtime_parent: str | None = None) -> dict[str, Any] | None:
     """``kernel``'s reattach state, from a runtime folder of this user only (see
-    :func:`~sandbox_kernel.orphans.own_runtime_dir`), for this kernel only."""
+    :func:`~sandbox_kernel.ownership.own_runtime_dir`), for this kernel only."""
     folder = own_runtime_dir(kernel.runtime_dir, runtime_parent)
     state = read_state(folder) if folder is not None else None
     if state is None or state.get("kernel_id") != kernel.kernel_id:

@@ -34,9 +34,9 @@ from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from traitlets import Bool
 
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
-from .orphans import list_kernels, prune_orphans
+from .ownership import list_kernels, prune_orphans
 from .pool import SandboxPool, plan_pool
 from .provisioner import SandboxProvisioner
 from .reattach import attach_manager, load_state
@@ -148,7 +148,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         """Prune what nobody will use again, then adopt every running persistent
         sandboxed kernel of this server's scope and user that no live server holds;
         return their ids. Failures are logged: a server always starts."""
-        docker = SandboxDocker()
+        docker = DockerBackend()
         runtime_parent = SandboxProvisioner(parent=self).runtime_parent
         try:
             await prune_orphans(docker, runtime_parent)

@@ -28,7 +28,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from traitlets.config import Config
 
-from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.policy import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.resources import data_path
@@ -78,7 +78,7 @@ class HostState:
 @pytest.fixture(scope="session")
 def docker_client() -> Iterator[docker.DockerClient]:
     async def check() -> None:
-        api = SandboxDocker()
+        api = DockerBackend()
         await api.check_runtime(DEFAULT_RUNTIME)
         await api.check_image(DEFAULT_IMAGE)
 

@@ -20,8 +20,8 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from sandbox_kernel.docker_api import SandboxDocker
-from sandbox_kernel.orphans import list_kernels, remove_kernel
+from sandbox_kernel.docker_backend import DockerBackend
+from sandbox_kernel.ownership import list_kernels, remove_kernel
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, make_workspace
@@ -237,6 +237,6 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
         )
     finally:
         stop_server(proc)
-        for leftover in await list_kernels(SandboxDocker()):
+        for leftover in await list_kernels(DockerBackend()):
             if leftover.kernel_id == kernel_id:
-                await remove_kernel(SandboxDocker(), leftover, None)
+                await remove_kernel(DockerBackend(), leftover, None)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 
-from sandbox_kernel.docker_api import SandboxDocker
-from sandbox_kernel.orphans import list_kernels, remove_kernel
+from sandbox_kernel.docker_backend import DockerBackend
+from sandbox_kernel.ownership import list_kernels, remove_kernel
 
 from .conftest import REPORTS, make_workspace
 from .test_jupyter_server import Server, start_server, stop_server
@@ -304,7 +304,7 @@ def test_a_persistent_kernel_survives_a_sigkill_of_jupyter_lab(
 
 
 async def _remove_kernels(kernelspec: str) -> None:
-    docker = SandboxDocker()
+    docker = DockerBackend()
     for kernel in await list_kernels(docker):
         if kernel.kernelspec == kernelspec:
             await remove_kernel(docker, kernel, None)

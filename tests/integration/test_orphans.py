@@ -14,7 +14,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from sandbox_kernel import orphans
+from sandbox_kernel import ownership
 from sandbox_kernel.app import SandboxKernelApp
 from sandbox_kernel.provisioner import SandboxProvisioner
 
@@ -158,7 +158,7 @@ def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
     interval, without waiting for a kernel start or a `prune`; a persistent kernel within
     its time-to-live is left alone."""
     interval = 3.0
-    monkeypatch.setattr(orphans, "REAP_INTERVAL", interval)
+    monkeypatch.setattr(ownership, "REAP_INTERVAL", interval)
     lasting_spec = make_kernelspec(
         "py-lasting-ttl", config={"lifecycle": "persistent", "persistent_ttl": 3600}
     )

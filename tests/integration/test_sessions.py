@@ -18,7 +18,7 @@ from jupyter_client import KernelManager
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.orphans import OWNER_FILE
+from sandbox_kernel.ownership import OWNER_FILE
 from sandbox_kernel.policy import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking
 

@@ -1,6 +1,6 @@
 """Unit-tier fixtures: a fake docker-py client, and a guard that no test reaches a daemon.
 
-The fake mimics the small part of docker-py that ``SandboxDocker`` uses
+The fake mimics the small part of docker-py that ``DockerBackend`` uses
 (``info``, ``images.get``, ``containers.create``, ``api.inspect_container/kill/logs/
 remove_container``) and raises docker-py's real error classes, built the way
 ``docker.errors.create_api_error_from_http_exception`` builds them. Every call is
@@ -20,7 +20,7 @@ import docker
 import pytest
 from docker.errors import APIError, ImageNotFound, NotFound
 
-from sandbox_kernel.docker_api import REQUIRED_RUNTIME_ARGS, SandboxDocker
+from sandbox_kernel.docker_backend import REQUIRED_RUNTIME_ARGS, DockerBackend
 from sandbox_kernel.policy import CONTAINER_RUNTIME_DIR
 from sandbox_kernel.settings import DEFAULT_RUNTIME
 
@@ -97,12 +97,12 @@ class FakeContainers:
         return container
 
     def run(self, *args: Any, **kwargs: Any) -> None:
-        raise AssertionError("SandboxDocker must create and start, not run")
+        raise AssertionError("DockerBackend must create and start, not run")
 
 
 @dataclass
 class FakeLowLevelAPI:
-    """The ``client.api`` (docker.APIClient) methods SandboxDocker calls."""
+    """The ``client.api`` (docker.APIClient) methods DockerBackend calls."""
 
     client: FakeDockerClient
 
@@ -230,5 +230,5 @@ def client_factory(fake_client: FakeDockerClient) -> CountingFactory:
 
 
 @pytest.fixture
-def sandbox_docker(client_factory: CountingFactory) -> SandboxDocker:
-    return SandboxDocker(client_factory=client_factory)
+def sandbox_docker(client_factory: CountingFactory) -> DockerBackend:
+    return DockerBackend(client_factory=client_factory)

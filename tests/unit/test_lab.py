@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from sandbox_kernel import lab
-from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 from .conftest import RUNNING, CountingFactory, FakeDockerClient
@@ -21,7 +21,7 @@ NOW = 1_800_000_000.0
 @pytest.fixture
 def provisioner(client_factory: CountingFactory) -> SandboxProvisioner:
     prov = SandboxProvisioner(kernel_id="k1", parent=None, memory="512m", cpus=0.5, exec_timeout=30)
-    prov.docker = SandboxDocker(client_factory=client_factory)
+    prov.docker = DockerBackend(client_factory=client_factory)
     return prov
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sandbox_kernel.mounts import mounts_under
-from sandbox_kernel.orphans import SandboxedKernel
+from sandbox_kernel.ownership import SandboxedKernel
 from sandbox_kernel.policy import LABEL_OWNER, SandboxSpec, container_create_kwargs, pooled_workspace_path
 from sandbox_kernel.pool import plan_fingerprint
 

@@ -16,7 +16,7 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from traitlets import TraitError
 from traitlets.config import Config
 
-from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import (
     ConfigurationError,
     DockerUnavailableError,
@@ -86,7 +86,7 @@ def make_provisioner(runtime_parent: Path, client_factory: CountingFactory) -> A
             runtime_parent=str(runtime_parent),
             **traits,
         )
-        prov.docker = SandboxDocker(client_factory=client_factory)
+        prov.docker = DockerBackend(client_factory=client_factory)
         made.append(prov)
         return prov
 
@@ -240,7 +240,7 @@ async def test_an_unreachable_daemon_fails_pre_launch(
     prov = SandboxProvisioner(
         kernel_id="k1", kernel_spec=kernel_spec(), parent=None, runtime_parent=str(runtime_parent)
     )
-    prov.docker = SandboxDocker(client_factory=unreachable)
+    prov.docker = DockerBackend(client_factory=unreachable)
     with pytest.raises(DockerUnavailableError):
         await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
     assert list(runtime_parent.iterdir()) == []

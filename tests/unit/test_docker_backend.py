@@ -1,4 +1,4 @@
-"""SandboxDocker against a fake docker-py client: host checks and error translation."""
+"""DockerBackend against a fake docker-py client: host checks and error translation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import requests
 from docker.errors import APIError, DockerException, NotFound
 
-from sandbox_kernel.docker_api import SandboxDocker
+from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import (
     DockerOperationError,
     DockerUnavailableError,
@@ -23,10 +23,10 @@ from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error
 
 
 async def test_the_client_is_created_lazily_and_once(client_factory: CountingFactory) -> None:
-    docker_api = SandboxDocker(client_factory=client_factory)
+    docker_backend = DockerBackend(client_factory=client_factory)
     assert client_factory.calls == 0
-    first = await docker_api.client()
-    second = await docker_api.client()
+    first = await docker_backend.client()
+    second = await docker_backend.client()
     assert first is second is client_factory.client
     assert client_factory.calls == 1
 
@@ -36,7 +36,7 @@ async def test_an_unreachable_daemon_is_docker_unavailable() -> None:
         raise DockerException("Error while fetching server API version: connection refused")
 
     with pytest.raises(DockerUnavailableError, match="Cannot reach the Docker daemon") as info:
-        await SandboxDocker(client_factory=factory).client()
+        await DockerBackend(client_factory=factory).client()
     assert "DOCKER_HOST" in str(info.value)
     assert "connection refused" in str(info.value)
     assert isinstance(info.value.__cause__, DockerException)
@@ -45,12 +45,12 @@ async def test_an_unreachable_daemon_is_docker_unavailable() -> None:
 # ---------------------------------------------------------------- check_runtime
 
 
-async def test_a_registered_gvisor_runtime_passes(sandbox_docker: SandboxDocker) -> None:
+async def test_a_registered_gvisor_runtime_passes(sandbox_docker: DockerBackend) -> None:
     await sandbox_docker.check_runtime(DEFAULT_RUNTIME)
 
 
 async def test_a_missing_runtime_names_it_and_gives_the_fix(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     del fake_client.runtimes[DEFAULT_RUNTIME]
     with pytest.raises(RuntimeMissingError) as info:
@@ -64,7 +64,7 @@ async def test_a_missing_runtime_names_it_and_gives_the_fix(
 
 
 async def test_no_runtimes_at_all_says_none(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.runtimes = {}
     with pytest.raises(RuntimeMissingError, match="Registered runtimes: none"):
@@ -73,7 +73,7 @@ async def test_no_runtimes_at_all_says_none(
 
 @pytest.mark.parametrize("path", ["runc", "/usr/bin/runc", "/usr/bin/crun", ""])
 async def test_a_runtime_that_is_not_runsc_is_refused(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, path: str
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, path: str
 ) -> None:
     fake_client.runtimes[DEFAULT_RUNTIME] = {
         "path": path,
@@ -96,7 +96,7 @@ async def test_a_runtime_that_is_not_runsc_is_refused(
     ],
 )
 async def test_missing_runtime_args_are_named_with_the_fix(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, args: list[str] | None, missing: str
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, args: list[str] | None, missing: str
 ) -> None:
     entry: dict[str, object] = {"path": "/usr/bin/runsc"}
     if args is not None:
@@ -112,13 +112,13 @@ async def test_missing_runtime_args_are_named_with_the_fix(
 # ---------------------------------------------------------------- check_image
 
 
-async def test_a_present_image_passes(sandbox_docker: SandboxDocker, fake_client: FakeDockerClient) -> None:
+async def test_a_present_image_passes(sandbox_docker: DockerBackend, fake_client: FakeDockerClient) -> None:
     await sandbox_docker.check_image("img:1")
     assert fake_client.called("images.get") == [(("img:1",), {})]
 
 
 async def test_a_missing_image_names_the_build_command_and_is_never_pulled(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     with pytest.raises(ImageNotFoundError) as info:
         await sandbox_docker.check_image("registry.example/py:2")
@@ -132,7 +132,7 @@ async def test_a_missing_image_names_the_build_command_and_is_never_pulled(
 
 
 async def test_a_failing_image_lookup_is_not_reported_as_missing(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(name: str) -> None:
         raise api_error(APIError, 500, "storage driver exploded")
@@ -146,7 +146,7 @@ async def test_a_failing_image_lookup_is_not_reported_as_missing(
 
 
 async def test_create_and_start_passes_the_kwargs_through(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     container = await sandbox_docker.create_and_start({"image": "img:1", "runtime": DEFAULT_RUNTIME})
     assert fake_client.called("containers.create") == [((), {"image": "img:1", "runtime": DEFAULT_RUNTIME})]
@@ -154,7 +154,7 @@ async def test_create_and_start_passes_the_kwargs_through(
 
 
 async def test_a_container_that_fails_to_start_is_removed(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.start_error = api_error(APIError, 500, "OCI runtime create failed: runsc did not start")
     with pytest.raises(DockerOperationError, match="start the kernel container: OCI runtime create failed"):
@@ -165,27 +165,27 @@ async def test_a_container_that_fails_to_start_is_removed(
 
 
 async def test_state_of_a_running_container_has_no_exit_code(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states["c1"] = dict(RUNNING)
     assert await sandbox_docker.state("c1") == ("running", None)
 
 
 async def test_state_of_an_exited_container_has_its_exit_code(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states["c1"] = {"Status": "exited", "ExitCode": 137, "OOMKilled": True}
     assert await sandbox_docker.state("c1") == ("exited", 137)
     assert await sandbox_docker.oom_killed("c1") is True
 
 
-async def test_state_of_a_missing_container_is_removed(sandbox_docker: SandboxDocker) -> None:
+async def test_state_of_a_missing_container_is_removed(sandbox_docker: DockerBackend) -> None:
     assert await sandbox_docker.state("gone") == ("removed", 255)
     assert await sandbox_docker.oom_killed("gone") is False
 
 
 async def test_an_inspect_failure_is_a_docker_operation_error(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.inspect_error = api_error(APIError, 500, "daemon is shutting down")
     with pytest.raises(DockerOperationError, match="inspect the kernel container: daemon is shutting down"):
@@ -193,7 +193,7 @@ async def test_an_inspect_failure_is_a_docker_operation_error(
 
 
 async def test_losing_the_daemon_is_docker_unavailable(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     # What docker.DockerClient(base_url="unix:///gone.sock", version="1.41").info() raises.
     fake_client.inspect_error = requests.exceptions.ConnectionError("Connection aborted: FileNotFoundError")
@@ -202,7 +202,7 @@ async def test_losing_the_daemon_is_docker_unavailable(
 
 
 async def test_signal_reaches_a_running_container(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states["c1"] = dict(RUNNING)
     assert await sandbox_docker.signal("c1", signal.SIGINT) is True
@@ -210,18 +210,18 @@ async def test_signal_reaches_a_running_container(
 
 
 async def test_signal_to_a_stopped_container_returns_false(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states["c1"] = {"Status": "exited", "ExitCode": 0}
     assert await sandbox_docker.signal("c1", signal.SIGTERM) is False
 
 
-async def test_signal_to_a_missing_container_returns_false(sandbox_docker: SandboxDocker) -> None:
+async def test_signal_to_a_missing_container_returns_false(sandbox_docker: DockerBackend) -> None:
     assert await sandbox_docker.signal("gone", signal.SIGKILL) is False
 
 
 async def test_a_failing_signal_is_a_docker_operation_error(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(container_id: str, signal: int) -> None:
         raise api_error(APIError, 500, "cannot kill: permission denied")
@@ -233,7 +233,7 @@ async def test_a_failing_signal_is_a_docker_operation_error(
 
 
 async def test_a_signal_failing_on_a_dying_container_means_not_running(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def dying(container_id: str, signal: int) -> None:
         raise api_error(APIError, 500, "cannot connect to control server")
@@ -244,7 +244,7 @@ async def test_a_signal_failing_on_a_dying_container_means_not_running(
 
 
 async def test_logs_are_decoded_and_stripped(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states["c1"] = dict(RUNNING)
     fake_client.logs["c1"] = b"Traceback\n  bad \xff byte\n\n"
@@ -252,12 +252,12 @@ async def test_logs_are_decoded_and_stripped(
     assert fake_client.called("api.logs") == [(("c1",), {"tail": 5})]
 
 
-async def test_logs_of_a_missing_container_are_empty(sandbox_docker: SandboxDocker) -> None:
+async def test_logs_of_a_missing_container_are_empty(sandbox_docker: DockerBackend) -> None:
     assert await sandbox_docker.logs("gone") == ""
 
 
 async def test_remove_forces_and_tolerates_a_missing_container(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states["c1"] = dict(RUNNING)
     await sandbox_docker.remove("c1")
@@ -267,7 +267,7 @@ async def test_remove_forces_and_tolerates_a_missing_container(
 
 
 async def test_a_removal_already_in_progress_is_fine(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing(container_id: str, force: bool) -> None:
         raise api_error(APIError, 409, "removal of container c1 is already in progress")
@@ -277,7 +277,7 @@ async def test_a_removal_already_in_progress_is_fine(
 
 
 async def test_a_failed_removal_is_raised_not_forgotten(
-    sandbox_docker: SandboxDocker, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def failing(container_id: str, force: bool) -> None:
         raise api_error(APIError, 500, "driver failed to remove root filesystem")

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel import orphans
+from sandbox_kernel import ownership
 from sandbox_kernel.background import BackgroundLoop
-from sandbox_kernel.orphans import (
+from sandbox_kernel.ownership import (
     OrphanReaper,
     SandboxedKernel,
     own_runtime_dir,
@@ -315,7 +315,7 @@ def test_a_kernel_owner_reaps_orphans_every_interval_while_it_watches_kernels(
     host = FakeHost(container("orphan", parent / "sandbox-kernel-orphan", dead_owner()))
     monkeypatch.setattr(OrphanReaper, "_instance", OrphanReaper(host))  # type: ignore[arg-type]
     monkeypatch.setattr(BackgroundLoop, "_instance", loop)
-    monkeypatch.setattr(orphans, "REAP_INTERVAL", 0.1)
+    monkeypatch.setattr(ownership, "REAP_INTERVAL", 0.1)
     mine = parent / "sandbox-kernel-mine"
     mine.mkdir()
     OrphanReaper.instance().watch(parent)  # as a provisioner does when it starts watching a kernel

@@ -55,7 +55,7 @@ def build_command(image: str) -> str:
     return f"jupyter sandbox-kernel build-image --tag {image}"
 
 
-class SandboxDocker:
+class DockerBackend:
     """Async facade over a docker-py client, created lazily on first use."""
 
     def __init__(self, client_factory: Callable[[], Any] | None = None) -> None:

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from .background import BackgroundLoop
 from .cgroups import memory_usage
-from .docker_api import SandboxDocker
+from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .mounts import detach_mounts
 from .policy import (
@@ -344,24 +344,24 @@ def remove_tree(path: Path, attempts: int = 20) -> None:
     log.warning("Could not remove %s; remove it by hand (or run `jupyter sandbox-kernel prune`)", path)
 
 
-async def list_kernels(docker_api: SandboxDocker) -> list[SandboxedKernel]:
+async def list_kernels(docker_backend: DockerBackend) -> list[SandboxedKernel]:
     """Every sandbox container on the Docker host, newest first."""
-    found = await docker_api.managed_containers()
+    found = await docker_backend.managed_containers()
     # Reading owner files and cgroups (at paths from labels) never blocks the loop.
     kernels = await asyncio.to_thread(lambda: [SandboxedKernel.from_inspect(attrs) for attrs in found])
     return sorted(kernels, key=lambda k: k.created, reverse=True)
 
 
 async def remove_kernel(
-    docker_api: SandboxDocker, kernel: SandboxedKernel, runtime_parent: str | None
+    docker_backend: DockerBackend, kernel: SandboxedKernel, runtime_parent: str | None
 ) -> None:
     """Remove a kernel's container and runtime folder."""
-    await docker_api.remove(kernel.container_id)
+    await docker_backend.remove(kernel.container_id)
     await asyncio.to_thread(remove_runtime_dir, kernel.runtime_dir, runtime_parent)
 
 
 async def prune_orphans(
-    docker_api: SandboxDocker, runtime_parent: str | None = None
+    docker_backend: DockerBackend, runtime_parent: str | None = None
 ) -> list[SandboxedKernel]:
     """Remove every ephemeral kernel whose server is gone, and every persistent one past
     its time-to-live or stopped with no server; return them.
@@ -370,17 +370,17 @@ async def prune_orphans(
         DockerUnavailableError, DockerOperationError: Docker failed; what was removed
             before stays removed.
     """
-    return await _prune(docker_api, lambda kernel: runtime_parent)
+    return await _prune(docker_backend, lambda kernel: runtime_parent)
 
 
 async def _prune(
-    docker_api: SandboxDocker,
+    docker_backend: DockerBackend,
     runtime_parent_of: Callable[[SandboxedKernel], str | None],
     only_own: bool = False,
 ) -> list[SandboxedKernel]:
     doomed = [
         k
-        for k in await list_kernels(docker_api)
+        for k in await list_kernels(docker_backend)
         # Unattended, judge only kernels of this uid whose owner file could be read: one
         # in another user's folder may have been adopted by a process the label does
         # not name.
@@ -394,7 +394,7 @@ async def _prune(
             kernel.container_id[:12],
             kernel.owner,
         )
-        await remove_kernel(docker_api, kernel, runtime_parent_of(kernel))
+        await remove_kernel(docker_backend, kernel, runtime_parent_of(kernel))
     return doomed
 
 
@@ -413,8 +413,8 @@ class OrphanReaper:
     _instance: ClassVar[OrphanReaper | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, docker_api: SandboxDocker | None = None) -> None:
-        self.docker = docker_api or SandboxDocker()
+    def __init__(self, docker_backend: DockerBackend | None = None) -> None:
+        self.docker = docker_backend or DockerBackend()
         self._lock = threading.Lock()
         self._runtime_parents: list[Path] = []
 
