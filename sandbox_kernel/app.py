@@ -25,7 +25,7 @@ from .docker_backend import DockerBackend
 from .errors import ConfigurationError, SandboxKernelError
 from .limits import check_within_ceilings
 from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
-from .policy import check_lifetime, check_pass_env, check_pool_size, validate_kernelspec_config, volume_name
+from .plan import check_lifetime, check_pass_env, check_pool_size, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .resources import data_path
 from .settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE, DEFAULT_RUNTIME

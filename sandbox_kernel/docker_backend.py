@@ -21,7 +21,7 @@ from .errors import (
     ImageNotFoundError,
     RuntimeMissingError,
 )
-from .policy import LABEL_MANAGED
+from .sandbox_spec import LABEL_MANAGED
 from .settings import DATASCIENCE_IMAGE
 
 T = TypeVar("T")

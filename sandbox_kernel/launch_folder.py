@@ -28,7 +28,7 @@ from .docker_backend import DockerBackend
 from .egress import relay as egress_relay
 from .errors import KernelStartupError
 from .ownership import RUNTIME_DIR_PREFIX, write_owner
-from .policy import (
+from .sandbox_spec import (
     CONTAINER_CLAIM_SOCKET,
     CONTAINER_CONNECTION_FILE,
     CONTAINER_EGRESS_SOCKET,

@@ -99,3 +99,9 @@ def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
                 "or have the server's administrator raise the ceiling."
             )
             raise ConfigurationError(msg)
+
+
+def validate_size(name: str, value: str) -> str:
+    """Check a Docker size string such as ``512m`` or ``2g``."""
+    size_bytes(name, value)
+    return value.lower()

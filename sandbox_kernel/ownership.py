@@ -37,7 +37,7 @@ from .cgroups import memory_usage
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .mounts import detach_mounts
-from .policy import (
+from .sandbox_spec import (
     LABEL_KERNEL_ID,
     LABEL_KERNELSPEC,
     LABEL_LIFECYCLE,

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .background import BackgroundLoop
+from .docker_args import container_create_kwargs
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .launch_folder import (
@@ -53,14 +54,13 @@ from .launch_folder import (
 from .limits import size_bytes
 from .mounts import make_shared
 from .ownership import POOL_READY_FILE, remove_tree
-from .policy import (
+from .sandbox_spec import (
     CLAIM_ENV,
     CONTAINER_CLAIM_SOCKET,
     CONTAINER_WORKSPACE,
     LABEL_OWNER,
     PER_KERNEL_ENV,
     SandboxSpec,
-    container_create_kwargs,
 )
 
 log = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
+from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .docker_backend import DockerBackend
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
@@ -52,7 +53,21 @@ from .limits import check_within_ceilings, size_bytes
 from .mounts import attach_workspace, can_mount, detach_mounts
 from .output import OutputLimiter
 from .ownership import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
-from .policy import (
+from .plan import (
+    can_write,
+    check_lifetime,
+    check_pass_env,
+    check_pool_size,
+    ensure_outside_workspace,
+    kernel_user,
+    pooled_workspace_path,
+    resolve_workspace,
+    validate_kernelspec_config,
+    volume_name,
+    volume_user,
+)
+from .pool import PooledSandbox, PoolPlan, SandboxPool
+from .sandbox_spec import (
     CONTAINER_EGRESS_SOCKET,
     CONTAINER_STARTUP_FILE,
     CONTAINER_WORKSPACE,
@@ -66,26 +81,12 @@ from .policy import (
     PER_KERNEL_ENV,
     POLICY_ENV,
     SandboxSpec,
-    can_write,
-    check_lifetime,
-    check_pass_env,
-    check_pool_size,
-    container_create_kwargs,
     egress_command,
-    ensure_outside_workspace,
     kernel_command,
     kernel_sockets,
-    kernel_user,
-    pooled_workspace_path,
     proxy_env,
-    resolve_workspace,
     sandbox_env,
-    validate_kernelspec_config,
-    volume_name,
-    volume_setup_kwargs,
-    volume_user,
 )
-from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sanitize import OutputSanitizer
 from .settings import SandboxSettings
 from .watchdog import Act, Look, Verdict, Watch, WatchLimits, judge, memory_reason

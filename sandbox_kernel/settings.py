@@ -19,8 +19,8 @@ from traitlets.config import LoggingConfigurable
 
 from .egress import EgressPolicy, EgressRules
 from .errors import ConfigurationError
-from .limits import Limits
-from .policy import CONTAINER_WORKSPACE, validate_size
+from .limits import Limits, validate_size
+from .sandbox_spec import CONTAINER_WORKSPACE
 
 DEFAULT_IMAGE = "sandbox-kernel/python:latest"
 #: The data-science image (`build-image --recipe datascience`), built FROM DEFAULT_IMAGE.

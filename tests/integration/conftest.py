@@ -30,8 +30,8 @@ from traitlets.config import Config
 
 from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import SandboxKernelError
-from sandbox_kernel.policy import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.resources import data_path
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 KERNEL = "sandboxed-python"

@@ -21,7 +21,8 @@ import docker
 import pytest
 from jupyter_client.manager import KernelManager
 
-from sandbox_kernel.policy import DEFAULT_KERNEL_UID, kernel_sockets
+from sandbox_kernel.plan import DEFAULT_KERNEL_UID
+from sandbox_kernel.sandbox_spec import kernel_sockets
 
 from .conftest import SANDBOX_UID, KernelStarter, run, run_ok
 

@@ -22,7 +22,7 @@ from tornado.websocket import websocket_connect
 
 from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.ownership import list_kernels, remove_kernel
-from sandbox_kernel.policy import LABEL_KERNEL_ID
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, make_workspace
 

@@ -16,8 +16,8 @@ import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 
-from sandbox_kernel.policy import LABEL_KERNEL_ID
 from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState, KernelStarter, restarting_kernel, run, run_ok, wait_for_restart
 

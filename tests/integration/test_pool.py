@@ -17,7 +17,7 @@ import pytest
 
 from sandbox_kernel import SandboxPool, warm_pool
 from sandbox_kernel.mounts import mounts_under
-from sandbox_kernel.policy import LABEL_KERNELSPEC, LABEL_POOL
+from sandbox_kernel.sandbox_spec import LABEL_KERNELSPEC, LABEL_POOL
 
 from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run_ok
 from .test_jupyter_server import execute_over_websocket, start_server, stop_server

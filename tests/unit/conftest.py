@@ -21,7 +21,7 @@ import pytest
 from docker.errors import APIError, ImageNotFound, NotFound
 
 from sandbox_kernel.docker_backend import REQUIRED_RUNTIME_ARGS, DockerBackend
-from sandbox_kernel.policy import CONTAINER_RUNTIME_DIR
+from sandbox_kernel.sandbox_spec import CONTAINER_RUNTIME_DIR
 from sandbox_kernel.settings import DEFAULT_RUNTIME
 
 RUNNING = {"Status": "running", "ExitCode": 0, "OOMKilled": False}

@@ -10,7 +10,7 @@ import pytest
 
 from sandbox_kernel.errors import KernelStartupError
 from sandbox_kernel.launch_folder import seal_launch_dir
-from sandbox_kernel.policy import kernel_sockets
+from sandbox_kernel.sandbox_spec import kernel_sockets
 
 #: The server's own uid and gid, so that these tests run as any user.
 ME = (os.getuid(), os.getgid())

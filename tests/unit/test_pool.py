@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from sandbox_kernel.docker_args import container_create_kwargs
 from sandbox_kernel.mounts import mounts_under
 from sandbox_kernel.ownership import SandboxedKernel
-from sandbox_kernel.policy import LABEL_OWNER, SandboxSpec, container_create_kwargs, pooled_workspace_path
+from sandbox_kernel.plan import pooled_workspace_path
 from sandbox_kernel.pool import plan_fingerprint
+from sandbox_kernel.sandbox_spec import LABEL_OWNER, SandboxSpec
 
 SPEC = SandboxSpec(
     kernel_id="k1",

@@ -25,14 +25,14 @@ from sandbox_kernel.errors import (
     RuntimeMissingError,
     WorkspaceError,
 )
-from sandbox_kernel.policy import (
+from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,
     IPC_PORTS,
     IPC_PREFIX,
 )
-from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 from .conftest import CountingFactory, FakeContainer, FakeDockerClient

@@ -13,36 +13,36 @@ from typing import Any
 import pytest
 from docker.models.containers import _create_container_args
 
+from sandbox_kernel.docker_args import SECCOMP_PROFILE, container_create_kwargs, volume_setup_kwargs
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
-from sandbox_kernel.policy import (
+from sandbox_kernel.limits import validate_size
+from sandbox_kernel.plan import (
+    DEFAULT_KERNEL_UID,
+    KERNELSPEC_KEYS,
+    check_default_uid_unused,
+    check_lifetime,
+    kernel_user,
+    resolve_workspace,
+    validate_kernelspec_config,
+    volume_name,
+    volume_user,
+)
+from sandbox_kernel.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,
     DEFAULT_ENV,
-    DEFAULT_KERNEL_UID,
     FIXED_ENV,
     IPC_PREFIX,
-    KERNELSPEC_KEYS,
     LABEL_KERNEL_ID,
     LABEL_KERNELSPEC,
     LABEL_MANAGED,
     LABEL_RUNTIME_DIR,
     LABEL_WORKSPACE,
-    SECCOMP_PROFILE,
     SandboxSpec,
-    check_default_uid_unused,
-    check_lifetime,
     container_connection_info,
-    container_create_kwargs,
     kernel_command,
-    kernel_user,
-    resolve_workspace,
     sandbox_env,
-    validate_kernelspec_config,
-    validate_size,
-    volume_name,
-    volume_setup_kwargs,
-    volume_user,
 )
 
 
