@@ -18,19 +18,19 @@ from typing import Any, TypeVar
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
-from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Unicode, default
 
 from ._version import __version__
 from .docker_backend import DockerBackend
 from .errors import ConfigurationError, SandboxKernelError
-from .limits import check_within_ceilings
 from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
-from .plan import check_lifetime, check_pass_env, check_pool_size, validate_kernelspec_config, volume_name
+from .plan import ceiling_violations, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .resources import data_path
-from .settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE, DEFAULT_RUNTIME
+from .settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxSettings, kernelspec_keys
 
 T = TypeVar("T")
+A = TypeVar("A", bound=JupyterApp)
 
 KERNEL_NAME = "sandboxed-python"
 RECIPE_LABEL = "io.sandbox-kernel.recipe"
@@ -64,7 +64,32 @@ class _SubApp(JupyterApp):
         self.exit(1)
 
 
-class InstallApp(_SubApp):
+def _kernelspec_flag(trait: TraitType[Any, Any]) -> TraitType[Any, Any]:
+    """``install``'s flag for a kernelspec setting: unset (the server's) unless given."""
+    help_text = f"{trait.help} Unset: the server's."
+    if isinstance(trait, List):
+        return List(Unicode(), config=True, help=help_text + " Repeat for several.")
+    if isinstance(trait, Float):
+        return Float(0, config=True, help=help_text)
+    if isinstance(trait, Int):
+        return Int(0, config=True, help=help_text)
+    return Unicode("", config=True, help=help_text)
+
+
+def with_kernelspec_flags(cls: type[A], name: str) -> type[A]:
+    """``cls``, as the app ``name``, with a flag for each setting a kernelspec may choose,
+    from the settings' own declarations (see :mod:`~.settings`): adding a kernelspec key
+    adds its flag."""
+    traits = SandboxSettings.class_traits(kernelspec=True)
+    aliases = {
+        trait.metadata.get("flag", key.replace("_", "-")): f"{name}.{key}" for key, trait in traits.items()
+    }
+    namespace: dict[str, Any] = {key: _kernelspec_flag(trait) for key, trait in traits.items()}
+    namespace.update(__doc__=cls.__doc__, __module__=cls.__module__, aliases={**cls.aliases, **aliases})
+    return type(name, (cls,), namespace)
+
+
+class _InstallBase(_SubApp):
     """Install the Sandboxed Python kernelspec, or the data-science one."""
 
     name = "jupyter-sandbox-kernel-install"
@@ -112,77 +137,15 @@ class InstallApp(_SubApp):
     display_name = Unicode(
         "", config=True, help="Name shown in Jupyter's launcher (default: the shipped spec's)."
     )
-    image = Unicode(
-        "",
-        config=True,
-        help=f"Kernel image the kernelspec uses (default {DEFAULT_IMAGE}; "
-        f"with --recipe datascience, {DATASCIENCE_IMAGE}).",
-    )
     user = Bool(False, config=True, help="Install for the current user only.")
     prefix = Unicode("", config=True, help="Install into PREFIX/share/jupyter/kernels.")
     replace = Bool(False, config=True, help="Replace an existing kernelspec of the same name.")
-    memory = Unicode("", config=True, help="Memory limit for its kernels, e.g. 512m (default: the server's).")
-    cpus = Float(0, config=True, help="CPU limit for its kernels, in cores (default: the server's).")
-    pids = Int(0, config=True, help="Most processes and threads per kernel (default: the server's).")
-    tmp_size = Unicode("", config=True, help="Size of each kernel's /tmp, e.g. 128m (default: the server's).")
-    exec_timeout = Float(0, config=True, help="Wall-clock seconds per execution (default: the server's).")
-    idle_timeout = Float(
-        0, config=True, help="Seconds idle before a kernel is stopped (default: the server's)."
-    )
-    file_size = Unicode(
-        "", config=True, help="Largest file a kernel may write, e.g. 1g (default: the server's)."
-    )
-    network = Unicode(
-        "", config=True, help="Network mode: none, or allowlist (with --allow-domain; default: the server's)."
-    )
-    allowed_domains = List(
-        Unicode(),
-        config=True,
-        help="""A domain kernels may reach with --network allowlist, e.g. docs.python.org,
-        '*.pythonhosted.org' or api.example.com:8443; repeat for several. The server's
-        max_allowed_domains must cover each.""",
-    )
-    pass_env = List(
-        Unicode(), config=True, help="A server environment variable to pass in; repeat for several."
-    )
-    lifecycle = Unicode(
-        "", config=True, help="ephemeral (the default) or persistent: the kernel outlives its server."
-    )
-    persistent_ttl = Float(
-        0, config=True, help="Seconds a persistent kernel lives on with no server holding it."
-    )
-    workspace_volume = Unicode(
-        "",
-        config=True,
-        help="A named Docker volume as workspace, e.g. 'team-{project}' or '{user}-{notebook}'.",
-    )
-    pool_size = Int(
-        0,
-        config=True,
-        help="Sandboxes kept started for its kernels, each ready in about 0.1 s (server as root).",
-    )
-
     aliases = {
         **base_aliases,
         "recipe": "InstallApp.recipe",
         "name": "InstallApp.kernel_name",
         "display-name": "InstallApp.display_name",
-        "image": "InstallApp.image",
         "prefix": "InstallApp.prefix",
-        "memory": "InstallApp.memory",
-        "cpus": "InstallApp.cpus",
-        "pids": "InstallApp.pids",
-        "tmp-size": "InstallApp.tmp_size",
-        "exec-timeout": "InstallApp.exec_timeout",
-        "idle-timeout": "InstallApp.idle_timeout",
-        "file-size": "InstallApp.file_size",
-        "network": "InstallApp.network",
-        "allow-domain": "InstallApp.allowed_domains",
-        "pass-env": "InstallApp.pass_env",
-        "lifecycle": "InstallApp.lifecycle",
-        "persistent-ttl": "InstallApp.persistent_ttl",
-        "workspace-volume": "InstallApp.workspace_volume",
-        "pool-size": "InstallApp.pool_size",
     }
     flags = {
         **base_flags,
@@ -202,12 +165,8 @@ class InstallApp(_SubApp):
         spec = json.loads((source / "kernel.json").read_text())
         spec["display_name"] = self.display_name or spec["display_name"]
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
-        chosen = {"image": self.image, "memory": self.memory, "cpus": self.cpus, "pids": self.pids}
-        chosen.update(tmp_size=self.tmp_size, exec_timeout=self.exec_timeout, idle_timeout=self.idle_timeout)
-        chosen.update(file_size=self.file_size, network=self.network, allowed_domains=self.allowed_domains)
-        chosen.update(pass_env=self.pass_env, lifecycle=self.lifecycle, persistent_ttl=self.persistent_ttl)
-        chosen.update(workspace_volume=self.workspace_volume, pool_size=self.pool_size)
-        if self.allowed_domains and not self.network:
+        chosen = {key: getattr(self, key) for key in sorted(kernelspec_keys())}
+        if chosen["allowed_domains"] and not chosen["network"]:
             chosen["network"] = "allowlist"
         config.update({key: value for key, value in chosen.items() if value})
         self._validate(config)
@@ -236,30 +195,17 @@ class InstallApp(_SubApp):
         try:
             validate_kernelspec_config(config, self.kernel_name)
             provisioner = SandboxProvisioner(**config)
-            rules = provisioner.egress_rules()
+            provisioner.egress_rules()
             if provisioner.workspace_volume:
                 volume_name(provisioner.workspace_volume)
         except (ConfigurationError, TraitError) as exc:
             self.fail(str(exc))
-        ceilings = SandboxProvisioner(parent=self)
-        checks: list[Callable[[], object]] = [
-            partial(check_within_ceilings, provisioner.limits, ceilings.ceilings),
-            partial(check_pass_env, provisioner.pass_env if self.pass_env else [], ceilings.max_pass_env),
-            partial(
-                check_lifetime, provisioner.lifecycle, provisioner.persistent_ttl, ceilings.max_persistent_ttl
-            ),
-            partial(check_pool_size, provisioner.pool_size, ceilings.max_pool_size),
-        ]
-        if rules is not None:
-            checks.append(partial(ceilings.check_domains, rules))
-        for check in checks:
-            try:
-                check()
-            except ConfigurationError as exc:
-                print(
-                    f"warning: {exc} Kernels of this spec start only where the server allows it.",
-                    file=sys.stderr,
-                )
+        ceilings = SandboxProvisioner(parent=self, **config)
+        for problem in ceiling_violations(ceilings, config):
+            print(
+                f"warning: {problem} Kernels of this spec start only where the server allows it.",
+                file=sys.stderr,
+            )
 
     def _destination(self, ksm: KernelSpecManager) -> Path:
         """Where install_kernel_spec will put the spec (it replaces silently)."""
@@ -270,6 +216,9 @@ class InstallApp(_SubApp):
         else:
             base = Path(SYSTEM_JUPYTER_PATH[0]) / "kernels"
         return base / self.kernel_name.lower()
+
+
+InstallApp = with_kernelspec_flags(_InstallBase, "InstallApp")
 
 
 class BuildImageApp(_SubApp):

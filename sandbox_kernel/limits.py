@@ -48,59 +48,6 @@ class Limits:
         return asdict(self)
 
 
-def check_within_ceilings(limits: Limits, ceilings: Limits) -> None:
-    """Refuse any limit above its ceiling.
-
-    Raises:
-        ConfigurationError: naming the limit, its value, the ceiling and who can raise it.
-    """
-    checks: list[tuple[str, Any, Any, float, float]] = [
-        ("cpus", limits.cpus, ceilings.cpus, limits.cpus, ceilings.cpus),
-        ("pids", limits.pids, ceilings.pids, limits.pids, ceilings.pids),
-        (
-            "memory",
-            limits.memory,
-            ceilings.memory,
-            size_bytes("memory", limits.memory),
-            size_bytes("max_memory", ceilings.memory),
-        ),
-        (
-            "tmp_size",
-            limits.tmp_size,
-            ceilings.tmp_size,
-            size_bytes("tmp_size", limits.tmp_size),
-            size_bytes("max_tmp_size", ceilings.tmp_size),
-        ),
-        (
-            "file_size",
-            limits.file_size,
-            ceilings.file_size,
-            size_bytes("file_size", limits.file_size),
-            size_bytes("max_file_size", ceilings.file_size),
-        ),
-    ]
-    for name, asked, ceiling in (
-        ("exec_timeout", limits.exec_timeout, ceilings.exec_timeout),
-        ("idle_timeout", limits.idle_timeout, ceilings.idle_timeout),
-    ):
-        if ceiling > 0 and not 0 < asked <= ceiling:
-            what = "no limit" if asked <= 0 else f"{asked:g} s"
-            msg = (
-                f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s "
-                f"(SandboxProvisioner.max_{name}). Ask for at most that in the kernelspec, "
-                "or have the server's administrator raise the ceiling."
-            )
-            raise ConfigurationError(msg)
-    for name, value, ceiling, amount, most in checks:
-        if amount > most:
-            msg = (
-                f"{name}={value!r} exceeds the server's ceiling of {ceiling!r} "
-                f"(SandboxProvisioner.max_{name}). Ask for at most {ceiling!r} in the kernelspec, "
-                "or have the server's administrator raise the ceiling."
-            )
-            raise ConfigurationError(msg)
-
-
 def validate_size(name: str, value: str) -> str:
     """Check a Docker size string such as ``512m`` or ``2g``."""
     size_bytes(name, value)

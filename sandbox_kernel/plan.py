@@ -8,17 +8,37 @@ kernel may run and as whom. Every administrator's ceiling is checked here, in on
 
 from __future__ import annotations
 
+import getpass
 import grp
+import json
 import os
 import pwd
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .egress import EgressPolicy
 from .errors import ConfigurationError, WorkspaceError
-from .sandbox_spec import CONTAINER_WORKSPACE
+from .limits import size_bytes
+from .sandbox_spec import (
+    CONTAINER_STARTUP_FILE,
+    CONTAINER_WORKSPACE,
+    LABEL_LIFECYCLE,
+    LABEL_OWNER,
+    LABEL_SCOPE,
+    LABEL_SERVER_UID,
+    LABEL_TTL,
+    POLICY_ENV,
+    SandboxSpec,
+    egress_command,
+    kernel_command,
+    proxy_env,
+    sandbox_env,
+)
+from .settings import SandboxSettings, kernelspec_keys
 
 #: The uid (and gid) a kernel runs as when neither the server user nor the workspace
 #: owner is a usable (non-root) uid. Files the kernel writes belong to it on the host, so
@@ -28,27 +48,6 @@ from .sandbox_spec import CONTAINER_WORKSPACE
 #: is refused at kernel start (see :func:`check_default_uid_unused`).
 DEFAULT_KERNEL_UID = 65533
 
-#: Keys a kernelspec may set in ``metadata.kernel_provisioner.config``.
-KERNELSPEC_KEYS = frozenset(
-    {
-        "image",
-        "memory",
-        "cpus",
-        "pids",
-        "tmp_size",
-        "file_size",
-        "exec_timeout",
-        "idle_timeout",
-        "network",
-        "allowed_domains",
-        "workspace_root",
-        "workspace_volume",
-        "lifecycle",
-        "persistent_ttl",
-        "pass_env",
-        "pool_size",
-    }
-)
 
 #: Host folders that are never mounted as a workspace, nor is anything inside them.
 _SYSTEM_TREES = tuple(
@@ -275,37 +274,6 @@ def check_default_uid_unused() -> tuple[int, int]:
     raise ConfigurationError(msg)
 
 
-def check_lifetime(lifecycle: str, ttl: float, max_ttl: float) -> None:
-    """Refuse a persistent kernel whose time-to-live exceeds the server's ceiling.
-
-    Raises:
-        ConfigurationError: naming the values and the ceiling.
-    """
-    if lifecycle == "persistent" and max_ttl > 0 and not 0 < ttl <= max_ttl:
-        asked = "no limit" if ttl <= 0 else f"{ttl:g} s"
-        msg = (
-            f"persistent_ttl={ttl!r} ({asked}) exceeds the server's ceiling of {max_ttl:g} s "
-            "(SandboxProvisioner.max_persistent_ttl). Ask for at most that in the kernelspec, "
-            "or have the server's administrator raise the ceiling."
-        )
-        raise ConfigurationError(msg)
-
-
-def check_pool_size(size: int, ceiling: int) -> None:
-    """Refuse a pool larger than the server's ceiling.
-
-    Raises:
-        ConfigurationError: naming the values and the ceiling.
-    """
-    if size > ceiling:
-        msg = (
-            f"pool_size={size} exceeds the server's ceiling of {ceiling} "
-            "(SandboxProvisioner.max_pool_size). Ask for at most that in the kernelspec, or have "
-            "the server's administrator raise the ceiling."
-        )
-        raise ConfigurationError(msg)
-
-
 def can_write(path: Path, uid: int, gid: int) -> bool:
     """Whether ``uid:gid`` may create files in ``path`` by its mode bits."""
     st = path.stat()
@@ -325,26 +293,223 @@ def validate_kernelspec_config(config: Mapping[str, Any], kernelspec: str = "") 
         ConfigurationError: naming the offending key and the allowed ones.
     """
     where = f"kernelspec {kernelspec!r}" if kernelspec else "the kernelspec"
+    allowed = kernelspec_keys()
     for key in config:
-        if key not in KERNELSPEC_KEYS:
+        if key not in allowed:
             msg = (
                 f"{where} sets {key!r} in metadata.kernel_provisioner.config, which is not "
-                f"a setting a kernelspec may choose. Allowed: {', '.join(sorted(KERNELSPEC_KEYS))}."
+                f"a setting a kernelspec may choose. Allowed: {', '.join(sorted(allowed))}."
             )
             raise ConfigurationError(msg)
 
 
-def check_pass_env(asked: Iterable[str], ceiling: Iterable[str]) -> None:
-    """Refuse a kernelspec's ``pass_env`` naming server variables beyond the ceiling.
+def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str, Any]) -> list[str]:
+    """Every setting beyond the administrator's ceiling, each in words that say how to fix it.
+
+    Which setting each ``max_*`` bounds, and how, is declared on the setting itself
+    (``ceiling=`` and ``bound=`` tags, see :mod:`~.settings`):
+
+    - ``amount``, ``size``: at most the ceiling (sizes like ``512m`` compared in bytes);
+    - ``timeout``: with a ceiling (above 0), a limit is required: above 0, at most it;
+    - ``lifetime``: the same, for persistent kernels only;
+    - ``names``: only names the ceiling lists, for what the kernelspec itself asks;
+    - ``domains``: every domain covered by one of the ceiling's patterns.
+    """
+    found = []
+    for name, trait in sorted(settings.traits(bound=lambda bound: bound is not None).items()):
+        kind, ceiling_name = trait.metadata["bound"], trait.metadata["ceiling"]
+        asked, ceiling = getattr(settings, name), getattr(settings, ceiling_name)
+        setting = f"SandboxProvisioner.{ceiling_name}"
+        fix = "Ask for at most that in the kernelspec, or have the server's administrator raise the ceiling."
+        if kind in ("amount", "size"):
+            amount = size_bytes(name, asked) if kind == "size" else asked
+            most = size_bytes(ceiling_name, ceiling) if kind == "size" else ceiling
+            if amount > most:
+                found.append(
+                    f"{name}={asked!r} exceeds the server's ceiling of {ceiling!r} ({setting}). "
+                    f"Ask for at most {ceiling!r} in the kernelspec, or have the server's administrator "
+                    "raise the ceiling."
+                )
+        elif kind in ("timeout", "lifetime"):
+            if kind == "lifetime" and settings.lifecycle != "persistent":
+                continue
+            if ceiling > 0 and not 0 < asked <= ceiling:
+                what = "no limit" if asked <= 0 else f"{asked:g} s"
+                found.append(
+                    f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s "
+                    f"({setting}). {fix}"
+                )
+        elif kind == "names":
+            beyond = sorted(set(kernelspec_config.get(name, [])) - set(ceiling))
+            if beyond:
+                found.append(
+                    f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
+                    f"server's ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
+                    "set a value in its `env` instead, or have the administrator widen the ceiling."
+                )
+        elif kind == "domains":
+            rules = settings.egress_rules()
+            try:
+                if rules is not None:
+                    settings.check_domains(rules)
+            except ConfigurationError as exc:
+                found.append(str(exc))
+        else:  # a tag this function does not know: a programming error, never a pass
+            msg = f"{name}: unknown ceiling bound {kind!r}"
+            raise ValueError(msg)
+    return found
+
+
+def check_ceilings(settings: SandboxSettings, kernelspec_config: Mapping[str, Any]) -> None:
+    """Refuse any setting beyond the administrator's ceilings.
 
     Raises:
-        ConfigurationError: naming the variables and the ceiling.
+        ConfigurationError: naming the first such setting, its ceiling and who can raise it.
     """
-    beyond = sorted(set(asked) - set(ceiling))
-    if beyond:
+    found = ceiling_violations(settings, kernelspec_config)
+    if found:
+        raise ConfigurationError(found[0])
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel start, as jupyter_client hands it to the provisioner."""
+
+    kernel_id: str
+    kernel_name: str
+    argv: Sequence[str]
+    cwd: Path
+    #: The launch environment: the server's, with jupyter_client's session variables.
+    env: Mapping[str, str]
+    extra_arguments: Sequence[str] = ()
+    #: The process that owns the kernel (see :func:`~.ownership.server_identity`).
+    owner: str = ""
+    #: Which server may adopt it again (see sandbox_kernel.server).
+    scope: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the kernel's sandbox will be, and what its host side needs to know."""
+
+    spec: SandboxSpec
+    egress: EgressPolicy | None
+    #: For the server's log: things that work, but not as the user may expect.
+    warnings: tuple[str, ...] = ()
+
+
+def kernelspec_config(kernel_spec: Any) -> dict[str, Any]:
+    """The settings a kernelspec chooses (``metadata.kernel_provisioner.config``)."""
+    metadata = getattr(kernel_spec, "metadata", {}) or {}
+    return dict(metadata.get("kernel_provisioner", {}).get("config", {}))
+
+
+def check_settings(settings: SandboxSettings, config: Mapping[str, Any], kernel_name: str) -> None:
+    """Everything about a kernel's settings that can be refused before anything else:
+    unknown kernelspec keys, settings beyond their ceilings, an inconsistent network.
+
+    Raises:
+        ConfigurationError: saying which setting and how to fix it.
+    """
+    validate_kernelspec_config(config, kernel_name)
+    check_ceilings(settings, config)
+    settings.egress_policy()
+
+
+def visible_env(settings: SandboxSettings, launch_env: Mapping[str, str]) -> dict[str, str]:
+    """The part of the launch environment a kernel may see (``pass_env``), which is also
+    all that jupyter_client may fill the kernelspec's ``env`` templates (``${VAR}``)
+    from: "${JUPYTERHUB_API_TOKEN}" stays as written."""
+    return {name: launch_env[name] for name in settings.pass_env if name in launch_env}
+
+
+def plan_sandbox(
+    settings: SandboxSettings, launch: Launch, kernel_env: Mapping[str, str], kernelspec_env: Iterable[str]
+) -> Plan:
+    """The kernel's sandbox: where its workspace is and how it appears inside, its uid,
+    command, environment, limits and labels.
+
+    ``kernel_env``: :func:`visible_env` with the kernelspec's ``env`` applied (by
+    jupyter_client); ``kernelspec_env``: the names the kernelspec's ``env`` sets.
+
+    Raises:
+        ConfigurationError, WorkspaceError: the start cannot go ahead as asked.
+    """
+    egress = settings.egress_policy()
+    cwd, env = launch.cwd, launch.env
+    volume = None
+    warnings = []
+    if settings.workspace_volume:
+        volume = volume_name(
+            settings.workspace_volume,
+            user=env.get("JUPYTERHUB_USER") or getpass.getuser(),
+            kernelspec=launch.kernel_name,
+            notebook=env.get("JPY_SESSION_NAME", "").removesuffix(".ipynb"),
+            project=cwd.name,
+        )
+        workspace, workdir = cwd, CONTAINER_WORKSPACE
+        uid, gid = volume_user(settings.kernel_uid)
+    else:
+        workspace, workdir = resolve_workspace(cwd, settings.workspace_root, settings.runtime_parent)
+        if settings.audit_log:
+            ensure_outside_workspace(settings.audit_log, workspace, "SandboxProvisioner.audit_log")
+        uid, gid = kernel_user(workspace, settings.kernel_uid)
+    if os.getuid() not in (0, uid):
         msg = (
-            f"pass_env would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
-            f"server's ceiling (SandboxProvisioner.max_pass_env={sorted(ceiling)!r}). Remove them from the "
-            "kernelspec, set a value in its `env` instead, or have the administrator widen the ceiling."
+            f"kernel_uid={uid} differs from the server's uid {os.getuid()}; only a server "
+            "running as root can run kernels as another user. Unset kernel_uid."
         )
         raise ConfigurationError(msg)
+    if volume is None and not can_write(workspace, uid, gid):
+        warnings.append(
+            f"The sandboxed kernel runs as uid {uid}, which cannot write to its workspace {workspace}: "
+            f"results cannot be saved there. Give uid {uid} write access to it, or set "
+            "SandboxProvisioner.kernel_uid to its owner's uid."
+        )
+    workspace_path = CONTAINER_WORKSPACE
+    if settings.pool_size > 0:
+        # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
+        workspace_path = pooled_workspace_path(workspace, volume)
+        workdir = workspace_path + workdir.removeprefix(CONTAINER_WORKSPACE)
+    command = kernel_command(launch.argv, launch.extra_arguments)
+    policy: dict[str, Any] = {
+        **settings.limits.as_dict(),
+        "network": settings.network,
+        "image": settings.image,
+    }
+    if egress is not None:
+        policy["allowed_domains"] = list(egress.rules.patterns)
+        command = egress_command(command)
+    spec = SandboxSpec(
+        kernel_id=launch.kernel_id,
+        kernelspec=launch.kernel_name,
+        image=settings.image,
+        runtime=settings.docker_runtime,
+        command=command,
+        env={
+            **sandbox_env(kernel_env, settings.pass_env, kernelspec_env),
+            POLICY_ENV: json.dumps(policy),
+            "PYTHONSTARTUP": CONTAINER_STARTUP_FILE,
+            **(proxy_env() if egress is not None else {}),
+        },
+        workspace=workspace,
+        workdir=workdir,
+        runtime_dir=Path(),
+        uid=uid,
+        gid=gid,
+        memory=settings.memory,
+        cpus=settings.cpus,
+        pids=settings.pids,
+        tmp_size=settings.tmp_size,
+        file_size=settings.file_size,
+        volume=volume,
+        workspace_path=workspace_path,
+        extra_labels={
+            LABEL_OWNER: launch.owner,
+            LABEL_LIFECYCLE: settings.lifecycle,
+            LABEL_TTL: f"{settings.persistent_ttl:g}",
+            LABEL_SERVER_UID: str(os.getuid()),
+            LABEL_SCOPE: launch.scope,
+        },
+    )
+    return Plan(spec, egress, tuple(warnings))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import getpass
-import json
 import os
 import secrets
 import signal
@@ -34,7 +32,6 @@ from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .docker_backend import DockerBackend
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
-    ConfigurationError,
     DockerUnavailableError,
     KernelStartupError,
     SandboxKernelError,
@@ -49,43 +46,19 @@ from .launch_folder import (
     wait_until_ready,
     write_launch_files,
 )
-from .limits import check_within_ceilings, size_bytes
+from .limits import size_bytes
 from .mounts import attach_workspace, can_mount, detach_mounts
 from .output import OutputLimiter
 from .ownership import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
-from .plan import (
-    can_write,
-    check_lifetime,
-    check_pass_env,
-    check_pool_size,
-    ensure_outside_workspace,
-    kernel_user,
-    pooled_workspace_path,
-    resolve_workspace,
-    validate_kernelspec_config,
-    volume_name,
-    volume_user,
-)
+from .plan import Launch, check_settings, kernelspec_config, plan_sandbox, visible_env
 from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sandbox_spec import (
     CONTAINER_EGRESS_SOCKET,
-    CONTAINER_STARTUP_FILE,
-    CONTAINER_WORKSPACE,
-    LABEL_LIFECYCLE,
-    LABEL_OWNER,
-    LABEL_SCOPE,
-    LABEL_SERVER_UID,
-    LABEL_TTL,
     LABEL_VOLUME,
     LABEL_VOLUME_UID,
     PER_KERNEL_ENV,
-    POLICY_ENV,
     SandboxSpec,
-    egress_command,
-    kernel_command,
     kernel_sockets,
-    proxy_env,
-    sandbox_env,
 )
 from .sanitize import OutputSanitizer
 from .settings import SandboxSettings
@@ -174,110 +147,36 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         return str(getattr(self.parent, "kernel_name", "") or getattr(self.kernel_spec, "name", "") or "")
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        """Validate the kernelspec and the Docker host, and plan the container.
+        """Check the settings and the Docker host, and plan the sandbox (see :mod:`~.plan`).
 
         Raises:
-            ConfigurationError: the kernelspec or a setting is invalid.
+            ConfigurationError, WorkspaceError: the kernelspec or a setting is invalid.
             DockerUnavailableError, RuntimeMissingError, ImageNotFoundError: the host
                 is not ready; each message says how to fix it.
         """
-        metadata = getattr(self.kernel_spec, "metadata", {}) or {}
-        spec_config = metadata.get("kernel_provisioner", {}).get("config", {})
-        validate_kernelspec_config(spec_config, self.kernel_name)
-        transport_encryption = kwargs.pop("transport_encryption", None)
-        extra_arguments = kwargs.pop("extra_arguments", [])
-        self._curve = self._curve_keys(transport_encryption)
-        limits = self.limits
-        check_within_ceilings(limits, self.ceilings)
-        check_pass_env(spec_config.get("pass_env", []), self.max_pass_env)
-        self._egress = self.egress_policy()
-
-        check_lifetime(self.lifecycle, self.persistent_ttl, self.max_persistent_ttl)
+        check_settings(self, kernelspec_config(self.kernel_spec), self.kernel_name)
+        self._curve = self._curve_keys(kwargs.pop("transport_encryption", None))
         cwd = Path(kwargs.get("cwd") or os.getcwd())
         # As jupyter_client's: without an env, the launch environment is the process's.
-        launch_env = kwargs.get("env")
-        if launch_env is None:
-            launch_env = dict(os.environ)
-        self._launch_env = {k: v for k, v in launch_env.items() if k in RELAUNCH_ENV}
-        volume = None
-        check_pool_size(self.pool_size, self.max_pool_size)
-        if self.workspace_volume:
-            volume = volume_name(
-                self.workspace_volume,
-                user=launch_env.get("JUPYTERHUB_USER") or getpass.getuser(),
-                kernelspec=self.kernel_name,
-                notebook=launch_env.get("JPY_SESSION_NAME", "").removesuffix(".ipynb"),
-                project=cwd.name,
-            )
-            workspace, workdir = cwd, CONTAINER_WORKSPACE
-            uid, gid = volume_user(self.kernel_uid)
-        else:
-            workspace, workdir = resolve_workspace(cwd, self.workspace_root, self.runtime_parent)
-            if self.audit_log:
-                ensure_outside_workspace(self.audit_log, workspace, "SandboxProvisioner.audit_log")
-            uid, gid = kernel_user(workspace, self.kernel_uid)
-        if os.getuid() not in (0, uid):
-            msg = (
-                f"kernel_uid={uid} differs from the server's uid {os.getuid()}; only a server "
-                "running as root can run kernels as another user. Unset kernel_uid."
-            )
-            raise ConfigurationError(msg)
-        if volume is None and not can_write(workspace, uid, gid):
-            self.log.warning(
-                "The sandboxed kernel runs as uid %d, which cannot write to its workspace %s: "
-                "results cannot be saved there. Give uid %d write access to it, or set "
-                "SandboxProvisioner.kernel_uid to its owner's uid.",
-                uid,
-                workspace,
-                uid,
-            )
-        workspace_path = CONTAINER_WORKSPACE
-        if self.pool_size > 0:
-            # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
-            workspace_path = pooled_workspace_path(workspace, volume)
-            workdir = workspace_path + workdir.removeprefix(CONTAINER_WORKSPACE)
-        cmd = kernel_command(self.kernel_spec.argv, extra_arguments)
-        # jupyter_client fills the kernelspec's `env` templates (${VAR}) from the launch
-        # environment, the server's own: only what pass_env (bounded by max_pass_env)
-        # names may be read, so "${JUPYTERHUB_API_TOKEN}" stays as written.
-        kwargs["env"] = {name: launch_env[name] for name in self.pass_env if name in launch_env}
-        kwargs = await super().pre_launch(cmd=cmd, **kwargs)
-        policy = {**limits.as_dict(), "network": self.network, "image": self.image}
-        if self._egress is not None:
-            policy["allowed_domains"] = list(self._egress.rules.patterns)
-            cmd = egress_command(cmd)
-        self._spec = SandboxSpec(
+        env = kwargs.get("env")
+        launch = Launch(
             kernel_id=str(self.kernel_id),
-            kernelspec=self.kernel_name,
-            image=self.image,
-            runtime=self.docker_runtime,
-            command=cmd,
-            env={
-                **sandbox_env(kwargs["env"], self.pass_env, self.kernel_spec.env),
-                POLICY_ENV: json.dumps(policy),
-                "PYTHONSTARTUP": CONTAINER_STARTUP_FILE,
-                **(proxy_env() if self._egress is not None else {}),
-            },
-            workspace=workspace,
-            workdir=workdir,
-            runtime_dir=Path(),
-            uid=uid,
-            gid=gid,
-            memory=self.memory,
-            cpus=self.cpus,
-            pids=self.pids,
-            tmp_size=self.tmp_size,
-            file_size=self.file_size,
-            volume=volume,
-            workspace_path=workspace_path,
-            extra_labels={
-                LABEL_OWNER: server_identity(),
-                LABEL_LIFECYCLE: self.lifecycle,
-                LABEL_TTL: f"{self.persistent_ttl:g}",
-                LABEL_SERVER_UID: str(os.getuid()),
-                LABEL_SCOPE: str(getattr(getattr(self.parent, "parent", None), "adoption_scope", "")),
-            },
+            kernel_name=self.kernel_name,
+            argv=self.kernel_spec.argv,
+            cwd=cwd,
+            env=dict(os.environ) if env is None else env,
+            extra_arguments=kwargs.pop("extra_arguments", []),
+            owner=server_identity(),
+            scope=str(getattr(getattr(self.parent, "parent", None), "adoption_scope", "")),
         )
+        self._launch_env = {k: v for k, v in launch.env.items() if k in RELAUNCH_ENV}
+        kwargs["env"] = visible_env(self, launch.env)
+        kwargs = await super().pre_launch(**kwargs)  # fills the kernelspec's env templates
+        plan = plan_sandbox(self, launch, kwargs["env"], self.kernel_spec.env)
+        for warning in plan.warnings:
+            self.log.warning("%s", warning)
+        self._spec, self._egress = plan.spec, plan.egress
+        kwargs["cmd"] = plan.spec.command
         self._cwd = str(cwd)
         self._pool_plan = self._plan_pool(self._spec)
         self._host_checked = False

@@ -1,9 +1,13 @@
 """The settings of a sandboxed kernel: traits, their validation, the administrator's ceilings.
 
-Every setting is a trait of :class:`SandboxSettings`, which the provisioner inherits:
-the server's config sets them (``c.SandboxProvisioner.NAME``), and a kernelspec may set
-those in :data:`~.policy.KERNELSPEC_KEYS` (``metadata.kernel_provisioner.config``). The
-``max_*`` traits are ceilings only the server's config can raise.
+Every setting is a trait of :class:`SandboxSettings`, which the provisioner inherits,
+declared once: the server's config sets it (``c.SandboxProvisioner.NAME``), and its
+tags say the rest. ``kernelspec=True``: a kernelspec may set it too
+(``metadata.kernel_provisioner.config``), and ``jupyter sandbox-kernel install`` has a
+flag for it (``--name-with-dashes``, or ``flag=``). ``ceiling="max_..."`` with
+``bound=``: the server's ``max_*`` trait bounds it, and how (see
+:func:`~.plan.check_ceilings`). The ``max_*`` traits are ceilings only the server's
+config can raise. Adding a kernelspec setting is one trait here.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class SandboxSettings(LoggingConfigurable):
         help=f"""Docker image the kernel runs in. It must already exist on the Docker host:
         images are never pulled. Build the default with `jupyter sandbox-kernel build-image`.
         Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}.""",
-    )
+    ).tag(kernelspec=True)
     docker_runtime = Unicode(
         config=True,
         help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
@@ -56,7 +60,7 @@ class SandboxSettings(LoggingConfigurable):
         directory is the notebook's folder mapped into it; a notebook outside it is refused.
         When unset, the folder the kernel is started in is the workspace.
         Default: ${WORKSPACE_ROOT_ENV}, else unset.""",
-    )
+    ).tag(kernelspec=True)
     pass_env = List(
         Unicode(),
         default_value=["LANG", "LC_ALL", "TZ"],
@@ -64,32 +68,36 @@ class SandboxSettings(LoggingConfigurable):
         help="""Names of environment variables passed from the server into the sandbox.
         Nothing else of the server's environment enters it (variables the kernelspec's
         own `env` sets are passed too). JPY_PARENT_PID is never passed.""",
+    ).tag(kernelspec=True, ceiling="max_pass_env", bound="names")
+    memory = Unicode(
+        "2g", config=True, help="Memory limit of the kernel's container, e.g. '512m' or '2g'."
+    ).tag(kernelspec=True, ceiling="max_memory", bound="size")
+    cpus = Float(1.0, config=True, help="CPU limit of the kernel's container, in cores (e.g. 0.5).").tag(
+        kernelspec=True, ceiling="max_cpus", bound="amount"
     )
-    memory = Unicode("2g", config=True, help="Memory limit of the kernel's container, e.g. '512m' or '2g'.")
-    cpus = Float(1.0, config=True, help="CPU limit of the kernel's container, in cores (e.g. 0.5).")
     pids = Int(
         256,
         config=True,
         help="""Most processes and threads the kernel's user may run (RLIMIT_NPROC); more
         forks or threads fail with EAGAIN. ipykernel and numpy need a few dozen.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_pids", bound="amount")
     tmp_size = Unicode(
         "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
-    )
+    ).tag(kernelspec=True, ceiling="max_tmp_size", bound="size")
     file_size = Unicode(
         "4g",
         config=True,
         help="""Largest file the kernel may write, in the workspace or /tmp (RLIMIT_FSIZE):
         a write past it fails with "File too large" (EFBIG). A bind-mounted workspace has no
         quota of its own; see the README on bounding its total size.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_file_size", bound="size")
     idle_timeout = Float(
         0.0,
         config=True,
         help="""Seconds without any execution after which the kernel is stopped to free its
         memory (0: never). Clients are told; later requests get an error reply
         `IdleLimitExceeded` until the kernel is restarted.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_idle_timeout", bound="timeout")
     network = CaselessStrEnum(
         ["none", "allowlist"],
         default_value="none",
@@ -97,7 +105,7 @@ class SandboxSettings(LoggingConfigurable):
         help="""The kernel's network: `none` (loopback only), or `allowlist`: HTTP and HTTPS to
         `allowed_domains` only, through a proxy on the host (HTTP_PROXY/HTTPS_PROXY inside).
         Either way the sandbox has no network interface.""",
-    )
+    ).tag(kernelspec=True)
     allowed_domains = List(
         Unicode(),
         default_value=[],
@@ -106,7 +114,7 @@ class SandboxSettings(LoggingConfigurable):
         (`docs.python.org`) or wildcards (`*.python.org`, any subdomain), each with an optional
         port (`api.example.com:8443`; without one, 80 and 443). Each must lie within
         `max_allowed_domains`.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_allowed_domains", bound="domains", flag="allow-domain")
     max_allowed_domains = List(
         Unicode(),
         default_value=[],
@@ -146,7 +154,7 @@ class SandboxSettings(LoggingConfigurable):
         created on first use: a template with {user}, {kernelspec}, {notebook} (the
         notebook's path) and {project} (its folder's name), e.g. 'team-{project}' (one per
         project, shared by the team) or '{user}-{notebook}' (one per person and notebook).""",
-    )
+    ).tag(kernelspec=True)
     lifecycle = CaselessStrEnum(
         ["ephemeral", "persistent"],
         default_value="ephemeral",
@@ -155,13 +163,13 @@ class SandboxSettings(LoggingConfigurable):
         `persistent`: it keeps running when the server stops (even when killed) until
         someone shuts the kernel down or `persistent_ttl` runs out; a server using
         sandbox_kernel.server.SandboxMappingKernelManager adopts it again.""",
-    )
+    ).tag(kernelspec=True)
     persistent_ttl = Float(
         0.0,
         config=True,
         help="""A persistent kernel that no server has held for this many seconds is removed
         (by the next server start or `jupyter sandbox-kernel prune`); 0: never.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_persistent_ttl", bound="lifetime")
     max_persistent_ttl = Float(
         0.0,
         config=True,
@@ -185,7 +193,7 @@ class SandboxSettings(LoggingConfigurable):
         help="""Wall-clock limit of one execution, in seconds (0: none). The cell gets a
         TimeoutError naming the limit; code that ignores it is interrupted, then the
         kernel is killed (and restarted by Jupyter) `exec_kill_grace` seconds later.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_exec_timeout", bound="timeout")
     exec_kill_grace = Float(
         10.0,
         config=True,
@@ -236,7 +244,7 @@ class SandboxSettings(LoggingConfigurable):
         sees it at /workspace/<folder name>), and each sandbox serves one kernel only.
         0: every kernel starts cold. Needs a server running as root (attaching the
         workspace is a mount); at most `max_pool_size`.""",
-    )
+    ).tag(kernelspec=True, ceiling="max_pool_size", bound="amount")
     max_pool_size = Int(
         4, config=True, help="Ceiling for `pool_size`: no kernelspec may ask for more. Server config only."
     )
@@ -418,19 +426,6 @@ class SandboxSettings(LoggingConfigurable):
             self.file_size,
         )
 
-    @property
-    def ceilings(self) -> Limits:
-        """The most the server allows; only server config sets these."""
-        return Limits(
-            self.max_cpus,
-            self.max_memory,
-            self.max_pids,
-            self.max_tmp_size,
-            self.max_exec_timeout,
-            self.max_idle_timeout,
-            self.max_file_size,
-        )
-
     def egress_policy(self) -> EgressPolicy | None:
         """The kernel's egress policy (None: no network), checked against the ceiling.
 
@@ -486,3 +481,8 @@ class SandboxSettings(LoggingConfigurable):
                 "domains within it, or have the server's administrator widen it."
             )
             raise ConfigurationError(msg)
+
+
+def kernelspec_keys() -> frozenset[str]:
+    """The settings a kernelspec may choose (tagged ``kernelspec=True``)."""
+    return frozenset(SandboxSettings.class_trait_names(kernelspec=True))

@@ -476,3 +476,14 @@ def test_check_names_the_datascience_recipe_for_its_missing_image(
     out = capsys.readouterr().out
     assert f"FAIL  kernel image {DATASCIENCE_IMAGE!r} present" in out
     assert "Build it with: jupyter sandbox-kernel build-image --recipe datascience" in out
+
+
+def test_install_has_a_flag_for_every_kernelspec_setting() -> None:
+    """Declared once, on the setting: adding a kernelspec key adds its install flag."""
+    from sandbox_kernel.app import InstallApp
+    from sandbox_kernel.settings import kernelspec_keys
+
+    flagged = {target.removeprefix("InstallApp.") for target in InstallApp.aliases.values()}
+    assert kernelspec_keys() <= flagged
+    assert InstallApp.aliases["allow-domain"] == "InstallApp.allowed_domains"
+    assert InstallApp.aliases["pool-size"] == "InstallApp.pool_size"

@@ -1,0 +1,307 @@
+"""The plan: kernelspec keys, ceilings, the workspace and the uid a kernel runs as."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandbox_kernel.docker_args import SECCOMP_PROFILE, container_create_kwargs, volume_setup_kwargs
+from sandbox_kernel.errors import ConfigurationError, WorkspaceError
+from sandbox_kernel.plan import (
+    DEFAULT_KERNEL_UID,
+    check_ceilings,
+    check_default_uid_unused,
+    kernel_user,
+    resolve_workspace,
+    validate_kernelspec_config,
+    volume_name,
+    volume_user,
+)
+from sandbox_kernel.sandbox_spec import (
+    CONTAINER_CONNECTION_FILE,
+    CONTAINER_WORKSPACE,
+    LABEL_WORKSPACE,
+    SandboxSpec,
+)
+from sandbox_kernel.settings import SandboxSettings, kernelspec_keys
+
+
+def make_spec(tmp_path: Path, **overrides: object) -> SandboxSpec:
+    values: dict[str, object] = {
+        "kernel_id": "k1",
+        "kernelspec": "sandboxed-python",
+        "image": "img:1",
+        "runtime": "runsc-sandbox-kernel",
+        "command": ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE],
+        "env": {"HOME": "/tmp"},
+        "workspace": tmp_path / "work",
+        "workdir": f"{CONTAINER_WORKSPACE}/sub",
+        "runtime_dir": tmp_path / "rt",
+        "uid": 1234,
+        "gid": 1235,
+        "memory": "512m",
+        "cpus": 0.5,
+        "tmp_size": "64m",
+    }
+    values.update(overrides)
+    return SandboxSpec(**values)  # type: ignore[arg-type]
+
+
+def no_accounts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose passwd and group know no uid or gid, whatever this one's hold."""
+
+    def unknown(number: int) -> Any:
+        raise KeyError(number)
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+    monkeypatch.setattr(grp, "getgrgid", unknown)
+
+
+class TestResolveWorkspace:
+    def test_without_a_root_the_start_folder_is_the_workspace(self, tmp_path: Path) -> None:
+        project = tmp_path / "project"
+        project.mkdir()
+        assert resolve_workspace(project, None) == (project.resolve(), CONTAINER_WORKSPACE)
+
+    def test_with_a_root_the_start_folder_maps_below_the_mount(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        (root / "a" / "b").mkdir(parents=True)
+        assert resolve_workspace(root / "a" / "b", root) == (root.resolve(), f"{CONTAINER_WORKSPACE}/a/b")
+
+    def test_the_root_itself_maps_to_the_workspace(self, tmp_path: Path) -> None:
+        assert resolve_workspace(tmp_path, tmp_path) == (tmp_path.resolve(), CONTAINER_WORKSPACE)
+
+    def test_a_folder_outside_the_root_is_refused_with_a_fix(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        elsewhere = tmp_path / "elsewhere"
+        root.mkdir()
+        elsewhere.mkdir()
+        with pytest.raises(WorkspaceError, match="outside the workspace root") as info:
+            resolve_workspace(elsewhere, root)
+        message = str(info.value)
+        assert str(elsewhere) in message
+        assert str(root) in message
+        assert "Move the notebook under the workspace root" in message
+
+    def test_a_symlink_escaping_the_root_is_resolved_and_refused(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        outside = tmp_path / "outside"
+        root.mkdir()
+        outside.mkdir()
+        (root / "link").symlink_to(outside)
+        with pytest.raises(WorkspaceError, match="outside the workspace root"):
+            resolve_workspace(root / "link", root)
+
+    def test_a_symlink_within_the_root_maps_to_its_target(self, tmp_path: Path) -> None:
+        root = tmp_path / "root"
+        (root / "real").mkdir(parents=True)
+        (root / "link").symlink_to(root / "real")
+        assert resolve_workspace(root / "link", root)[1] == f"{CONTAINER_WORKSPACE}/real"
+
+    @pytest.mark.parametrize("root", [None, "/"])
+    def test_the_filesystem_root_is_refused(self, tmp_path: Path, root: str | None) -> None:
+        cwd = "/" if root is None else tmp_path
+        with pytest.raises(WorkspaceError, match="system or home folder"):
+            resolve_workspace(cwd, root)
+
+    @pytest.mark.parametrize("folder", ["/etc", "/usr", "/var/lib/docker"])
+    def test_system_folders_are_refused(self, folder: str) -> None:
+        if not Path(folder).is_dir():
+            pytest.skip(f"{folder} does not exist on this machine")
+        with pytest.raises(WorkspaceError, match="Refusing to mount"):
+            resolve_workspace(folder, None)
+
+    def test_the_home_folder_is_refused(self, jupyter_dirs: dict[str, Path]) -> None:
+        home = jupyter_dirs["HOME"]
+        with pytest.raises(WorkspaceError, match="system or home folder"):
+            resolve_workspace(home, None)
+        with pytest.raises(WorkspaceError, match="system or home folder"):
+            resolve_workspace(home / ".", home)
+
+    def test_a_folder_below_home_is_fine(self, jupyter_dirs: dict[str, Path]) -> None:
+        project = jupyter_dirs["HOME"] / "project"
+        project.mkdir()
+        assert resolve_workspace(project, None) == (project.resolve(), CONTAINER_WORKSPACE)
+
+    def test_a_missing_start_folder_is_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(WorkspaceError, match="does not exist") as info:
+            resolve_workspace(tmp_path / "gone", None)
+        assert str(tmp_path / "gone") in str(info.value)
+
+    def test_a_file_is_not_a_start_folder(self, tmp_path: Path) -> None:
+        (tmp_path / "f").write_text("")
+        with pytest.raises(WorkspaceError, match="not a folder"):
+            resolve_workspace(tmp_path / "f", None)
+
+    def test_a_missing_root_is_refused_with_the_setting_to_fix(self, tmp_path: Path) -> None:
+        with pytest.raises(WorkspaceError, match=r"SandboxProvisioner\.workspace_root"):
+            resolve_workspace(tmp_path, tmp_path / "no-root")
+
+    def test_workspace_error_is_a_configuration_error(self) -> None:
+        assert issubclass(WorkspaceError, ConfigurationError)
+        assert issubclass(WorkspaceError, ValueError)
+
+
+# ---------------------------------------------------------------- kernel_command
+
+
+class TestValidateKernelspecConfig:
+    def test_allowed_keys_pass(self) -> None:
+        validate_kernelspec_config(dict.fromkeys(kernelspec_keys(), "x"), "ks")
+
+    @pytest.mark.parametrize(
+        "key",
+        ["memroy", "kernel_uid", "docker_runtime", "runtime_parent", "max_memory", "max_cpus", "max_pids"],
+    )
+    def test_an_unknown_key_is_named_in_the_error(self, key: str) -> None:
+        with pytest.raises(ConfigurationError) as info:
+            validate_kernelspec_config({"image": "img:1", key: "x"}, "my-spec")
+        message = str(info.value)
+        assert repr(key) in message
+        assert "'my-spec'" in message
+        assert f"Allowed: {', '.join(sorted(kernelspec_keys()))}." in message
+
+
+class TestKernelUser:
+    def test_a_configured_uid_is_used_for_uid_and_gid(self, tmp_path: Path) -> None:
+        assert kernel_user(tmp_path, 2000) == (2000, 2000)
+
+    def test_a_non_root_server_runs_kernels_as_itself(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(os, "getuid", lambda: 1500)
+        monkeypatch.setattr(os, "getgid", lambda: 1501)
+        assert kernel_user(tmp_path) == (1500, 1501)
+
+    def test_a_root_server_uses_the_workspace_owner(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        workspace = tmp_path / "ws"
+        workspace.mkdir()
+        if os.stat(workspace).st_uid == 0:
+            os.chown(workspace, 4242, 4343)
+        owner = os.stat(workspace)
+        monkeypatch.setattr(os, "getuid", lambda: 0)
+        assert kernel_user(workspace) == (owner.st_uid, owner.st_gid)
+        assert owner.st_uid != 0
+
+    def test_a_root_server_with_a_root_owned_workspace_uses_the_default(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        root_owned = Path("/")
+        assert root_owned.stat().st_uid == 0
+        monkeypatch.setattr(os, "getuid", lambda: 0)
+        no_accounts(monkeypatch)
+        assert kernel_user(root_owned) == (DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID)
+        assert volume_user() == (DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID)
+        assert DEFAULT_KERNEL_UID != 0
+
+    def test_the_default_uid_is_reserved_for_no_one(self) -> None:
+        """Not 1000 (the first human account on most hosts, ``cloudsdk`` on ours), not
+        65534 (nobody): 65533, which Debian policy reserves and never allocates."""
+        assert DEFAULT_KERNEL_UID == 65533
+
+    @pytest.mark.parametrize("taken", ["account", "group"])
+    def test_a_default_uid_that_is_a_host_account_is_refused(
+        self, taken: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(os, "getuid", lambda: 0)
+        no_accounts(monkeypatch)
+        if taken == "account":
+            entry = pwd.struct_passwd(("someone", "x", DEFAULT_KERNEL_UID, 100, "", "/home/x", "/bin/sh"))
+            monkeypatch.setattr(pwd, "getpwuid", lambda uid: entry)
+        else:
+            monkeypatch.setattr(grp, "getgrgid", lambda gid: grp.struct_group(("staff2", "x", gid, [])))
+        for choose in (lambda: kernel_user(Path("/")), volume_user, check_default_uid_unused):
+            with pytest.raises(
+                ConfigurationError, match=r"uid and gid 65533.*SandboxProvisioner\.kernel_uid"
+            ):
+                choose()
+        # A configured uid, or a workspace owner, needs no default.
+        assert kernel_user(Path("/"), 4321) == (4321, 4321)
+        assert volume_user(4321) == (4321, 4321)
+
+    def test_a_configured_uid_of_zero_is_never_used(self, tmp_path: Path) -> None:
+        try:
+            uid, _ = kernel_user(tmp_path, 0)
+        except ConfigurationError:
+            return
+        assert uid != 0
+
+
+# ---------------------------------------------------------------- container_connection_info
+
+
+class TestWorkspaceVolumes:
+    def test_the_template_is_filled_with_docker_safe_names(self) -> None:
+        name = volume_name(
+            "sk-{user}-{notebook}", user="Ann Lee", kernelspec="py", notebook="team/Sales Q3", project="team"
+        )
+        assert name == "sk-Ann-Lee-team-Sales-Q3"
+        assert volume_name("team-{project}", project="analysis") == "team-analysis"
+        assert volume_name("{kernelspec}-{notebook}", kernelspec="py") == "py-untitled"
+
+    @pytest.mark.parametrize(
+        ("template", "message"),
+        [
+            ("ws-{owner}", "placeholders"),
+            ("{project", "not a valid template"),
+            ("-{user}", "not a Docker volume"),
+        ],
+    )
+    def test_a_bad_template_is_an_error_naming_it(self, template: str, message: str) -> None:
+        with pytest.raises(ConfigurationError, match=message):
+            volume_name(template, user="-", project="p")
+
+    def test_the_kernel_gets_a_volume_mount_that_never_copies_the_image_over_it(self, tmp_path: Path) -> None:
+        spec = make_spec(tmp_path, volume="team-analysis")
+        (workspace, _) = container_create_kwargs(spec)["mounts"]
+        assert workspace["Type"] == "volume"
+        assert workspace["Source"] == "team-analysis"
+        assert workspace["VolumeOptions"]["NoCopy"] is True
+        assert spec.labels[LABEL_WORKSPACE] == "volume:team-analysis"
+        setup = volume_setup_kwargs(spec)
+        assert setup["command"] == ["chown", f"{spec.uid}:{spec.gid}", "/workspace"]
+        assert setup["cap_add"] == ["CHOWN"]
+        assert setup["security_opt"] == ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"]
+        assert setup["network_mode"] == "none"
+        assert setup["runtime"] == spec.runtime
+
+
+def test_a_persistent_kernel_beyond_the_ttl_ceiling_is_refused() -> None:
+    check_ceilings(SandboxSettings(lifecycle="persistent", persistent_ttl=3600, max_persistent_ttl=86400), {})
+    check_ceilings(SandboxSettings(lifecycle="ephemeral", max_persistent_ttl=60), {})
+    with pytest.raises(
+        ConfigurationError, match=r"persistent_ttl=0.0 \(no limit\) exceeds.*max_persistent_ttl"
+    ):
+        check_ceilings(SandboxSettings(lifecycle="persistent", max_persistent_ttl=86400), {})
+
+
+def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_path: Path) -> None:
+    from sandbox_kernel.plan import Launch, plan_sandbox
+
+    project = tmp_path / "Sales 2026"
+    project.mkdir()
+    launch = Launch(
+        kernel_id="k1",
+        kernel_name="ks",
+        argv=["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        cwd=project,
+        env={"LANG": "C.UTF-8", "SECRET": "x"},
+        owner="me",
+    )
+    cold = plan_sandbox(SandboxSettings(kernel_uid=4321), launch, {"LANG": "C.UTF-8"}, []).spec
+    assert (cold.workspace, cold.workdir, cold.workspace_path) == (project, "/workspace", "/workspace")
+    assert cold.uid == 4321
+    assert cold.command[-1] == CONTAINER_CONNECTION_FILE
+    assert "SECRET" not in cold.env
+    assert cold.env["LANG"] == "C.UTF-8"
+    assert json.loads(cold.env["SANDBOX_KERNEL_POLICY"])["memory"] == "2g"
+    pooled = plan_sandbox(SandboxSettings(kernel_uid=4321, pool_size=2), launch, {}, []).spec
+    assert (pooled.workdir, pooled.workspace_path) == ("/workspace/Sales-2026", "/workspace/Sales-2026")
