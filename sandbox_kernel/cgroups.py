@@ -1,4 +1,4 @@
-"""What the host's cgroups say about a sandbox: memory in use, and out-of-memory kills.
+"""What the host's cgroups say about a sandbox (memory in use, out-of-memory kills), and its freezer.
 
 Under gVisor the kernel's memory lives in the sandbox's host processes, so the host's
 memory cgroup for the container is where the truth is. When that cgroup reaches its
@@ -83,3 +83,27 @@ def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
             return None
     usage = _read_keyed(folder / "cpu.stat").get("usage_usec")
     return None if usage is None else usage / 1e6
+
+
+def freeze(pid: int, frozen: bool, proc: Path = Path("/proc")) -> bool:
+    """Freeze (or thaw) every process of ``pid``'s cgroup, the whole sandbox; False when
+    the host does not let us (no freezer, not root).
+
+    A frozen sandbox costs no CPU at all: under runsc 20240729 an idle systrap sandbox
+    otherwise keeps ~6 % of a core busy (a 400 µs polling loop in the sentry, which no
+    flag turns off), and ``docker pause`` does not freeze a runsc container. Thawing
+    takes well under a millisecond. Under cgroup v1 a frozen process cannot die, not
+    even of SIGKILL: thaw a sandbox before removing it.
+    """
+    found = _cgroup(pid, "freezer", proc)
+    if found is None:
+        return False
+    folder, version = found
+    try:
+        if version == 1:
+            (folder / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+        else:
+            (folder / "cgroup.freeze").write_text("1" if frozen else "0")
+    except OSError:
+        return False
+    return True

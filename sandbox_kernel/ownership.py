@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .background import BackgroundLoop
-from .cgroups import memory_usage
+from .cgroups import freeze, memory_usage
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .mounts import detach_mounts
@@ -173,6 +173,8 @@ class SandboxedKernel:
     owner_seen: float | None = None
     #: The adopting server's scope (see sandbox_kernel.server), "" outside a server.
     scope: str = ""
+    #: The host pid of the sandbox (its main process), while it runs.
+    pid: int | None = None
     #: A pooled sandbox no kernel has claimed yet (see sandbox_kernel.pool), and whether
     #: its kernel is up, ready to be claimed.
     pooled: bool = False
@@ -278,6 +280,7 @@ class SandboxedKernel:
             scope=labels.get(LABEL_SCOPE, ""),
             pooled=pooled,
             pool_ready=pool_ready,
+            pid=pid if isinstance(pid, int) and pid > 0 else None,
         )
 
 
@@ -356,6 +359,9 @@ async def remove_kernel(
     docker_backend: DockerBackend, kernel: SandboxedKernel, runtime_parent: str | None
 ) -> None:
     """Remove a kernel's container and runtime folder."""
+    if kernel.pid is not None:
+        # A waiting pooled sandbox is frozen, and a frozen process cannot die.
+        await asyncio.to_thread(freeze, kernel.pid, False)
     await docker_backend.remove(kernel.container_id)
     await asyncio.to_thread(remove_runtime_dir, kernel.runtime_dir, runtime_parent)
 

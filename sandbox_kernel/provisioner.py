@@ -355,6 +355,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """Make a claimed pooled sandbox this kernel's: its workspace mounted, its kernel
         told its working folder and session variables, its container renamed. False
         (and the sandbox removed) if that fails: the kernel then starts cold."""
+        await asyncio.to_thread(sandbox.thaw)
         self.runtime_dir, self.launch_dir, self._launches = sandbox.runtime_dir, sandbox.launch_dir, 1
         self.container_id = sandbox.container_id
         self.exit_code = None

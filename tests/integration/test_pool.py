@@ -16,6 +16,7 @@ import docker
 import pytest
 
 from sandbox_kernel import SandboxPool, warm_pool
+from sandbox_kernel.cgroups import cpu_seconds
 from sandbox_kernel.mounts import mounts_under
 from sandbox_kernel.sandbox_spec import LABEL_KERNELSPEC, LABEL_POOL
 
@@ -71,6 +72,12 @@ def test_a_pooled_kernel_works_in_its_notebook_folder_and_restarts_there(
     ready = waiting(docker_client)
     assert len(ready) == 2
     assert {row["status"] for row in listed()} == {"pooled"}
+    # Waiting costs no CPU: the sandboxes are frozen (an idle gVisor sandbox is not idle).
+    pids = [docker_client.containers.get(c).attrs["State"]["Pid"] for c in ready]
+    before = [cpu_seconds(pid) for pid in pids]
+    time.sleep(3)
+    used = [(cpu_seconds(pid) or 0.0) - (then or 0.0) for pid, then in zip(pids, before, strict=True)]
+    assert all(seconds < 0.005 for seconds in used), used
 
     km, kc = start_kernel(pooled)
     assert km.provisioner.from_pool
