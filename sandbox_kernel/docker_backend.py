@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
@@ -303,3 +305,81 @@ class DockerBackend:
             ):
                 return
             raise
+
+
+class ContainerExits:
+    """Which sandbox containers have ended, from Docker's event stream: one connection
+    for the whole process, instead of every kernel's watchdog asking Docker each second.
+
+    A thread follows ``die`` events of sandbox-kernel containers. While it is connected
+    (:attr:`following`), a container it has seen no ``die`` event for since it began
+    watching it is running; otherwise callers ask Docker as before. After a lost
+    connection (dockerd restarting) it reconnects and asks for the events it missed.
+    """
+
+    _instance: ClassVar[ContainerExits | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, client_factory: Callable[[], Any] | None = None) -> None:
+        self._client_factory = client_factory or docker.from_env
+        self._lock = threading.Lock()
+        self._watched: dict[str, threading.Event] = {}
+        self._connected = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def instance(cls) -> ContainerExits:
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    @property
+    def following(self) -> bool:
+        """Whether the event stream is connected now."""
+        return self._connected.is_set()
+
+    def watch(self, container_id: str) -> threading.Event:
+        """The event that is set once ``container_id`` has ended (call before relying on
+        :meth:`running`; check the container's state once after, for an end before)."""
+        with self._lock:
+            ended = self._watched.setdefault(container_id, threading.Event())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._follow, name="sandbox-kernel-exits", daemon=True)
+                self._thread.start()
+        return ended
+
+    def unwatch(self, container_id: str) -> None:
+        with self._lock:
+            self._watched.pop(container_id, None)
+
+    def running(self, container_id: str) -> bool | None:
+        """True: surely still running (watched, no end seen, stream connected); None: ask Docker."""
+        with self._lock:
+            ended = self._watched.get(container_id)
+        if ended is None or not self.following or ended.is_set():
+            return None
+        return True
+
+    def _follow(self) -> None:
+        # From a little before it connects: an end just before is not missed.
+        since = int(time.time()) - 10
+        while True:
+            try:
+                client = self._client_factory()
+                stream = client.events(
+                    decode=True,
+                    since=since,
+                    filters={"type": "container", "event": ["die"], "label": [LABEL_MANAGED]},
+                )
+                self._connected.set()
+                for event in stream:
+                    since = int(event.get("time") or 0) or since
+                    with self._lock:
+                        ended = self._watched.get(str(event.get("id", "")))
+                    if ended is not None:
+                        ended.set()
+            except Exception as exc:  # noqa: BLE001  # the daemon went away: reconnect
+                log.debug("Docker's event stream ended (%s); reconnecting", exc)
+            self._connected.clear()
+            time.sleep(1.0)

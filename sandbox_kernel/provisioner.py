@@ -29,7 +29,7 @@ from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
 from .docker_args import container_create_kwargs, volume_setup_kwargs
-from .docker_backend import DockerBackend
+from .docker_backend import ContainerExits, DockerBackend
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
     DockerUnavailableError,
@@ -70,6 +70,9 @@ RELAUNCH_ENV = ("JPY_SESSION_NAME", "JUPYTERHUB_USER")
 #: Seconds a client's request (a completion, say) may take, awaiting its reply, before
 #: the kernel's CPU counts as computing on its own again.
 REQUEST_CPU_CREDIT = 10.0
+#: How often a watchdog asks Docker for its kernel's state although the event stream
+#: says it runs (seconds).
+STATE_CHECK_INTERVAL = 30.0
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
 
@@ -581,8 +584,18 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """
         watch = Watch()
         limits = WatchLimits(self.exec_timeout, self.exec_kill_grace, self.idle_timeout, self.memory)
+        exits = ContainerExits.instance()
+        exits.watch(container_id)
+        try:
+            await self._watch_loop(container_id, watch, limits, exits)
+        finally:
+            exits.unwatch(container_id)
+
+    async def _watch_loop(
+        self, container_id: str, watch: Watch, limits: WatchLimits, exits: ContainerExits
+    ) -> None:
         pid: int | None = None
-        next_deep = 0.0
+        next_deep = next_state = 0.0
         next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
         docker_lost = cpu_unknown = False
         while self.container_id == container_id and self._auditor is not None:
@@ -597,7 +610,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                     next_deep = now + 1.0
                     if pid is None:
                         pid = await self.docker.main_pid(container_id)
-                    _, code = await self.docker.state(container_id)
+                    code = None
+                    if exits.running(container_id) is None or now >= next_state:
+                        # Docker's event stream says when it ends; ask now and then anyway.
+                        next_state = now + STATE_CHECK_INTERVAL
+                        _, code = await self.docker.state(container_id)
                     docker_lost = False
                     bridge = self.bridge
                     busy = auditor.current() is not None or (
@@ -698,6 +715,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """None while the container runs, else its exit code (cheap; never blocks the loop)."""
         if self.container_id is None:
             return self.exit_code if self.exit_code is not None else 0
+        if ContainerExits.instance().running(self.container_id):
+            return None  # Docker's event stream has not seen it end
         try:
             status, code = await self.docker.state(self.container_id)
         except SandboxKernelError as exc:
