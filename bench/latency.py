@@ -470,12 +470,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--at-once", type=non_negative_int, default=10, help="kernels started at once (0: skip)"
     )
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="how long idle CPU is measured")
+    parser.add_argument(
+        "--runtime",
+        default="",
+        help="Docker runtime of the sandboxed kernels, e.g. runsc-sandbox-kernel-ptrace",
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.runtime:
+        os.environ["SANDBOX_KERNEL_RUNTIME"] = args.runtime
     with workspace() as cwd, tempfile.TemporaryDirectory(prefix="sandbox-kernel-bench-specs-") as specs:
         local = measure(args.baseline, args.starts, args.restarts, args.runs, args.warmup, cwd)
         sandboxed = measure(args.kernel, args.starts, args.restarts, args.runs, args.warmup, cwd)
@@ -489,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(measure_at_once_pooled(sandboxed, pooled, args.at_once, args.pool_size, cwd))
 
     summaries = {"local": summarize(local), "sandboxed": summarize(sandboxed)}
-    headers = (f"local ({args.baseline})", f"sandboxed ({args.kernel})")
+    headers = (
+        f"local ({args.baseline})",
+        f"sandboxed ({args.kernel}{', ' + args.runtime if args.runtime else ''})",
+    )
     print(
         f"Kernel latency and memory: {args.starts} starts and {args.restarts} restarts each; "
         f"{args.runs} timed runs of {CODE!r} "
