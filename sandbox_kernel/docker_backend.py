@@ -8,22 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from requests.exceptions import RequestException
 
+from . import mounts
+from .backend import SandboxBackend
+from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .errors import (
     DockerOperationError,
     DockerUnavailableError,
     ImageNotFoundError,
+    KernelStartupError,
     RuntimeMissingError,
+    WorkspaceError,
 )
-from .sandbox_spec import LABEL_MANAGED
+from .sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from .settings import DATASCIENCE_IMAGE
 
 T = TypeVar("T")
@@ -57,8 +64,9 @@ def build_command(image: str) -> str:
     return f"jupyter sandbox-kernel build-image --tag {image}"
 
 
-class DockerBackend:
-    """Async facade over a docker-py client, created lazily on first use."""
+class DockerBackend(SandboxBackend):
+    """Sandboxes as Docker containers under the gVisor runtime: the one place that talks
+    to Docker about kernels. An async facade over a docker-py client, made on first use."""
 
     def __init__(self, client_factory: Callable[[], Any] | None = None) -> None:
         self._client_factory = client_factory or docker.from_env
@@ -145,6 +153,59 @@ class DockerBackend:
                 f"never pulls images. Build it with: {build_command(image)}"
             )
             raise ImageNotFoundError(msg) from exc
+
+    async def create(self, spec: SandboxSpec) -> str:
+        container = await self.create_and_start(container_create_kwargs(spec))
+        return str(container.id)
+
+    async def update_limits(
+        self, sandbox_id: str, memory: str | None = None, cpus: float | None = None
+    ) -> None:
+        client = await self.client()
+        changes: dict[str, Any] = {}
+        if memory is not None:
+            changes.update(mem_limit=memory, memswap_limit=memory)
+        if cpus is not None:
+            changes["nano_cpus"] = int(cpus * 1_000_000_000)
+        await self._api(
+            "update the kernel container's limits", client.api.update_container, sandbox_id, **changes
+        )
+
+    async def prepare_workspace(self, spec: SandboxSpec) -> Path | None:
+        """Create the workspace volume on first use, owned by the kernel's uid.
+
+        A kernelspec names the volume, and users may write kernelspecs: only volumes
+        made for sandbox-kernel workspaces by this server's uid are ever mounted, never
+        another service's or another user's.
+
+        Raises:
+            WorkspaceError: the volume exists but is not such a volume.
+            KernelStartupError: the volume could not be handed to the kernel's uid.
+        """
+        if spec.volume is None:
+            return None
+        mine = {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())}
+        labels = await self.volume_labels(spec.volume)
+        if labels is not None:
+            if {key: labels.get(key) for key in mine} != mine:
+                msg = (
+                    f"The Docker volume {spec.volume!r} (the kernelspec's workspace_volume) exists but "
+                    "was not made for sandbox-kernel workspaces by this server's user, so it is not "
+                    "mounted. Choose another name in the kernelspec's workspace_volume."
+                )
+                raise WorkspaceError(msg)
+        else:
+            await self.create_volume(spec.volume, mine)
+            log.info("Created workspace volume %s for uid %d", spec.volume, spec.uid)
+            code, output = await self.run_once(volume_setup_kwargs(spec))
+            if code != 0:
+                msg = f"Could not prepare the workspace volume {spec.volume!r} (exit code {code}): {output}"
+                raise KernelStartupError(msg, output)
+        return Path(await self.volume_mountpoint(spec.volume))
+
+    async def attach_workspace(self, slot: Path, workspace_path: str, source: Path) -> None:
+        """A bind mount under the slot, which the sandbox sees (rslave propagation)."""
+        await asyncio.to_thread(mounts.attach_workspace, slot, workspace_path, source)
 
     async def create_and_start(self, create_kwargs: Mapping[str, Any]) -> Any:
         """Create and start a container; remove it again if starting fails."""

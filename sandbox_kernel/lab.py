@@ -95,7 +95,7 @@ class MemoryGauge:
         pid = self._pids.get(container_id)
         if pid is None:
             try:
-                pid = await provisioner.docker.main_pid(container_id)
+                pid = await provisioner.backend.main_pid(container_id)
             except SandboxKernelError:
                 return None
             if pid is None:

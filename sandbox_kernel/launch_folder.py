@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import in_kernel
-from .docker_backend import DockerBackend
+from .backend import SandboxBackend
 from .egress import relay as egress_relay
 from .errors import KernelStartupError
 from .ownership import RUNTIME_DIR_PREFIX, write_owner
@@ -173,7 +173,7 @@ def expected_sockets(launch_dir: Path, egress: bool, pooled: bool) -> list[Path]
 
 
 async def wait_until_ready(
-    docker: DockerBackend, container_id: str, sockets: list[Path], timeout: float, image: str
+    backend: SandboxBackend, container_id: str, sockets: list[Path], timeout: float, image: str
 ) -> None:
     """Wait until the kernel has bound all ``sockets``, or fail with its logs.
 
@@ -187,9 +187,9 @@ async def wait_until_ready(
             return
         now = time.monotonic()
         if now >= next_check:
-            _, code = await docker.state(container_id)
+            _, code = await backend.state(container_id)
             if code is not None:
-                logs = await docker.logs(container_id)
+                logs = await backend.logs(container_id)
                 msg = (
                     f"The sandboxed kernel exited during startup (exit code {code}, image "
                     f"{image!r}). Its last output:\n{logs or '(no output)'}"
@@ -197,7 +197,7 @@ async def wait_until_ready(
                 raise KernelStartupError(msg, logs)
             next_check = now + 0.5
         if now >= deadline:
-            logs = await docker.logs(container_id)
+            logs = await backend.logs(container_id)
             msg = (
                 f"The sandboxed kernel did not open its channels within {timeout:g} s "
                 f"(image {image!r}); raise SandboxProvisioner.startup_timeout if the host is "

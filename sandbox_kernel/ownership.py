@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .cgroups import freeze, memory_usage
 from .docker_backend import DockerBackend
@@ -347,7 +348,7 @@ def remove_tree(path: Path, attempts: int = 20) -> None:
     log.warning("Could not remove %s; remove it by hand (or run `jupyter sandbox-kernel prune`)", path)
 
 
-async def list_kernels(docker_backend: DockerBackend) -> list[SandboxedKernel]:
+async def list_kernels(docker_backend: SandboxBackend) -> list[SandboxedKernel]:
     """Every sandbox container on the Docker host, newest first."""
     found = await docker_backend.managed_containers()
     # Reading owner files and cgroups (at paths from labels) never blocks the loop.
@@ -356,7 +357,7 @@ async def list_kernels(docker_backend: DockerBackend) -> list[SandboxedKernel]:
 
 
 async def remove_kernel(
-    docker_backend: DockerBackend, kernel: SandboxedKernel, runtime_parent: str | None
+    docker_backend: SandboxBackend, kernel: SandboxedKernel, runtime_parent: str | None
 ) -> None:
     """Remove a kernel's container and runtime folder."""
     if kernel.pid is not None:
@@ -367,7 +368,7 @@ async def remove_kernel(
 
 
 async def prune_orphans(
-    docker_backend: DockerBackend, runtime_parent: str | None = None
+    docker_backend: SandboxBackend, runtime_parent: str | None = None
 ) -> list[SandboxedKernel]:
     """Remove every ephemeral kernel whose server is gone, and every persistent one past
     its time-to-live or stopped with no server; return them.
@@ -380,7 +381,7 @@ async def prune_orphans(
 
 
 async def _prune(
-    docker_backend: DockerBackend,
+    docker_backend: SandboxBackend,
     runtime_parent_of: Callable[[SandboxedKernel], str | None],
     only_own: bool = False,
 ) -> list[SandboxedKernel]:
@@ -419,7 +420,7 @@ class OrphanReaper:
     _instance: ClassVar[OrphanReaper | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, docker_backend: DockerBackend | None = None) -> None:
+    def __init__(self, docker_backend: SandboxBackend | None = None) -> None:
         self.docker = docker_backend or DockerBackend()
         self._lock = threading.Lock()
         self._runtime_parents: list[Path] = []

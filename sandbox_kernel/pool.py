@@ -37,13 +37,13 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .cgroups import freeze
-from .docker_args import container_create_kwargs
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .launch_folder import (
@@ -108,6 +108,8 @@ class PoolPlan:
     runtime_parent: str
     #: Most bytes of memory limits all waiting sandboxes of the process may reserve.
     budget: int
+    #: What starts them (the provisioner's backend).
+    backend: SandboxBackend = field(default_factory=DockerBackend, compare=False)
 
     @property
     def kernelspec(self) -> str:
@@ -137,6 +139,7 @@ class PooledSandbox:
     created: float
     #: The host pid of its sandbox, whose cgroup is frozen while it waits (None: not frozen).
     frozen_pid: int | None = None
+    backend: SandboxBackend = field(default_factory=DockerBackend, compare=False)
 
     def thaw(self) -> None:
         """Let the sandbox run again (before its claim, or its removal: a frozen process
@@ -151,8 +154,7 @@ class SandboxPool:
     _instance: ClassVar[SandboxPool | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, docker: DockerBackend | None = None, loop: BackgroundLoop | None = None) -> None:
-        self.docker = docker or DockerBackend()
+    def __init__(self, loop: BackgroundLoop | None = None) -> None:
         self._loop = loop
         self._lock = threading.Lock()
         self._plans: dict[str, PoolPlan] = {}
@@ -310,8 +312,9 @@ class SandboxPool:
     async def _start(self, plan: PoolPlan) -> PooledSandbox:
         """One sandbox of ``plan``, started and sealed; nothing left behind on failure."""
         spec = plan.spec
-        await self.docker.check_runtime(spec.runtime)
-        await self.docker.check_image(spec.image)
+        backend = plan.backend
+        await backend.check_runtime(spec.runtime)
+        await backend.check_image(spec.image)
         key = secrets.token_hex(32).encode()
         runtime_dir = await asyncio.to_thread(new_runtime_dir, plan.runtime_parent)
 
@@ -339,19 +342,18 @@ class SandboxPool:
                 slot=slot,
                 env={**spec.env, CLAIM_ENV: CONTAINER_CLAIM_SOCKET},
             )
-            container = await self.docker.create_and_start(container_create_kwargs(pooled))
-            container_id = str(container.id)
+            container_id = await backend.create(pooled)
             sockets = expected_sockets(launch_dir, plan.egress, pooled=True)
-            await wait_until_ready(self.docker, container_id, sockets, plan.startup_timeout, spec.image)
+            await wait_until_ready(backend, container_id, sockets, plan.startup_timeout, spec.image)
             if os.getuid() == 0:
                 await asyncio.to_thread(seal_launch_dir, launch_dir)
             await asyncio.to_thread((runtime_dir / POOL_READY_FILE).touch)
             # Waiting costs nothing while frozen (an idle gVisor sandbox is not idle).
-            pid = await self.docker.main_pid(container_id)
+            pid = await backend.main_pid(container_id)
             frozen = pid is not None and await asyncio.to_thread(freeze, pid, True)
         except BaseException:
             if container_id is not None:
-                await self.docker.remove(container_id)
+                await backend.remove(container_id)
             await asyncio.to_thread(remove_tree, runtime_dir)
             raise
         return PooledSandbox(
@@ -365,12 +367,13 @@ class SandboxPool:
             memory=plan.memory,
             created=time.time(),
             frozen_pid=pid if frozen else None,
+            backend=backend,
         )
 
     async def _remove(self, sandbox: PooledSandbox) -> None:
         await asyncio.to_thread(sandbox.thaw)
         try:
-            await self.docker.remove(sandbox.container_id)
+            await sandbox.backend.remove(sandbox.container_id)
         except SandboxKernelError as exc:
             log.warning("Sandbox pool: could not remove sandbox %s: %s", sandbox.container_id[:12], exc)
         await asyncio.to_thread(remove_tree, sandbox.runtime_dir)
@@ -404,7 +407,7 @@ class SandboxPool:
         for sandbox in doomed:
             sandbox.thaw()
             try:
-                self.docker.remove_blocking(sandbox.container_id)
+                sandbox.backend.remove_blocking(sandbox.container_id)
             except SandboxKernelError as exc:
                 log.warning("Sandbox pool: could not remove sandbox %s: %s", sandbox.container_id[:12], exc)
             remove_tree(sandbox.runtime_dir)

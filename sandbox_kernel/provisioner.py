@@ -25,17 +25,15 @@ from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 
 from .audit import AuditLog, ExecutionAuditor, PendingExecution
+from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
-from .docker_args import container_create_kwargs, volume_setup_kwargs
-from .docker_backend import ContainerExits, DockerBackend
+from .docker_backend import ContainerExits
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
     DockerUnavailableError,
-    KernelStartupError,
     SandboxKernelError,
-    WorkspaceError,
 )
 from .launch_folder import (
     expected_sockets,
@@ -47,15 +45,13 @@ from .launch_folder import (
     write_launch_files,
 )
 from .limits import size_bytes
-from .mounts import attach_workspace, can_mount, detach_mounts
+from .mounts import can_mount, detach_mounts
 from .output import OutputLimiter
 from .ownership import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
 from .plan import Launch, check_settings, kernelspec_config, plan_sandbox, visible_env
 from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sandbox_spec import (
     CONTAINER_EGRESS_SOCKET,
-    LABEL_VOLUME,
-    LABEL_VOLUME_UID,
     PER_KERNEL_ENV,
     SandboxSpec,
     kernel_sockets,
@@ -105,7 +101,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.launch_dir: Path | None = None
         self._launches = 0
         self.bridge: KernelBridge | None = None
-        self.docker = DockerBackend()
+        self.backend: SandboxBackend = self.backend_class()
         self._spec: SandboxSpec | None = None
         self._curve: CurveKeys | None = None
         self._auditor: ExecutionAuditor | None = None
@@ -192,8 +188,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     async def _check_host(self) -> None:
         """The gVisor runtime (with our flags) and the image are there; once per launch."""
         if not self._host_checked:
-            await self.docker.check_runtime(self.docker_runtime)
-            await self.docker.check_image(self.image)
+            await self.backend.check_runtime(self.docker_runtime)
+            await self.backend.check_image(self.image)
             self._host_checked = True
 
     _warned_pool_needs_root = False
@@ -222,6 +218,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             startup_timeout=self.startup_timeout,
             runtime_parent=self.runtime_parent,
             budget=size_bytes("max_pool_memory", self.max_pool_memory),
+            backend=self.backend,
         )
         SandboxPool.instance().want(plan)
         return plan
@@ -234,7 +231,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             return
         SandboxProvisioner._swept_orphans = True
         try:
-            await prune_orphans(self.docker, self.runtime_parent)
+            await prune_orphans(self.backend, self.runtime_parent)
         except SandboxKernelError as exc:
             self.log.warning("Could not remove orphaned sandboxed kernels: %s", exc)
 
@@ -292,7 +289,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 ports = await self._attach_bridge(launch_dir)
                 await self._open_egress(launch_dir)
                 sockets = expected_sockets(launch_dir, self._egress is not None, pooled=False)
-                await wait_until_ready(self.docker, container_id, sockets, self.startup_timeout, self.image)
+                await wait_until_ready(self.backend, container_id, sockets, self.startup_timeout, self.image)
                 await asyncio.to_thread(self._seal, launch_dir)
             self._reopen()
             self._start_watchdog(container_id)
@@ -338,9 +335,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self.kernel_name,
             self._egress is not None,
         )
-        await self._prepare_volume(spec)
-        container = await self.docker.create_and_start(container_create_kwargs(spec))
-        self.container_id = str(container.id)
+        await self.backend.prepare_workspace(spec)
+        self.container_id = await self.backend.create(spec)
         self.exit_code = None
         self._exit_cause = None
         self.log.info(
@@ -364,9 +360,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.exit_code = None
         self._exit_cause = None
         try:
-            await self._prepare_volume(spec)
-            source = Path(await self.docker.volume_mountpoint(spec.volume)) if spec.volume else spec.workspace
-            await asyncio.to_thread(attach_workspace, sandbox.slot, spec.workspace_path, source)
+            source = await self.backend.prepare_workspace(spec) or spec.workspace
+            await self.backend.attach_workspace(sandbox.slot, spec.workspace_path, source)
             env = {name: value for name, value in spec.env.items() if name in PER_KERNEL_ENV}
             await asyncio.to_thread(send_claim, sandbox.launch_dir, spec.workdir, env)
         except (SandboxKernelError, OSError) as exc:
@@ -398,40 +393,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """Name a claimed pooled sandbox after its kernel (for `docker ps`); in the
         background: the kernel's saved state already says whose it is."""
         try:
-            await self.docker.rename(container_id, name)
+            await self.backend.rename(container_id, name)
         except SandboxKernelError as exc:
             self.log.warning("Sandboxed kernel %s: %s", self.kernel_id, exc)
-
-    async def _prepare_volume(self, spec: SandboxSpec) -> None:
-        """Create the workspace volume on first use, owned by the kernel's uid.
-
-        A kernelspec names the volume, and users may write kernelspecs: only volumes
-        made for sandbox-kernel workspaces by this server's uid are ever mounted, never
-        another service's or another user's.
-
-        Raises:
-            WorkspaceError: the volume exists but is not such a volume.
-            KernelStartupError: the volume could not be handed to the kernel's uid.
-        """
-        if spec.volume is None:
-            return
-        mine = {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())}
-        labels = await self.docker.volume_labels(spec.volume)
-        if labels is not None:
-            if {key: labels.get(key) for key in mine} != mine:
-                msg = (
-                    f"The Docker volume {spec.volume!r} (workspace_volume={self.workspace_volume!r}) "
-                    "exists but was not made for sandbox-kernel workspaces by this server's user, so it "
-                    "is not mounted. Choose another name in the kernelspec's workspace_volume."
-                )
-                raise WorkspaceError(msg)
-            return
-        await self.docker.create_volume(spec.volume, mine)
-        self.log.info("Created workspace volume %s for uid %d", spec.volume, spec.uid)
-        code, output = await self.docker.run_once(volume_setup_kwargs(spec))
-        if code != 0:
-            msg = f"Could not prepare the workspace volume {spec.volume!r} (exit code {code}): {output}"
-            raise KernelStartupError(msg, output)
 
     async def _open_egress(self, launch_dir: Path) -> None:
         """With network "allowlist": have the host's egress proxy dial this kernel's relay."""
@@ -609,12 +573,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 if now >= next_deep:
                     next_deep = now + 1.0
                     if pid is None:
-                        pid = await self.docker.main_pid(container_id)
+                        pid = await self.backend.main_pid(container_id)
                     code = None
                     if exits.running(container_id) is None or now >= next_state:
                         # Docker's event stream says when it ends; ask now and then anyway.
                         next_state = now + STATE_CHECK_INTERVAL
-                        _, code = await self.docker.state(container_id)
+                        _, code = await self.backend.state(container_id)
                     docker_lost = False
                     bridge = self.bridge
                     busy = auditor.current() is not None or (
@@ -654,7 +618,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             return True
         if verdict.act is Act.INTERRUPT:
             self.log.warning("Sandboxed kernel %s: %s; interrupting", self.kernel_id, verdict.why)
-            await self.docker.signal(container_id, signal.SIGINT)
+            await self.backend.signal(container_id, signal.SIGINT)
             return False
         if verdict.act is Act.STOP_IDLE:
             # The auditor decides atomically: a request that came meanwhile wins.
@@ -669,9 +633,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     async def _kill_for(self, container_id: str, ename: str, reason: str) -> None:
         """Kill the kernel deliberately; its waiting clients get ``ename``: ``reason``."""
         self._planned_exit = (container_id, ename, reason)
-        await self.docker.signal(container_id, signal.SIGKILL)
+        await self.backend.signal(container_id, signal.SIGKILL)
         await self._wait_exited(container_id)
-        _, code = await self.docker.state(container_id)
+        _, code = await self.backend.state(container_id)
         await self._note_exit(container_id, 137 if code is None else code)
 
     async def _stop_idle_kernel(self, container_id: str, reason: str) -> None:
@@ -704,7 +668,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """Until the container has stopped, so nothing it still sends can follow our notices."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            _, code = await self.docker.state(container_id)
+            _, code = await self.backend.state(container_id)
             if code is not None:
                 return
             await asyncio.sleep(0.1)
@@ -718,7 +682,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if ContainerExits.instance().running(self.container_id):
             return None  # Docker's event stream has not seen it end
         try:
-            status, code = await self.docker.state(self.container_id)
+            status, code = await self.backend.state(self.container_id)
         except SandboxKernelError as exc:
             self.log.warning("Cannot check sandboxed kernel %s: %s", self.kernel_id, exc)
             return None
@@ -741,7 +705,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             ename, reason = planned[1], planned[2]
         else:
             try:
-                oom = await self.docker.oom_killed(container_id)
+                oom = await self.backend.oom_killed(container_id)
             except SandboxKernelError:
                 oom = False
             if oom:
@@ -809,7 +773,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     async def send_signal(self, signum: int) -> None:
         """Deliver ``signum`` to the kernel via the container's init (which forwards it)."""
         if self.container_id is not None:
-            await self.docker.signal(self.container_id, signum)
+            await self.backend.signal(self.container_id, signum)
 
     async def kill(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGKILL)
@@ -834,7 +798,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._watchdog = None
         if self.container_id is not None:
             try:
-                await self.docker.remove(self.container_id)
+                await self.backend.remove(self.container_id)
                 self.container_id = None
             except SandboxKernelError as exc:
                 self.log.error("Sandboxed kernel %s: %s", self.kernel_id, exc)

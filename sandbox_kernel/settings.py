@@ -18,7 +18,19 @@ import tempfile
 from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Bool, CaselessStrEnum, Dict, Float, Int, List, TraitError, Unicode, default, validate
+from traitlets import (
+    Bool,
+    CaselessStrEnum,
+    Dict,
+    Float,
+    Int,
+    List,
+    TraitError,
+    Type,
+    Unicode,
+    default,
+    validate,
+)
 from traitlets.config import LoggingConfigurable
 
 from .egress import EgressPolicy, EgressRules
@@ -276,6 +288,13 @@ class SandboxSettings(LoggingConfigurable):
         are dropped, but output can be read): use it with CurveZMQ transport encryption
         (the client asks with KernelManager(transport_encryption="required")). Server
         config only.""",
+    )
+    backend_class = Type(
+        default_value="sandbox_kernel.docker_backend.DockerBackend",
+        klass="sandbox_kernel.backend.SandboxBackend",
+        config=True,
+        help="""What runs the sandboxes: a sandbox_kernel.backend.SandboxBackend. The default
+        runs Docker containers under gVisor (docker_runtime). Server config only.""",
     )
     startup_timeout = Float(
         60.0, config=True, help="Seconds to wait for the kernel in a new container to open its channels."

@@ -21,7 +21,7 @@ NOW = 1_800_000_000.0
 @pytest.fixture
 def provisioner(client_factory: CountingFactory) -> SandboxProvisioner:
     prov = SandboxProvisioner(kernel_id="k1", parent=None, memory="512m", cpus=0.5, exec_timeout=30)
-    prov.docker = DockerBackend(client_factory=client_factory)
+    prov.backend = DockerBackend(client_factory=client_factory)
     return prov
 
 

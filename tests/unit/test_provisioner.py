@@ -86,7 +86,7 @@ def make_provisioner(runtime_parent: Path, client_factory: CountingFactory) -> A
             runtime_parent=str(runtime_parent),
             **traits,
         )
-        prov.docker = DockerBackend(client_factory=client_factory)
+        prov.backend = DockerBackend(client_factory=client_factory)
         made.append(prov)
         return prov
 
@@ -240,7 +240,7 @@ async def test_an_unreachable_daemon_fails_pre_launch(
     prov = SandboxProvisioner(
         kernel_id="k1", kernel_spec=kernel_spec(), parent=None, runtime_parent=str(runtime_parent)
     )
-    prov.docker = DockerBackend(client_factory=unreachable)
+    prov.backend = DockerBackend(client_factory=unreachable)
     with pytest.raises(DockerUnavailableError):
         await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
     assert list(runtime_parent.iterdir()) == []
@@ -577,3 +577,22 @@ async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
     ulimits = {u["Name"]: u["Soft"] for u in create["ulimits"]}
     assert ulimits == {"nproc": 256, "fsize": 4 * 1024**3}
     await prov.cleanup(restart=False)
+
+
+def test_the_backend_is_chosen_by_configuration_and_must_be_a_sandbox_backend() -> None:
+    """As jupyter_client's client_factory: another backend (or a test's) plugs in by config."""
+    from traitlets import TraitError
+    from traitlets.config import Config
+
+    from sandbox_kernel.backend import SandboxBackend
+
+    class Recording(DockerBackend):
+        pass
+
+    config = Config()
+    config.SandboxProvisioner.backend_class = Recording
+    prov = SandboxProvisioner(kernel_id="k1", kernel_spec=kernel_spec(), parent=None, config=config)
+    assert isinstance(prov.backend, Recording)
+    assert isinstance(SandboxProvisioner(kernel_id="k2", kernel_spec=kernel_spec()).backend, SandboxBackend)
+    with pytest.raises(TraitError):
+        SandboxProvisioner(kernel_id="k3", kernel_spec=kernel_spec(), backend_class=dict)

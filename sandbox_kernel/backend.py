@@ -1,0 +1,97 @@
+"""What the provisioner and the pool need of whatever runs sandboxes: the backend interface.
+
+Docker with gVisor (:class:`~.docker_backend.DockerBackend`) is today's. Another one
+(rootless Podman, Kubernetes) implements this class and is chosen with
+``c.SandboxProvisioner.backend_class``, as jupyter_client's ``client_factory`` chooses a
+client; tests plug in the same way. Identifiers are the backend's own (a container id).
+A backend never falls back to weaker isolation: when it cannot run a sandbox as the spec
+says, it raises.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from .sandbox_spec import SandboxSpec
+
+
+class SandboxBackend(ABC):
+    """Creates, watches, signals and removes sandboxes; async, never blocking the loop.
+
+    Errors are :class:`~.errors.SandboxKernelError` subclasses whose messages say how
+    to fix the host (DockerUnavailableError, RuntimeMissingError, ImageNotFoundError...).
+    """
+
+    # ---------------------------------------------------------------- the host
+
+    @abstractmethod
+    async def check_runtime(self, runtime: str) -> None:
+        """Refuse to go on unless ``runtime`` runs sandboxes with the required isolation."""
+
+    @abstractmethod
+    async def check_image(self, image: str) -> None:
+        """Refuse to go on unless ``image`` is there (it is never fetched)."""
+
+    # ---------------------------------------------------------------- one sandbox
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> str:
+        """Create and start the sandbox ``spec`` describes; its id. Nothing is left
+        behind when it cannot be started."""
+
+    @abstractmethod
+    async def state(self, sandbox_id: str) -> tuple[str, int | None]:
+        """(status, exit code or None while it runs); ``("removed", 255)`` when gone."""
+
+    @abstractmethod
+    async def main_pid(self, sandbox_id: str) -> int | None:
+        """The host pid of the sandbox's main process (its cgroups are the sandbox's)."""
+
+    @abstractmethod
+    async def oom_killed(self, sandbox_id: str) -> bool:
+        """Whether the host ended the sandbox for using more memory than its limit."""
+
+    @abstractmethod
+    async def signal(self, sandbox_id: str, signum: int) -> bool:
+        """Deliver ``signum`` to the sandbox's init; False if it is not running."""
+
+    @abstractmethod
+    async def update_limits(
+        self, sandbox_id: str, memory: str | None = None, cpus: float | None = None
+    ) -> None:
+        """Change a running sandbox's memory or CPU limit."""
+
+    @abstractmethod
+    async def prepare_workspace(self, spec: SandboxSpec) -> Path | None:
+        """Make the spec's workspace volume ready for the kernel's uid (None without a
+        volume); where its files are on the host, for attaching it to a pooled sandbox."""
+
+    @abstractmethod
+    async def attach_workspace(self, slot: Path, workspace_path: str, source: Path) -> None:
+        """Show the host folder ``source`` in a running pooled sandbox (whose /workspace
+        is the empty ``slot``) at ``workspace_path``."""
+
+    @abstractmethod
+    async def rename(self, sandbox_id: str, name: str) -> None:
+        """Name a sandbox (after the kernel that claimed it)."""
+
+    @abstractmethod
+    async def logs(self, sandbox_id: str, tail: int = 30) -> str:
+        """The sandbox's last ``tail`` lines of output, or "" if unavailable."""
+
+    @abstractmethod
+    async def remove(self, sandbox_id: str) -> None:
+        """Stop and remove a sandbox; a missing one is fine."""
+
+    @abstractmethod
+    def remove_blocking(self, sandbox_id: str) -> None:
+        """:meth:`remove`, from the calling thread (at the process's exit)."""
+
+    # ---------------------------------------------------------------- all of them
+
+    @abstractmethod
+    async def managed_containers(self) -> list[dict[str, Any]]:
+        """Every sandbox of sandbox-kernel on the host, running or not, as the backend
+        describes them (labels, state); see :class:`~.ownership.SandboxedKernel`."""
