@@ -21,8 +21,8 @@ from jupyter_core.paths import SYSTEM_JUPYTER_PATH
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Unicode, default
 
 from ._version import __version__
-from .docker_backend import DockerBackend
-from .errors import ConfigurationError, SandboxKernelError
+from .docker_backend import DockerBackend, ImageBuildError, ImageStore
+from .errors import ConfigurationError, DockerUnavailableError, SandboxKernelError
 from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .plan import ceiling_violations, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
@@ -302,18 +302,16 @@ class BuildImageApp(_SubApp):
     }
 
     def start(self) -> None:
-        import docker
-        from docker.errors import DockerException
-
         try:
-            client = docker.from_env()
-        except DockerException as exc:
-            self.fail(f"cannot reach the Docker daemon ({exc}); start dockerd first")
+            store = ImageStore()
+        except DockerUnavailableError as exc:
+            self.fail(str(exc))
+            return
         self._build_recipe(
-            client, self.recipe, self.tag or RECIPES[self.recipe].tag, self.base, self.if_missing
+            store, self.recipe, self.tag or RECIPES[self.recipe].tag, self.base, self.if_missing
         )
 
-    def _build_recipe(self, client: Any, name: str, tag: str, base: str, if_missing: bool) -> None:
+    def _build_recipe(self, store: ImageStore, name: str, tag: str, base: str, if_missing: bool) -> None:
         """Build recipe ``name`` as ``tag``; the image it builds on comes first."""
         images = data_path("images")
         recipe = RECIPES[name]
@@ -324,8 +322,8 @@ class BuildImageApp(_SubApp):
             if base == below.tag:
                 # Built on a stale or missing base, the image would lack what that recipe adds.
                 print(f"==> the {name} image builds on {base}")
-                self._build_recipe(client, recipe.builds_on, base, "", if_missing=True)
-            base_id = _image_id(client, base) or ""
+                self._build_recipe(store, recipe.builds_on, base, "", if_missing=True)
+            base_id = store.image_id(base) or ""
             if not base_id:
                 self.fail(
                     f"the base image {base} is not on this Docker host; build it first "
@@ -334,7 +332,7 @@ class BuildImageApp(_SubApp):
                 return
         digest = _recipe_digest(images, name, base_id)
         if if_missing:
-            built_from = _image_recipe(client, tag)
+            built_from = store.label(tag, RECIPE_LABEL)
             if built_from == digest:
                 print(f"==> image {tag} already present, built from the current recipe")
                 return
@@ -342,45 +340,26 @@ class BuildImageApp(_SubApp):
                 print(f"==> image {tag} was built from another recipe; rebuilding")
         if recipe.builds_on is None and self.debian_base:
             base = base or DEBIAN_BASE
-            self._ensure_debian_base(client, images, base)
-        self._docker_build(client, images / recipe.folder, tag, base, digest)
+            self._ensure_debian_base(store, images, base)
+        self._docker_build(store, images / recipe.folder, tag, base, digest)
 
-    def _ensure_debian_base(self, client: Any, images: Path, base: str) -> None:
-        from docker.errors import ImageNotFound
-
-        try:
-            client.images.get(base)
-        except ImageNotFound:
+    def _ensure_debian_base(self, store: ImageStore, images: Path, base: str) -> None:
+        if store.image_id(base) is None:
             print(f"==> building the base image {base} from a Debian rootfs")
             script = images / "base" / "build-debian-base.sh"
             if subprocess.call(["bash", str(script), base]) != 0:  # noqa: S603, S607
                 self.fail(f"building the base image {base} failed (see the output above)")
 
-    def _docker_build(self, client: Any, context: Path, tag: str, base: str, digest: str) -> None:
+    def _docker_build(self, store: ImageStore, context: Path, tag: str, base: str, digest: str) -> None:
         """Run the build of ``context``'s Dockerfile, echoing its progress."""
-        from docker.errors import BuildError, DockerException
-
         print(f"==> building {tag} from {context / 'Dockerfile'}" + (f" on {base}" if base else ""))
-        buildargs = {"BASE": base} if base else {}
         try:
-            for chunk in client.api.build(
-                path=str(context),
-                tag=tag,
-                buildargs=buildargs,
-                labels={RECIPE_LABEL: digest},
-                rm=True,
-                forcerm=True,
-                nocache=self.no_cache,
-                decode=True,
+            for line in store.build(
+                context, tag, {"BASE": base} if base else {}, {RECIPE_LABEL: digest}, nocache=self.no_cache
             ):
-                if "stream" in chunk:
-                    sys.stdout.write(chunk["stream"])
-                    sys.stdout.flush()
-                elif "status" in chunk:
-                    print(chunk["status"])
-                elif "error" in chunk:
-                    self.fail(f"image build failed: {chunk['error'].strip()}")
-        except (BuildError, DockerException) as exc:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        except ImageBuildError as exc:
             self.fail(f"image build failed: {exc}")
         print(f"==> built {tag}")
 
@@ -402,27 +381,6 @@ def _recipe_digest(images: Path, recipe: str = "python", base_id: str = "") -> s
     if base_id:
         digest.update(b"FROM\0" + base_id.encode())
     return digest.hexdigest()[:16]
-
-
-def _image_recipe(client: Any, tag: str) -> str | None:
-    """The recipe label of ``tag``; "" if it has none; None if there is no such image."""
-    from docker.errors import ImageNotFound
-
-    try:
-        image = client.images.get(tag)
-    except ImageNotFound:
-        return None
-    return str((image.labels or {}).get(RECIPE_LABEL, ""))
-
-
-def _image_id(client: Any, tag: str) -> str | None:
-    """The id of ``tag``, or None if there is no such image."""
-    from docker.errors import ImageNotFound
-
-    try:
-        return str(client.images.get(tag).id)
-    except ImageNotFound:
-        return None
 
 
 class CheckApp(_SubApp):

@@ -1,4 +1,5 @@
-"""The one place that talks to Docker: async, non-blocking, with errors translated.
+"""The one place that talks to Docker (kernels and images): async for kernels, never
+blocking a server's loop, with errors translated.
 
 docker-py is synchronous, so every call runs in a worker thread; a provisioner lives in
 the server's event loop and must never block it.
@@ -11,12 +12,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import docker
-from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.errors import APIError, BuildError, DockerException, ImageNotFound, NotFound
 from requests.exceptions import RequestException
 
 from . import mounts
@@ -444,3 +445,64 @@ class ContainerExits:
                 log.debug("Docker's event stream ended (%s); reconnecting", exc)
             self._connected.clear()
             time.sleep(1.0)
+
+
+class ImageBuildError(Exception):
+    """A kernel image could not be built; the message is Docker's."""
+
+
+class ImageStore:
+    """The kernel images on the Docker host, for ``jupyter sandbox-kernel build-image``
+    (synchronous: a command-line tool, not a server's loop)."""
+
+    def __init__(self, client_factory: Callable[[], Any] | None = None) -> None:
+        """Raises:
+        DockerUnavailableError: the daemon cannot be reached."""
+        try:
+            self._client = (client_factory or docker.from_env)()
+        except DockerException as exc:
+            msg = f"cannot reach the Docker daemon ({exc}); start dockerd first"
+            raise DockerUnavailableError(msg) from exc
+
+    def image_id(self, tag: str) -> str | None:
+        """The id of ``tag``, or None if there is no such image."""
+        try:
+            return str(self._client.images.get(tag).id)
+        except ImageNotFound:
+            return None
+
+    def label(self, tag: str, name: str) -> str | None:
+        """The label ``name`` of ``tag``; "" if it has none; None if there is no such image."""
+        try:
+            image = self._client.images.get(tag)
+        except ImageNotFound:
+            return None
+        return str((image.labels or {}).get(name, ""))
+
+    def build(
+        self, context: Path, tag: str, buildargs: Mapping[str, str], labels: Mapping[str, str], nocache: bool
+    ) -> Iterator[str]:
+        """Build ``context``'s Dockerfile as ``tag`` (never pulling), yielding its progress.
+
+        Raises:
+            ImageBuildError: with Docker's message.
+        """
+        try:
+            for chunk in self._client.api.build(
+                path=str(context),
+                tag=tag,
+                buildargs=dict(buildargs),
+                labels=dict(labels),
+                rm=True,
+                forcerm=True,
+                nocache=nocache,
+                decode=True,
+            ):
+                if "stream" in chunk:
+                    yield str(chunk["stream"])
+                elif "status" in chunk:
+                    yield f"{chunk['status']}\n"
+                elif "error" in chunk:
+                    raise ImageBuildError(str(chunk["error"]).strip())
+        except (BuildError, DockerException) as exc:
+            raise ImageBuildError(str(exc)) from exc
