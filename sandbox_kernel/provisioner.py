@@ -27,6 +27,7 @@ from jupyter_client.session import Session
 from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .backend import SandboxBackend
 from .background import BackgroundLoop
+from .binding import bind
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
 from .docker_backend import ContainerExits
@@ -40,7 +41,6 @@ from .launch_folder import (
     new_launch_dir,
     new_runtime_dir,
     seal_launch_dir,
-    send_claim,
     wait_until_ready,
     write_launch_files,
 )
@@ -52,7 +52,6 @@ from .plan import Launch, check_settings, kernelspec_config, plan_sandbox, visib
 from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sandbox_spec import (
     CONTAINER_EGRESS_SOCKET,
-    PER_KERNEL_ENV,
     SandboxSpec,
     kernel_sockets,
 )
@@ -351,19 +350,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         return launch_dir, self.container_id
 
     async def _bind_pooled(self, spec: SandboxSpec, sandbox: PooledSandbox) -> bool:
-        """Make a claimed pooled sandbox this kernel's: its workspace mounted, its kernel
-        told its working folder and session variables, its container renamed. False
-        (and the sandbox removed) if that fails: the kernel then starts cold."""
-        await asyncio.to_thread(sandbox.thaw)
+        """Make a claimed pooled sandbox this kernel's (see :mod:`~.binding`). False (and
+        the sandbox removed) if that fails: the kernel then starts cold."""
         self.runtime_dir, self.launch_dir, self._launches = sandbox.runtime_dir, sandbox.launch_dir, 1
         self.container_id = sandbox.container_id
         self.exit_code = None
         self._exit_cause = None
         try:
-            source = await self.backend.prepare_workspace(spec) or spec.workspace
-            await self.backend.attach_workspace(sandbox.slot, spec.workspace_path, source)
-            env = {name: value for name, value in spec.env.items() if name in PER_KERNEL_ENV}
-            await asyncio.to_thread(send_claim, sandbox.launch_dir, spec.workdir, env)
+            await bind(self.backend, sandbox, spec)
         except (SandboxKernelError, OSError) as exc:
             self.log.warning(
                 "Sandboxed kernel %s: could not bind pooled sandbox %s (%s); starting one cold",
