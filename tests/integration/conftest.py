@@ -345,3 +345,47 @@ def attempt_each(kc: BlockingKernelClient, attempts: dict[str, str], setup: str 
     out = run_ok(kc, code)
     assert "ALLOWED" not in out, out
     return {line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("denied ")}
+
+
+#: The shipped kernelspec with a warm pool, for running suites against pooled kernels.
+POOLED_KERNEL = "sandboxed-python-pooled-suite"
+
+
+@pytest.fixture(params=["cold", "pooled"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    """How the suite's kernels start: cold, or claimed from a warm pool."""
+    return str(request.param)
+
+
+@pytest.fixture
+def inside(flavour: str, workspace: Path) -> str:
+    """Where the kernel sees its workspace: /workspace, or /workspace/<folder> when pooled."""
+    return "/workspace" if flavour == "cold" else f"/workspace/{workspace.name}"
+
+
+@pytest.fixture
+def start_sandboxed(
+    flavour: str, start_kernel: KernelStarter, make_kernelspec: Callable[..., str], workspace: Path
+) -> Iterator[KernelStarter]:
+    """``start_kernel``, whose default kernelspec's kernels are, for the pooled flavour,
+    claimed from a warm pool (same settings, ``pool_size`` 1): the hostile and isolation
+    suites hold for both."""
+    if flavour == "cold":
+        yield start_kernel
+        return
+    from sandbox_kernel import SandboxPool, warm_pool
+
+    pooled = make_kernelspec(POOLED_KERNEL, config={"pool_size": 1})
+
+    def start(
+        kernel_name: str = KERNEL, cwd: Path | None = None, **kwargs: Any
+    ) -> tuple[KernelManager, BlockingKernelClient]:
+        if kernel_name != KERNEL:
+            return start_kernel(kernel_name, cwd, **kwargs)
+        assert warm_pool(pooled, cwd=cwd or workspace, env=kwargs.get("env")) == 1
+        km, kc = start_kernel(pooled, cwd, **kwargs)
+        assert km.provisioner.from_pool, "the pooled flavour's kernel came from the pool"
+        return km, kc
+
+    yield start
+    SandboxPool.instance().drain()

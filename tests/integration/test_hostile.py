@@ -24,9 +24,9 @@ def host_secret(tmp_path: Path) -> tuple[Path, str]:
     return beside, token
 
 
-def test_host_files_are_out_of_reach(start_kernel: KernelStarter, host_secret: tuple[Path, str]) -> None:
+def test_host_files_are_out_of_reach(start_sandboxed: KernelStarter, host_secret: tuple[Path, str]) -> None:
     secret_file, token = host_secret
-    _, kc = start_kernel()
+    _, kc = start_sandboxed()
     out = run_ok(
         kc,
         "import os\n"
@@ -63,8 +63,8 @@ def test_host_files_are_out_of_reach(start_kernel: KernelStarter, host_secret: t
     assert int(count) < 20
 
 
-def test_privileged_operations_are_refused(start_kernel: KernelStarter) -> None:
-    _, kc = start_kernel()
+def test_privileged_operations_are_refused(start_sandboxed: KernelStarter) -> None:
+    _, kc = start_sandboxed()
     out = run_ok(
         kc,
         "import ctypes, os, socket, subprocess\n"
@@ -93,8 +93,8 @@ def test_privileged_operations_are_refused(start_kernel: KernelStarter) -> None:
     assert out.strip().splitlines()[-1].split() == ["euid", str(os.getuid() or SANDBOX_UID)]
 
 
-def test_filling_tmp_fails_with_no_space_and_the_kernel_lives(start_kernel: KernelStarter) -> None:
-    _, kc = start_kernel()
+def test_filling_tmp_fails_with_no_space_and_the_kernel_lives(start_sandboxed: KernelStarter) -> None:
+    _, kc = start_sandboxed()
     result = run(kc, fill_file("/tmp/filler", chunk_mib=8), timeout=120)
     assert result.status == "error"
     assert result.reply["content"]["ename"] == "OSError"
@@ -102,9 +102,9 @@ def test_filling_tmp_fails_with_no_space_and_the_kernel_lives(start_kernel: Kern
     assert run_ok(kc, "import os; os.remove('/tmp/filler'); print('ok')").strip() == "ok"
 
 
-def test_archives_cannot_write_outside_the_sandbox(start_kernel: KernelStarter, workspace: Path) -> None:
+def test_archives_cannot_write_outside_the_sandbox(start_sandboxed: KernelStarter, workspace: Path) -> None:
     outside = workspace.parent
-    _, kc = start_kernel()
+    _, kc = start_sandboxed()
     out = run_ok(
         kc,
         "import io, tarfile, zipfile, os\n"
@@ -142,9 +142,9 @@ def test_archives_cannot_write_outside_the_sandbox(start_kernel: KernelStarter, 
 
 
 def test_flooding_the_container_stdout_keeps_host_disk_bounded(
-    start_kernel: KernelStarter, docker_client: docker.DockerClient
+    start_sandboxed: KernelStarter, docker_client: docker.DockerClient
 ) -> None:
-    km, kc = start_kernel()
+    km, kc = start_sandboxed()
     run_ok(
         kc,
         "import os\n"
@@ -159,7 +159,7 @@ def test_flooding_the_container_stdout_keeps_host_disk_bounded(
 
 
 def test_bombs_in_one_kernel_leave_another_kernel_the_server_and_the_workspace_unharmed(
-    make_kernelspec: Any, start_kernel: KernelStarter, tmp_path: Path
+    make_kernelspec: Any, start_sandboxed: KernelStarter, tmp_path: Path
 ) -> None:
     """Each attack runs in one kernel while a bystander kernel, started by the same
     process (the "server"), keeps its state and answers promptly; the attacker's
@@ -168,10 +168,10 @@ def test_bombs_in_one_kernel_leave_another_kernel_the_server_and_the_workspace_u
     bystander_ws = make_workspace(tmp_path / "bystander")
     attacker_ws = make_workspace(tmp_path / "attacker")
     (attacker_ws / "results.csv").write_text("a,b\n1,2\n")
-    _, bystander = start_kernel(cwd=bystander_ws)
+    _, bystander = start_sandboxed(cwd=bystander_ws)
     run_ok(bystander, "y = 7")
     name = make_kernelspec("attacker", config={"memory": "512m", "pids": 64, "file_size": "64m"})
-    km, attacker = start_kernel(name, cwd=attacker_ws)
+    km, attacker = start_sandboxed(name, cwd=attacker_ws)
     attacks = {
         "fork bomb": "import os\nwhile True:\n    os.fork()",
         "thread bomb": "import threading, time\n"

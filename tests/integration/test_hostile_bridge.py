@@ -44,9 +44,9 @@ def addresses(km: KernelManager) -> list[str]:
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another local user")
-def test_another_local_user_cannot_reach_a_kernels_channels(start_kernel: KernelStarter) -> None:
+def test_another_local_user_cannot_reach_a_kernels_channels(start_sandboxed: KernelStarter) -> None:
     """As uid 65534 (nobody), connect to each of the kernel's sockets: all refused."""
-    km, kc = start_kernel()
+    km, kc = start_sandboxed()
     assert km.transport == "ipc"
     paths = addresses(km)
     folder = Path(paths[0]).parent
@@ -69,13 +69,13 @@ def test_another_local_user_cannot_reach_a_kernels_channels(start_kernel: Kernel
 
 
 def test_over_tcp_a_request_without_the_key_acts_on_nothing(
-    start_kernel: KernelStarter, workspace: Path, tmp_path: Path
+    start_sandboxed: KernelStarter, workspace: Path, tmp_path: Path
 ) -> None:
     """A local user sends a forged execute_request to the kernel's TCP port: it never runs,
     never reaches the audit log, and the owner's kernel works on."""
     audit = tmp_path / "audit.jsonl"
     config = Config({"SandboxProvisioner": {"client_transport": "tcp", "audit_log": str(audit)}})
-    km, kc = start_kernel(config=config)
+    km, kc = start_sandboxed(config=config)
     info = km.get_connection_info()
     assert info["transport"] == "tcp"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -84,7 +84,7 @@ def test_over_tcp_a_request_without_the_key_acts_on_nothing(
         attacker.linger = 0
         attacker.connect(f"tcp://127.0.0.1:{info['shell_port']}")
         forger = Session(key=b"")
-        forged = forger.msg("execute_request", {"code": "open('/workspace/pwned', 'w').write('x')"})
+        forged = forger.msg("execute_request", {"code": "open('pwned', 'w').write('x')"})
         forged["header"]["username"] = "alice"
         for _ in range(3):
             attacker.send_multipart(list(forger.serialize(forged)))
@@ -144,10 +144,10 @@ async def test_forged_replies_do_not_keep_an_idle_kernel_alive(
         assert not await km.is_alive(), "forged replies kept the kernel past its idle limit"
 
 
-def test_status_messages_are_charged_to_the_output_cap(start_kernel: KernelStarter) -> None:
+def test_status_messages_are_charged_to_the_output_cap(start_sandboxed: KernelStarter) -> None:
     """52.6 MB of padded status messages once went through a 1 MiB cap."""
     config = Config({"SandboxProvisioner": {"output_limit": "1m"}})
-    _, kc = start_kernel(config=config)
+    _, kc = start_sandboxed(config=config)
     msg_id = kc.execute(
         "k = get_ipython().kernel\n"
         "for _ in range(20000):\n"
@@ -174,11 +174,11 @@ def test_status_messages_are_charged_to_the_output_cap(start_kernel: KernelStart
 
 
 def test_malformed_and_oversized_frames_from_the_kernel_leave_the_bridge_working(
-    start_kernel: KernelStarter,
+    start_sandboxed: KernelStarter,
 ) -> None:
     """A nested header (once a RecursionError that killed the relay for good), an unsigned
     message and a 40 MiB reply: dropped, and the kernel answers on, restarts included."""
-    km, kc = start_kernel()
+    km, kc = start_sandboxed()
     run_ok(
         kc,
         "k = get_ipython().kernel\n"

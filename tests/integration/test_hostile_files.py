@@ -103,7 +103,7 @@ attempt('mkdir 3777', lambda: os.mkdir('d3777', 0o3777))
 attempt('mkdir 1777', lambda: os.mkdir('d1777', 0o1777))
 attempt('mkdirat 2777', lambda: os.mkdir('d2777', 0o2777, dir_fd=here))
 attempt('chmod folder 1777', lambda: os.chmod('shared', 0o1777))
-attempt('chmod the workspace 2775', lambda: os.chmod('/workspace', 0o2775))
+attempt('chmod the workspace 2775', lambda: os.chmod('.', 0o2775))
 attempt('tarfile', lambda: untar('untarred'))
 attempt('tarfile errorlevel=2', lambda: untar('untarred2', errorlevel=2))
 for how in ('fully_trusted', 'tar', 'data'):
@@ -138,7 +138,7 @@ def test_no_setuid_setgid_or_sticky_file_reaches_the_host(
     kind: str,
     volume_prefix: str,
     make_kernelspec: Callable[..., str],
-    start_kernel: KernelStarter,
+    start_sandboxed: KernelStarter,
     workspace: Path,
     docker_client: docker.DockerClient,
 ) -> None:
@@ -147,7 +147,7 @@ def test_no_setuid_setgid_or_sticky_file_reaches_the_host(
     (or, for tarfile and zipfile, which swallow or skip modes, ends without the bit),
     and the host sees no such file, in a bind-mounted folder and in a named volume."""
     config = {"workspace_volume": volume_prefix + "-{project}"} if kind == "volume" else {}
-    _, kc = start_kernel(make_kernelspec(f"py-files-{kind}", config=config))
+    _, kc = start_sandboxed(make_kernelspec(f"py-files-{kind}", config=config))
     results = json.loads(run_ok(kc, PLANT_SPECIAL_FILES))
     if kind == "volume":
         host_root = Path(docker_client.volumes.get(f"{volume_prefix}-{workspace.name}").attrs["Mountpoint"])
@@ -176,11 +176,11 @@ def _root_owned_folder(tmp_path: Path) -> Path:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server picks the kernel's uid")
 def test_a_root_owned_workspace_gets_a_uid_that_is_no_host_account(
-    start_kernel: KernelStarter, tmp_path: Path
+    start_sandboxed: KernelStarter, tmp_path: Path
 ) -> None:
     """Files a kernel writes belong to its uid on the host; the default uid (for a root
     server and a root-owned workspace) must not be a real host account such as uid 1000."""
-    _, kc = start_kernel(cwd=_root_owned_folder(tmp_path))
+    _, kc = start_sandboxed(cwd=_root_owned_folder(tmp_path))
     uid, gid = map(int, run_ok(kc, "import os; print(os.getuid(), os.getgid())").split())
     assert (uid, gid) == (DEFAULT_KERNEL_UID, DEFAULT_KERNEL_UID)
     assert uid not in (0, SANDBOX_UID)
@@ -212,10 +212,10 @@ with zipfile.ZipFile('/tmp/sk_probe-1.0-py3-none-any.whl', 'w') as z:
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server picks the kernel's uid")
 def test_a_kernel_whose_uid_has_no_account_in_the_image_works(
-    start_kernel: KernelStarter, tmp_path: Path
+    start_sandboxed: KernelStarter, tmp_path: Path
 ) -> None:
     """The default uid has no passwd entry in the image: what analysts use still works."""
-    _, kc = start_kernel(cwd=_root_owned_folder(tmp_path))
+    _, kc = start_sandboxed(cwd=_root_owned_folder(tmp_path))
     run_ok(kc, BUILD_WHEEL)
     out = run_ok(
         kc,
@@ -282,7 +282,7 @@ def _launch_dir_problems(km: KernelManager) -> list[str]:
 #: kernel's next start and leave a writable folder in its runtime folder.
 PLANT_STARTUP_CODE = r"""
 import os
-mark = "open('/workspace/planted-ran', 'a').write({!r} + chr(10))\n"
+mark = "open(" + repr(os.path.abspath('planted-ran')) + ", 'a').write({!r} + chr(10))\n"
 leave_folder = (
     "import os\n"
     "try:\n"
@@ -292,7 +292,7 @@ leave_folder = (
 )
 run_the_real_launcher = (
     "import runpy, sys\n"
-    "sys.path[:] = [p for p in sys.path if p not in ('', '/workspace')]\n"
+    "sys.path[:] = [p for p in sys.path if p not in ('', " + repr(os.getcwd()) + ")]\n"
     "runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)\n"
 )
 launcher = mark.format('ipykernel_launcher') + leave_folder + run_the_real_launcher
@@ -307,13 +307,13 @@ open('tools/script.py', 'w').write('import helper, sys\nprint(helper.WHO, sys.fl
 
 
 def test_code_planted_in_the_workspace_does_not_run_at_the_next_start(
-    start_kernel: KernelStarter, workspace: Path
+    start_sandboxed: KernelStarter, workspace: Path, inside: str
 ) -> None:
     """The report: the kernel starts as ``python -m ipykernel_launcher`` in /workspace, so
     a planted ``ipykernel_launcher.py`` (or a config file) would run at the next restart,
     before the runtime folder is sealed. It must not; once the kernel is up, modules in
     the notebook's folder import as in a local kernel, and child processes behave normally."""
-    km, kc = start_kernel()
+    km, kc = start_sandboxed()
     run_ok(kc, PLANT_STARTUP_CODE)
     km.restart_kernel(now=True)
     kc.wait_for_ready(timeout=60)
@@ -330,7 +330,7 @@ def test_code_planted_in_the_workspace_does_not_run_at_the_next_start(
     ran = (workspace / "planted-ran").read_text() if (workspace / "planted-ran").exists() else ""
     assert ran == "", f"planted code ran at the kernel's start: {ran.split()}"
     imported, environ, order, script = out.strip().splitlines()
-    assert imported == "42 /workspace/mymodule.py"
+    assert imported == f"42 {inside}/mymodule.py"
     assert environ == "False True", "the working folder is on sys.path, PYTHONSAFEPATH is not inherited"
     assert order == "True True", "as IPython does: after the standard library, before site-packages"
     assert script == "helper False", "a script run from the kernel finds its own folder's modules"
@@ -339,7 +339,7 @@ def test_code_planted_in_the_workspace_does_not_run_at_the_next_start(
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server can seal the runtime folder")
 def test_what_a_kernel_leaves_in_its_runtime_folder_before_the_seal_does_not_survive_it(
-    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+    make_kernelspec: Callable[..., str], start_sandboxed: KernelStarter
 ) -> None:
     """Code that runs before the seal (a kernelspec's own argv here, as any user may write)
     leaves a world-writable folder, a file, and a folder under a host-written file's name
@@ -359,7 +359,7 @@ def test_what_a_kernel_leaves_in_its_runtime_folder_before_the_seal_does_not_sur
         "runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)\n"
     )
     name = make_kernelspec("py-early", argv=["python", "-c", early, "-f", "{connection_file}"])
-    km, kc = start_kernel(name)
+    km, kc = start_sandboxed(name)
     for when in ("start", "restart"):
         assert _launch_dir_problems(km) == [], when
         out = run_ok(

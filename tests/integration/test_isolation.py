@@ -14,8 +14,8 @@ import pytest
 from .conftest import SANDBOX_UID, KernelStarter, attempt_each, run, run_ok
 
 
-def test_kernel_runs_under_gvisor_as_unprivileged_user(start_kernel: KernelStarter) -> None:
-    _, kc = start_kernel()
+def test_kernel_runs_under_gvisor_as_unprivileged_user(start_sandboxed: KernelStarter, inside: str) -> None:
+    _, kc = start_sandboxed()
     out = run_ok(
         kc,
         "import ctypes, os\n"
@@ -31,13 +31,13 @@ def test_kernel_runs_under_gvisor_as_unprivileged_user(start_kernel: KernelStart
     assert int(uid) != 0
     assert int(gid) != 0
     assert caps == "0000000000000000 0000000000000000 1"
-    assert cwd == "/workspace"
+    assert cwd == inside
 
 
-def test_writes_only_reach_workspace_and_tmp(start_kernel: KernelStarter, workspace: Path) -> None:
+def test_writes_only_reach_workspace_and_tmp(start_sandboxed: KernelStarter, workspace: Path) -> None:
     secret = workspace.parent / "next-to-workspace.txt"
     secret.write_text("host only")
-    _, kc = start_kernel()
+    _, kc = start_sandboxed()
     out = run_ok(
         kc,
         "import os\n"
@@ -49,9 +49,9 @@ def test_writes_only_reach_workspace_and_tmp(start_kernel: KernelStarter, worksp
         "open('/tmp/scratch', 'w').write('tmp ok')\n"
         "os.makedirs('results', exist_ok=True)\n"
         "open('results/out.csv', 'w').write('a,b\\n1,2\\n')\n"
-        "print(sorted(os.listdir('/workspace')))\n"
+        "print(sorted(os.listdir('.')))\n"
         "print(os.path.exists('/var/run/docker.sock'), os.path.exists('/run/docker.sock'))\n"
-        "print(os.path.exists('/workspace/../next-to-workspace.txt'))",
+        "print(os.path.exists(os.path.join(os.getcwd(), '..', 'next-to-workspace.txt')))",
     )
     assert "WROTE" not in out
     assert out.count("denied") == 8
@@ -100,10 +100,10 @@ def host_addresses() -> list[str]:
     return [a for a in out if ":" not in a]
 
 
-def test_no_network_at_all(start_kernel: KernelStarter, host_server: int) -> None:
+def test_no_network_at_all(start_sandboxed: KernelStarter, host_server: int) -> None:
     targets = [("1.1.1.1", 443), ("1.1.1.1", 53), ("172.17.0.1", host_server)]
     targets += [(addr, host_server) for addr in host_addresses()]
-    _, kc = start_kernel()
+    _, kc = start_sandboxed()
     out = run_ok(
         kc,
         "import socket\n"
@@ -136,11 +136,11 @@ def test_no_network_at_all(start_kernel: KernelStarter, host_server: int) -> Non
     ids=["urllib", "requests", "pandas"],
 )
 def test_code_that_tries_the_network_learns_in_one_line_that_there_is_none(
-    code: str, start_kernel: KernelStarter
+    code: str, start_sandboxed: KernelStarter
 ) -> None:
     """What a notebook shows: one line saying why, not forty lines of retries ending in
     'Temporary failure in name resolution'."""
-    _, kc = start_kernel()
+    _, kc = start_sandboxed()
     result = run(kc, code, timeout=60)
     assert result.status == "error"
     (error,) = [output for output in result.outputs if output["type"] == "error"]
@@ -151,7 +151,7 @@ def test_code_that_tries_the_network_learns_in_one_line_that_there_is_none(
     assert "Traceback" not in line
 
 
-def test_server_secrets_do_not_enter_the_sandbox(start_kernel: KernelStarter) -> None:
+def test_server_secrets_do_not_enter_the_sandbox(start_sandboxed: KernelStarter) -> None:
     env = dict(os.environ)
     env.update(
         AWS_SECRET_ACCESS_KEY="aws-secret-123",
@@ -159,7 +159,7 @@ def test_server_secrets_do_not_enter_the_sandbox(start_kernel: KernelStarter) ->
         JPY_PARENT_PID=str(os.getpid()),
         TZ="Europe/Paris",
     )
-    _, kc = start_kernel(env=env)
+    _, kc = start_sandboxed(env=env)
     out = run_ok(
         kc,
         "import os, glob\n"
@@ -180,8 +180,8 @@ def test_server_secrets_do_not_enter_the_sandbox(start_kernel: KernelStarter) ->
     assert tz == "Europe/Paris", "allow-listed variables pass"
 
 
-def test_matplotlib_figure_arrives_as_png(start_kernel: KernelStarter) -> None:
-    _, kc = start_kernel()
+def test_matplotlib_figure_arrives_as_png(start_sandboxed: KernelStarter) -> None:
+    _, kc = start_sandboxed()
     result = run(
         kc,
         "import matplotlib.pyplot as plt, numpy as np\n"
@@ -194,9 +194,9 @@ def test_matplotlib_figure_arrives_as_png(start_kernel: KernelStarter) -> None:
     assert pngs[0].startswith("iVBORw0KGgo")  # base64 of the PNG signature
 
 
-def test_kernel_cannot_make_links_or_device_nodes(start_kernel: KernelStarter) -> None:
+def test_kernel_cannot_make_links_or_device_nodes(start_sandboxed: KernelStarter) -> None:
     """Host code follows paths in folders the kernel writes: no path there may lead elsewhere."""
-    _, kc = start_kernel()
+    _, kc = start_sandboxed()
     denied = attempt_each(
         kc,
         {
@@ -218,8 +218,8 @@ def test_kernel_cannot_make_links_or_device_nodes(start_kernel: KernelStarter) -
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server can seal the runtime folder")
-def test_runtime_folder_is_sealed_once_the_kernel_is_up(start_kernel: KernelStarter) -> None:
-    km, kc = start_kernel()
+def test_runtime_folder_is_sealed_once_the_kernel_is_up(start_sandboxed: KernelStarter) -> None:
+    km, kc = start_sandboxed()
     attempts = {
         "new file": "open('/run/sandbox-kernel/junk', 'w')",
         "new folder": "os.mkdir('/run/sandbox-kernel/d')",
