@@ -205,15 +205,22 @@ def restart_once(kernel: StartedKernel) -> float:
     return (client.kernel_info_reply_at or time.perf_counter()) - started
 
 
+def sandbox_pid(manager: KernelManager | AsyncKernelManager) -> int | None:
+    """The host pid of a sandboxed kernel's container (its cgroups are the sandbox's); None if local."""
+    container_id = getattr(manager.provisioner, "container_id", None)
+    if container_id is None:
+        return None
+    client = docker.from_env()
+    try:
+        return int(client.api.inspect_container(container_id)["State"]["Pid"])
+    finally:
+        client.close()
+
+
 def host_memory_mib(manager: KernelManager) -> float:
     """What the host pays for the kernel now: the sandbox's cgroup, or the local process's PSS."""
-    container_id = getattr(manager.provisioner, "container_id", None)
-    if container_id is not None:
-        client = docker.from_env()
-        try:
-            pid = client.api.inspect_container(container_id)["State"]["Pid"]
-        finally:
-            client.close()
+    pid = sandbox_pid(manager)
+    if pid is not None:
         usage = memory_usage(pid)
         return usage / 2**20 if usage is not None else math.nan
     process = getattr(manager.provisioner, "process", None)
@@ -301,13 +308,8 @@ async def shutdown_all(managers: list[AsyncKernelManager]) -> None:
 
 def kernel_cpu_seconds(manager: AsyncKernelManager) -> float:
     """CPU the host spent on one kernel so far: its container's cgroup, or its process."""
-    container_id = getattr(manager.provisioner, "container_id", None)
-    if container_id is not None:
-        client = docker.from_env()
-        try:
-            pid = client.api.inspect_container(container_id)["State"]["Pid"]
-        finally:
-            client.close()
+    pid = sandbox_pid(manager)
+    if pid is not None:
         return cpu_seconds(pid) or 0.0
     process = getattr(manager.provisioner, "process", None)
     if process is None:

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -46,6 +47,21 @@ _TRANSPORT_ERRORS = (DockerException, RequestException)
 #: (not open) host unix sockets, its ipc endpoints; and the container's seccomp profile
 #: is enforced (runsc ignores it otherwise).
 REQUIRED_RUNTIME_ARGS = ("--network=none", "--host-uds=create", "--oci-seccomp")
+
+
+@contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """Docker's errors as ours (NotFound passes through, for callers to decide)."""
+    try:
+        yield
+    except NotFound:
+        raise
+    except APIError as exc:
+        msg = f"Docker failed to {what}: {exc.explanation or exc}"
+        raise DockerOperationError(msg) from exc
+    except _TRANSPORT_ERRORS as exc:
+        msg = f"Lost the Docker daemon while trying to {what}: {exc}. Is dockerd running?"
+        raise DockerUnavailableError(msg) from exc
 
 
 def runtime_setup_hint(runtime: str) -> str:
@@ -95,16 +111,8 @@ class DockerBackend(SandboxBackend):
 
     async def _api(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one Docker call, mapping transport failures to our errors."""
-        try:
+        with _translated(what):
             return await self._call(fn, *args, **kwargs)
-        except NotFound:
-            raise
-        except APIError as exc:
-            msg = f"Docker failed to {what}: {exc.explanation or exc}"
-            raise DockerOperationError(msg) from exc
-        except _TRANSPORT_ERRORS as exc:
-            msg = f"Lost the Docker daemon while trying to {what}: {exc}. Is dockerd running?"
-            raise DockerUnavailableError(msg) from exc
 
     async def check_runtime(self, runtime: str) -> None:
         """Make sure ``runtime`` is registered, is gVisor, and carries our flags.
@@ -334,16 +342,11 @@ class DockerBackend(SandboxBackend):
             DockerOperationError, DockerUnavailableError: it may still exist.
         """
         try:
-            client = self._client or self._client_factory()
-            client.api.remove_container(container_id, force=True)
+            with _translated("remove the kernel container"):
+                client = self._client or self._client_factory()
+                client.api.remove_container(container_id, force=True)
         except NotFound:
             return
-        except APIError as exc:
-            msg = f"Docker failed to remove the kernel container: {exc.explanation or exc}"
-            raise DockerOperationError(msg) from exc
-        except _TRANSPORT_ERRORS as exc:
-            msg = f"Lost the Docker daemon while removing a kernel container: {exc}. Is dockerd running?"
-            raise DockerUnavailableError(msg) from exc
 
     async def remove(self, container_id: str) -> None:
         """Force-remove a container; a missing one is fine.

@@ -30,6 +30,7 @@ from traitlets.config import Config
 
 from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.mounts import mounts_under
 from sandbox_kernel.resources import data_path
 from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
@@ -48,6 +49,11 @@ def runtime_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("sandbox-kernel-*")}
 
 
+def kernel_mounts() -> set[str]:
+    """Mounts in kernels' runtime folders (a pooled kernel's workspace, its slot's parent)."""
+    return {str(p) for p in mounts_under(Path(tempfile.gettempdir())) if "/sandbox-kernel-" in str(p)}
+
+
 class HostState:
     """Sandbox containers, runtime folders and runsc processes at one moment.
 
@@ -59,6 +65,7 @@ class HostState:
         self.client = client
         self.containers = self._containers()
         self.dirs = runtime_dirs()
+        self.mounts = kernel_mounts()
         self.processes = runsc_processes()
 
     def _containers(self) -> set[str]:
@@ -71,6 +78,7 @@ class HostState:
             time.sleep(0.2)
         found = [f"container {c}" for c in sorted(self._containers() - self.containers)]
         found += [f"runtime folder {d}" for d in sorted(runtime_dirs() - self.dirs)]
+        found += [f"mount {m}" for m in sorted(kernel_mounts() - self.mounts)]
         found += [f"process {p}" for p in sorted(runsc_processes() - self.processes)]
         return found
 

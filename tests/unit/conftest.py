@@ -21,7 +21,12 @@ import pytest
 from docker.errors import APIError, ImageNotFound, NotFound
 
 from sandbox_kernel.docker_backend import REQUIRED_RUNTIME_ARGS, DockerBackend
-from sandbox_kernel.sandbox_spec import CONTAINER_RUNTIME_DIR
+from sandbox_kernel.sandbox_spec import (
+    CONTAINER_CONNECTION_FILE,
+    CONTAINER_RUNTIME_DIR,
+    CONTAINER_WORKSPACE,
+    SandboxSpec,
+)
 from sandbox_kernel.settings import DEFAULT_RUNTIME
 
 RUNNING = {"Status": "running", "ExitCode": 0, "OOMKilled": False}
@@ -232,3 +237,24 @@ def client_factory(fake_client: FakeDockerClient) -> CountingFactory:
 @pytest.fixture
 def sandbox_docker(client_factory: CountingFactory) -> DockerBackend:
     return DockerBackend(client_factory=client_factory)
+
+
+def make_spec(tmp_path: Path, **overrides: object) -> SandboxSpec:
+    values: dict[str, object] = {
+        "kernel_id": "k1",
+        "kernelspec": "sandboxed-python",
+        "image": "img:1",
+        "runtime": "runsc-sandbox-kernel",
+        "command": ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE],
+        "env": {"HOME": "/tmp"},
+        "workspace": tmp_path / "work",
+        "workdir": f"{CONTAINER_WORKSPACE}/sub",
+        "runtime_dir": tmp_path / "rt",
+        "uid": 1234,
+        "gid": 1235,
+        "memory": "512m",
+        "cpus": 0.5,
+        "tmp_size": "64m",
+    }
+    values.update(overrides)
+    return SandboxSpec(**values)  # type: ignore[arg-type]

@@ -24,33 +24,12 @@ from sandbox_kernel.sandbox_spec import (
     LABEL_KERNELSPEC,
     LABEL_MANAGED,
     LABEL_RUNTIME_DIR,
-    SandboxSpec,
     container_connection_info,
     kernel_command,
     sandbox_env,
 )
 
-
-def make_spec(tmp_path: Path, **overrides: object) -> SandboxSpec:
-    values: dict[str, object] = {
-        "kernel_id": "k1",
-        "kernelspec": "sandboxed-python",
-        "image": "img:1",
-        "runtime": "runsc-sandbox-kernel",
-        "command": ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE],
-        "env": {"HOME": "/tmp"},
-        "workspace": tmp_path / "work",
-        "workdir": f"{CONTAINER_WORKSPACE}/sub",
-        "runtime_dir": tmp_path / "rt",
-        "uid": 1234,
-        "gid": 1235,
-        "memory": "512m",
-        "cpus": 0.5,
-        "tmp_size": "64m",
-    }
-    values.update(overrides)
-    return SandboxSpec(**values)  # type: ignore[arg-type]
-
+from .conftest import make_spec
 
 # ---------------------------------------------------------------- the seccomp profile
 

@@ -107,3 +107,13 @@ def test_a_waiting_pooled_sandbox_is_listed_as_pooled_and_orphaned_with_its_owne
     claimed = SandboxedKernel.from_inspect({**attrs, "Name": "/sandbox-kernel-1234-5678"})
     assert not claimed.pooled
     assert claimed.kernel_id == "1234-5678"
+
+
+def test_a_binding_holds_only_what_differs_from_one_kernel_to_the_next() -> None:
+    from sandbox_kernel.binding import KernelBinding
+
+    binding = KernelBinding.of(SPEC)
+    assert binding.kernel_id == "k1"
+    assert binding.name == "sandbox-kernel-k1"
+    assert (binding.workdir, binding.workspace_path) == ("/workspace/a", "/workspace/a")
+    assert binding.env == {"JPY_SESSION_NAME": "a.ipynb"}  # LANG was fixed when the sandbox started
