@@ -81,6 +81,17 @@ class SandboxBackend(ABC):
     async def logs(self, sandbox_id: str, tail: int = 30) -> str:
         """The sandbox's last ``tail`` lines of output, or "" if unavailable."""
 
+    def watch_exits(self, sandbox_id: str) -> None:  # noqa: B027  # optional: no events, no-op
+        """Follow the sandbox's end as the backend learns of it (see :meth:`surely_running`)."""
+
+    def unwatch_exits(self, sandbox_id: str) -> None:  # noqa: B027
+        """Stop following it."""
+
+    def surely_running(self, sandbox_id: str) -> bool:
+        """True when the backend knows, without asking, that a watched sandbox still runs
+        (an event stream that saw no end); False: ask :meth:`state`."""
+        return False
+
     @abstractmethod
     async def remove(self, sandbox_id: str) -> None:
         """Stop and remove a sandbox; a missing one is fine."""

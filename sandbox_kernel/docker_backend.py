@@ -89,6 +89,20 @@ class DockerBackend(SandboxBackend):
         self._client_factory = client_factory or docker.from_env
         self._client: Any = None
 
+    @property
+    def exits(self) -> ContainerExits:
+        """The event stream of this backend's Docker daemon (one per process and daemon)."""
+        return ContainerExits.of(self._client_factory)
+
+    def watch_exits(self, sandbox_id: str) -> None:
+        self.exits.watch(sandbox_id)
+
+    def unwatch_exits(self, sandbox_id: str) -> None:
+        self.exits.unwatch(sandbox_id)
+
+    def surely_running(self, sandbox_id: str) -> bool:
+        return bool(self.exits.running(sandbox_id))
+
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(fn, *args, **kwargs)
 
@@ -382,22 +396,24 @@ class ContainerExits:
     connection (dockerd restarting) it reconnects and asks for the events it missed.
     """
 
-    _instance: ClassVar[ContainerExits | None] = None
-    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+    #: By the client factory's id (each stream keeps its factory alive, so ids stay unique).
+    _streams: ClassVar[dict[int, ContainerExits]] = {}
+    _streams_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, client_factory: Callable[[], Any] | None = None) -> None:
-        self._client_factory = client_factory or docker.from_env
+    def __init__(self, client_factory: Callable[[], Any]) -> None:
+        self._client_factory = client_factory
         self._lock = threading.Lock()
         self._watched: dict[str, threading.Event] = {}
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def instance(cls) -> ContainerExits:
-        with cls._instance_lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
+    def of(cls, client_factory: Callable[[], Any]) -> ContainerExits:
+        """The process's stream for the daemon ``client_factory`` connects to."""
+        with cls._streams_lock:
+            if id(client_factory) not in cls._streams:
+                cls._streams[id(client_factory)] = cls(client_factory)
+            return cls._streams[id(client_factory)]
 
     @property
     def following(self) -> bool:
@@ -447,6 +463,10 @@ class ContainerExits:
             except Exception as exc:  # noqa: BLE001  # the daemon went away: reconnect
                 log.debug("Docker's event stream ended (%s); reconnecting", exc)
             self._connected.clear()
+            with self._lock:
+                if not self._watched:  # nothing to follow: the next watch starts again
+                    self._thread = None
+                    return
             time.sleep(1.0)
 
 

@@ -30,7 +30,6 @@ from .background import BackgroundLoop
 from .binding import bind
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
-from .docker_backend import ContainerExits
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
     DockerUnavailableError,
@@ -542,16 +541,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """
         watch = Watch()
         limits = WatchLimits(self.exec_timeout, self.exec_kill_grace, self.idle_timeout, self.memory)
-        exits = ContainerExits.instance()
-        exits.watch(container_id)
+        self.backend.watch_exits(container_id)
         try:
-            await self._watch_loop(container_id, watch, limits, exits)
+            await self._watch_loop(container_id, watch, limits)
         finally:
-            exits.unwatch(container_id)
+            self.backend.unwatch_exits(container_id)
 
-    async def _watch_loop(
-        self, container_id: str, watch: Watch, limits: WatchLimits, exits: ContainerExits
-    ) -> None:
+    async def _watch_loop(self, container_id: str, watch: Watch, limits: WatchLimits) -> None:
         pid: int | None = None
         next_deep = next_state = 0.0
         next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
@@ -569,7 +565,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                     if pid is None:
                         pid = await self.backend.main_pid(container_id)
                     code = None
-                    if exits.running(container_id) is None or now >= next_state:
+                    if not self.backend.surely_running(container_id) or now >= next_state:
                         # Docker's event stream says when it ends; ask now and then anyway.
                         next_state = now + STATE_CHECK_INTERVAL
                         _, code = await self.backend.state(container_id)
@@ -673,8 +669,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """None while the container runs, else its exit code (cheap; never blocks the loop)."""
         if self.container_id is None:
             return self.exit_code if self.exit_code is not None else 0
-        if ContainerExits.instance().running(self.container_id):
-            return None  # Docker's event stream has not seen it end
+        if self.backend.surely_running(self.container_id):
+            return None  # the backend's event stream has not seen it end
         try:
             status, code = await self.backend.state(self.container_id)
         except SandboxKernelError as exc:
