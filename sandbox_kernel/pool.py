@@ -97,6 +97,24 @@ def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def pooled_spec(spec: SandboxSpec, slot: Path, launch_dir: Path) -> SandboxSpec:
+    """A pooled sandbox of the plan ``spec``: nothing of the kernel whose start made the
+    plan (no folder, name, volume or session variables; those come with each claim), its
+    slot as /workspace, and the claim socket to listen on."""
+    env = {name: value for name, value in spec.env.items() if name not in PER_KERNEL_ENV}
+    return replace(
+        spec,
+        workspace=slot,
+        workdir=CONTAINER_WORKSPACE,
+        workspace_path=CONTAINER_WORKSPACE,
+        volume=None,
+        kernel_id=secrets.token_hex(6),
+        runtime_dir=launch_dir,
+        slot=slot,
+        env={**env, CLAIM_ENV: CONTAINER_CLAIM_SOCKET},
+    )
+
+
 @dataclass(frozen=True)
 class PoolPlan:
     """What a kernelspec's pooled sandboxes are made from, and how many to keep."""
@@ -331,18 +349,7 @@ class SandboxPool:
         container_id = None
         try:
             slot, launch_dir = await asyncio.to_thread(prepare)
-            pooled = replace(
-                spec,
-                # Nothing of the plan's first claimant: no folder, name or volume.
-                workspace=slot,
-                workdir=CONTAINER_WORKSPACE,
-                workspace_path=CONTAINER_WORKSPACE,
-                volume=None,
-                kernel_id=secrets.token_hex(6),
-                runtime_dir=launch_dir,
-                slot=slot,
-                env={**spec.env, CLAIM_ENV: CONTAINER_CLAIM_SOCKET},
-            )
+            pooled = pooled_spec(spec, slot, launch_dir)
             container_id = await backend.create(pooled)
             sockets = expected_sockets(launch_dir, plan.egress, pooled=True)
             await wait_until_ready(backend, container_id, sockets, plan.startup_timeout, spec.image)

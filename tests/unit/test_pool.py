@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,3 +118,20 @@ def test_a_binding_holds_only_what_differs_from_one_kernel_to_the_next() -> None
     assert binding.name == "sandbox-kernel-k1"
     assert (binding.workdir, binding.workspace_path) == ("/workspace/a", "/workspace/a")
     assert binding.env == {"JPY_SESSION_NAME": "a.ipynb"}  # LANG was fixed when the sandbox started
+
+
+def test_a_pooled_sandbox_carries_nothing_of_the_kernel_whose_start_made_the_plan(tmp_path: Path) -> None:
+    """The plan is made from one kernel's start: its notebook's name, folder and volume
+    must not reach the next user's kernel through the pooled sandbox."""
+    from sandbox_kernel.pool import pooled_spec
+
+    planned = replace(SPEC, volume="alice-sales")
+    pooled = pooled_spec(planned, tmp_path / "slot", tmp_path / "run1")
+    assert "JPY_SESSION_NAME" not in pooled.env
+    assert pooled.env["SANDBOX_KERNEL_CLAIM"] == "/run/sandbox-kernel/claim.sock"
+    assert pooled.env["LANG"] == "C.UTF-8"
+    assert (pooled.workspace, pooled.volume, pooled.workdir) == (tmp_path / "slot", None, "/workspace")
+    assert pooled.kernel_id != SPEC.kernel_id
+    kwargs = container_create_kwargs(pooled)
+    assert kwargs["working_dir"] == "/workspace"
+    assert "alice" not in json.dumps(kwargs["labels"]) + json.dumps(kwargs["environment"])
