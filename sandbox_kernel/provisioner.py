@@ -669,8 +669,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """None while the container runs, else its exit code (cheap; never blocks the loop)."""
         if self.container_id is None:
             return self.exit_code if self.exit_code is not None else 0
-        if self.backend.surely_running(self.container_id):
-            return None  # the backend's event stream has not seen it end
+        if self._exit_noted != self.container_id and self.backend.surely_running(self.container_id):
+            return None  # the backend's event stream has not seen it end (nor the watchdog)
         try:
             status, code = await self.backend.state(self.container_id)
         except SandboxKernelError as exc:

@@ -402,6 +402,22 @@ async def test_poll_reports_the_exit_code_once_the_container_stops(
     await prov.cleanup()
 
 
+async def test_an_end_the_watchdog_noted_is_believed_over_an_event_stream_that_missed_it(
+    make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """poll() trusts the backend's event stream to say a kernel still runs; once the
+    watchdog has seen it end (its periodic check), Jupyter's restarter must see it too."""
+    fake_client.on_start = kernel_binds_its_sockets
+    prov = make_provisioner(image="img:1")
+    await launch(prov, workspace)
+    monkeypatch.setattr(prov.backend, "surely_running", lambda container_id: True)  # a stream that missed it
+    assert await prov.poll() is None
+    fake_client.states[prov.container_id] = {"Status": "exited", "ExitCode": 1}
+    await prov._note_exit(prov.container_id, 1)
+    assert await prov.poll() == 1
+    await prov.cleanup()
+
+
 async def test_a_restart_keeps_the_client_ports_with_a_fresh_launch_dir(
     make_provisioner: Any, fake_client: FakeDockerClient, workspace: Path
 ) -> None:
