@@ -45,7 +45,6 @@ from typing import Any, ClassVar
 from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .cgroups import freeze
-from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .launch_folder import (
     expected_sockets,
@@ -128,7 +127,7 @@ class PoolPlan:
     #: Most bytes of memory limits all waiting sandboxes of the process may reserve.
     budget: int
     #: What starts them (the provisioner's backend).
-    backend: SandboxBackend = field(default_factory=DockerBackend, compare=False)
+    backend: SandboxBackend = field(compare=False)
 
     @property
     def kernelspec(self) -> str:
@@ -153,12 +152,10 @@ class PooledSandbox:
     slot: Path
     key: bytes
     scheme: str
-    fingerprint: str
     memory: int
-    created: float
+    backend: SandboxBackend = field(compare=False)
     #: The host pid of its sandbox, whose cgroup is frozen while it waits (None: not frozen).
     frozen_pid: int | None = None
-    backend: SandboxBackend = field(default_factory=DockerBackend, compare=False)
 
     def thaw(self) -> None:
         """Let the sandbox run again (before its claim, or its removal: a frozen process
@@ -232,11 +229,9 @@ class SandboxPool:
         with self._lock:
             return len(self._ready.get(fingerprint, []))
 
-    def ready(self, kernelspec: str | None = None) -> int:
-        """How many sandboxes wait (for one kernelspec's current plan, or in all)."""
+    def ready(self, kernelspec: str) -> int:
+        """How many sandboxes of ``kernelspec``'s current plan wait."""
         with self._lock:
-            if kernelspec is None:
-                return sum(len(r) for r in self._ready.values())
             plan = self._plans.get(kernelspec)
             return len(self._ready.get(plan.fingerprint, [])) if plan else 0
 
@@ -371,11 +366,9 @@ class SandboxPool:
             slot=slot,
             key=key,
             scheme=plan.scheme,
-            fingerprint=plan.fingerprint,
             memory=plan.memory,
-            created=time.time(),
-            frozen_pid=pid if frozen else None,
             backend=backend,
+            frozen_pid=pid if frozen else None,
         )
 
     async def _remove(self, sandbox: PooledSandbox) -> None:
@@ -428,18 +421,6 @@ class SandboxPool:
             self.drain(timeout=10.0)
         except Exception:
             log.exception("Sandbox pool: could not remove its sandboxes; the next start sweeps them")
-
-    def describe(self) -> dict[str, Any]:
-        """Per kernelspec: size, waiting, starting."""
-        with self._lock:
-            return {
-                name: {
-                    "size": plan.size,
-                    "ready": len(self._ready.get(plan.fingerprint, [])),
-                    "starting": self._starting.get(plan.fingerprint, 0),
-                }
-                for name, plan in self._plans.items()
-            }
 
 
 async def plan_pool(

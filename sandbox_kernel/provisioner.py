@@ -272,6 +272,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                     self.kernel_id,
                     self.kernel_name,
                 )
+        self.exit_code = None
+        self._exit_cause = None
         try:
             if pooled is not None and await self._bind_pooled(self._spec, pooled):
                 # The manager adopts the sandbox's key (fresh, and nobody else's), as
@@ -280,12 +282,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self.connection_info = {"key": key, "signature_scheme": scheme}  # type: ignore[typeddict-item]
                 launch_dir, container_id = pooled.launch_dir, pooled.container_id
                 BackgroundLoop.instance().submit(self._rename(container_id, self._spec.container_name))
-                ports = await self._attach_bridge(launch_dir)
-                await self._open_egress(launch_dir)
             else:
                 launch_dir, container_id = await self._start_cold(self._spec, key, scheme)
-                ports = await self._attach_bridge(launch_dir)
-                await self._open_egress(launch_dir)
+            ports = await self._attach_bridge(launch_dir)
+            await self._open_egress(launch_dir)
+            if not self.from_pool:  # a pooled sandbox was ready and sealed before its claim
                 sockets = expected_sockets(launch_dir, self._egress is not None, pooled=False)
                 await wait_until_ready(self.backend, container_id, sockets, self.startup_timeout, self.image)
                 await asyncio.to_thread(self._seal, launch_dir)
@@ -335,8 +336,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         )
         await self.backend.prepare_workspace(spec)
         self.container_id = await self.backend.create(spec)
-        self.exit_code = None
-        self._exit_cause = None
         self.log.info(
             "Sandboxed kernel %s: container %s (image %s, runtime %s, uid %d, workspace %s)",
             self.kernel_id,
@@ -353,8 +352,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         the sandbox removed) if that fails: the kernel then starts cold."""
         self.runtime_dir, self.launch_dir, self._launches = sandbox.runtime_dir, sandbox.launch_dir, 1
         self.container_id = sandbox.container_id
-        self.exit_code = None
-        self._exit_cause = None
         try:
             await bind(self.backend, sandbox, spec)
         except (SandboxKernelError, OSError) as exc:
@@ -574,8 +571,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                     busy = auditor.current() is not None or (
                         bridge is not None and bridge.requests_in_flight(REQUEST_CPU_CREDIT)
                     )
-                    cpu = cpu_seconds(pid) if pid is not None else None
-                    if cpu is None and pid is not None and self.exec_timeout > 0 and not cpu_unknown:
+                    # The CPU bounds computing outside executions only with a wall-clock limit.
+                    cpu = cpu_seconds(pid) if pid is not None and limits.exec_timeout > 0 else None
+                    if cpu is None and pid is not None and limits.exec_timeout > 0 and not cpu_unknown:
                         cpu_unknown = True
                         self.log.warning(
                             "Sandboxed kernel %s: cannot read its CPU time from the host's cgroup; computing "

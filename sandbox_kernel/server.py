@@ -113,8 +113,6 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
             provisioner = (entry.get("spec", {}).get("metadata") or {}).get("kernel_provisioner") or {}
             if provisioner.get("provisioner_name") != "sandbox-provisioner":
                 continue
-            if not (provisioner.get("config") or {}).get("pool_size"):
-                continue
             try:
                 if await plan_pool(name, self.root_dir, parent=self):
                     filled.append(name)
