@@ -37,7 +37,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -94,6 +94,24 @@ def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
     fixed["extra_labels"] = {k: v for k, v in spec.extra_labels.items() if k != LABEL_OWNER}
     fixed["scheme"] = scheme
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _at_exit(close: Callable[[], None]) -> None:
+    """Run ``close`` when the interpreter exits, while worker threads still run.
+
+    A sandbox being started when a program ends must be removed with the same async
+    Docker calls that start it, and those run in the default executor's threads, which
+    Python shuts down before plain ``atexit`` handlers run. Exit hooks of ``threading``
+    run before that, newest first (the hook concurrent.futures uses itself): register
+    after its module is loaded, so ours comes first.
+    """
+    import concurrent.futures.thread  # noqa: F401  # its exit hook is registered on import
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython 3.9+: the best there is
+        atexit.register(close)
+    else:
+        register(close)
 
 
 def pooled_spec(spec: SandboxSpec, slot: Path, launch_dir: Path) -> SandboxSpec:
@@ -187,7 +205,7 @@ class SandboxPool:
         with cls._instance_lock:
             if cls._instance is None:
                 cls._instance = cls()
-                atexit.register(cls._instance.close)
+                _at_exit(cls._instance.close)
             return cls._instance
 
     @property

@@ -159,6 +159,12 @@ if sys.argv[2] == "claim":
     kc = km.client(); kc.start_channels(); kc.wait_for_ready(timeout=60)
     kc.execute_interactive("_ = open('kept.txt', 'w').write('mine')", timeout=60)
     print(km.kernel_id, km.provisioner.from_pool, flush=True)
+if sys.argv[2] == "claim-and-end":  # as the README's example: claim, use, shut down, end
+    km = KernelManager(kernel_name={kernelspec!r})
+    km.start_kernel(cwd=workspace)
+    print(km.provisioner.from_pool, flush=True)
+    km.shutdown_kernel()
+    sys.exit()  # while the pool refills
 sys.stdin.read()  # until the test closes stdin (a clean exit) or kills us
 """
 
@@ -168,11 +174,26 @@ def run_program(workspace: Path, mode: str) -> tuple[subprocess.Popen[str], list
         [sys.executable, "-c", textwrap.dedent(PROGRAM.format(kernelspec=POOLED)), str(workspace), mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     assert proc.stdout is not None
-    lines = [proc.stdout.readline().strip() for _ in range(2 if mode == "claim" else 1)]
+    lines = [proc.stdout.readline().strip() for _ in range(1 if mode == "warm" else 2)]
     return proc, lines
+
+
+def test_a_program_that_ends_while_its_pool_refills_leaves_nothing(
+    pooled: str, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """The README's example ends right after its kernel: the sandbox the pool was starting
+    to replace the claimed one is removed too, quietly."""
+    proc, lines = run_program(workspace, "claim-and-end")
+    assert lines == ["2", "True"]
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert "Traceback" not in stderr, stderr
+    assert waiting(docker_client) == {}
+    assert listed() == []
 
 
 def test_pooled_sandboxes_go_with_their_program_even_when_it_is_killed(
