@@ -31,6 +31,7 @@ from traitlets.config import Config
 from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.mounts import mounts_under
+from sandbox_kernel.ownership import list_kernels, server_identity
 from sandbox_kernel.resources import data_path
 from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
@@ -109,8 +110,14 @@ def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
     before = HostState(docker_client)
     yield
     problems = before.new_leftovers()
+    # Only what this run left: another program's live kernels (a second test run, say) stay.
+    mine = {
+        kernel.container_id
+        for kernel in asyncio.run(list_kernels(DockerBackend()))
+        if kernel.owner == server_identity() or kernel.owner_gone
+    }
     for container in docker_client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
-        if container.name not in before.containers:
+        if container.name not in before.containers and container.id in mine:
             container.remove(force=True)
     if problems:
         pytest.fail("Left behind after the tests: " + "; ".join(problems), pytrace=False)
