@@ -67,6 +67,8 @@ REQUEST_CPU_CREDIT = 10.0
 #: How often a watchdog asks Docker for its kernel's state although the event stream
 #: says it runs (seconds).
 STATE_CHECK_INTERVAL = 30.0
+#: What a kernel's saved state says of its workspace (see ``SandboxProvisioner._layout``).
+LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid")
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
 
@@ -123,6 +125,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._cwd: str | None = None
         # With a pool_size: what this kernelspec's pooled sandboxes are made from.
         self._pool_plan: PoolPlan | None = None
+        self._loaded_layout: dict[str, Any] = {}
         self._host_checked = False
         #: Whether the running kernel's sandbox came from the pool (False: started cold).
         self.from_pool = False
@@ -865,8 +868,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 "runtime_dir": str(self.runtime_dir) if self.runtime_dir else None,
                 "launch_dir": str(self.launch_dir) if self.launch_dir else None,
                 "image": self.image,
-                "workspace": str(self._spec.workspace) if self._spec else None,
-                "workdir": self._spec.workdir if self._spec else None,
+                **self._layout(),
             }
         )
         info["connection_info"] = {
@@ -874,9 +876,26 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         }
         return info
 
+    def _layout(self) -> dict[str, Any]:
+        """The running sandbox's workspace: its host folder (or named volume), where it is
+        inside, the kernel's working folder there, and whose files the kernel writes. What
+        the host-side files API needs; a reattached kernel keeps what its state said."""
+        spec = self._spec
+        if spec is None:
+            return dict(self._loaded_layout)
+        return {
+            "workspace": str(spec.workspace),
+            "workdir": spec.workdir,
+            "workspace_path": spec.workspace_path,
+            "volume": spec.volume,
+            "uid": spec.uid,
+            "gid": spec.gid,
+        }
+
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
         """Reattach to a running kernel: same container, same client ports."""
         await super().load_provisioner_info(provisioner_info)
+        self._loaded_layout = {key: provisioner_info.get(key) for key in LAYOUT_KEYS}
         self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
         self.container_id = provisioner_info["container_id"]
         self._cwd = provisioner_info.get("cwd")
