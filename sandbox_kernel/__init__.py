@@ -6,26 +6,36 @@ from .errors import (
     DockerOperationError,
     DockerUnavailableError,
     ImageNotFoundError,
+    KernelHeldError,
     KernelNotFoundError,
     KernelStartupError,
+    KernelTakenOverError,
     RuntimeMissingError,
     SandboxKernelError,
     WorkspaceError,
 )
 from .pool import SandboxPool, warm_pool
 from .provisioner import SandboxProvisioner
+from .session import AsyncSandboxSession, Execution, ExecutionError, Result, SandboxSession
 
 __all__ = [
+    "AsyncSandboxSession",
     "ConfigurationError",
     "DockerOperationError",
     "DockerUnavailableError",
+    "Execution",
+    "ExecutionError",
     "ImageNotFoundError",
+    "KernelHeldError",
     "KernelNotFoundError",
     "KernelStartupError",
+    "KernelTakenOverError",
+    "Result",
     "RuntimeMissingError",
     "SandboxKernelError",
     "SandboxPool",
     "SandboxProvisioner",
+    "SandboxSession",
     "WorkspaceError",
     "__version__",
     "warm_pool",

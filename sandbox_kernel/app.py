@@ -1,24 +1,31 @@
-"""``jupyter sandbox-kernel``: install the kernelspecs, build the images, check the host, run notebooks."""
+"""``jupyter sandbox-kernel``: install the kernelspecs, build the images, check the host, run
+notebooks, serve kernels to an AI assistant over MCP."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
+import inspect
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Unicode, default
+from traitlets.config import Application
+from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
 
 from ._version import __version__
 from .docker_backend import DockerBackend, ImageBuildError, ImageStore
@@ -27,7 +34,14 @@ from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kern
 from .plan import ceiling_violations, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .resources import data_path
-from .settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE, DEFAULT_RUNTIME, SandboxSettings, kernelspec_keys
+from .settings import (
+    DATASCIENCE_IMAGE,
+    DEFAULT_IMAGE,
+    DEFAULT_RUNTIME,
+    Duration,
+    SandboxSettings,
+    kernelspec_keys,
+)
 
 T = TypeVar("T")
 A = TypeVar("A", bound=JupyterApp)
@@ -35,6 +49,8 @@ A = TypeVar("A", bound=JupyterApp)
 KERNEL_NAME = "sandboxed-python"
 RECIPE_LABEL = "io.sandbox-kernel.recipe"
 DEBIAN_BASE = "sandbox-kernel-base:bookworm"
+#: What jupyter_client accepts as a kernel name (the kernelspec's folder).
+KERNEL_NAME_RE = re.compile(r"^[a-z0-9._-]+$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -55,20 +71,105 @@ RECIPES = {
 }
 
 
+class _StrictLoader(KVArgParseConfigLoader):
+    """A subcommand's command line, where an unknown option is an error: traitlets only
+    warns that it "will have no effect", and the command would run without it."""
+
+    def _create_parser(self) -> None:
+        super()._create_parser()
+        # argparse would print its whole usage and exit 2; the app prints one line instead.
+        self.parser.error = _raise_argument_error  # type: ignore[method-assign]
+
+    def _parse_args(self, args: Any) -> Any:
+        known = {
+            name
+            for key in (*self.aliases, *self.flags)
+            for name in (key if isinstance(key, tuple) else (key,))
+        }
+        for arg in args:
+            if arg == "--":
+                break
+            name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+            # --Class.trait=value is traitlets' own way to set any setting.
+            if name and "." not in name and name not in known:
+                msg = f"unknown option --{name}"
+                raise ArgumentError(msg)
+        return super()._parse_args(args)
+
+
+def _raise_argument_error(message: str) -> NoReturn:
+    raise ArgumentError(message)
+
+
+#: traitlets' own command-line parsing, without the decorator that turns a bad value into
+#: a CRITICAL log line: a subcommand reports it as a user error instead (see ``_SubApp``).
+_parse_command_line = inspect.unwrap(Application.parse_command_line)
+
+
 class _SubApp(JupyterApp):
     version = __version__
+    #: Whether the subcommand takes positional arguments (``run NOTEBOOK``, ``stop ID``);
+    #: if not, one given is an error rather than ignored.
+    takes_arguments: ClassVar[bool] = False
 
     def fail(self, message: str) -> None:
         """Print a user error to stderr and exit non-zero."""
         print(f"error: {message}", file=sys.stderr)
         self.exit(1)
 
+    def _create_loader(
+        self,
+        argv: list[str] | None,
+        aliases: dict[str, Any],
+        flags: dict[str, Any],
+        classes: Any,
+    ) -> KVArgParseConfigLoader:
+        return _StrictLoader(argv, aliases, flags, classes=classes, log=self.log, exit_on_error=False)
+
+    def parse_command_line(self, argv: Any = None) -> None:
+        """Parse the command line; an unknown option, a bad value or an unexpected argument
+        is a one-line error on stderr and exit status 1.
+
+        Raises:
+            SystemExit: for any of those.
+        """
+        try:
+            _parse_command_line(self, argv)
+        except (ArgumentError, argparse.ArgumentError, TraitError) as exc:  # argparse's: exit_on_error
+            message = str(exc).rstrip(".")
+            for option, target in self.aliases.items():  # in the words the user typed
+                message = message.replace(f"argument --{target}:", f"argument --{option}:")
+            if message.endswith("expected one argument"):
+                message += " (for a value that starts with '-', write --option=value)"
+            self.fail(f"{message}; see `{self._command()} --help`")
+        section = type(self).__name__
+        if self.cli_config._has_section(section):
+            known = set(self.class_trait_names(config=True))
+            unknown = sorted(set(self.cli_config[section]) - known)
+            if unknown:
+                self.fail(f"{section} has no option {', '.join(unknown)}; see `{self._command()} --help-all`")
+        if self.extra_args and not self.takes_arguments:
+            self.fail(
+                f"unexpected argument {' '.join(self.extra_args)!r}: `{self._command()}` takes options "
+                f"only; see `{self._command()} --help`"
+            )
+
+    def _command(self) -> str:
+        """How the user typed this subcommand: ``jupyter sandbox-kernel install``."""
+        return self.name.replace("jupyter-", "jupyter ", 1).replace("-kernel-", "-kernel ", 1)
+
 
 def _kernelspec_flag(trait: TraitType[Any, Any]) -> TraitType[Any, Any]:
-    """``install``'s flag for a kernelspec setting: unset (the server's) unless given."""
+    """``install``'s flag for a kernelspec setting: unset (the server's) unless given.
+
+    Its default only stands in for "not given" (``install`` writes what was given, see
+    ``_InstallBase.given``), so ``--pids 0`` is checked like any value, never dropped.
+    """
     help_text = f"{trait.help} Unset: the server's."
     if isinstance(trait, List):
         return List(Unicode(), config=True, help=help_text + " Repeat for several.")
+    if isinstance(trait, Duration):
+        return Duration(0, config=True, help=help_text)
     if isinstance(trait, Float):
         return Float(0, config=True, help=help_text)
     if isinstance(trait, Int):
@@ -76,14 +177,17 @@ def _kernelspec_flag(trait: TraitType[Any, Any]) -> TraitType[Any, Any]:
     return Unicode("", config=True, help=help_text)
 
 
+def _flag_name(key: str) -> str:
+    """The ``install`` option of kernelspec setting ``key``: ``--memory``, ``--allow-domain``."""
+    return str(SandboxSettings.class_traits()[key].metadata.get("flag", key.replace("_", "-")))
+
+
 def with_kernelspec_flags(cls: type[A], name: str) -> type[A]:
     """``cls``, as the app ``name``, with a flag for each setting a kernelspec may choose,
     from the settings' own declarations (see :mod:`~.settings`): adding a kernelspec key
     adds its flag."""
     traits = SandboxSettings.class_traits(kernelspec=True)
-    aliases = {
-        trait.metadata.get("flag", key.replace("_", "-")): f"{name}.{key}" for key, trait in traits.items()
-    }
+    aliases = {_flag_name(key): f"{name}.{key}" for key in traits}
     namespace: dict[str, Any] = {key: _kernelspec_flag(trait) for key, trait in traits.items()}
     namespace.update(__doc__=cls.__doc__, __module__=cls.__module__, aliases={**cls.aliases, **aliases})
     return type(name, (cls,), namespace)
@@ -102,19 +206,25 @@ class _InstallBase(_SubApp):
     use --user, --sys-prefix or --prefix to choose another place. Limits and the network
     given here are validated and written into the spec; one beyond the server's ceilings
     (as jupyter_server_config sets them) gets a warning: such kernels start only where
-    the server allows them."""
-    examples = """
+    the server allows them. Durations take seconds or a unit (90s, 5m, 1.5h, 7d) and are
+    written in seconds; sizes take bytes or k, m, g (512m, 1.5g). An unknown option or a
+    bad value is an error, and nothing is written."""
+    examples = inspect.cleandoc(
+        """
     jupyter sandbox-kernel install --sys-prefix
     jupyter sandbox-kernel install --sys-prefix --recipe datascience
     jupyter sandbox-kernel install --user --name py-sandbox --display-name "Python (sandbox)"
     jupyter sandbox-kernel install --image registry.example/sandbox-python:2 --replace
     jupyter sandbox-kernel install --name py-small --display-name "Python (small)" --memory 512m --cpus 0.5
+    jupyter sandbox-kernel install --name py-batch --display-name "Python (batch)" --memory 1.5g \\
+        --exec-timeout 5m --idle-timeout 2h
     jupyter sandbox-kernel install --name py-offline --display-name "Sandboxed Python (offline)"
-    jupyter sandbox-kernel install --name py-docs --display-name "Sandboxed Python (web: docs sites)" \
+    jupyter sandbox-kernel install --name py-docs --display-name "Sandboxed Python (web: docs sites)" \\
         --allow-domain docs.python.org --allow-domain '*.readthedocs.io'
-    jupyter sandbox-kernel install --name py-team --display-name "Sandboxed Python (team, lasting)" \
-        --lifecycle persistent --persistent-ttl 604800 --workspace-volume 'team-{project}'
+    jupyter sandbox-kernel install --name py-team --display-name "Sandboxed Python (team, lasting)" \\
+        --lifecycle persistent --persistent-ttl 7d --workspace-volume 'team-{project}'
     """
+    )
 
     @default("config_file_name")
     def _config_file_name_default(self) -> str:
@@ -161,15 +271,20 @@ class _InstallBase(_SubApp):
     def start(self) -> None:
         if self.user and self.prefix:
             self.fail("choose one of --user and --prefix/--sys-prefix")
+        if not KERNEL_NAME_RE.match(self.kernel_name):
+            self.fail(
+                f"--name {self.kernel_name!r} is not a kernel name: use only ASCII letters, digits, "
+                "'-', '.' and '_' (it names the kernelspec's folder), e.g. --name py-small"
+            )
         source = data_path("kernelspecs") / RECIPES[self.recipe].kernelspec
         spec = json.loads((source / "kernel.json").read_text())
         spec["display_name"] = self.display_name or spec["display_name"]
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
-        chosen = {key: getattr(self, key) for key in sorted(kernelspec_keys())}
-        if chosen["allowed_domains"] and not chosen["network"]:
+        chosen = self.given()
+        if chosen.get("allowed_domains") and "network" not in chosen:
             chosen["network"] = "allowlist"
-        config.update({key: value for key, value in chosen.items() if value})
-        self._validate(config)
+        config.update(chosen)
+        config.update(self._validate(config, chosen))
         ksm = KernelSpecManager(parent=self)
         dest_dir = self._destination(ksm)
         if dest_dir.exists() and not self.replace:
@@ -186,11 +301,31 @@ class _InstallBase(_SubApp):
                 self.fail(f"{exc}; install with --user, --sys-prefix, or as root")
         print(f"Installed kernelspec {self.kernel_name!r} ({spec['display_name']}) in {dest}")
 
-    def _validate(self, config: dict[str, Any]) -> None:
-        """Check the spec's settings as a kernel start will, so a bad spec never lands.
+    def given(self) -> dict[str, Any]:
+        """The kernelspec settings given on the command line (or in config), even 0 or empty.
+
+        Raises:
+            SystemExit: an option given an empty string.
+        """
+        section = type(self).__name__
+        if not self.config._has_section(section):
+            return {}
+        given = {key: getattr(self, key) for key in sorted(kernelspec_keys() & set(self.config[section]))}
+        for key, value in given.items():
+            if value == "":
+                self.fail(f"--{_flag_name(key)} is empty; give a value, or leave it out to use the server's")
+        return given
+
+    def _validate(self, config: dict[str, Any], chosen: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the spec's settings as a kernel start will, so a bad spec never lands;
+        the ``chosen`` ones as the spec should hold them (durations in seconds, sizes and
+        names lowercased).
 
         Ceilings are the server's business; here only the defaults are known, so a
         value above them is a warning, not an error.
+
+        Raises:
+            SystemExit: a setting a kernel start would refuse, with the reason.
         """
         try:
             validate_kernelspec_config(config, self.kernel_name)
@@ -200,12 +335,14 @@ class _InstallBase(_SubApp):
                 volume_name(provisioner.workspace_volume)
         except (ConfigurationError, TraitError) as exc:
             self.fail(str(exc))
+        normalized = {key: getattr(provisioner, key) for key in chosen}
         ceilings = SandboxProvisioner(parent=self, **config)
         for problem in ceiling_violations(ceilings, config):
             print(
                 f"warning: {problem} Kernels of this spec start only where the server allows it.",
                 file=sys.stderr,
             )
+        return normalized
 
     def _destination(self, ksm: KernelSpecManager) -> Path:
         """Where install_kernel_spec will put the spec (it replaces silently)."""
@@ -241,7 +378,8 @@ class BuildImageApp(_SubApp):
     built from a Debian rootfs with debootstrap (as root, about a minute) unless it exists.
     Each image is labelled with a digest of its recipe (its files under images/, and for
     datascience the id of the image it builds on): --if-missing rebuilds only what changed."""
-    examples = """
+    examples = inspect.cleandoc(
+        """
     jupyter sandbox-kernel build-image
     jupyter sandbox-kernel build-image --debian-base --if-missing
     jupyter sandbox-kernel build-image --recipe datascience --debian-base --if-missing
@@ -249,6 +387,7 @@ class BuildImageApp(_SubApp):
     jupyter sandbox-kernel build-image --recipe datascience --base sandbox-kernel/python:3.12 \\
         --tag sandbox-kernel/python-datascience:3.12
     """
+    )
 
     recipe = CaselessStrEnum(
         list(RECIPES),
@@ -513,6 +652,7 @@ class StopApp(_KernelsApp):
     description = """Stop and remove the sandboxed kernels whose kernel id starts with each
     given ID (see `list`), with their runtime folders. The workspace is untouched."""
     examples = "jupyter sandbox-kernel stop 3f2a9c1e"
+    takes_arguments = True
 
     def start(self) -> None:
         if not self.extra_args:
@@ -554,16 +694,19 @@ class RunApp(_SubApp):
     description = """Execute a notebook with nbclient in a sandboxed kernel. The notebook's folder
     is the kernel's workspace; the executed copy is written next to it (or to --output)
     and each cell's printed output is echoed here."""
-    examples = """
+    examples = inspect.cleandoc(
+        """
     jupyter sandbox-kernel run notebooks/demo.ipynb
-    jupyter sandbox-kernel run analysis.ipynb --output analysis.done.ipynb --timeout 600
+    jupyter sandbox-kernel run analysis.ipynb --output analysis.done.ipynb --timeout 10m
     """
+    )
+    takes_arguments = True
 
     kernel_name = Unicode(KERNEL_NAME, config=True, help="Kernelspec to run the notebook with.")
     output = Unicode(
         "", config=True, help="Where to write the executed notebook (default NAME.executed.ipynb)."
     )
-    timeout = Float(600, config=True, help="Seconds each cell may run.")
+    timeout = Duration(600, config=True, help="Time each cell may run: seconds, or e.g. '90s' or '10m'.")
     aliases = {
         **base_aliases,
         "kernel": "RunApp.kernel_name",
@@ -608,6 +751,58 @@ class RunApp(_SubApp):
             self.fail(f"the notebook failed: {failed}")
 
 
+class McpApp(_SubApp):
+    """Serve sandboxed kernels to an AI assistant over MCP (stdio)."""
+
+    name = "jupyter-sandbox-kernel-mcp"
+    description = """Serve sandboxed kernels to an AI assistant over MCP (stdio): run this as
+    the command of an MCP server in the assistant's settings (Claude Desktop, an IDE, an
+    agent framework); it speaks the Model Context Protocol on stdin and stdout, and logs
+    to stderr. The assistant gets the tools start_kernel, run_code, upload_file,
+    download_file, list_files, restart_kernel and shutdown_kernel. Every kernel starts
+    from the kernelspec --kernel, with its policy, limits and audit log, in gVisor, and
+    its workspace is --cwd: the only host folder the assistant's code can read or write.
+
+    Needs the mcp package: pip install 'sandbox-kernel[mcp]'"""
+    examples = inspect.cleandoc(
+        """
+    jupyter sandbox-kernel mcp
+    jupyter sandbox-kernel mcp --kernel sandboxed-python-datascience --cwd ~/projects/analysis
+    """
+    )
+
+    kernel_name = Unicode(KERNEL_NAME, config=True, help="Kernelspec the assistant's kernels start from.")
+    cwd = Unicode(
+        "", config=True, help="The kernels' workspace: a host folder (default: the current folder)."
+    )
+    aliases = {**base_aliases, "kernel": "McpApp.kernel_name", "cwd": "McpApp.cwd"}
+
+    def start(self) -> None:
+        try:
+            from .mcp_server import serve_stdio
+        except ImportError as exc:
+            # mcp, or a package it brings (anyio, pydantic); a module of ours is a bug.
+            if exc.name is None or exc.name.partition(".")[0] == __package__:
+                raise
+            detail = "" if exc.name.partition(".")[0] == "mcp" else f" (no module {exc.name!r})"
+            self.fail(
+                f"the MCP server needs the mcp package, which is not installed{detail}: "
+                "pip install 'sandbox-kernel[mcp]'"
+            )
+            return
+        cwd = Path(self.cwd or os.getcwd()).expanduser().resolve()
+        if not cwd.is_dir():
+            self.fail(f"--cwd {self.cwd!r} is not a folder; give the folder the kernels should work in")
+        try:
+            KernelSpecManager(parent=self).get_kernel_spec(self.kernel_name)
+        except NoSuchKernel:
+            self.fail(
+                f"no kernelspec named {self.kernel_name!r}: install it with `jupyter sandbox-kernel "
+                "install`, or choose another with --kernel (see `jupyter kernelspec list`)"
+            )
+        serve_stdio(kernel_name=self.kernel_name, cwd=str(cwd))
+
+
 class SandboxKernelApp(JupyterApp):
     """The ``jupyter sandbox-kernel`` command."""
 
@@ -619,14 +814,17 @@ class SandboxKernelApp(JupyterApp):
     "Sandboxed Python" in JupyterLab, or KernelManager(kernel_name="sandboxed-python").
     For data work, also build and install the data-science recipe (--recipe datascience):
     "Sandboxed Python (data science)", kernel name sandboxed-python-datascience."""
-    examples = """
+    examples = inspect.cleandoc(
+        """
     jupyter sandbox-kernel build-image --debian-base
     jupyter sandbox-kernel install --sys-prefix
     jupyter sandbox-kernel check
     jupyter sandbox-kernel build-image --recipe datascience --debian-base
     jupyter sandbox-kernel install --sys-prefix --recipe datascience
     jupyter sandbox-kernel run notebooks/demo.ipynb
+    jupyter sandbox-kernel mcp --cwd ~/projects/analysis
     """
+    )
     subcommands = {
         "install": (
             InstallApp,
@@ -641,6 +839,7 @@ class SandboxKernelApp(JupyterApp):
         "list": (ListApp, "List the sandboxed kernels on this Docker host (--json for JSON)."),
         "stop": (StopApp, "Stop and remove sandboxed kernels by kernel id."),
         "prune": (PruneApp, "Remove sandboxed kernels whose Jupyter server is gone."),
+        "mcp": (McpApp, "Serve sandboxed kernels to an AI assistant over MCP (stdio)."),
     }
 
     def start(self) -> None:

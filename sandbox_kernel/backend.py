@@ -69,6 +69,12 @@ class SandboxBackend(ABC):
         volume); where its files are on the host, for attaching it to a pooled sandbox."""
 
     @abstractmethod
+    async def volume_path(self, name: str) -> Path:
+        """Where the files of the workspace volume ``name`` are on the host, for the host
+        side's files API; only a volume made for sandbox-kernel workspaces by this
+        server's user, else :class:`~.errors.WorkspaceError`."""
+
+    @abstractmethod
     async def attach_workspace(self, slot: Path, workspace_path: str, source: Path) -> None:
         """Show the host folder ``source`` in a running pooled sandbox (whose /workspace
         is the empty ``slot``) at ``workspace_path``."""

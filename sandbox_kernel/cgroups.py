@@ -11,6 +11,7 @@ cgroup of the container's main process as ``/proc/PID/cgroup`` names it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -107,3 +108,44 @@ def freeze(pid: int, frozen: bool, proc: Path = Path("/proc")) -> bool:
     except OSError:
         return False
     return True
+
+
+class PeakMemory:
+    """The most memory ``pid``'s cgroup (the whole sandbox) used since this was made.
+
+    cgroup v2's ``memory.peak`` is reset for one open file by writing to it (Linux 6.12
+    and later), so each measurement has its own. cgroup v1's ``memory.max_usage_in_bytes``
+    is reset for everyone: fine for one execution at a time, which is how a kernel runs.
+    :meth:`read` is None where neither can be done.
+    """
+
+    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
+        self._fd: int | None = None
+        found = _cgroup(pid, "memory", proc)
+        if found is None:
+            return
+        folder, version = found
+        name, reset = ("memory.peak", b"reset") if version == 2 else ("memory.max_usage_in_bytes", b"0")
+        try:
+            fd = os.open(folder / name, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            os.write(fd, reset)
+        except OSError:  # an older kernel: that would be the peak since the sandbox started
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def read(self) -> int | None:
+        if self._fd is None:
+            return None
+        try:
+            return int(os.pread(self._fd, 64, 0))
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -15,7 +15,7 @@ from typing import Any
 
 from docker.types import Mount, Ulimit
 
-from .limits import size_bytes
+from .limits import docker_size, size_bytes
 from .sandbox_spec import CONTAINER_RUNTIME_DIR, CONTAINER_WORKSPACE, LABEL_VOLUME, SandboxSpec
 
 #: System calls refused inside the sandbox (EPERM), on top of gVisor's own isolation.
@@ -106,7 +106,8 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
         "privileged": False,
         "read_only": True,
-        "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={spec.tmp_size},mode=1777"},
+        # gVisor's tmpfs (and Linux's) take no fraction: docker_size makes '1.5g' bytes.
+        "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={docker_size('tmp_size', spec.tmp_size)},mode=1777"},
         "init": True,
         "network_mode": "none",
         "ipc_mode": "private",
@@ -114,8 +115,8 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
             workspace_mount(spec),
             Mount(CONTAINER_RUNTIME_DIR, str(spec.runtime_dir), type="bind", read_only=False),
         ],
-        "mem_limit": spec.memory,
-        "memswap_limit": spec.memory,
+        "mem_limit": docker_size("memory", spec.memory),
+        "memswap_limit": docker_size("memory", spec.memory),
         "nano_cpus": int(spec.cpus * 1_000_000_000),
         # Docker's pids_limit counts gVisor's host threads, not the kernel's processes,
         # and kills the whole sandbox silently when reached. RLIMIT_NPROC is enforced

@@ -226,6 +226,32 @@ class DockerBackend(SandboxBackend):
                 raise KernelStartupError(msg, output)
         return Path(await self.volume_mountpoint(spec.volume))
 
+    async def volume_path(self, name: str) -> Path:
+        """The host mountpoint of a sandbox-kernel workspace volume of this server's uid.
+
+        Raises:
+            WorkspaceError: no such volume, or not one made for sandbox-kernel workspaces
+                by this server's user (another service's files are never handed out).
+        """
+        client = await self.client()
+        try:
+            volume = await self._api(f"inspect volume {name}", client.volumes.get, name)
+        except NotFound:
+            msg = f"There is no Docker volume {name!r}: the kernel's workspace volume is gone."
+            raise WorkspaceError(msg) from None
+        labels = volume.attrs.get("Labels") or {}
+        if labels.get(LABEL_VOLUME) != "true" or labels.get(LABEL_VOLUME_UID) != str(os.getuid()):
+            msg = (
+                f"The Docker volume {name!r} was not made for sandbox-kernel workspaces by this "
+                "server's user, so its files are not handed out."
+            )
+            raise WorkspaceError(msg)
+        mountpoint = volume.attrs.get("Mountpoint")
+        if not mountpoint:
+            msg = f"Docker does not say where the files of the volume {name!r} are (no Mountpoint)."
+            raise WorkspaceError(msg)
+        return Path(mountpoint)
+
     async def attach_workspace(self, slot: Path, workspace_path: str, source: Path) -> None:
         """A bind mount under the slot, which the sandbox sees (rslave propagation)."""
         await asyncio.to_thread(mounts.attach_workspace, slot, workspace_path, source)

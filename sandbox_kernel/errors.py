@@ -57,3 +57,11 @@ class KernelStartupError(SandboxKernelError):
 
 class KernelNotFoundError(SandboxKernelError, LookupError):
     """No running sandboxed kernel matches, or its reattach state cannot be read."""
+
+
+class KernelHeldError(SandboxKernelError):
+    """The kernel is driven by another live process (or manager): reattaching would break it."""
+
+
+class KernelTakenOverError(SandboxKernelError):
+    """Another process took the kernel over: this one no longer drives it."""

@@ -26,6 +26,20 @@
 #   egress proxy's refusal) are shown as that one line instead of the library's traceback.
 # - BLAS, OpenMP and polars start one thread per CPU the kernel may use, not per host core
 #   (``os.cpu_count()`` shows the host's), unless the kernelspec's ``env`` says otherwise.
+# - ``%pip install``, ``!pip install`` and pip run by a child process install into
+#   ``PIP_PREFIX``, by default /tmp/python-packages: the image is read-only, and a virtual
+#   environment, where pip refuses ``--user``. The folder is on ``sys.path`` ahead of the
+#   image's packages (on ``PYTHONPATH`` for child processes, its ``bin`` on ``PATH``), so
+#   ``import x`` works in the next cell; ``.pth`` files a package brings are read after each
+#   cell. In /tmp it belongs to this kernel alone, is bounded by the ``tmp_size`` limit and
+#   is gone with the kernel (a restart starts clean); a kernelspec's ``env`` may set another
+#   ``PIP_PREFIX`` (a folder in the workspace, to keep them). pip never checks for its own
+#   updates and keeps no cache (/tmp is small). With network ``none``, pip looks at no index
+#   and does not retry, so it fails at once instead of after 9 s of retries. pip takes one
+#   location: ``%pip install --target DIR`` drops the prefix, a script sets ``PIP_PREFIX=``.
+# - ``%pip`` fails the cell when pip fails (IPython's own reports success whatever pip
+#   did), with one line saying why, for instance that a kernel without network can install
+#   only local files.
 # - With a wall-clock limit, a SIGALRM armed before each cell raises a ``TimeoutError``
 #   naming it, so the user keeps the kernel. Code that blocks or ignores the signal is the
 #   host's business: the provisioner interrupts, then kills the kernel.
@@ -38,14 +52,21 @@
 
 
 def _sandbox_kernel_startup() -> None:
+    import codecs
     import ctypes
+    import importlib
     import json
     import math
     import os
     import re
+    import selectors
+    import shlex
     import signal
+    import site
     import socket
+    import subprocess
     import sys
+    import sysconfig
     import threading
     import time
     from typing import Any
@@ -54,8 +75,10 @@ def _sandbox_kernel_startup() -> None:
 
     policy: dict[str, Any] = json.loads(os.environ.get("SANDBOX_KERNEL_POLICY") or "{}")
     memory = str(policy.get("memory", ""))
-    units = {"k": 2**10, "m": 2**20, "g": 2**30}
-    memory_bytes = int(memory[:-1]) * units[memory[-1].lower()] if memory[-1:].isalpha() else int(memory or 0)
+    # As Docker writes sizes ("2g", "1.5G", "1536m", "512MiB", bytes); anything else: no watch.
+    size = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", memory, re.IGNORECASE)
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    memory_bytes = int(float(size[1]) * units[size[2].lower()]) if size else 0
     exec_timeout = float(policy.get("exec_timeout") or 0)
     allowed = [str(domain) for domain in policy.get("allowed_domains") or []]
 
@@ -179,6 +202,128 @@ def _sandbox_kernel_startup() -> None:
     shell.events.register("post_run_cell", lambda result: executing.clear())
     if memory_bytes > 0:
         threading.Thread(target=watch_memory, name="sandbox-kernel-memory", daemon=True).start()
+
+    # ---------------------------------------------------------------- packages
+    offline = policy.get("network", "none") == "none"
+    pip_defaults = {"PIP_PREFIX": "/tmp/python-packages", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # noqa: S108
+    pip_defaults |= {"PIP_NO_CACHE_DIR": "1", "PIP_NO_INPUT": "1"}
+    if offline:
+        pip_defaults |= {"PIP_NO_INDEX": "1", "PIP_RETRIES": "0", "PIP_TIMEOUT": "5"}
+    for name, value in pip_defaults.items():
+        os.environ.setdefault(name, value)
+    prefix = os.environ["PIP_PREFIX"]
+    prefix_paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix}) if prefix else {}
+    site_dirs = list(
+        dict.fromkeys(prefix_paths[key] for key in ("purelib", "platlib") if key in prefix_paths)
+    )
+    try:
+        for folder in site_dirs:
+            os.makedirs(folder, exist_ok=True)
+    except OSError:
+        site_dirs = []  # pip will say what is wrong with the folder
+    if site_dirs:
+        names = [os.path.basename(entry) for entry in sys.path]
+        packages = [i for i, name in enumerate(names) if name in ("site-packages", "dist-packages")]
+        at = packages[0] if packages else len(sys.path)
+        sys.path[at:at] = [folder for folder in site_dirs if folder not in sys.path]
+        for folder in site_dirs:
+            site.addsitedir(folder)  # its .pth files; the folder is on the path already
+        for name, first in (("PYTHONPATH", site_dirs), ("PATH", [prefix_paths["scripts"]])):
+            os.environ[name] = os.pathsep.join([*first, *filter(None, [os.environ.get(name)])])
+    pth_seen = {
+        (folder, name) for folder in site_dirs for name in os.listdir(folder) if name.endswith(".pth")
+    }
+    site_stamps: list[int] = []
+
+    def packages_changed(*args: Any) -> None:
+        """After pip ran (%pip, !pip or a child process): what it installed imports now."""
+        stamps = [os.stat(folder).st_mtime_ns for folder in site_dirs if os.path.isdir(folder)]
+        if stamps == site_stamps:
+            return
+        site_stamps[:] = stamps
+        importlib.invalidate_caches()
+        for folder in site_dirs:
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".pth") and (folder, name) not in pth_seen:
+                    pth_seen.add((folder, name))
+                    site.addpackage(folder, name, None)
+
+    packages_changed()
+
+    class PipError(Exception):
+        """pip failed: one line under pip's own output, without this file's frames."""
+
+        def _render_traceback_(self) -> list[str]:
+            return [f"{type(self).__name__}: {self}"]
+
+    def run_streamed(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+        """Run ``command``, showing its output as it comes; its exit status and last output."""
+        tail = ""
+        with (
+            subprocess.Popen(  # noqa: S603 (the user's own pip command, in their sandbox)
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            ) as process,
+            selectors.DefaultSelector() as selector,
+        ):
+            try:
+                for pipe, stream in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
+                    if pipe is not None:
+                        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                        selector.register(pipe, selectors.EVENT_READ, (stream, decoder))
+                while selector.get_map():
+                    for key, _ in selector.select():
+                        data = os.read(key.fd, 65536)
+                        stream, decoder = key.data
+                        text = decoder.decode(data, final=not data)
+                        if not data:
+                            selector.unregister(key.fileobj)
+                        stream.write(text)
+                        stream.flush()
+                        tail = (tail + text)[-65536:]
+                return process.wait(), tail
+            finally:  # interrupted, or a limit struck: pip goes with the cell
+                if process.poll() is None:
+                    process.kill()
+
+    def pip_magic(line: str) -> None:
+        """Run pip in a subprocess (as IPython's %pip) and fail the cell if pip fails."""
+        args = shlex.split(line)
+        env = dict(os.environ)
+        elsewhere = ("-t", "--target", "--prefix", "--root", "--user")
+        if any(arg.split("=")[0] in elsewhere or re.match(r"-t[^-]", arg) for arg in args):
+            env.pop("PIP_PREFIX", None)  # pip allows one location: the user's
+        try:
+            status, output = run_streamed([sys.executable, "-m", "pip", *args], env)
+        finally:
+            packages_changed()
+        shell.user_ns["_exit_code"] = status
+        if status == 0:
+            return
+        subcommand = next((arg for arg in args if not arg.startswith("-")), "")
+        fetches = subcommand in ("install", "download", "wheel", "index")
+        image_file = (
+            rf"\[Errno (13|30)\] (Permission denied|Read-only file system): '{re.escape(sys.prefix)}/"
+        )
+        if re.search(image_file, output):
+            hint = (
+                "the packages of the kernel's image cannot be upgraded or removed (its files are "
+                "read-only); --ignore-installed --no-deps installs another version ahead of one "
+                "in the image, before its first import"
+            )
+        elif offline and fetches:
+            hint = (
+                f"{no_route}: pip can install only local files (wheels in the workspace); "
+                "ask for a kernelspec whose allowed_domains include a package index"
+            )
+        elif "sandbox-kernel egress denied" in output:
+            hint = f"{no_route}; ask for a kernelspec whose allowed_domains include the package index"
+        else:
+            hint = "see pip's output above"
+        msg = f"pip {subcommand or 'command'} failed (exit status {status}): {hint}"
+        raise PipError(msg)
+
+    shell.register_magic_function(pip_magic, "line", "pip")
+    shell.events.register("post_run_cell", packages_changed)
 
     # ---------------------------------------------------------------- wall clock
     def expired(signum: int, frame: Any) -> None:

@@ -66,6 +66,8 @@ REAP_INTERVAL = 60.0
 POOL_READY_FILE = "pool-ready"
 #: What a process needs to reattach to the kernel, kept by its owner (private: it holds the key).
 STATE_FILE = "provisioner.json"
+#: Written by a manager that let go of its kernel, taken over by another (its holder token).
+RELEASED_FILE = "released"
 
 
 def _start_ticks(pid: int) -> str | None:
@@ -107,9 +109,55 @@ def owner_is_gone(identity: str) -> bool:
     return now != _UNKNOWN and now != ticks
 
 
-def write_owner(runtime_dir: Path) -> None:
-    """Record this process as the owner of the kernel whose runtime folder this is."""
-    _replace_file(runtime_dir / OWNER_FILE, server_identity().encode(), 0o644)
+def write_owner(runtime_dir: Path, holder: str = "") -> None:
+    """Record this process as the owner of the kernel whose runtime folder this is, and
+    ``holder`` (a token of the one manager in it that drives the kernel) on a second line."""
+    _replace_file(runtime_dir / OWNER_FILE, f"{server_identity()}\n{holder}".encode(), 0o644)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who drives a kernel: the owning process and the token of its manager."""
+
+    identity: str
+    token: str
+
+    @property
+    def pid(self) -> str:
+        return self.identity.rsplit("/", 3)[-2] if self.identity.count("/") >= 3 else "?"
+
+    @property
+    def host(self) -> str:
+        return self.identity.rsplit("/", 3)[0] if self.identity.count("/") >= 3 else "?"
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.identity) and not owner_is_gone(self.identity)
+
+    def __str__(self) -> str:
+        return f"process {self.pid} on {self.host}"
+
+
+def write_released(runtime_dir: Path, holder: str) -> None:
+    """Say that the manager ``holder`` has let go of the kernel (it was taken over)."""
+    _replace_file(runtime_dir / RELEASED_FILE, holder.encode(), 0o644)
+
+
+def released(runtime_dir: Path, holder: str) -> bool:
+    """Whether the manager ``holder`` has let go of the kernel (see :func:`write_released`)."""
+    try:
+        return (runtime_dir / RELEASED_FILE).read_bytes()[:256].decode(errors="replace") == holder
+    except OSError:
+        return False
+
+
+def read_holder(runtime_dir: str | Path) -> Holder | None:
+    """Who drives the kernel of this runtime folder (see :func:`write_owner`), if anyone."""
+    found = _read_owner(str(Path(runtime_dir) / "_"))
+    if found is None:
+        return None
+    identity, _, token = found[0].partition("\n")
+    return Holder(identity.strip(), token.strip())
 
 
 def _replace_file(path: Path, data: bytes, mode: int) -> None:
@@ -136,6 +184,12 @@ def _read_owner(launch_dir: str) -> tuple[str, float] | None:
         if not stat.S_ISREG(st.st_mode):
             return None
         return f.read(512).decode("utf-8", "replace").strip(), st.st_mtime
+
+
+def owner_identity(launch_dir: str) -> tuple[str, float] | None:
+    """(owner process, when it last touched the kernel): the first line of the owner file."""
+    found = _read_owner(launch_dir)
+    return None if found is None else (found[0].partition("\n")[0].strip(), found[1])
 
 
 def write_state(runtime_dir: Path, state: dict[str, Any]) -> None:
@@ -242,7 +296,7 @@ class SandboxedKernel:
     def from_inspect(cls, attrs: dict[str, Any]) -> SandboxedKernel:
         labels = (attrs.get("Config") or {}).get("Labels") or {}
         state = attrs.get("State") or {}
-        owner = _read_owner(labels.get(LABEL_RUNTIME_DIR, ""))
+        owner = owner_identity(labels.get(LABEL_RUNTIME_DIR, ""))
         pid = state.get("Pid")
         try:
             ttl = float(labels.get(LABEL_TTL, "0"))

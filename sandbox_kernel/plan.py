@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .egress import EgressPolicy
+from traitlets import TraitError
+
+from .egress import EgressPolicy, EgressRules
 from .errors import ConfigurationError, WorkspaceError
 from .limits import size_bytes
 from .sandbox_spec import (
@@ -31,6 +33,7 @@ from .sandbox_spec import (
     LABEL_SCOPE,
     LABEL_SERVER_UID,
     LABEL_TTL,
+    NEVER_PASSED_ENV,
     POLICY_ENV,
     SandboxSpec,
     egress_command,
@@ -415,6 +418,124 @@ def check_settings(settings: SandboxSettings, config: Mapping[str, Any], kernel_
     check_ceilings(settings, config)  # the allowed_domains bound checks the network too
 
 
+#: What one start may narrow (``start_kernel(memory="512m")``, the session API): the
+#: kernelspec's limits and network, never wider than the kernelspec has them.
+NARROWABLE = (
+    "network",
+    "allowed_domains",
+    "memory",
+    "cpus",
+    "pids",
+    "tmp_size",
+    "file_size",
+    "exec_timeout",
+    "idle_timeout",
+)
+#: What else a start takes: jupyter_client's own arguments (``kernel_id`` and
+#: ``transport_encryption`` are taken before).
+START_ARGUMENTS = ("cwd", "env", "sandbox_env", "extra_arguments", "kernel_id")
+
+
+def start_policy(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the policy a start asks for out of jupyter_client's start arguments.
+
+    Raises:
+        ConfigurationError: an argument a sandboxed kernel does not take (jupyter_client
+            would hand it to ``Popen``; dropping it silently would hide a mistake).
+    """
+    unknown = sorted(set(kwargs) - set(START_ARGUMENTS) - set(NARROWABLE))
+    if unknown:
+        msg = (
+            f"start_kernel() got {', '.join(unknown)}, which a sandboxed kernel does not take. It takes "
+            f"{', '.join(START_ARGUMENTS[:4])} and, to narrow the kernelspec's policy for this kernel, "
+            f"{', '.join(NARROWABLE)}."
+        )
+        raise ConfigurationError(msg)
+    return {key: kwargs.pop(key) for key in NARROWABLE if key in kwargs}
+
+
+def narrow_settings(settings: SandboxSettings, requested: Mapping[str, Any], kernel_name: str = "") -> None:
+    """Narrow ``settings`` (already checked against the ceilings) to what one start asks
+    for: less memory, CPU or processes, shorter limits, network ``none`` or fewer domains.
+    Nothing is changed unless all of it is narrower.
+
+    Raises:
+        ConfigurationError: a value is invalid or would widen the policy, naming the key.
+    """
+    where = f"kernelspec {kernel_name!r}" if kernel_name else "the kernelspec"
+    before = {key: getattr(settings, key) for key in NARROWABLE}
+    asked = dict(requested)
+    if asked.get("network") == "none" and "allowed_domains" not in asked:
+        asked["allowed_domains"] = []  # no network: no domains either
+    try:
+        for key in sorted(asked, key=NARROWABLE.index):
+            value = asked[key]
+            try:
+                setattr(settings, key, value)
+            except TraitError as exc:
+                msg = f"start_kernel({key}={value!r}) is not a valid {key}: {exc}"
+                raise ConfigurationError(msg) from None
+            if _widens(settings, key, before[key], getattr(settings, key)):
+                msg = (
+                    f"start_kernel({key}={value!r}) would widen this kernel's policy: {where} gives "
+                    f"{key}={before[key]!r}, and a start may only narrow it. Ask for at most that, or use "
+                    "a kernelspec that allows more."
+                )
+                raise ConfigurationError(msg)
+    except BaseException:
+        for key, value in before.items():
+            setattr(settings, key, value)
+        raise
+
+
+def _widens(settings: SandboxSettings, key: str, before: Any, after: Any) -> bool:
+    if key == "network":
+        return bool(before == "none" and after != "none")
+    if key == "allowed_domains":
+        if not after:
+            return False
+        if settings.network == "none":
+            return True
+        return bool(EgressRules.parse(after, key).uncovered_by(EgressRules.parse(before, key)))
+    kind = settings.traits()[key].metadata.get("bound")
+    if kind == "size":
+        return size_bytes(key, after) > size_bytes(key, before)
+    if kind == "timeout":  # 0: no limit, the widest
+        return bool(before > 0 and not 0 < after <= before)
+    return bool(after > before)
+
+
+def check_sandbox_env(sandbox_env: Any) -> dict[str, str]:
+    """``start_kernel(sandbox_env={...})``: variables one start sets in the sandbox, as a
+    kernelspec's ``env`` does.
+
+    Raises:
+        ConfigurationError: not a mapping of names to strings.
+    """
+    if sandbox_env is None:
+        return {}
+    if not isinstance(sandbox_env, Mapping) or not all(
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in sandbox_env.items()
+    ):
+        msg = f"start_kernel(sandbox_env={sandbox_env!r}) must map variable names to strings"
+        raise ConfigurationError(msg)
+    return {k: v for k, v in sandbox_env.items() if k not in NEVER_PASSED_ENV}
+
+
+def unpassed_env(settings: SandboxSettings, launch_env: Mapping[str, str]) -> list[str]:
+    """Variables a start set in its launch environment (``start_kernel(env=...)``, values
+    the server's own environment does not have) that do not reach the sandbox: only
+    ``pass_env`` names do, so that no secret comes along with an environment, and
+    Jupyter's own launch variables are the host's business."""
+    return sorted(
+        name
+        for name, value in launch_env.items()
+        if os.environ.get(name) != value
+        and name not in settings.pass_env
+        and not name.startswith(("JPY_", "JUPYTER", "PYDEVD_"))
+    )
+
+
 def visible_env(settings: SandboxSettings, launch_env: Mapping[str, str]) -> dict[str, str]:
     """The part of the launch environment a kernel may see (``pass_env``), which is also
     all that jupyter_client may fill the kernelspec's ``env`` templates (``${VAR}``)
@@ -437,7 +558,7 @@ def plan_sandbox(
     egress = settings.egress_policy()
     cwd, env = launch.cwd, launch.env
     volume = None
-    warnings = []
+    warnings: list[str] = []
     if settings.workspace_volume:
         volume = volume_name(
             settings.workspace_volume,
@@ -460,11 +581,15 @@ def plan_sandbox(
         )
         raise ConfigurationError(msg)
     if volume is None and not can_write(workspace, uid, gid):
-        warnings.append(
-            f"The sandboxed kernel runs as uid {uid}, which cannot write to its workspace {workspace}: "
-            f"results cannot be saved there. Give uid {uid} write access to it, or set "
-            "SandboxProvisioner.kernel_uid to its owner's uid."
+        st = workspace.stat()
+        msg = (
+            f"The sandboxed kernel would run as uid {uid}, which cannot write its workspace {workspace} "
+            f"(owner uid {st.st_uid}, group {st.st_gid}, mode {stat.filemode(st.st_mode)}): results "
+            f"could not be saved. Give uid {uid} the folder (`chown -R {uid}:{gid} {workspace}`) or "
+            "write access to it, set SandboxProvisioner.kernel_uid to a uid that may write there, "
+            "or start the kernel in a folder it may write."
         )
+        raise WorkspaceError(msg)
     workspace_path = CONTAINER_WORKSPACE
     if settings.pool_size > 0:
         # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
@@ -476,8 +601,8 @@ def plan_sandbox(
         "network": settings.network,
         "image": settings.image,
     }
+    policy["allowed_domains"] = list(egress.rules.patterns) if egress is not None else []
     if egress is not None:
-        policy["allowed_domains"] = list(egress.rules.patterns)
         command = egress_command(command)
     spec = SandboxSpec(
         kernel_id=launch.kernel_id,

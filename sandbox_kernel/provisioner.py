@@ -15,6 +15,7 @@ import secrets
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from .cgroups import cpu_seconds, oom_kills
 from .egress import Decision, EgressPolicy, EgressProxy
 from .errors import (
     DockerUnavailableError,
+    KernelTakenOverError,
     SandboxKernelError,
 )
 from .launch_folder import (
@@ -46,8 +48,29 @@ from .launch_folder import (
 from .limits import size_bytes
 from .mounts import can_mount, detach_mounts
 from .output import OutputLimiter
-from .ownership import OrphanReaper, prune_orphans, remove_tree, server_identity, write_owner, write_state
-from .plan import Launch, check_settings, kernelspec_config, plan_sandbox, visible_env
+from .ownership import (
+    OWNER_FILE,
+    Holder,
+    OrphanReaper,
+    prune_orphans,
+    read_holder,
+    remove_tree,
+    server_identity,
+    write_owner,
+    write_released,
+    write_state,
+)
+from .plan import (
+    Launch,
+    check_sandbox_env,
+    check_settings,
+    kernelspec_config,
+    narrow_settings,
+    plan_sandbox,
+    start_policy,
+    unpassed_env,
+    visible_env,
+)
 from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sandbox_spec import (
     CONTAINER_EGRESS_SOCKET,
@@ -129,6 +152,17 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._host_checked = False
         #: Whether the running kernel's sandbox came from the pool (False: started cold).
         self.from_pool = False
+        # What this kernel's start narrowed of the kernelspec's policy (see plan.narrow_settings).
+        self._narrowed: dict[str, Any] = {}
+        self._sandbox_env: dict[str, str] = {}
+        # This manager's token in the kernel's owner file: the one manager driving it.
+        self._holder = secrets.token_hex(8)
+        self._owner_seen: tuple[int, int] | None = None
+        # Set once another process took the kernel over: why this one no longer drives it.
+        self.taken_over: str | None = None
+        # While the kernel is not running (and nobody restarts it): the error that new
+        # executions get at once, instead of waiting for a kernel that is not there.
+        self._refusal: tuple[str, str] = ("IdleLimitExceeded", "")
 
     # ------------------------------------------------------------------ launch
 
@@ -154,7 +188,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             DockerUnavailableError, RuntimeMissingError, ImageNotFoundError: the host
                 is not ready; each message says how to fix it.
         """
+        if self.taken_over is not None:
+            msg = f"Sandboxed kernel {self.kernel_id}: {self.taken_over}"
+            raise KernelTakenOverError(msg)
         check_settings(self, kernelspec_config(self.kernel_spec), self.kernel_name)
+        self._narrowed = start_policy(kwargs)
+        narrow_settings(self, self._narrowed, self.kernel_name)
         self._curve = self._curve_keys(kwargs.pop("transport_encryption", None))
         cwd = Path(kwargs.get("cwd") or os.getcwd())
         # As jupyter_client's: without an env, the launch environment is the process's.
@@ -170,15 +209,27 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             scope=str(getattr(getattr(self.parent, "parent", None), "adoption_scope", "")),
         )
         self._launch_env = {k: v for k, v in launch.env.items() if k in RELAUNCH_ENV}
-        kwargs["env"] = visible_env(self, launch.env)
+        self._sandbox_env = check_sandbox_env(kwargs.pop("sandbox_env", None))
+        dropped = unpassed_env(self, launch.env)
+        if dropped:
+            warnings.warn(
+                f"start_kernel(env=...) sets {', '.join(dropped)}, which do not reach the sandboxed "
+                f"kernel: only the kernelspec's pass_env names ({', '.join(self.pass_env)}) pass from "
+                "the launch environment, so that no secret comes along. Set variables in the sandbox "
+                "with start_kernel(sandbox_env={...}) (the session API's env=) or the kernelspec's env.",
+                stacklevel=2,
+            )
+        kwargs["env"] = {**visible_env(self, launch.env), **self._sandbox_env}
         kwargs = await super().pre_launch(**kwargs)  # fills the kernelspec's env templates
-        plan = plan_sandbox(self, launch, kwargs["env"], self.kernel_spec.env)
+        plan = plan_sandbox(self, launch, kwargs["env"], [*self.kernel_spec.env, *self._sandbox_env])
         for warning in plan.warnings:
             self.log.warning("%s", warning)
         self._spec, self._egress = plan.spec, plan.egress
         kwargs["cmd"] = plan.spec.command
         self._cwd = str(cwd)
-        self._pool_plan = self._plan_pool(self._spec)
+        # A pooled sandbox has the kernelspec's policy and environment, nothing of one start's.
+        own = self._narrowed or self._sandbox_env
+        self._pool_plan = None if own else self._plan_pool(self._spec)
         self._host_checked = False
         if self._pool_plan is None or not SandboxPool.instance().ready_for(self._pool_plan.fingerprint):
             # A pooled sandbox was made on a host checked then; a cold start checks now.
@@ -313,6 +364,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             info["curve_publickey"] = self._curve.public.decode("ascii")
             info["curve_secretkey"] = self._curve.secret.decode("ascii")
         self.connection_info = info  # type: ignore[assignment]
+        if self.runtime_dir is not None:
+            await asyncio.to_thread(write_owner, self.runtime_dir, self._holder)
         await self._save_state()
         return self.connection_info
 
@@ -558,6 +611,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             if auditor is None:
                 return
             try:
+                holder = await asyncio.to_thread(self._holder_elsewhere)
+                if holder is not None:
+                    await self._let_go(holder)
+                    return
                 now = time.monotonic()
                 look = Look(now, running=auditor.running(), idle_for=auditor.idle_for())
                 if now >= next_deep:
@@ -588,7 +645,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                     if now >= next_touch and self.runtime_dir is not None:
                         # A persistent kernel's time-to-live counts from the last touch.
                         next_touch = now + OWNER_TOUCH_INTERVAL
-                        await asyncio.to_thread(write_owner, self.runtime_dir)
+                        await asyncio.to_thread(os.utime, self.runtime_dir / OWNER_FILE)
                 if await self._act(container_id, judge(look, watch, limits), look):
                     return
             except DockerUnavailableError as exc:
@@ -599,6 +656,53 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             except Exception:
                 self.log.exception("Sandboxed kernel %s: watchdog step failed; retrying", self.kernel_id)
                 await asyncio.sleep(2.0)
+
+    def _holder_elsewhere(self) -> Holder | None:
+        """Whoever took this kernel over (another process or manager), or None while this
+        manager holds it. Reads the owner file only when it changed."""
+        if self.runtime_dir is None:
+            return None
+        try:
+            st = (self.runtime_dir / OWNER_FILE).stat()
+        except OSError:
+            return None
+        seen = (st.st_ino, st.st_mtime_ns)
+        if seen == self._owner_seen:
+            return None
+        holder = read_holder(self.runtime_dir)
+        if holder is None or (holder.identity == server_identity() and holder.token in ("", self._holder)):
+            self._owner_seen = seen
+            return None
+        return holder
+
+    async def _let_go(self, holder: Holder) -> None:
+        """Another process took the kernel over (see :mod:`~.reattach`): stop driving it.
+        Its container runs on, untouched; this manager's clients get an error at once
+        for every execution, and the kernel's output no longer reaches them."""
+        reason = (
+            f"this kernel was taken over by {holder}, which drives it now; this program no longer "
+            "does (reattach with take_over=True to take it back)"
+        )
+        self.taken_over = reason
+        self.log.warning("Sandboxed kernel %s: taken over by %s; letting go", self.kernel_id, holder)
+        self._refusal = ("KernelTakenOver", reason)
+        if self._auditor is not None:
+            self._auditor.refuse(reason)
+        self._answer_pending("KernelTakenOver", reason)
+        await asyncio.sleep(0.1)  # let the bridge send the answers before it moves
+        await self._close_egress()
+        if self.bridge is not None and self.runtime_dir is not None:
+            # Relay to nowhere: requests still reach the auditor, which answers them.
+            nowhere = self.runtime_dir / f"let-go-{self._holder}"
+            await asyncio.to_thread(self.bridge.attach, {c: f"ipc://{nowhere}-{c}" for c in CHANNELS})
+        km, loop = self.parent, self._manager_loop
+        if km is not None and hasattr(km, "stop_restarter") and loop is not None:
+            loop.call_soon_threadsafe(km.stop_restarter)  # nothing here to restart
+        if self.runtime_dir is not None:
+            await asyncio.to_thread(write_released, self.runtime_dir, holder.token)
+        # Like detach(): the container and its folder are the new holder's now.
+        self.container_id = None
+        self.runtime_dir = self.launch_dir = None
 
     async def _act(self, container_id: str, verdict: Verdict, look: Look) -> bool:
         """Carry out the watchdog's verdict; True once the kernel has ended."""
@@ -613,6 +717,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             return False
         if verdict.act is Act.STOP_IDLE:
             # The auditor decides atomically: a request that came meanwhile wins.
+            self._refusal = ("IdleLimitExceeded", verdict.reason)
             if self._auditor is None or not self._auditor.refuse_if_idle(self.idle_timeout, verdict.reason):
                 return False
             await self._stop_idle_kernel(container_id, verdict.reason)
@@ -647,13 +752,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         await self._kill_for(container_id, "IdleLimitExceeded", reason)
 
     def _refuse_execution(self, execution: PendingExecution) -> None:
-        """Answer a request sent to a kernel stopped for good (bridge thread)."""
-        self._answer_for_kernel(
-            execution,
-            "IdleLimitExceeded",
-            f"the kernel was stopped after {self.idle_timeout:g} s without executions (idle_timeout); "
-            "restart the kernel to run code again",
-        )
+        """Answer a request sent to a kernel that is not running (bridge thread)."""
+        ename, reason = self._refusal
+        if ename == "IdleLimitExceeded":
+            reason = (
+                f"the kernel was stopped after {self.idle_timeout:g} s without executions (idle_timeout); "
+                "restart the kernel to run code again"
+            )
+        self._answer_for_kernel(execution, ename, reason)
 
     async def _wait_exited(self, container_id: str, timeout: float = 10.0) -> None:
         """Until the container has stopped, so nothing it still sends can follow our notices."""
@@ -711,6 +817,15 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._limit_stop = LimitStop(ename, reason, time.time(), container_id)
             self.log.warning("Sandboxed kernel %s ended: %s", self.kernel_id, reason)
         await self._abandon_executions(ename, reason)
+        # Until it is restarted, a new execution gets the kernel's end at once: a program
+        # with no restarter (a plain KernelManager) must not wait for a dead kernel.
+        if self._auditor is not None and ename != "IdleLimitExceeded":  # that one refuses already
+            self._refusal = (
+                ename,
+                f"{reason}. The kernel is not running: restart it (a Jupyter server's restarter does, "
+                "by itself; with a KernelManager, call restart_kernel())",
+            )
+            self._auditor.refuse(self._refusal[1])
 
     async def _abandon_executions(self, ename: str, reason: str) -> None:
         """Record unfinished executions, and answer their clients on the kernel's behalf.
@@ -835,6 +950,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             return
         state: dict[str, Any] = {"kernel_id": str(self.kernel_id), "kernel_name": self.kernel_name}
         state["provisioner_info"] = await self.get_provisioner_info()
+        spec = self.kernel_spec
+        if spec is not None:
+            # A process that reattaches need not see the kernelspec (another user's data folder).
+            state["kernelspec"] = spec.to_dict()
         try:
             await asyncio.to_thread(write_state, self.runtime_dir, state)
         except OSError as exc:
@@ -868,6 +987,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 "runtime_dir": str(self.runtime_dir) if self.runtime_dir else None,
                 "launch_dir": str(self.launch_dir) if self.launch_dir else None,
                 "image": self.image,
+                "narrowed": self._narrowed,
+                "sandbox_env": self._sandbox_env,
                 **self._layout(),
             }
         )
@@ -896,6 +1017,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """Reattach to a running kernel: same container, same client ports."""
         await super().load_provisioner_info(provisioner_info)
         self._loaded_layout = {key: provisioner_info.get(key) for key in LAYOUT_KEYS}
+        # The limits the running kernel has, for the watchdog and a later restart.
+        self._narrowed = dict(provisioner_info.get("narrowed") or {})
+        self._sandbox_env = dict(provisioner_info.get("sandbox_env") or {})
+        narrow_settings(self, self._narrowed, self.kernel_name)
         self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
         self.container_id = provisioner_info["container_id"]
         self._cwd = provisioner_info.get("cwd")
@@ -936,7 +1061,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self._start_watchdog(self.container_id)
         if self.runtime_dir is not None:
             # Last, once all is in place: this process owns the kernel now.
-            await asyncio.to_thread(write_owner, self.runtime_dir)
+            await asyncio.to_thread(write_owner, self.runtime_dir, self._holder)
             await self._save_state()
 
     def resolve_path(self, path: str) -> str | None:

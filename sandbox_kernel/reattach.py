@@ -12,10 +12,19 @@ the same host can drive it again, with its variables intact::
     await kc.wait_for_ready()
 
 The kernel's owner keeps what this needs in the kernel's private runtime folder, so the
-kernel id is enough (``jupyter sandbox-kernel list`` shows it). A program can also keep
-the state itself: ``state = await kernel_state(km)`` is a JSON-able dict, and
+kernel id is enough (``jupyter sandbox-kernel list`` shows it); the state carries the
+kernelspec too, so the reattaching process need not see it. A program can also keep the
+state itself: ``state = await kernel_state(km)`` is a JSON-able dict, and
 ``reattach_kernel(state)`` takes it. It holds the kernel's session key: store it privately.
 :func:`reattach_kernel_blocking` gives a blocking ``KernelManager`` instead.
+
+A kernel has one holder at a time: two programs relaying one kernel's channels would
+each lose replies to the other. Reattaching to a kernel that a live process drives raises
+:class:`~sandbox_kernel.errors.KernelHeldError` naming it; ``take_over=True`` takes the
+kernel from it instead: its watchdog lets go within a second (its executions then get a
+``KernelTakenOver`` error at once, its session API raises
+:class:`~sandbox_kernel.errors.KernelTakenOverError`) and the kernel, untouched, answers
+the newcomer.
 """
 
 from __future__ import annotations
@@ -27,16 +36,30 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from jupyter_client.connect import port_names
+from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_core.utils import run_sync
 
 from .docker_backend import DockerBackend
-from .errors import KernelNotFoundError
-from .ownership import SandboxedKernel, list_kernels, own_runtime_dir, read_state
+from .errors import KernelHeldError, KernelNotFoundError
+from .ownership import (
+    SandboxedKernel,
+    list_kernels,
+    own_runtime_dir,
+    read_holder,
+    read_state,
+    released,
+    server_identity,
+    write_owner,
+)
 from .provisioner import SandboxProvisioner
 
 M = TypeVar("M", bound=KernelManager)
+
+#: Seconds a holder has to let go of a kernel taken over from it (its watchdog looks
+#: twice a second).
+TAKE_OVER_TIMEOUT = 10.0
 
 
 async def kernel_state(km: KernelManager) -> dict[str, Any]:
@@ -98,11 +121,19 @@ def load_state(kernel: SandboxedKernel, runtime_parent: str | None = None) -> di
     return state
 
 
-async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
+async def attach_manager(km: KernelManager, state: Mapping[str, Any], take_over: bool = False) -> None:
     """Make ``km`` (fresh, never started) the manager of the running kernel in ``state``:
-    bridge, watchdog and egress proxy start here, the kernel is untouched."""
+    bridge, watchdog and egress proxy start here, the kernel is untouched.
+
+    Raises:
+        KernelHeldError: a live process (or another manager of this one) drives the
+            kernel, and ``take_over`` is false.
+    """
     km.kernel_id = str(state["kernel_id"])
     info = dict(state["provisioner_info"])
+    spec = state.get("kernelspec")
+    if isinstance(spec, dict):
+        km._kernel_spec = KernelSpec(**spec)
     # The session key first: the provisioner signs its own messages with the manager's.
     km.load_connection_info(info["connection_info"])
     provisioner = KernelProvisionerFactory.instance(parent=km.parent).create_provisioner_instance(
@@ -111,6 +142,9 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
     if not isinstance(provisioner, SandboxProvisioner):
         msg = f"kernelspec {km.kernel_name!r} does not use the sandbox-provisioner"
         raise KernelNotFoundError(msg)
+    runtime_dir = info.get("runtime_dir")
+    if runtime_dir:
+        await _become_holder(km.kernel_id, Path(runtime_dir), provisioner, take_over)
     try:
         await provisioner.load_provisioner_info(info)
     except BaseException:
@@ -123,7 +157,9 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
     km.load_connection_info(provisioner.connection_info)
     # What a restart relaunches with: the kernel's folder, its notebook and user.
     env = {**os.environ, **dict(info.get("launch_env") or {})}
-    launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd(), "env": env}
+    launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd(), "env": env, **provisioner._narrowed}
+    if provisioner._sandbox_env:
+        launch_args["sandbox_env"] = provisioner._sandbox_env
     km._launch_args = launch_args
     # As if started here: later shutdowns and restarts each get a fresh "ready" future.
     km._attempted_start = True
@@ -133,27 +169,67 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any]) -> None:
     km._connect_control_socket()
 
 
-async def reattach_kernel(kernel: str | Mapping[str, Any], **kwargs: Any) -> AsyncKernelManager:
+async def _become_holder(
+    kernel_id: str, runtime_dir: Path, provisioner: SandboxProvisioner, take_over: bool
+) -> None:
+    """Make ``provisioner`` the kernel's one holder; with ``take_over``, once the live
+    holder has let go (or died)."""
+    holder = await asyncio.to_thread(read_holder, runtime_dir)
+    if holder is None or not holder.alive:
+        return
+    if holder.identity == server_identity() and not holder.token:
+        return  # this process made it and has not handed it to a manager yet (a pool)
+    if not take_over:
+        msg = (
+            f"Sandboxed kernel {kernel_id} is driven by {holder}, which is alive: two programs "
+            "driving one kernel break each other. Stop that program (or shut the kernel down "
+            "there), or reattach with take_over=True to take the kernel from it (its calls then "
+            "fail with KernelTakenOver)."
+        )
+        raise KernelHeldError(msg)
+    await asyncio.to_thread(write_owner, runtime_dir, provisioner._holder)
+    deadline = asyncio.get_running_loop().time() + TAKE_OVER_TIMEOUT
+    while not released(runtime_dir, provisioner._holder) and holder.alive:
+        if asyncio.get_running_loop().time() > deadline:
+            provisioner.log.warning(
+                "Sandboxed kernel %s: %s did not let go within %g s; taking it over anyway",
+                kernel_id,
+                holder,
+                TAKE_OVER_TIMEOUT,
+            )
+            break
+        await asyncio.sleep(0.1)
+
+
+async def reattach_kernel(
+    kernel: str | Mapping[str, Any], *, take_over: bool = False, **kwargs: Any
+) -> AsyncKernelManager:
     """An ``AsyncKernelManager`` driving the already running sandboxed kernel ``kernel``:
     its kernel id (or a unique prefix), or a state from :func:`kernel_state`.
 
+    ``take_over``: take the kernel from the live process driving it (see above).
     ``kwargs`` go to the manager (e.g. ``config=``).
 
     Raises:
+        KernelHeldError: a live process drives the kernel (the message names it).
         KernelNotFoundError: no such kernel, or its state is unreadable.
         SandboxKernelError: the kernel's container is gone or Docker is unreachable.
     """
-    return await _reattach(kernel, AsyncKernelManager, kwargs)
+    return await _reattach(kernel, AsyncKernelManager, kwargs, take_over)
 
 
-def reattach_kernel_blocking(kernel: str | Mapping[str, Any], **kwargs: Any) -> KernelManager:
+def reattach_kernel_blocking(
+    kernel: str | Mapping[str, Any], *, take_over: bool = False, **kwargs: Any
+) -> KernelManager:
     """:func:`reattach_kernel` for blocking code: returns a ``KernelManager``."""
-    manager: KernelManager = run_sync(_reattach)(kernel, KernelManager, kwargs)
+    manager: KernelManager = run_sync(_reattach)(kernel, KernelManager, kwargs, take_over)
     return manager
 
 
-async def _reattach(kernel: str | Mapping[str, Any], manager_class: type[M], kwargs: dict[str, Any]) -> M:
+async def _reattach(
+    kernel: str | Mapping[str, Any], manager_class: type[M], kwargs: dict[str, Any], take_over: bool
+) -> M:
     state = await saved_state(kernel) if isinstance(kernel, str) else kernel
     km = manager_class(kernel_name=str(state["kernel_name"]), **kwargs)
-    await attach_manager(km, state)
+    await attach_manager(km, state, take_over)
     return km

@@ -26,6 +26,7 @@ from traitlets import (
     Int,
     List,
     TraitError,
+    TraitType,
     Type,
     Unicode,
     default,
@@ -35,7 +36,7 @@ from traitlets.config import LoggingConfigurable
 
 from .egress import EgressPolicy, EgressRules
 from .errors import ConfigurationError
-from .limits import Limits, validate_size
+from .limits import DURATION_FORMS, SIZE_FORMS, Limits, duration_seconds, size_bytes, validate_size
 from .sandbox_spec import CONTAINER_WORKSPACE
 
 DEFAULT_IMAGE = "sandbox-kernel/python:latest"
@@ -43,9 +44,49 @@ DEFAULT_IMAGE = "sandbox-kernel/python:latest"
 DATASCIENCE_IMAGE = "sandbox-kernel/python-datascience:latest"
 DEFAULT_RUNTIME = "runsc-sandbox-kernel"
 
+#: The least memory a kernel may have: the kernel stops cells a margin (64 MiB and more)
+#: below its limit (see in_kernel.py), so less would stop every cell at once.
+SMALLEST_MEMORY = "128m"
+#: The longest duration a time limit may have (a week); longer is a typo, or no limit (0).
+LONGEST = 7 * 24 * 3600
+
+
+class Duration(TraitType[float, float | int | str]):
+    """A duration, read as float seconds: a number of seconds, or a string such as
+    ``"300"``, ``"90s"``, ``"5m"``, ``"1.5h"`` or ``"1d"`` (see :func:`~.limits.duration_seconds`)."""
+
+    default_value = 0.0
+    info_text = f"a duration: {DURATION_FORMS}"
+
+    def validate(self, obj: Any, value: Any) -> float:
+        try:
+            return duration_seconds(self.name or "duration", value)
+        except ConfigurationError as exc:
+            raise TraitError(str(exc)) from None
+
+
+class Size(TraitType[str, str | int]):
+    """A size, kept as written (lowercased) so messages and the kernel's policy show it:
+    bytes, or a number with k, m or g such as ``"512m"`` or ``"1.5g"`` (see
+    :func:`~.limits.size_bytes`, which reads it in bytes)."""
+
+    default_value = ""
+    info_text = f"a size: {SIZE_FORMS}"
+
+    def validate(self, obj: Any, value: Any) -> str:
+        try:
+            return validate_size(self.name or "size", value)
+        except ConfigurationError as exc:
+            raise TraitError(str(exc)) from None
+
 
 class SandboxSettings(LoggingConfigurable):
-    """What a sandboxed kernel may use, and how it runs; see the README's Configuration."""
+    """What a sandboxed kernel may use, and how it runs; see the README's Configuration.
+
+    Every duration (a :class:`Duration`) takes seconds or a string such as ``"5m"``, and
+    reads back as float seconds; every size (a :class:`Size`) takes bytes or a string
+    such as ``"1.5g"``, and reads back as written (lowercased).
+    """
 
     IMAGE_ENV = "SANDBOX_KERNEL_IMAGE"
     RUNTIME_ENV = "SANDBOX_KERNEL_RUNTIME"
@@ -81,8 +122,8 @@ class SandboxSettings(LoggingConfigurable):
         Nothing else of the server's environment enters it (variables the kernelspec's
         own `env` sets are passed too). JPY_PARENT_PID is never passed.""",
     ).tag(kernelspec=True, ceiling="max_pass_env", bound="names")
-    memory = Unicode(
-        "2g", config=True, help="Memory limit of the kernel's container, e.g. '512m' or '2g'."
+    memory = Size(
+        "2g", config=True, help="Memory limit of the kernel's container, e.g. '512m', '1.5g' or '2g'."
     ).tag(kernelspec=True, ceiling="max_memory", bound="size")
     cpus = Float(1.0, config=True, help="CPU limit of the kernel's container, in cores (e.g. 0.5).").tag(
         kernelspec=True, ceiling="max_cpus", bound="amount"
@@ -93,22 +134,24 @@ class SandboxSettings(LoggingConfigurable):
         help="""Most processes and threads the kernel's user may run (RLIMIT_NPROC); more
         forks or threads fail with EAGAIN. ipykernel and numpy need a few dozen.""",
     ).tag(kernelspec=True, ceiling="max_pids", bound="amount")
-    tmp_size = Unicode(
-        "256m", config=True, help="Size of the /tmp tmpfs, the only writable place besides the workspace."
+    tmp_size = Size(
+        "256m",
+        config=True,
+        help="Size of the /tmp tmpfs, the only writable place besides the workspace, e.g. '256m'.",
     ).tag(kernelspec=True, ceiling="max_tmp_size", bound="size")
-    file_size = Unicode(
+    file_size = Size(
         "4g",
         config=True,
         help="""Largest file the kernel may write, in the workspace or /tmp (RLIMIT_FSIZE):
         a write past it fails with "File too large" (EFBIG). A bind-mounted workspace has no
         quota of its own; see the README on bounding its total size.""",
     ).tag(kernelspec=True, ceiling="max_file_size", bound="size")
-    idle_timeout = Float(
+    idle_timeout = Duration(
         0.0,
         config=True,
-        help="""Seconds without any execution after which the kernel is stopped to free its
-        memory (0: never). Clients are told; later requests get an error reply
-        `IdleLimitExceeded` until the kernel is restarted.""",
+        help="""Time without any execution after which the kernel is stopped to free its
+        memory, in seconds or e.g. '30m' or '2h' (0: never). Clients are told; later
+        requests get an error reply `IdleLimitExceeded` until the kernel is restarted.""",
     ).tag(kernelspec=True, ceiling="max_idle_timeout", bound="timeout")
     network = CaselessStrEnum(
         ["none", "allowlist"],
@@ -176,48 +219,50 @@ class SandboxSettings(LoggingConfigurable):
         someone shuts the kernel down or `persistent_ttl` runs out; a server using
         sandbox_kernel.server.SandboxMappingKernelManager adopts it again.""",
     ).tag(kernelspec=True)
-    persistent_ttl = Float(
+    persistent_ttl = Duration(
         0.0,
         config=True,
-        help="""A persistent kernel that no server has held for this many seconds is removed
-        (by the next server start or `jupyter sandbox-kernel prune`); 0: never.""",
+        help="""A persistent kernel that no server has held for this long (seconds, or e.g.
+        '12h' or '7d') is removed (by the next server start or `jupyter sandbox-kernel
+        prune`); 0: never.""",
     ).tag(kernelspec=True, ceiling="max_persistent_ttl", bound="lifetime")
-    max_persistent_ttl = Float(
+    max_persistent_ttl = Duration(
         0.0,
         config=True,
-        help="""Ceiling for `persistent_ttl` (0: none). When set, every persistent kernel must
-        have a time-to-live at or below it. Server config only.""",
+        help="""Ceiling for `persistent_ttl`, in seconds or e.g. '7d' (0: none). When set,
+        every persistent kernel must have a time-to-live at or below it. Server config only.""",
     )
-    max_file_size = Unicode(
+    max_file_size = Size(
         "16g",
         config=True,
         help="Ceiling for `file_size`: no kernelspec may ask for more. Server config only.",
     )
-    max_idle_timeout = Float(
+    max_idle_timeout = Duration(
         0.0,
         config=True,
-        help="""Ceiling for `idle_timeout` (0: none). When set, every kernel must have an idle
-        limit at or below it. Server config only.""",
+        help="""Ceiling for `idle_timeout`, in seconds or e.g. '8h' (0: none). When set,
+        every kernel must have an idle limit at or below it. Server config only.""",
     )
-    exec_timeout = Float(
+    exec_timeout = Duration(
         0.0,
         config=True,
-        help="""Wall-clock limit of one execution, in seconds (0: none). The cell gets a
-        TimeoutError naming the limit; code that ignores it is interrupted, then the
-        kernel is killed (and restarted by Jupyter) `exec_kill_grace` seconds later.""",
+        help="""Wall-clock limit of one execution, in seconds or e.g. '90s' or '5m' (0: none).
+        The cell gets a TimeoutError naming the limit; code that ignores it is interrupted,
+        then the kernel is killed (and restarted by Jupyter) `exec_kill_grace` later.""",
     ).tag(kernelspec=True, ceiling="max_exec_timeout", bound="timeout")
-    exec_kill_grace = Float(
+    exec_kill_grace = Duration(
         10.0,
         config=True,
-        help="Seconds past `exec_timeout` before a runaway kernel is interrupted and then killed.",
+        help="""Time past `exec_timeout` (seconds, or e.g. '30s') before a runaway kernel is
+        interrupted and then killed.""",
     )
-    max_exec_timeout = Float(
+    max_exec_timeout = Duration(
         0.0,
         config=True,
-        help="""Ceiling for `exec_timeout` (0: none). When set, every kernel must have a limit
-        at or below it. Server config only.""",
+        help="""Ceiling for `exec_timeout`, in seconds or e.g. '1h' (0: none). When set,
+        every kernel must have a limit at or below it. Server config only.""",
     )
-    output_limit = Unicode(
+    output_limit = Size(
         "10m",
         config=True,
         help="""Most output (printed text, displays, errors) one execution may send to
@@ -238,13 +283,13 @@ class SandboxSettings(LoggingConfigurable):
     max_cpus = Float(
         2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
     )
-    max_memory = Unicode(
+    max_memory = Size(
         "4g", config=True, help="Ceiling for `memory`: no kernelspec may ask for more. Server config only."
     )
     max_pids = Int(
         1024, config=True, help="Ceiling for `pids`: no kernelspec may ask for more. Server config only."
     )
-    max_tmp_size = Unicode(
+    max_tmp_size = Size(
         "1g", config=True, help="Ceiling for `tmp_size`: no kernelspec may ask for more. Server config only."
     )
     pool_size = Int(
@@ -260,7 +305,7 @@ class SandboxSettings(LoggingConfigurable):
     max_pool_size = Int(
         4, config=True, help="Ceiling for `pool_size`: no kernelspec may ask for more. Server config only."
     )
-    max_pool_memory = Unicode(
+    max_pool_memory = Size(
         "8g",
         config=True,
         help="""Most memory (the sum of their memory limits) that waiting pooled sandboxes of
@@ -296,8 +341,10 @@ class SandboxSettings(LoggingConfigurable):
         help="""What runs the sandboxes: a sandbox_kernel.backend.SandboxBackend. The default
         runs Docker containers under gVisor (docker_runtime). Server config only.""",
     )
-    startup_timeout = Float(
-        60.0, config=True, help="Seconds to wait for the kernel in a new container to open its channels."
+    startup_timeout = Duration(
+        60.0,
+        config=True,
+        help="Time to wait for the kernel in a new container to open its channels (seconds, or e.g. '2m').",
     )
     audit_log = Unicode(
         config=True,
@@ -307,9 +354,13 @@ class SandboxSettings(LoggingConfigurable):
         Default: ${AUDIT_LOG_ENV}, else JUPYTER_DATA_DIR/sandbox-kernel/audit.jsonl.""",
     )
     audit_log_max_bytes = Int(
-        50 * 1024 * 1024, config=True, help="Rotate the audit log when it reaches this size (bytes)."
+        50 * 1024 * 1024,
+        config=True,
+        help="Rotate the audit log when it reaches this size (bytes, at least 1).",
     )
-    audit_log_backups = Int(10, config=True, help="Rotated audit log files to keep (audit.jsonl.1, ...).")
+    audit_log_backups = Int(
+        10, config=True, help="Rotated audit log files to keep (audit.jsonl.1, ...; at least 1)."
+    )
     runtime_parent = Unicode(
         config=True,
         help="""Host folder under which each kernel gets a private runtime folder (its
@@ -341,22 +392,6 @@ class SandboxSettings(LoggingConfigurable):
         return tempfile.gettempdir()
 
     @validate(
-        "memory",
-        "tmp_size",
-        "max_memory",
-        "max_tmp_size",
-        "output_limit",
-        "file_size",
-        "max_file_size",
-        "max_pool_memory",
-    )
-    def _validate_size(self, proposal: dict[str, Any]) -> str:
-        try:
-            return validate_size(proposal["trait"].name, proposal["value"])
-        except ConfigurationError as exc:
-            raise TraitError(str(exc)) from None
-
-    @validate(
         "exec_timeout",
         "max_exec_timeout",
         "exec_kill_grace",
@@ -366,9 +401,34 @@ class SandboxSettings(LoggingConfigurable):
         "max_persistent_ttl",
     )
     def _validate_seconds(self, proposal: dict[str, Any]) -> float:
-        value = float(proposal["value"])
-        if not 0 <= value <= 7 * 24 * 3600:
-            msg = f"{proposal['trait'].name}={value!r} is out of range; use seconds between 0 and a week."
+        value: float = proposal["value"]  # seconds already: a Duration
+        if value > LONGEST:
+            msg = (
+                f"{proposal['trait'].name}={value!r} is out of range; use at most a week "
+                f"({LONGEST} seconds, '7d'), or 0 for no limit."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("startup_timeout")
+    def _validate_startup_timeout(self, proposal: dict[str, Any]) -> float:
+        value: float = proposal["value"]
+        if not 0 < value <= LONGEST:
+            msg = (
+                f"startup_timeout={value!r} is out of range; a kernel needs time to start: use more "
+                "than 0 seconds and at most a week, e.g. 120 or '2m' (the default is 60)."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("memory", "max_memory")
+    def _validate_memory(self, proposal: dict[str, Any]) -> str:
+        value: str = proposal["value"]  # a size already: a Size
+        if size_bytes(proposal["trait"].name, value) < size_bytes("", SMALLEST_MEMORY):
+            msg = (
+                f"{proposal['trait'].name}={value!r} is too little memory for ipykernel under gVisor; "
+                f"use at least {SMALLEST_MEMORY!r} (the default is '2g')."
+            )
             raise TraitError(msg)
         return value
 
@@ -394,11 +454,14 @@ class SandboxSettings(LoggingConfigurable):
                 raise TraitError(msg) from None
         return host_map
 
-    @validate("cpus")
+    @validate("cpus", "max_cpus")
     def _validate_cpus(self, proposal: dict[str, Any]) -> float:
         value = float(proposal["value"])
         if not 0 < value <= 64:
-            msg = f"cpus={value!r} is out of range; use a number of cores above 0, e.g. 1 or 0.5."
+            msg = (
+                f"{proposal['trait'].name}={value!r} is out of range; use a number of cores above 0 "
+                "and at most 64, e.g. 1 or 0.5."
+            )
             raise TraitError(msg)
         return value
 
@@ -417,6 +480,19 @@ class SandboxSettings(LoggingConfigurable):
             msg = (
                 f"{proposal['trait'].name}={value!r} is too low for ipykernel to start; "
                 "use at least 16 (the default is 256)."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("audit_log_max_bytes", "audit_log_backups")
+    def _validate_audit_rotation(self, proposal: dict[str, Any]) -> int:
+        # Python's RotatingFileHandler never rotates when either is 0: the log would grow
+        # without bound, the opposite of what the setting is for.
+        value = int(proposal["value"])
+        if value < 1:
+            msg = (
+                f"{proposal['trait'].name}={value!r} would stop the audit log from rotating, so it "
+                "would grow without bound; use 1 or more (to keep no audit log, set audit_log to '')."
             )
             raise TraitError(msg)
         return value

@@ -42,7 +42,7 @@ SANDBOX_UID = 1000
 
 def runsc_processes() -> set[str]:
     """``pid args`` of every runsc process (sandbox, gofer, shim) on the host."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
     return {line.strip() for line in out.splitlines() if "runsc" in line and "ps -eo" not in line}
 
 
@@ -73,15 +73,29 @@ class HostState:
         return {c.name for c in self.client.containers.list(all=True, filters={"label": LABEL_MANAGED})}
 
     def new_leftovers(self, settle: float = 10) -> list[str]:
-        """What exists now but did not then; runsc processes get ``settle`` s to exit."""
+        """What exists now but did not then; runsc processes get ``settle`` s to exit.
+
+        What another live program holds (a second test run on this host) is not ours.
+        """
         deadline = time.monotonic() + settle
         while runsc_processes() - self.processes and time.monotonic() < deadline:
             time.sleep(0.2)
-        found = [f"container {c}" for c in sorted(self._containers() - self.containers)]
-        found += [f"runtime folder {d}" for d in sorted(runtime_dirs() - self.dirs)]
-        found += [f"mount {m}" for m in sorted(kernel_mounts() - self.mounts)]
-        found += [f"process {p}" for p in sorted(runsc_processes() - self.processes)]
+        foreign = [
+            kernel
+            for kernel in asyncio.run(list_kernels(DockerBackend()))
+            if kernel.owner != server_identity() and not kernel.owner_gone
+        ]
+        names = {f"sandbox-kernel-{k.kernel_id}" for k in foreign} | {k.container_id[:12] for k in foreign}
+        marks = {k.container_id for k in foreign} | {Path(k.runtime_dir).parent.name for k in foreign}
+        found = [f"container {c}" for c in sorted(self._containers() - self.containers - names)]
+        found += [f"runtime folder {d}" for d in sorted(runtime_dirs() - self.dirs - marks)]
+        found += [f"mount {m}" for m in sorted(kernel_mounts() - self.mounts) if not _marked(m, marks)]
+        found += [f"process {p}" for p in sorted(runsc_processes() - self.processes) if not _marked(p, marks)]
         return found
+
+
+def _marked(text: str, marks: set[str]) -> bool:
+    return any(mark and mark in text for mark in marks)
 
 
 @pytest.fixture(scope="session")

@@ -258,3 +258,16 @@ def make_spec(tmp_path: Path, **overrides: object) -> SandboxSpec:
     }
     values.update(overrides)
     return SandboxSpec(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def real_workspace_modes() -> None:
+    """Ask for it to have the plan judge the workspace's real owner and mode."""
+
+
+@pytest.fixture(autouse=True)
+def _writable_workspaces(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests' workspaces are root's temporary folders: the plan takes them as
+    writable to the kernel, unless the test asks for ``real_workspace_modes``."""
+    if "real_workspace_modes" not in request.fixturenames:
+        monkeypatch.setattr("sandbox_kernel.plan.can_write", lambda path, uid, gid: True)

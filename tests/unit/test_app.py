@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 import docker
 import pytest
 from docker.errors import ImageNotFound
+from jupyter_core.application import JupyterApp
 
 from sandbox_kernel.app import (
     DEBIAN_BASE,
@@ -20,6 +23,8 @@ from sandbox_kernel.app import (
     BuildImageApp,
     CheckApp,
     InstallApp,
+    ListApp,
+    McpApp,
     RunApp,
     SandboxKernelApp,
     _recipe_digest,
@@ -29,7 +34,7 @@ from sandbox_kernel.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
 
 from .conftest import FakeDockerClient
 
-APPS = (SandboxKernelApp, InstallApp, BuildImageApp, CheckApp, RunApp)
+APPS = (SandboxKernelApp, InstallApp, BuildImageApp, CheckApp, RunApp, ListApp, McpApp)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +47,7 @@ def _fresh_app_singletons() -> Iterator[None]:
         app.clear_instance()
 
 
-def run(app_class: type[InstallApp] | type[SandboxKernelApp], *argv: str) -> None:
+def run(app_class: type[JupyterApp], *argv: str) -> None:
     app = app_class()
     app.initialize(list(argv))
     app.start()
@@ -167,17 +172,133 @@ def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -
         ("--allow-domain", "https://docs.python.org/3/", "use 'docs.python.org'"),
         ("--allow-domain", "10.0.0.1", "IP"),
         ("--file-size", "huge", "file_size='huge' is not a size"),
-        ("--idle-timeout", "-5", "idle_timeout=-5.0 is out of range"),
+        ("--idle-timeout", "-5", "idle_timeout='-5' is not a duration"),
+        ("--idle-timeout=-5s", None, "idle_timeout='-5s' is not a duration"),
+        (
+            "--exec-timeout",
+            "5 minutes",
+            "exec_timeout='5 minutes' is not a duration; use a number of seconds",
+        ),
+        ("--exec-timeout", "8d", "exec_timeout=691200.0 is out of range; use at most a week"),
+        ("--persistent-ttl", "1w", "persistent_ttl='1w' is not a duration"),
+        ("--pids", "0", "pids=0 is too low"),
+        ("--pids", "lots", "expected an int, not the str 'lots'"),
+        ("--cpus", "0", "cpus=0.0 is out of range"),
+        ("--memory", "0", "memory='0' is not a size"),
+        ("--memory", "1.5", "memory='1.5' is not a size"),
+        ("--memory", "64m", "memory='64m' is too little memory"),
+        ("--tmp-size", "1.5gb", "tmp_size='1.5gb' is not a size"),
+        ("--image", "", "--image is empty"),
     ],
 )
 def test_install_refuses_an_invalid_policy_and_writes_nothing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str | None, message: str
 ) -> None:
     with pytest.raises(SystemExit) as info:
-        run(InstallApp, "--prefix", str(tmp_path), "--name", "bad", option, value)
+        run(
+            InstallApp,
+            "--prefix",
+            str(tmp_path),
+            "--name",
+            "bad",
+            option,
+            *([] if value is None else [value]),
+        )
     assert info.value.code == 1
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: ")
+    assert message in err
+    assert "Traceback" not in err
     assert not (tmp_path / "share/jupyter/kernels/bad").exists()
+
+
+def test_install_takes_durations_and_decimal_sizes_and_writes_seconds(tmp_path: Path) -> None:
+    run(
+        InstallApp,
+        "--prefix",
+        str(tmp_path),
+        "--name",
+        "units",
+        "--exec-timeout",
+        "5m",
+        "--idle-timeout",
+        "1.5h",
+        "--persistent-ttl",
+        "7d",
+        "--memory",
+        "1.5G",
+        "--tmp-size",
+        "0.5g",
+        "--file-size",
+        "1073741824",
+    )
+    assert installed_spec(tmp_path, "units")["metadata"]["kernel_provisioner"]["config"] == {  # type: ignore[index]
+        "exec_timeout": 300.0,
+        "idle_timeout": 5400.0,
+        "persistent_ttl": 604800.0,
+        "memory": "1.5g",
+        "tmp_size": "0.5g",
+        "file_size": "1073741824",
+    }
+
+
+def test_install_writes_an_explicit_zero_instead_of_dropping_it(tmp_path: Path) -> None:
+    """``--exec-timeout 0`` asks for no limit, even where the server's default has one."""
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "nolimit", "--exec-timeout", "0", "--pool-size", "0")
+    config = installed_spec(tmp_path, "nolimit")["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"exec_timeout": 0.0, "pool_size": 0}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus", "3"], "error: unknown option --bogus; see `jupyter sandbox-kernel install --help`"),
+        (["--bogus"], "error: unknown option --bogus;"),
+        (["--bogus=3"], "error: unknown option --bogus;"),
+        (["--memroy", "1g"], "error: unknown option --memroy;"),
+        (["--InstallApp.memroy=1g"], "error: InstallApp has no option memroy;"),
+        (
+            ["extra"],
+            "error: unexpected argument 'extra': `jupyter sandbox-kernel install` takes options only",
+        ),
+        (["--exec-timeout", "-1s"], "write --option=value"),
+    ],
+)
+def test_install_refuses_unknown_options_and_arguments_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(InstallApp, "--prefix", str(tmp_path), *argv)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err
+    assert not (tmp_path / "share").exists()
+
+
+def test_unknown_options_are_refused_through_the_main_command_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(SandboxKernelApp, "install", "--prefix", str(tmp_path), "--bogus", "3")
+    assert info.value.code == 1
+    assert "unknown option --bogus" in capsys.readouterr().err
+    assert not (tmp_path / "share").exists()
+
+
+@pytest.mark.parametrize("name", ["bad/name", "a b", "../up", "naïve", ""])
+def test_install_refuses_a_bad_name_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(InstallApp, "--prefix", str(tmp_path), "--name", name)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --name {name!r} is not a kernel name: use only ASCII letters, digits, '-', '.' and '_' "
+        "(it names the kernelspec's folder), e.g. --name py-small\n"
+    )
+    assert not (tmp_path / "share").exists()
 
 
 def test_install_above_the_default_ceiling_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -487,3 +608,123 @@ def test_install_has_a_flag_for_every_kernelspec_setting() -> None:
     assert kernelspec_keys() <= flagged
     assert InstallApp.aliases["allow-domain"] == "InstallApp.allowed_domains"
     assert InstallApp.aliases["pool-size"] == "InstallApp.pool_size"
+
+
+# ---------------------------------------------------------------- options of the other subcommands
+
+
+def test_build_image_refuses_an_unknown_option_and_builds_nothing(
+    build_docker: FakeBuildDocker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(BuildImageApp, "--debian-base", "--no-cahce")
+    assert info.value.code == 1
+    assert "error: unknown option --no-cahce; see `jupyter sandbox-kernel build-image --help`" in (
+        capsys.readouterr().err
+    )
+    assert build_docker.builds == []
+
+
+def test_a_subcommand_without_arguments_refuses_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(ListApp, "3f2a9c1e")
+    assert info.value.code == 1
+    assert "unexpected argument '3f2a9c1e': `jupyter sandbox-kernel list` takes options only" in (
+        capsys.readouterr().err
+    )
+
+
+def test_run_takes_its_cell_timeout_as_a_duration() -> None:
+    app = RunApp()
+    app.initialize(["--timeout", "10m", "notebook.ipynb"])
+    assert app.timeout == 600.0
+    assert app.extra_args == ["notebook.ipynb"]
+
+
+# ---------------------------------------------------------------- mcp
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """What ``serve_stdio`` was called with, instead of serving on this test's stdin."""
+    calls: list[dict[str, Any]] = []
+    fake = types.ModuleType("sandbox_kernel.mcp_server")
+    fake.serve_stdio = lambda **kwargs: calls.append(kwargs)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sandbox_kernel.mcp_server", fake)
+    return calls
+
+
+def test_mcp_serves_the_default_kernelspec_in_the_current_folder(
+    served: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(InstallApp, "--user")
+    monkeypatch.chdir(tmp_path)
+    run(SandboxKernelApp, "mcp")
+    assert served == [{"kernel_name": KERNEL_NAME, "cwd": str(tmp_path.resolve())}]
+
+
+def test_mcp_takes_a_kernelspec_and_a_workspace(served: list[dict[str, Any]], tmp_path: Path) -> None:
+    run(InstallApp, "--user", "--name", "py-small", "--memory", "512m")
+    workspace = tmp_path / "analysis"
+    workspace.mkdir()
+    run(McpApp, "--kernel", "py-small", "--cwd", str(workspace))
+    assert served == [{"kernel_name": "py-small", "cwd": str(workspace.resolve())}]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--kernel", "nope"],
+            "error: no kernelspec named 'nope': install it with `jupyter sandbox-kernel install`",
+        ),
+        (["--cwd", "/no/such/folder"], "error: --cwd '/no/such/folder' is not a folder"),
+        (["--kernal", "x"], "error: unknown option --kernal"),
+    ],
+)
+def test_mcp_refuses_what_it_cannot_serve(
+    served: list[dict[str, Any]], capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    run(InstallApp, "--user")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        run(McpApp, *argv)
+    assert info.value.code == 1
+    assert message in capsys.readouterr().err
+    assert served == []
+
+
+@pytest.mark.parametrize(("missing", "detail"), [("mcp", ""), ("anyio", " (no module 'anyio')")])
+def test_mcp_without_the_mcp_package_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], missing: str, detail: str
+) -> None:
+    monkeypatch.delitem(sys.modules, "sandbox_kernel.mcp_server", raising=False)
+    for name in [name for name in sys.modules if name == missing or name.startswith(f"{missing}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # what an environment without it imports
+    with pytest.raises(SystemExit) as info:
+        run(SandboxKernelApp, "mcp")
+    assert info.value.code == 1
+    assert capsys.readouterr().err == (
+        f"error: the MCP server needs the mcp package, which is not installed{detail}: "
+        "pip install 'sandbox-kernel[mcp]'\n"
+    )
+
+
+def test_the_main_command_lists_mcp(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run(SandboxKernelApp)
+    out = capsys.readouterr().out
+    assert "mcp" in out
+    assert "Serve sandboxed kernels to an AI assistant over MCP (stdio)." in out
+
+
+def test_mcp_help_says_what_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(McpApp, "--help")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "Serve sandboxed kernels to an AI assistant over MCP (stdio)" in out
+    assert "--kernel" in out
+    assert "--cwd" in out
+    assert "pip install 'sandbox-kernel[mcp]'" in out

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -14,7 +18,9 @@ from sandbox_kernel.errors import (
     DockerUnavailableError,
     ImageNotFoundError,
     RuntimeMissingError,
+    WorkspaceError,
 )
+from sandbox_kernel.sandbox_spec import LABEL_VOLUME, LABEL_VOLUME_UID
 from sandbox_kernel.settings import DEFAULT_RUNTIME
 
 from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error
@@ -285,3 +291,67 @@ async def test_a_failed_removal_is_raised_not_forgotten(
     monkeypatch.setattr(fake_client.api, "remove_container", failing)
     with pytest.raises(DockerOperationError, match="driver failed to remove root filesystem"):
         await sandbox_docker.remove("c1")
+
+
+# ---------------------------------------------------------------- volume_path
+
+
+@dataclass
+class FakeVolume:
+    attrs: dict[str, Any]
+
+
+@dataclass
+class FakeVolumes:
+    """``client.volumes``: what ``docker volume inspect`` says of each volume."""
+
+    client: FakeDockerClient
+    attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def get(self, name: str) -> FakeVolume:
+        self.client.record("volumes.get", name)
+        if name not in self.attrs:
+            raise api_error(NotFound, 404, f"get {name}: no such volume")
+        return FakeVolume(self.attrs[name])
+
+
+def workspace_volume(fake_client: FakeDockerClient, name: str, **labels: str) -> None:
+    volumes = FakeVolumes(fake_client)
+    volumes.attrs[name] = {
+        "Name": name,
+        "Mountpoint": f"/var/lib/docker/volumes/{name}/_data",
+        "Labels": labels,
+    }
+    fake_client.volumes = volumes  # type: ignore[attr-defined]
+
+
+async def test_a_workspace_volume_of_this_servers_user_has_a_host_path(
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
+) -> None:
+    workspace_volume(fake_client, "ws", **{LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())})
+    assert await sandbox_docker.volume_path("ws") == Path("/var/lib/docker/volumes/ws/_data")
+    assert fake_client.called("volumes.get") == [(("ws",), {})]
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {},  # another service's volume
+        {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid() + 1)},  # another user's
+        {LABEL_VOLUME_UID: str(os.getuid())},
+    ],
+)
+async def test_a_volume_not_made_for_this_servers_workspaces_is_not_handed_out(
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, labels: dict[str, str]
+) -> None:
+    workspace_volume(fake_client, "db-data", **labels)
+    with pytest.raises(WorkspaceError, match="'db-data' was not made for sandbox-kernel workspaces"):
+        await sandbox_docker.volume_path("db-data")
+
+
+async def test_a_missing_volume_is_a_workspace_error(
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient
+) -> None:
+    workspace_volume(fake_client, "other")
+    with pytest.raises(WorkspaceError, match="no Docker volume 'gone'"):
+        await sandbox_docker.volume_path("gone")

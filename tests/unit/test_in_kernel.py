@@ -1,14 +1,18 @@
 """The code the kernel runs as it starts (sandbox_kernel/in_kernel.py), in this process
 with a stand-in IPython shell. What it does in a real kernel is in the integration tests
-(test_limits.py: memory; test_egress.py and test_isolation.py: network)."""
+(test_limits.py: memory; test_egress.py and test_isolation.py: network; test_packages.py:
+pip)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
 import sys
+import sysconfig
 import threading
+import time
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,14 @@ THREAD_ENV = (
     "NUMEXPR_MAX_THREADS",
     "POLARS_MAX_THREADS",
 )
+PIP_ENV = (
+    "PIP_DISABLE_PIP_VERSION_CHECK",
+    "PIP_NO_CACHE_DIR",
+    "PIP_NO_INPUT",
+    "PIP_NO_INDEX",
+    "PIP_RETRIES",
+    "PIP_TIMEOUT",
+)
 
 
 class Shell:
@@ -34,6 +46,8 @@ class Shell:
         self.registered: dict[str, list[Any]] = {}
         self.custom: tuple[tuple[type, ...], Any] | None = None
         self.shown: list[Any] = []
+        self.magics: dict[str, Any] = {}
+        self.user_ns: dict[str, Any] = {}
 
     class _Events:
         def __init__(self, shell: Shell) -> None:
@@ -48,6 +62,13 @@ class Shell:
 
     def set_custom_exc(self, types: tuple[type, ...], handler: Any) -> None:
         self.custom = (types, handler)
+
+    def register_magic_function(self, func: Any, magic_kind: str, magic_name: str) -> None:
+        self.magics[f"{magic_kind}:{magic_name}"] = func
+
+    def cell_ran(self) -> None:
+        for callback in self.registered.get("post_run_cell", []):
+            callback(None)
 
     def showtraceback(self, exc_tuple: tuple[Any, ...], tb_offset: int | None = None) -> None:
         self.shown.append(("traceback", exc_tuple[1]))
@@ -64,19 +85,33 @@ class Shell:
 
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> Any:
+def packages(tmp_path: Path) -> Path:
+    """The folder pip installs into, as PIP_PREFIX names it (/tmp/python-packages in a kernel)."""
+    return tmp_path / "python-packages"
+
+
+def site_folder(prefix: Path) -> str:
+    return sysconfig.get_paths(vars={"base": str(prefix), "platbase": str(prefix)})["purelib"]
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch, packages: Path) -> Any:
     """Run the start-up code with a policy; this process gets its state back afterwards,
-    and the memory watcher's thread is recorded, not started."""
+    and the memory watcher's thread is recorded (name and target), not started."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONSAFEPATH", "1")
-    for name in THREAD_ENV:
+    for name in (*THREAD_ENV, *PIP_ENV, "PYTHONPATH"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_PREFIX", str(packages))
+    monkeypatch.setenv("PATH", os.environ["PATH"])
     monkeypatch.setattr(socket, "getaddrinfo", socket.getaddrinfo)
     threads: list[str] = []
+    targets: dict[str, Any] = {}
 
     class Thread:
         def __init__(self, target: Any, name: str, daemon: bool) -> None:
             threads.append(name)
+            targets[name] = target
 
         def start(self) -> None:
             pass
@@ -84,6 +119,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(threading, "Thread", Thread)
 
     def start(**policy: Any) -> tuple[Shell, dict[str, object]]:
+        threads.clear()
+        targets.clear()
         shell = Shell()
         monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
         monkeypatch.setenv("SANDBOX_KERNEL_POLICY", json.dumps({"memory": "1g", "cpus": 1.0, **policy}))
@@ -92,7 +129,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Any:
         assert set(namespace) <= {"__name__", "__builtins__"}, (
             "start-up code must not litter the user's names"
         )
-        return shell, {"threads": threads}
+        return shell, {"threads": threads, "targets": targets}
 
     return start
 
@@ -106,28 +143,193 @@ def test_the_working_folder_goes_back_where_ipython_would_put_it(
     stdlib = ["/usr/lib/python311.zip", "/usr/lib/python3.11", "/usr/lib/python3.11/lib-dynload"]
     monkeypatch.setattr(sys, "path", [*stdlib, "/opt/kernel/lib/python3.11/site-packages"])
     started()
-    assert sys.path == [*stdlib, "", "/opt/kernel/lib/python3.11/site-packages"]
+    assert sys.path[:4] == [*stdlib, ""]
+    assert sys.path[-1] == "/opt/kernel/lib/python3.11/site-packages"
     assert "PYTHONSAFEPATH" not in os.environ
 
 
 def test_a_path_that_has_the_working_folder_is_left_alone(
-    started: Any, monkeypatch: pytest.MonkeyPatch
+    started: Any, monkeypatch: pytest.MonkeyPatch, packages: Path
 ) -> None:
     monkeypatch.setattr(sys, "path", ["", "/usr/lib/python3.11", "/x/site-packages"])
     started()
-    assert sys.path == ["", "/usr/lib/python3.11", "/x/site-packages"]
+    assert sys.path == ["", "/usr/lib/python3.11", site_folder(packages), "/x/site-packages"]
+
+
+def test_packages_pip_installs_import_ahead_of_the_image_s_and_in_child_processes(
+    started: Any, monkeypatch: pytest.MonkeyPatch, packages: Path
+) -> None:
+    """pip installs under PIP_PREFIX (the image is read-only, and a virtual environment,
+    where pip refuses --user): its site folder is made, put on sys.path before the image's
+    packages, on PYTHONPATH for child processes, and its scripts on PATH."""
+    monkeypatch.setattr(sys, "path", ["/usr/lib/python3.11", "", "/opt/kernel/lib/python3.11/site-packages"])
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    started()
+    site = site_folder(packages)
+    assert Path(site).is_dir()
+    assert sys.path == ["/usr/lib/python3.11", "", site, "/opt/kernel/lib/python3.11/site-packages"]
+    assert os.environ["PYTHONPATH"] == f"{site}{os.pathsep}/elsewhere"
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(packages / "bin")
+
+
+def test_pip_checks_no_updates_keeps_no_cache_and_without_network_fails_at_once(started: Any) -> None:
+    started(network="allowlist", allowed_domains=["pypi.org"])
+    assert {name: os.environ.get(name) for name in PIP_ENV} == {
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_NO_INPUT": "1",
+        "PIP_NO_INDEX": None,
+        "PIP_RETRIES": None,
+        "PIP_TIMEOUT": None,
+    }
+    started(network="none")
+    assert os.environ["PIP_NO_INDEX"] == "1"
+    assert os.environ["PIP_RETRIES"] == "0"
+
+
+def test_what_pip_installs_while_the_kernel_runs_imports_in_the_next_cell(
+    started: Any, packages: Path, tmp_path: Path
+) -> None:
+    """Whoever ran pip (%pip, !pip, a script): after the cell, new modules import and new
+    .pth files (editable installs) are read, once each."""
+    shell, _ = started()
+    site = Path(site_folder(packages))
+    (site / "fresh_module_sk_test.py").write_text("VALUE = 7\n")
+    (site / "editable.pth").write_text(f"{tmp_path}\n")
+    shell.cell_ran()
+    shell.cell_ran()
+    assert sys.path.count(str(tmp_path)) == 1
+    namespace: dict[str, Any] = {}
+    exec("import fresh_module_sk_test; value = fresh_module_sk_test.VALUE", namespace)  # noqa: S102
+    assert namespace["value"] == 7
+    sys.modules.pop("fresh_module_sk_test", None)
+
+
+@pytest.fixture
+def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Make ``sys.executable -m pip ...`` a shell script that prints, then exits as told."""
+
+    def make(stdout: str, stderr: str, status: int) -> None:
+        script = tmp_path / "python"
+        script.write_text(
+            "#!/bin/sh\n"
+            f'printf \'%s\\n\' {stdout!r} "args: $*" "prefix: ${{PIP_PREFIX-unset}}"\n'
+            f"printf '%s\\n' {stderr!r} >&2\n"
+            f"exit {status}\n"
+        )
+        script.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(script))
+
+    return make
+
+
+def test_pip_magic_shows_pip_s_output_and_fails_the_cell_when_pip_fails(
+    started: Any, fake_pip: Any, capsys: pytest.CaptureFixture[str], packages: Path
+) -> None:
+    shell, _ = started(network="allowlist", allowed_domains=["pypi.org"])
+    pip = shell.magics["line:pip"]
+    fake_pip("Collecting nothing-such", "ERROR: No matching distribution found for nothing-such", 1)
+    with pytest.raises(Exception, match="see pip's output above") as raised:
+        pip("install nothing-such")
+    assert str(raised.value) == "pip install failed (exit status 1): see pip's output above"
+    # Shown as one line, not as a traceback through the start-up code.
+    assert raised.value._render_traceback_() == [f"PipError: {raised.value}"]  # type: ignore[attr-defined]
+    out, err = capsys.readouterr()
+    assert out == f"Collecting nothing-such\nargs: -m pip install nothing-such\nprefix: {packages}\n"
+    assert err == "ERROR: No matching distribution found for nothing-such\n"
+    assert shell.user_ns["_exit_code"] == 1
+
+    fake_pip("Successfully installed x-1.0", "", 0)
+    pip("install x")
+    assert shell.user_ns["_exit_code"] == 0
+
+
+def test_pip_magic_without_network_says_only_local_files_install(started: Any, fake_pip: Any) -> None:
+    shell, _ = started(network="none")
+    fake_pip("", "ERROR: Could not find a version that satisfies the requirement requests", 1)
+    with pytest.raises(Exception, match="pip install failed") as raised:
+        shell.magics["line:pip"]("install requests")
+    assert str(raised.value) == (
+        "pip install failed (exit status 1): this sandboxed kernel has no network (network policy: none):"
+        " pip can install only local files (wheels in the workspace); ask for a kernelspec whose"
+        " allowed_domains include a package index"
+    )
+
+
+def test_pip_magic_names_the_proxy_refusal_and_the_read_only_image(started: Any, fake_pip: Any) -> None:
+    shell, _ = started(network="allowlist", allowed_domains=["pypi.internal"])
+    pip = shell.magics["line:pip"]
+    fake_pip("", "ProxyError('Tunnel connection failed: 403 sandbox-kernel egress denied: pypi.org:443')", 1)
+    with pytest.raises(Exception, match=r"allowed domains \(pypi.internal\)") as raised:
+        pip("install requests")
+    assert str(raised.value).endswith("include the package index")
+    # The image's environment is read-only: say so, and how to put another version ahead.
+    fake_pip("", f"ERROR: [Errno 13] Permission denied: '{sys.prefix}/bin/idna'", 1)
+    with pytest.raises(Exception, match="cannot be upgraded or removed"):
+        pip("install -U idna")
+    fake_pip("", "ERROR: [Errno 13] Permission denied: '/workspace/x.whl'", 1)
+    with pytest.raises(Exception, match="see pip's output above"):
+        pip("install /workspace/x.whl")
+
+
+def test_pip_magic_leaves_the_location_to_an_explicit_target(
+    started: Any, fake_pip: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pip refuses two locations: --target (and --prefix, --root, --user) wins."""
+    shell, _ = started()
+    fake_pip("", "", 0)
+    for args in ("install --target /tmp/x y", "install -t/tmp/x y", "install --prefix=/tmp/p y"):
+        shell.magics["line:pip"](args)
+        assert "prefix: unset" in capsys.readouterr().out, args
+    shell.magics["line:pip"]("install --trusted-host h y")
+    assert "prefix: unset" not in capsys.readouterr().out
+
+
+def test_memory_sizes_are_read_as_docker_writes_them(started: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decimal sizes and upper-case units: the watch stops cells 64 MiB + 1/16 below the limit."""
+
+    class Looked(Exception):
+        pass
+
+    def sleep(seconds: float) -> None:
+        nonlocal slept
+        slept = seconds
+        raise Looked
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    monkeypatch.setattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", lambda *args: 0)
+    mib = 2**20
+    for memory, limit in (
+        ("1.5g", 1536),
+        ("1536m", 1536),
+        ("2G", 2048),
+        ("1280MiB", 1280),
+        (str(2**30), 1024),
+    ):
+        slept = 0.0
+        _, state = started(memory=memory)
+        with pytest.raises(Looked):
+            state["targets"]["sandbox-kernel-memory"]()
+        with open("/proc/self/statm", "rb") as statm:
+            used = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        # The watcher sleeps until memory growing at 2 GiB/s could reach its threshold.
+        threshold = used + slept * 2 * 2**30
+        expected = limit * mib - 64 * mib - limit * mib // 16
+        assert abs(threshold - expected) < 32 * mib, (memory, threshold / mib, expected / mib)
+    _, state = started(memory="lots")
+    assert "sandbox-kernel-memory" not in state["targets"], "an unreadable size: no watch, no crash"
 
 
 def test_the_wall_clock_limit_is_armed_only_when_set(started: Any) -> None:
     shell, _ = started(exec_timeout=2.5)
     assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {
         "pre_run_cell": 2,  # the memory watcher's "a cell runs", and the alarm
-        "post_run_cell": 2,
+        "post_run_cell": 3,  # ... and what pip installed
     }
     shell, _ = started()
     assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {
         "pre_run_cell": 1,
-        "post_run_cell": 1,
+        "post_run_cell": 2,
     }
 
 

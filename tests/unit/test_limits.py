@@ -2,26 +2,229 @@
 
 from __future__ import annotations
 
-import pytest
+import math
+from pathlib import Path
 
+import pytest
+from traitlets import Float, TraitError
+from traitlets.config import Config
+
+from sandbox_kernel.docker_args import container_create_kwargs
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.limits import size_bytes
+from sandbox_kernel.limits import docker_size, duration_seconds, size_bytes
 from sandbox_kernel.plan import check_ceilings
-from sandbox_kernel.settings import SandboxSettings
+from sandbox_kernel.settings import Duration, SandboxSettings, Size
+
+from .conftest import make_spec
+
+GIB = 1024**3
 
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("1", 1), ("512k", 512 * 1024), ("512m", 512 * 1024**2), ("2G", 2 * 1024**3)],
+    [
+        ("1", 1),
+        ("1073741824", GIB),
+        (1073741824, GIB),
+        ("512k", 512 * 1024),
+        ("512m", 512 * 1024**2),
+        ("2G", 2 * GIB),
+        ("1.5g", 3 * GIB // 2),
+        ("0.5g", GIB // 2),
+        ("1.25M", 1310720),
+        (" 64m ", 64 * 1024**2),
+    ],
 )
-def test_size_bytes(value: str, expected: int) -> None:
+def test_size_bytes(value: str | int, expected: int) -> None:
     assert size_bytes("memory", value) == expected
 
 
-@pytest.mark.parametrize("value", ["", "0", "-1g", "1.5g", "2gb", "lots", "1t"])
-def test_size_bytes_rejects_non_sizes(value: str) -> None:
-    with pytest.raises(ConfigurationError, match=r"memory=.* is not a size"):
+@pytest.mark.parametrize(
+    "value", ["", "0", "0.0g", "-1g", "1.5", "0.0001k", "2gb", "lots", "1t", "1.5.5g", "512 m", ".5g"]
+)
+def test_size_bytes_rejects_non_sizes_naming_the_accepted_forms(value: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
         size_bytes("memory", value)
+    message = str(info.value)
+    assert message.startswith(f"memory={value!r} is not a size; ")
+    assert "'512m', '1.5g' or '1073741824'" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("512m", "512m"), ("2G", "2g"), ("1024", "1024"), ("1.5g", str(3 * GIB // 2))]
+)
+def test_docker_gets_whole_numbers_only(value: str, expected: str) -> None:
+    """gVisor's tmpfs (like Linux's) reads no fraction: a fractional size becomes bytes."""
+    assert docker_size("tmp_size", value) == expected
+
+
+def test_a_fractional_size_reaches_docker_in_bytes(tmp_path: Path) -> None:
+    kwargs = container_create_kwargs(make_spec(tmp_path, memory="1.5g", tmp_size="0.5g"))
+    assert kwargs["mem_limit"] == kwargs["memswap_limit"] == str(3 * GIB // 2)
+    assert f"size={GIB // 2}" in kwargs["tmpfs"]["/tmp"].split(",")
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (300, 300.0),
+        (2.5, 2.5),
+        (0, 0.0),
+        ("300", 300.0),
+        ("0", 0.0),
+        ("90s", 90.0),
+        ("5m", 300.0),
+        ("5M", 300.0),
+        ("2h", 7200.0),
+        ("1.5h", 5400.0),
+        ("0.5s", 0.5),
+        ("7d", 604800.0),
+        (" 5m ", 300.0),
+    ],
+)
+def test_duration_seconds(value: float | str, seconds: float) -> None:
+    assert duration_seconds("exec_timeout", value) == seconds
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "5 minutes",
+        "-1s",
+        -1,
+        -0.5,
+        "",
+        "5 m",
+        "5mins",
+        "1w",
+        "1e3",
+        "1:30",
+        "m",
+        True,
+        None,
+        math.inf,
+        math.nan,
+    ],
+)
+def test_duration_seconds_rejects_non_durations_naming_key_value_and_forms(value: object) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        duration_seconds("exec_timeout", value)
+    message = str(info.value)
+    assert message.startswith(f"exec_timeout={value!r} is not a duration; ")
+    assert "'90s', '5m', '1.5h' or '1d'" in message
+
+
+# ---------------------------------------------------------------- the settings' traits
+
+SECONDS = (
+    "exec_timeout",
+    "max_exec_timeout",
+    "exec_kill_grace",
+    "idle_timeout",
+    "max_idle_timeout",
+    "persistent_ttl",
+    "max_persistent_ttl",
+    "startup_timeout",
+)
+SIZES = (
+    "memory",
+    "max_memory",
+    "tmp_size",
+    "max_tmp_size",
+    "file_size",
+    "max_file_size",
+    "output_limit",
+    "max_pool_memory",
+)
+
+
+def test_every_duration_and_size_setting_is_declared_as_one() -> None:
+    """A new seconds-valued setting must be a Duration: only the CPU amounts are floats."""
+    traits = SandboxSettings.class_traits()
+    assert {name for name, trait in traits.items() if isinstance(trait, Duration)} == set(SECONDS)
+    assert {name for name, trait in traits.items() if isinstance(trait, Size)} == set(SIZES)
+    assert {name for name, trait in traits.items() if isinstance(trait, Float)} == {"cpus", "max_cpus"}
+
+
+@pytest.mark.parametrize("name", SECONDS)
+@pytest.mark.parametrize(("value", "seconds"), [("5m", 300.0), ("1.5h", 5400.0), (90, 90.0), ("120", 120.0)])
+def test_every_duration_takes_seconds_or_a_unit_and_reads_as_float_seconds(
+    name: str, value: float | str, seconds: float
+) -> None:
+    assert getattr(SandboxSettings(**{name: value}), name) == seconds  # as a kernelspec sets it
+    config = Config({"SandboxSettings": {name: value}})  # as the server's config sets it
+    read = getattr(SandboxSettings(config=config), name)
+    assert read == seconds
+    assert isinstance(read, float)
+
+
+def test_a_duration_from_the_command_line_is_parsed_too() -> None:
+    trait = SandboxSettings.class_traits()["exec_timeout"]
+    assert SandboxSettings(exec_timeout=trait.from_string("5m")).exec_timeout == 300.0
+
+
+@pytest.mark.parametrize("name", SECONDS)
+@pytest.mark.parametrize("value", ["5 minutes", "-1s", -1])
+def test_a_bad_duration_is_a_trait_error_naming_key_value_and_forms(name: str, value: object) -> None:
+    with pytest.raises(TraitError) as info:
+        SandboxSettings(**{name: value})
+    assert str(info.value).startswith(f"{name}={value!r} is not a duration; use a number of seconds")
+
+
+@pytest.mark.parametrize("name", SECONDS)
+def test_a_duration_over_a_week_is_refused(name: str) -> None:
+    with pytest.raises(TraitError, match=rf"{name}=691200.0 is out of range; .*at most a week"):
+        SandboxSettings(**{name: "8d"})
+
+
+@pytest.mark.parametrize("name", SIZES)
+@pytest.mark.parametrize(
+    ("value", "kept"), [("1.5g", "1.5g"), ("0.5G", "0.5g"), ("2G", "2g"), (2 * GIB, str(2 * GIB))]
+)
+def test_every_size_takes_decimals_and_bytes_and_keeps_the_form_given(
+    name: str, value: str | int, kept: str
+) -> None:
+    assert getattr(SandboxSettings(**{name: value}), name) == kept
+
+
+@pytest.mark.parametrize("name", SIZES)
+def test_a_bad_size_is_a_trait_error_naming_the_setting(name: str) -> None:
+    with pytest.raises(TraitError, match=rf"{name}='5 gigs' is not a size; use a whole number of bytes"):
+        SandboxSettings(**{name: "5 gigs"})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"pids": 0}, "pids=0 is too low"),
+        ({"max_pids": 0}, "max_pids=0 is too low"),
+        ({"cpus": 0}, "cpus=0.0 is out of range"),
+        ({"max_cpus": 0}, "max_cpus=0.0 is out of range"),
+        ({"max_cpus": -1}, "max_cpus=-1.0 is out of range"),
+        ({"memory": "64m"}, "memory='64m' is too little memory"),
+        ({"max_memory": "100m"}, "max_memory='100m' is too little memory"),
+        ({"startup_timeout": 0}, "startup_timeout=0.0 is out of range"),
+        ({"audit_log_max_bytes": 0}, "audit_log_max_bytes=0 would stop the audit log from rotating"),
+        ({"audit_log_backups": 0}, "audit_log_backups=0 would stop the audit log from rotating"),
+    ],
+)
+def test_a_zero_that_would_mean_something_else_is_refused(values: dict[str, object], message: str) -> None:
+    with pytest.raises(TraitError, match=message):
+        SandboxSettings(**values)
+
+
+def test_the_smallest_memory_is_allowed() -> None:
+    assert SandboxSettings(memory="128m").memory == "128m"
+
+
+def test_ceilings_compare_durations_and_sizes_in_their_units() -> None:
+    check_ceilings(settings(exec_timeout="1m", max_exec_timeout="60", memory="1.5g", max_memory="1536m"), {})
+    with pytest.raises(
+        ConfigurationError, match=r"exec_timeout=120.0 \(120 s\) exceeds the server's ceiling of 60 s"
+    ):
+        check_ceilings(settings(exec_timeout="2m", max_exec_timeout="1m"), {})
+    with pytest.raises(ConfigurationError, match=r"memory='1.5g' exceeds the server's ceiling of '1g'"):
+        check_ceilings(settings(memory="1.5g", max_memory="1g"), {})
 
 
 def settings(**values: object) -> SandboxSettings:

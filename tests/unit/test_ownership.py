@@ -21,10 +21,13 @@ from sandbox_kernel.ownership import (
     SandboxedKernel,
     own_runtime_dir,
     owner_is_gone,
+    read_holder,
     read_state,
+    released,
     remove_runtime_dir,
     server_identity,
     write_owner,
+    write_released,
     write_state,
 )
 
@@ -83,9 +86,25 @@ def test_an_unreadable_proc_entry_is_not_taken_for_a_dead_owner(monkeypatch: pyt
     assert not owner_is_gone(f"{host}/{namespace}/{pid}/{ticks}")
 
 
-def test_the_owner_file_names_the_current_owner(tmp_path: Path) -> None:
-    write_owner(tmp_path)
-    assert (tmp_path / "owner").read_text() == server_identity()
+def test_the_owner_file_names_the_current_owner_and_its_holder(tmp_path: Path) -> None:
+    write_owner(tmp_path, "token-1")
+    assert (tmp_path / "owner").read_text().splitlines() == [server_identity(), "token-1"]
+    holder = read_holder(tmp_path)
+    assert holder is not None
+    assert (holder.identity, holder.token, holder.pid, holder.alive) == (
+        server_identity(),
+        "token-1",
+        str(os.getpid()),
+        True,
+    )
+    assert str(holder) == f"process {os.getpid()} on {socket.gethostname()}"
+
+
+def test_a_holder_that_let_go_says_so_for_its_successor(tmp_path: Path) -> None:
+    assert not released(tmp_path, "next")
+    write_released(tmp_path, "next")
+    assert released(tmp_path, "next")
+    assert not released(tmp_path, "other")
 
 
 def _kernel(runtime: Path, lifecycle: str, ttl: float, owner: str) -> SandboxedKernel:

@@ -15,10 +15,16 @@ from sandbox_kernel.docker_args import SECCOMP_PROFILE, container_create_kwargs,
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 from sandbox_kernel.plan import (
     DEFAULT_KERNEL_UID,
+    Launch,
     check_ceilings,
     check_default_uid_unused,
+    check_sandbox_env,
     kernel_user,
+    narrow_settings,
+    plan_sandbox,
     resolve_workspace,
+    start_policy,
+    unpassed_env,
     validate_kernelspec_config,
     volume_name,
     volume_user,
@@ -285,3 +291,107 @@ def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_pa
     assert json.loads(cold.env["SANDBOX_KERNEL_POLICY"])["memory"] == "2g"
     pooled = plan_sandbox(SandboxSettings(kernel_uid=4321, pool_size=2), launch, {}, []).spec
     assert (pooled.workdir, pooled.workspace_path) == ("/workspace/Sales-2026", "/workspace/Sales-2026")
+
+
+# ---------------------------------------------------------------- one start's narrower policy
+
+
+PYTHON_ORG = {"network": "allowlist", "allowed_domains": ["*.python.org"]}
+
+
+def _settings(**config: Any) -> SandboxSettings:
+    return SandboxSettings(max_allowed_domains=["*.python.org", "pypi.org"], **config)
+
+
+@pytest.mark.parametrize(
+    ("kernelspec", "asked"),
+    [
+        ({}, {"memory": "512m", "cpus": 0.5, "pids": 64, "tmp_size": "64m", "file_size": "1g"}),
+        ({}, {"exec_timeout": "90s", "idle_timeout": 600}),  # no limit: any limit is narrower
+        ({"exec_timeout": 60}, {"exec_timeout": 30}),
+        (
+            {"network": "allowlist", "allowed_domains": ["*.python.org"]},
+            {"allowed_domains": ["docs.python.org"]},
+        ),
+        ({"network": "allowlist", "allowed_domains": ["*.python.org"]}, {"network": "none"}),
+        ({"memory": "2g"}, {"memory": "1.5g"}),
+    ],
+)
+def test_a_start_may_narrow_the_policy(kernelspec: dict[str, Any], asked: dict[str, Any]) -> None:
+    settings = _settings(**kernelspec)
+    narrow_settings(settings, asked, "py")
+    for key, value in asked.items():
+        if key.endswith("timeout") and isinstance(value, str):
+            assert getattr(settings, key) == 90.0
+        else:
+            assert getattr(settings, key) == value
+    if asked.get("network") == "none":
+        assert settings.allowed_domains == []  # no network, no domains: consistent for the ceilings
+
+
+@pytest.mark.parametrize(
+    ("kernelspec", "asked", "words"),
+    [
+        (
+            {},
+            {"memory": "3g"},
+            "start_kernel(memory='3g') would widen this kernel's policy: kernelspec 'py' gives",
+        ),
+        ({"memory": "1g"}, {"memory": "1025m"}, "memory='1g'"),
+        ({}, {"cpus": 1.5}, "cpus"),
+        ({}, {"pids": 512}, "pids"),
+        ({"exec_timeout": 60}, {"exec_timeout": 0}, "exec_timeout=0"),
+        ({"exec_timeout": 60}, {"exec_timeout": "2m"}, "exec_timeout"),
+        ({}, {"network": "allowlist"}, "network"),
+        (
+            {"network": "allowlist", "allowed_domains": ["docs.python.org"]},
+            {"allowed_domains": ["pypi.org"]},
+            "allowed",
+        ),
+        ({}, {"allowed_domains": ["pypi.org"]}, "allowed_domains"),
+        ({}, {"memory": "lots"}, "is not a valid memory"),
+    ],
+)
+def test_a_wider_or_invalid_request_is_refused_and_changes_nothing(
+    kernelspec: dict[str, Any], asked: dict[str, Any], words: str
+) -> None:
+    settings = _settings(**kernelspec)
+    before = {key: getattr(settings, key) for key in asked}
+    with pytest.raises(ConfigurationError) as info:
+        narrow_settings(settings, {"cpus": 0.5, **asked} if "cpus" not in asked else asked, "py")
+    assert words in str(info.value)
+    assert {key: getattr(settings, key) for key in asked} == before
+    assert settings.cpus == 1.0  # the valid part of the request was undone too
+
+
+def test_start_arguments_are_taken_and_unknown_ones_refused() -> None:
+    kwargs: dict[str, Any] = {"cwd": "/w", "env": {}, "memory": "1g", "network": "none"}
+    assert start_policy(kwargs) == {"memory": "1g", "network": "none"}
+    assert kwargs == {"cwd": "/w", "env": {}}
+    with pytest.raises(ConfigurationError, match="got stdout, which a sandboxed kernel does not take"):
+        start_policy({"cwd": "/w", "stdout": None})
+
+
+def test_sandbox_env_must_map_names_to_strings() -> None:
+    assert check_sandbox_env({"A": "1", "JPY_PARENT_PID": "7"}) == {"A": "1"}
+    assert check_sandbox_env(None) == {}
+    for bad in ({"A": 1}, {"": "x"}, {"A=B": "x"}, ["A"]):
+        with pytest.raises(ConfigurationError, match="sandbox_env"):
+            check_sandbox_env(bad)
+
+
+def test_only_variables_a_start_set_itself_are_named_as_not_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME_SECRET", "s")
+    launch = {"HOME_SECRET": "s", "MINE": "1", "LANG": "C.UTF-8", "JPY_SESSION_NAME": "n.ipynb"}
+    assert unpassed_env(_settings(), launch) == ["MINE"]
+
+
+def test_a_workspace_the_kernel_cannot_write_is_refused(real_workspace_modes: None, tmp_path: Path) -> None:
+    folder = tmp_path / "ws"
+    folder.mkdir(mode=0o755)
+    launch = Launch(kernel_id="k1", kernel_name="ks", argv=["python"], cwd=folder, env={})
+    with pytest.raises(WorkspaceError) as info:
+        plan_sandbox(_settings(kernel_uid=4321), launch, {}, [])
+    message = str(info.value)
+    assert f"uid 4321, which cannot write its workspace {folder} (owner uid {os.getuid()}" in message
+    assert f"chown -R 4321:4321 {folder}" in message

@@ -155,7 +155,7 @@ class TestSettings:
         assert SandboxProvisioner(config=config).image == "config/image:1"
         assert SandboxProvisioner(config=config, image="spec/image:2").image == "spec/image:2"
 
-    @pytest.mark.parametrize(("trait", "value"), [("memory", "lots"), ("tmp_size", "1.5g"), ("memory", "0")])
+    @pytest.mark.parametrize(("trait", "value"), [("memory", "lots"), ("tmp_size", "1.5"), ("memory", "0")])
     def test_a_bad_size_is_a_trait_error_naming_the_setting(self, trait: str, value: str) -> None:
         with pytest.raises(TraitError, match=f"{trait}={value!r} is not a size"):
             SandboxProvisioner(**{trait: value})

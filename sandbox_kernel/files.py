@@ -1,0 +1,530 @@
+"""The host side's files API for a kernel's workspace: upload, download, list, delete.
+
+The workspace is shared with sandboxed code that is hostile and may race the host:
+between a check and a use it can swap a folder for a symbolic link to anywhere on the
+host. So no path string is used after it is checked. Every operation walks from an open
+descriptor of the workspace's root one name at a time, opening each folder with
+``O_NOFOLLOW | O_DIRECTORY`` and acting on the last name with ``dir_fd=`` and
+``O_NOFOLLOW``, then checking what it opened with ``fstat``. A name that is a link, a
+fifo, a device or ``..`` is refused, never followed.
+
+What the host writes belongs to the kernel's uid and gid, with the modes a kernel-made
+file gets (0644, folders 0755), so the kernel can read and overwrite it. An upload is
+written to a temporary name in its folder and renamed into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import secrets
+import stat
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import WorkspaceError
+
+if TYPE_CHECKING:
+    from .backend import SandboxBackend
+
+#: What :meth:`WorkspaceFiles.download` reads at most unless told otherwise (100 MiB).
+DEFAULT_MAX_BYTES = 100 * 1024 * 1024
+
+#: The modes files and folders made by a kernel get (its umask is 022).
+FILE_MODE = 0o644
+FOLDER_MODE = 0o755
+
+# O_NONBLOCK: a fifo swapped in for a folder must not make the open wait.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# O_NONBLOCK: opening a fifo must not wait for a writer; what was opened is checked after.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_UPLOAD_PREFIX = ".sandbox-kernel-upload-"
+
+_NEVER_FOLLOWED = "the files API never follows links"
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One entry of a workspace folder."""
+
+    name: str
+    #: Relative to the kernel's working folder when it lies under it, else the absolute
+    #: path inside the sandbox; either is accepted back by :class:`WorkspaceFiles`.
+    path: str
+    size: int
+    is_dir: bool
+    #: Last modification, seconds since the epoch.
+    modified: float
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular, non-folder file is, in words."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a fifo"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device file"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "a regular file"
+
+
+class WorkspaceFiles:
+    """Files in one kernel's workspace, as the host sees them; synchronous, thread-safe.
+
+    ``root``: the workspace's host folder (a named volume's host mountpoint);
+    ``workspace_path``: where the sandbox sees it (``/workspace``); ``workdir``: the
+    kernel's working folder inside the sandbox, under ``workspace_path``; ``uid``,
+    ``gid``: whom the kernel runs as, who gets what the host writes.
+
+    A ``path`` argument is relative to the kernel's working folder, or absolute inside
+    the sandbox under ``workspace_path``. Every method raises
+    :class:`~.errors.WorkspaceError`, saying why, for a path that leaves the workspace,
+    contains ``..``, goes through a symbolic link or names a special file, for a missing
+    file, and for any failure of the host's file system.
+    """
+
+    def __init__(self, root: Path, workdir: str, workspace_path: str, uid: int, gid: int) -> None:
+        if not posixpath.isabs(workspace_path):
+            msg = f"workspace_path={workspace_path!r} must be an absolute path inside the sandbox."
+            raise WorkspaceError(msg)
+        self.root = Path(root)
+        self.workspace_path = posixpath.normpath(workspace_path)
+        self.workdir = posixpath.normpath(workdir)
+        self.uid = uid
+        self.gid = gid
+        inner = self._inside(self.workdir)
+        if inner is None:
+            msg = (
+                f"The kernel's working folder {workdir!r} is not under its workspace's path "
+                f"{workspace_path!r} in the sandbox."
+            )
+            raise WorkspaceError(msg)
+        self._workdir_parts = inner
+
+    # ---------------------------------------------------------------- the API
+
+    def upload(self, path: str, data: bytes | str) -> str:
+        """Write ``data`` (text as UTF-8) to ``path``, replacing a file there atomically and
+        creating missing folders; the kernel's uid owns what is created. Returns the
+        file's absolute path inside the sandbox.
+
+        Raises:
+            WorkspaceError: the path is refused, names a folder, or writing failed.
+        """
+        parts = self._parts(path)
+        if not parts:
+            msg = f"{path!r} is the workspace's folder, not a file name."
+            raise WorkspaceError(msg)
+        self._check_can_give()
+        content = data.encode() if isinstance(data, str) else bytes(data)
+        *folders, name = parts
+        with self._folder(folders, path, create=True) as parent:
+            self._check_replaceable(parent, name, parts)
+            temp = f"{_UPLOAD_PREFIX}{secrets.token_hex(8)}"
+            with self._guard(parts, "write"):
+                fd = os.open(temp, _CREATE_FLAGS, 0o600, dir_fd=parent)
+            try:
+                with self._guard(parts, "write"):
+                    self._give(fd, FILE_MODE)
+                    view = memoryview(content)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                os.close(fd)
+                fd = -1
+                with self._guard(parts, "write"):
+                    os.replace(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                try:
+                    os.unlink(temp, dir_fd=parent)
+                except OSError:
+                    pass
+                raise
+        return self._sandbox_path(parts)
+
+    def download(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+        """The content of the regular file ``path``, at most ``max_bytes`` long.
+
+        Raises:
+            WorkspaceError: the path is refused or missing, names anything but a regular
+                file with one link, or the file is longer than ``max_bytes``.
+        """
+        parts = self._parts(path)
+        if not parts:
+            msg = f"{path!r} is the workspace's folder, not a file."
+            raise WorkspaceError(msg)
+        *folders, name = parts
+        with self._folder(folders, path) as parent:
+            with self._guard(parts, "read"):
+                # Devices are not even opened (opening one can act); what is opened is checked again.
+                self._check_regular(parts, os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+            try:
+                st = os.fstat(fd)
+                self._check_regular(parts, st.st_mode)
+                if st.st_nlink > 1:
+                    # Made on the host (a kernel cannot link): it may be a file from outside.
+                    msg = (
+                        f"{self._display(parts)!r} has {st.st_nlink} hard links, so it may be a file from "
+                        "outside the workspace: the files API does not read it. Copy it instead of "
+                        "linking it."
+                    )
+                    raise WorkspaceError(msg)
+                self._check_size(parts, st.st_size, max_bytes)
+                chunks = []
+                left = max_bytes + 1  # a file that grows while read is caught too
+                with self._guard(parts, "read"):
+                    while left > 0:
+                        chunk = os.read(fd, min(left, 1 << 20))
+                        if not chunk:
+                            break
+                        chunks.append(chunk)
+                        left -= len(chunk)
+            finally:
+                os.close(fd)
+        content = b"".join(chunks)
+        self._check_size(parts, len(content), max_bytes, read=True)
+        return content
+
+    def list(self, path: str = ".") -> list[FileInfo]:
+        """The files and folders in the folder ``path``, by name. Symbolic links, fifos,
+        devices and sockets are left out, as are uploads being written.
+
+        Raises:
+            WorkspaceError: the path is refused, missing, or not a folder.
+        """
+        parts = self._parts(path)
+        found = []
+        with self._folder(parts, path) as folder, self._guard(parts, "list"):
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.startswith(_UPLOAD_PREFIX):
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # removed meanwhile
+                        continue
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    if not (is_dir or stat.S_ISREG(st.st_mode)):
+                        continue
+                    found.append(
+                        FileInfo(
+                            name=entry.name,
+                            path=self._display((*parts, entry.name)),
+                            size=0 if is_dir else st.st_size,
+                            is_dir=is_dir,
+                            modified=st.st_mtime,
+                        )
+                    )
+        return sorted(found, key=lambda info: info.name)
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        """Remove the file ``path``, or the folder ``path`` when it is empty, or with all it
+        holds when ``recursive``. Links inside a folder removed recursively are removed,
+        never followed.
+
+        Raises:
+            WorkspaceError: the path is refused or missing, is the kernel's working
+                folder or holds it, or is a folder that is not empty (without ``recursive``).
+        """
+        parts = self._parts(path)
+        if parts == self._workdir_parts[: len(parts)]:
+            msg = (
+                f"{path!r} is the kernel's working folder or holds it ({self.workdir}): "
+                "the files API does not delete it."
+            )
+            raise WorkspaceError(msg)
+        *folders, name = parts
+        with self._folder(folders, path) as parent:
+            with self._guard(parts, "delete"):
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise WorkspaceError(self._link_message(parts))
+            if not stat.S_ISDIR(st.st_mode):
+                with self._guard(parts, "delete"):
+                    os.unlink(name, dir_fd=parent)
+                return
+            try:
+                os.rmdir(name, dir_fd=parent)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    with self._guard(parts, "delete"):
+                        raise
+                if not recursive:
+                    msg = (
+                        f"{self._display(parts)!r} is a folder that is not empty: "
+                        "delete it with recursive=True."
+                    )
+                    raise WorkspaceError(msg) from None
+                with self._guard(parts, "delete"):
+                    _remove_tree(parent, name)
+
+    # ---------------------------------------------------------------- paths
+
+    def _inside(self, absolute: str) -> tuple[str, ...] | None:
+        """The names of an absolute in-sandbox path below ``workspace_path``; None if outside."""
+        if absolute == self.workspace_path:
+            return ()
+        if not absolute.startswith(self.workspace_path.rstrip("/") + "/"):
+            return None
+        return tuple(p for p in absolute[len(self.workspace_path) :].split("/") if p not in ("", "."))
+
+    def _parts(self, path: str) -> tuple[str, ...]:
+        """The names leading from the workspace's root to ``path``, checked but not opened.
+
+        Raises:
+            WorkspaceError: ``path`` has ``..`` or a NUL, or lies outside the workspace.
+        """
+        if not isinstance(path, str):
+            msg = f"A workspace path is a string, not {type(path).__name__}: {path!r}."
+            raise WorkspaceError(msg)
+        if "\0" in path:
+            msg = f"{path!r} contains a NUL character."
+            raise WorkspaceError(msg)
+        absolute = path.startswith("/")
+        names = [p for p in path.split("/") if p not in ("", ".")]
+        if ".." in names:
+            joined = posixpath.normpath(posixpath.join(self.workdir, path))
+            if self._inside(joined) is None:
+                msg = f"{path!r} leaves the workspace ({self.workspace_path} in the sandbox)."
+            else:
+                msg = (
+                    f"{path!r} contains '..', which the files API does not follow: name the "
+                    f"file without it, e.g. {joined!r}."
+                )
+            raise WorkspaceError(msg)
+        if not absolute:
+            return (*self._workdir_parts, *names)
+        inner = self._inside(posixpath.normpath(path))
+        if inner is None:
+            msg = (
+                f"{path!r} is outside the workspace: only paths under {self.workspace_path} "
+                "(the workspace in the sandbox) can be used."
+            )
+            raise WorkspaceError(msg)
+        return inner
+
+    def _display(self, parts: Sequence[str]) -> str:
+        """How to name ``parts`` to the caller: relative to the working folder if under it."""
+        parts = tuple(parts)
+        n = len(self._workdir_parts)
+        if len(parts) > n and parts[:n] == self._workdir_parts:
+            return "/".join(parts[n:])
+        return self._sandbox_path(parts)
+
+    def _sandbox_path(self, parts: Sequence[str]) -> str:
+        return posixpath.join(self.workspace_path, *parts) if parts else self.workspace_path
+
+    def _link_message(self, parts: Sequence[str]) -> str:
+        return f"{self._display(parts)!r} is a symbolic link: {_NEVER_FOLLOWED}."
+
+    # ---------------------------------------------------------------- descriptors
+
+    @contextmanager
+    def _folder(self, parts: Sequence[str], path: str, create: bool = False) -> Iterator[int]:
+        """An open descriptor of the folder ``parts``, walked to from the root one name at a
+        time without following links; missing folders are made when ``create``."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            msg = f"The workspace's folder {str(self.root)!r} no longer exists on the host."
+            raise WorkspaceError(msg) from None
+        except PermissionError as exc:
+            msg = (
+                f"This process may not open the workspace's folder {str(self.root)!r} on the host "
+                "(a named volume's files under Docker's data root need root): use the files API "
+                "from a process running as root or as the folder's owner."
+            )
+            raise WorkspaceError(msg) from exc
+        except OSError as exc:
+            msg = f"Cannot open the workspace's folder {str(self.root)!r} on the host: {exc.strerror}."
+            raise WorkspaceError(msg) from exc
+        try:
+            for depth, name in enumerate(parts, 1):
+                here = tuple(parts[:depth])
+                if create:
+                    self._make_folder(fd, name, here)
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    raise self._walk_error(exc, fd, name, here, path) from None
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _walk_error(
+        self, exc: OSError, parent: int, name: str, here: tuple[str, ...], path: str
+    ) -> WorkspaceError:
+        """Why the folder ``here`` (on the way to ``path``) could not be opened."""
+        try:
+            mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+        except OSError:
+            mode = None
+        shown = self._display(here)
+        if exc.errno == errno.ELOOP or (mode is not None and stat.S_ISLNK(mode)):
+            return WorkspaceError(self._link_message(here))
+        if exc.errno == errno.ENOENT:
+            return WorkspaceError(f"No such folder {shown!r} in the workspace (for {path!r}).")
+        if exc.errno == errno.ENOTDIR and mode is not None:
+            return WorkspaceError(f"{shown!r} is {_kind(mode)}, not a folder (for {path!r}).")
+        return WorkspaceError(f"Cannot open the folder {shown!r} in the workspace: {exc.strerror}.")
+
+    def _make_folder(self, parent: int, name: str, here: tuple[str, ...]) -> None:
+        """Make the folder ``name`` in ``parent`` unless there is one, given to the kernel."""
+        try:
+            os.mkdir(name, FOLDER_MODE, dir_fd=parent)
+        except FileExistsError:
+            return
+        except OSError as exc:
+            msg = f"Cannot create the folder {self._display(here)!r} in the workspace: {exc.strerror}."
+            raise WorkspaceError(msg) from exc
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except OSError:
+            return  # swapped meanwhile: the walk's own open says what it found
+        try:
+            self._give(fd, FOLDER_MODE)
+        finally:
+            os.close(fd)
+
+    def _check_regular(self, parts: tuple[str, ...], mode: int) -> None:
+        if stat.S_ISLNK(mode):
+            raise WorkspaceError(self._link_message(parts))
+        if not stat.S_ISREG(mode):
+            msg = f"{self._display(parts)!r} is {_kind(mode)}, not a regular file: it cannot be downloaded."
+            raise WorkspaceError(msg)
+
+    def _check_replaceable(self, parent: int, name: str, parts: tuple[str, ...]) -> None:
+        """Refuse to upload over anything but a regular file (renaming would not follow a
+        link there, but the caller asked for a file the API does not touch)."""
+        try:
+            mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(mode):
+            raise WorkspaceError(self._link_message(parts))
+        if not stat.S_ISREG(mode):
+            msg = (
+                f"{self._display(parts)!r} is {_kind(mode)}: an upload only creates or replaces "
+                "regular files."
+            )
+            raise WorkspaceError(msg)
+
+    def _check_size(self, parts: tuple[str, ...], size: int, max_bytes: int, read: bool = False) -> None:
+        """Refuse a file over the limit (``read``: reading stopped just past it)."""
+        if size > max_bytes:
+            msg = (
+                f"{self._display(parts)!r} ({'at least ' if read else ''}{size} bytes) is larger than "
+                f"the download limit of {max_bytes} bytes: pass a larger max_bytes, or have the kernel "
+                "split or compress it."
+            )
+            raise WorkspaceError(msg)
+
+    def _check_can_give(self) -> None:
+        """Refuse to write files the kernel could not overwrite."""
+        euid = os.geteuid()
+        if euid not in (0, self.uid):
+            msg = (
+                f"This process runs as uid {euid}, not root, so what it writes cannot belong to "
+                f"the kernel's uid {self.uid}: the kernel could not overwrite it. Upload from a "
+                "process running as root or as the kernel's uid."
+            )
+            raise WorkspaceError(msg)
+
+    def _give(self, fd: int, mode: int) -> None:
+        """Hand a file the host made to the kernel's uid and gid, with a kernel's mode."""
+        if os.geteuid() == 0:
+            os.fchown(fd, self.uid, self.gid)
+        os.fchmod(fd, mode)
+
+    @contextmanager
+    def _guard(self, parts: tuple[str, ...], doing: str) -> Iterator[None]:
+        """The host's errors about ``parts`` as WorkspaceErrors that say what happened."""
+        shown = self._display(parts)
+        try:
+            yield
+        except WorkspaceError:
+            raise
+        except FileNotFoundError:
+            msg = f"No such file {shown!r} in the workspace."
+            raise WorkspaceError(msg) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise WorkspaceError(self._link_message(parts)) from None
+            if exc.errno == errno.EISDIR:
+                msg = f"{shown!r} is a folder: cannot {doing} it as a file."
+                raise WorkspaceError(msg) from None
+            if exc.errno == errno.ENOTDIR:
+                msg = f"{shown!r} is not a folder: cannot {doing} it as one."
+                raise WorkspaceError(msg) from None
+            msg = f"Cannot {doing} {shown!r} in the workspace: {exc.strerror}."
+            raise WorkspaceError(msg) from exc
+
+
+def _remove_tree(parent: int, name: str) -> None:
+    """Remove the folder ``name`` in ``parent`` and all it holds, by descriptors only: a
+    folder swapped for a link meanwhile fails to open (O_NOFOLLOW) instead of being
+    followed, and links inside are unlinked."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        with os.scandir(fd) as entries:
+            names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for child, is_dir in names:
+            if is_dir:
+                _remove_tree(fd, child)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
+
+
+async def workspace_files(info: Mapping[str, Any], backend: SandboxBackend | None = None) -> WorkspaceFiles:
+    """The files API for the kernel whose provisioner info is ``info``
+    (``await km.provisioner.get_provisioner_info()``, or a saved kernel state's).
+
+    A named volume's files are found through ``backend`` (Docker by default), which
+    only hands out sandbox-kernel workspace volumes of this server's user.
+
+    Raises:
+        WorkspaceError: the info lacks the kernel's workspace (not a started sandboxed
+            kernel), or its volume is not such a volume or cannot be reached.
+    """
+    needed = ("workspace", "workdir", "workspace_path", "uid", "gid")
+    missing = [key for key in needed if info.get(key) is None]
+    if missing:
+        msg = (
+            f"The kernel's provisioner info lacks {', '.join(missing)}: it is not a started sandboxed "
+            "kernel, or it was saved by an older sandbox-kernel. Start (or reattach) the kernel first."
+        )
+        raise WorkspaceError(msg)
+    volume = info.get("volume")
+    if volume:
+        if backend is None:
+            from .docker_backend import DockerBackend
+
+            backend = DockerBackend()
+        root = await backend.volume_path(str(volume))
+    else:
+        root = Path(str(info["workspace"]))
+    return WorkspaceFiles(
+        root,
+        workdir=str(info["workdir"]),
+        workspace_path=str(info["workspace_path"]),
+        uid=int(info["uid"]),
+        gid=int(info["gid"]),
+    )

@@ -1,0 +1,698 @@
+"""The session API: a sandboxed kernel for programs, in a few lines.
+
+An AI assistant (or any script) starts a kernel, runs code and gets one structured
+result per run, without parsing Jupyter messages::
+
+    from sandbox_kernel import SandboxSession
+
+    with SandboxSession(cwd="/data/project", memory="1g", exec_timeout="2m") as sandbox:
+        sandbox.files.upload("input.csv", csv_bytes)
+        result = sandbox.run("import pandas as pd; df = pd.read_csv('input.csv'); df.describe()")
+        if result.error:
+            print(result.error.ename, result.error.evalue)
+        else:
+            print(result.stdout, result.text)
+
+It is built on jupyter_client (an ``AsyncKernelManager`` and its client): the kernel is
+an ordinary sandboxed kernel, with the kernelspec's policy, the server's ceilings and the
+audit log. Keyword arguments beyond the session's own narrow the kernelspec's policy for
+this kernel (``memory``, ``cpus``, ``pids``, ``tmp_size``, ``file_size``,
+``exec_timeout``, ``idle_timeout``, ``network="none"``, fewer ``allowed_domains``); a
+wider value is a :class:`~sandbox_kernel.errors.ConfigurationError` naming the key.
+
+A run never hangs on a kernel that is gone: a kernel that died or was stopped by a limit
+gives an :class:`Execution` with the error (``KernelDied``, ``MemoryLimitExceeded``,
+``WallClockLimitExceeded``...), and the kernel is restarted for the next run
+(``restart_on_death``; ``Execution.restarted`` says so). :class:`AsyncSandboxSession` is
+the same for asyncio code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import re
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.manager import AsyncKernelManager
+
+from .background import BackgroundLoop
+from .cgroups import PeakMemory, cpu_seconds
+from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
+from .files import FileInfo, WorkspaceFiles, workspace_files
+from .provisioner import SandboxProvisioner
+from .reattach import reattach_kernel
+
+T = TypeVar("T")
+
+#: What the host answers for a kernel that ended (see the provisioner's watchdog): the
+#: run gets the error, and the kernel is restarted for the next one.
+KERNEL_ENDED = frozenset({"KernelDied", "MemoryLimitExceeded", "WallClockLimitExceeded", "IdleLimitExceeded"})
+#: Seconds a run waits for the kernel's reply after an interrupt (its timeout ran out)
+#: before it restarts the kernel.
+INTERRUPT_GRACE = 5.0
+#: Seconds between checks that the kernel still runs, while a run waits in silence.
+ALIVE_CHECK_INTERVAL = 1.0
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass(frozen=True)
+class ExecutionError:
+    """The error a run ended with: as the kernel raised it, or as the host explains
+    why the kernel could not answer (``KernelDied``, ``MemoryLimitExceeded``...)."""
+
+    ename: str
+    evalue: str
+    #: The traceback as the kernel formats it (with terminal colours; see :attr:`text`).
+    traceback: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """The traceback without terminal colours, or ``ename: evalue``."""
+        return _ANSI.sub("", "\n".join(self.traceback)) if self.traceback else f"{self.ename}: {self.evalue}"
+
+    def __str__(self) -> str:
+        return f"{self.ename}: {self.evalue}"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One rich result: the cell's value (``is_main_result``) or something it displayed."""
+
+    #: The MIME bundle: ``text/plain``, ``text/html``, ``image/png`` (base64), ...
+    data: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    is_main_result: bool = False
+
+    @property
+    def text(self) -> str | None:
+        value = self.data.get("text/plain")
+        return value if isinstance(value, str) else None
+
+    @property
+    def formats(self) -> list[str]:
+        return sorted(self.data)
+
+
+@dataclass
+class Execution:
+    """What one run of code did."""
+
+    #: ``ok``, ``error`` or ``aborted`` (a cell skipped after an earlier one failed).
+    status: str = "ok"
+    stdout: str = ""
+    stderr: str = ""
+    results: list[Result] = field(default_factory=list)
+    error: ExecutionError | None = None
+    #: Seconds from sending the code to its reply.
+    duration: float = 0.0
+    execution_count: int | None = None
+    #: CPU seconds the sandbox used during the run (the host's cgroup: the kernel,
+    #: its threads and children, gVisor's own work), None where it cannot be read.
+    cpu_time: float | None = None
+    #: The most memory the sandbox held during the run, in bytes (the host's cgroup,
+    #: gVisor's own memory included; Linux 6.12 or later), None where it cannot be read.
+    peak_memory: int | None = None
+    #: The kernel ended during the run (its error says why) and was started again:
+    #: the next run has a fresh kernel, without the earlier variables.
+    restarted: bool = False
+    msg_id: str = ""
+
+    @property
+    def text(self) -> str | None:
+        """The ``text/plain`` of the cell's value, if it had one."""
+        main = [result for result in self.results if result.is_main_result]
+        return main[0].text if main else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of everything above."""
+        data = asdict(self)
+        data["text"] = self.text
+        return data
+
+
+OutputCallback = Callable[[str], Any]
+DisplayCallback = Callable[[Result], Any]
+
+
+class AsyncSandboxSession:
+    """One sandboxed kernel for a program: start, run, interrupt, restart, files, shut down.
+
+    ``kernel_name``: the kernelspec; ``cwd``: the kernel's workspace folder (the current
+    one by default), what ``start_kernel(cwd=...)`` is for any jupyter_client program;
+    ``env``: variables to set in the sandbox; ``restart_on_death``: restart a kernel that
+    died or was stopped by a limit, so the next run works; ``max_output``: bytes of
+    output one run may produce (at most the server's ``output_limit``; past it the head
+    and tail are kept); ``**policy``: narrow the kernelspec's policy (see the module).
+    """
+
+    def __init__(
+        self,
+        kernel_name: str = "sandboxed-python",
+        cwd: str | os.PathLike[str] | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        restart_on_death: bool = True,
+        max_output: int | None = None,
+        startup_timeout: float = 60.0,
+        manager_kwargs: Mapping[str, Any] | None = None,
+        **policy: Any,
+    ) -> None:
+        self.kernel_name = kernel_name
+        self.cwd = Path(cwd or os.getcwd()).resolve()
+        self.env = dict(env or {})
+        self.restart_on_death = restart_on_death
+        self.max_output = max_output
+        self.startup_timeout = startup_timeout
+        self.policy = policy
+        self._manager_kwargs = dict(manager_kwargs or {})
+        self.km: AsyncKernelManager | None = None
+        self.kc: AsyncKernelClient | None = None
+        self.files = AsyncSessionFiles(self)
+        self._workspace: WorkspaceFiles | None = None
+
+    # ------------------------------------------------------------------ life
+
+    @property
+    def kernel_id(self) -> str | None:
+        return self.km.kernel_id if self.km is not None else None
+
+    async def start(self) -> AsyncSandboxSession:
+        """Start the kernel and wait until it answers.
+
+        Raises:
+            ConfigurationError, WorkspaceError: the kernelspec, the policy asked for or
+                the workspace cannot be used (the message names what and how to fix it).
+            SandboxKernelError: Docker, gVisor or the image is not ready, or the kernel
+                did not start (nothing is left behind).
+        """
+        if self.km is not None:
+            return self
+        km = AsyncKernelManager(kernel_name=self.kernel_name, **self._manager_kwargs)
+        await km.start_kernel(cwd=str(self.cwd), sandbox_env=self.env, **self.policy)
+        try:
+            await self._connect(km)
+        except BaseException:
+            await km.shutdown_kernel(now=True)
+            raise
+        return self
+
+    @classmethod
+    async def connect(cls, kernel_id: str, *, take_over: bool = False, **kwargs: Any) -> AsyncSandboxSession:
+        """A session driving the running sandboxed kernel ``kernel_id`` (or a unique
+        prefix), started by another process or an earlier session and kept running
+        (a persistent kernel, or one whose session was :meth:`detach`-ed).
+
+        Raises:
+            KernelHeldError: a live process drives the kernel; ``take_over=True`` takes
+                it from that process, whose runs then fail with ``KernelTakenOverError``.
+            KernelNotFoundError: no such kernel this user may drive.
+        """
+        km = await reattach_kernel(kernel_id, take_over=take_over)
+        km.stop_restarter()  # the session restarts a dead kernel itself, when run
+        cwd = (km._launch_args or {}).get("cwd")
+        session = cls(km.kernel_name, str(cwd) if cwd else None, **kwargs)
+        try:
+            await session._connect(km)
+        except BaseException:
+            if isinstance(km.provisioner, SandboxProvisioner):
+                await km.provisioner.detach()  # the kernel runs on, for another try
+            raise
+        return session
+
+    async def _connect(self, km: AsyncKernelManager) -> None:
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=self.startup_timeout)
+        except RuntimeError as exc:
+            kc.stop_channels()
+            msg = f"Sandboxed kernel {km.kernel_id} did not answer within {self.startup_timeout:g} s: {exc}"
+            raise KernelStartupError(msg) from exc
+        self.km, self.kc = km, kc
+
+    async def interrupt(self) -> None:
+        """Interrupt the running code (``KeyboardInterrupt`` in the kernel)."""
+        await self._manager().interrupt_kernel()
+
+    async def restart(self) -> None:
+        """Start the kernel afresh: same workspace and policy, no variables."""
+        km = self._manager()
+        await km.restart_kernel(now=True)
+        if self.kc is not None:
+            await self.kc.wait_for_ready(timeout=self.startup_timeout)
+
+    async def shutdown(self) -> None:
+        """Stop the kernel and remove its sandbox (the workspace stays)."""
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if kc is not None:
+            kc.stop_channels()
+        if km is not None:
+            provisioner = km.provisioner
+            if isinstance(provisioner, SandboxProvisioner) and provisioner.taken_over is not None:
+                await km.cleanup_resources()  # not ours any more: only let go of it
+            else:
+                await km.shutdown_kernel(now=not await km.is_alive())
+
+    async def detach(self) -> None:
+        """Let go of the kernel without stopping it, for :meth:`connect` in this or
+        another process (a persistent kernel waits; an ephemeral one is removed once
+        this process has ended)."""
+        km, kc = self.km, self.kc
+        self.km = self.kc = None
+        if kc is not None:
+            kc.stop_channels()
+        if km is not None and isinstance(km.provisioner, SandboxProvisioner):
+            await km.provisioner.detach()
+
+    async def __aenter__(self) -> AsyncSandboxSession:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.shutdown()
+
+    # ------------------------------------------------------------------ running code
+
+    async def run(  # the timeout is the kernel's, not this coroutine's
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: DisplayCallback | None = None,
+        max_output: int | None = None,
+    ) -> Execution:
+        """Run ``code`` and return what it did.
+
+        ``timeout``: seconds after which the code is interrupted (and, if it ignores the
+        interrupt for :data:`INTERRUPT_GRACE` s, the kernel restarted); the kernelspec's
+        ``exec_timeout`` applies in any case. ``on_stdout``/``on_stderr`` get each piece
+        of output as it comes, ``on_display`` each displayed :class:`Result`.
+        ``max_output``: bytes of output for this run (see the class).
+
+        Raises:
+            KernelTakenOverError: another process took the kernel over.
+            SandboxKernelError: the kernel had to be restarted and could not be.
+        """
+        km, kc = self._manager(), self._client()
+        execution = Execution()
+        if not await km.is_alive():
+            if not self.restart_on_death:
+                execution.status = "error"
+                execution.error = ExecutionError("KernelDied", "the kernel is not running; restart() it")
+                return execution
+            await self.restart()
+            execution.restarted = True
+        limit = max_output if max_output is not None else self.max_output
+        metadata = {"sandbox_kernel": {"output_limit": int(limit)}} if limit is not None else {}
+        content = {
+            "code": code,
+            "silent": False,
+            "store_history": True,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        }
+        request = kc.session.msg("execute_request", content, metadata=metadata)
+        execution.msg_id = request["header"]["msg_id"]
+        meter = await self._meter()
+        started = time.monotonic()
+        kc.shell_channel.send(request)
+        try:
+            reply = await self._collect(execution, timeout, on_stdout, on_stderr, on_display)
+        finally:
+            execution.duration = time.monotonic() - started
+            if meter is not None:
+                execution.cpu_time, execution.peak_memory = meter.stop()
+        if reply is not None:
+            body = reply["content"]
+            execution.status = str(body.get("status", "error"))
+            execution.execution_count = body.get("execution_count")
+            if execution.status == "error":
+                execution.error = ExecutionError(
+                    str(body.get("ename", "")), str(body.get("evalue", "")), list(body.get("traceback") or [])
+                )
+        error = execution.error
+        if error is not None and error.ename == "KernelTakenOver":
+            raise KernelTakenOverError(error.evalue)
+        if (
+            error is not None
+            and error.ename in KERNEL_ENDED
+            and self.restart_on_death
+            and not await km.is_alive()
+        ):
+            await self.restart()
+            execution.restarted = True
+        return execution
+
+    async def _collect(
+        self,
+        execution: Execution,
+        timeout: float | None,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        on_display: DisplayCallback | None,
+    ) -> dict[str, Any] | None:
+        """Gather the run's output until its reply and the kernel's idle; the reply, or
+        None if the kernel ended without one (``execution.error`` then says why)."""
+        km, kc = self._manager(), self._client()
+        deadline = time.monotonic() + timeout if timeout else None
+        interrupted_at: float | None = None
+        timed_out: str | None = None
+        reply: dict[str, Any] | None = None
+        idle = False
+        shell = asyncio.ensure_future(kc.get_shell_msg())
+        iopub = asyncio.ensure_future(kc.get_iopub_msg())
+        try:
+            while reply is None or not idle:
+                wait = ALIVE_CHECK_INTERVAL
+                if deadline is not None:
+                    wait = max(0.0, min(wait, (interrupted_at or deadline) - time.monotonic()))
+                done, _ = await asyncio.wait(
+                    {shell, iopub}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                )
+                if shell in done:
+                    message = shell.result()
+                    shell = asyncio.ensure_future(kc.get_shell_msg())
+                    if message["parent_header"].get("msg_id") == execution.msg_id:
+                        reply = message  # its idle follows (or, lost, waits a second at most)
+                if iopub in done:
+                    message = iopub.result()
+                    iopub = asyncio.ensure_future(kc.get_iopub_msg())
+                    if message["parent_header"].get("msg_id") == execution.msg_id:
+                        idle = _take(message, execution, on_stdout, on_stderr, on_display) or idle
+                if done:
+                    continue
+                now = time.monotonic()
+                if reply is not None:
+                    break  # the idle was lost (the output limit keeps it, but be sure)
+                if not await km.is_alive():
+                    # The host answers for a dead kernel within a moment: wait for that.
+                    reply = await _within(asyncio.shield(shell), 2.0)
+                    if reply is None or reply["parent_header"].get("msg_id") != execution.msg_id:
+                        execution.status = "error"
+                        execution.error = ExecutionError(
+                            "KernelDied", "the kernel stopped before it answered"
+                        )
+                        return None
+                    continue
+                if deadline is not None and now >= deadline:
+                    if interrupted_at is None:
+                        await km.interrupt_kernel()
+                        interrupted_at = now + INTERRUPT_GRACE
+                        deadline = interrupted_at
+                        timed_out = (
+                            f"the execution ran longer than its timeout of {timeout:g} s and was interrupted"
+                        )
+                    else:
+                        # It ignored the interrupt: only a fresh kernel ends it.
+                        execution.status = "error"
+                        execution.error = ExecutionError(
+                            "TimeoutError",
+                            f"the execution ran longer than its timeout of {timeout:g} s and ignored the "
+                            "interrupt; the kernel was restarted",
+                        )
+                        await self.restart()
+                        execution.restarted = True
+                        return None
+        finally:
+            for task in (shell, iopub):
+                task.cancel()
+            await asyncio.gather(shell, iopub, return_exceptions=True)
+        if reply is not None and timed_out is not None:
+            # Interrupted for its timeout: the reply says KeyboardInterrupt; say why.
+            content = {**reply["content"], "status": "error", "ename": "TimeoutError", "evalue": timed_out}
+            reply = {**reply, "content": content}
+        return reply
+
+    async def _meter(self) -> _Meter | None:
+        """Start measuring the sandbox's CPU and peak memory (host side), if it can be."""
+        provisioner = self._manager().provisioner
+        if not isinstance(provisioner, SandboxProvisioner) or provisioner.container_id is None:
+            return None
+        try:
+            pid = await provisioner.backend.main_pid(provisioner.container_id)
+        except SandboxKernelError:
+            return None
+        return None if pid is None else await asyncio.to_thread(_Meter, pid)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _manager(self) -> AsyncKernelManager:
+        km = self.km
+        if km is None:
+            msg = "the session has no kernel: start() it first (or it was shut down)"
+            raise RuntimeError(msg)
+        provisioner = km.provisioner
+        if isinstance(provisioner, SandboxProvisioner) and provisioner.taken_over is not None:
+            msg = f"Sandboxed kernel {km.kernel_id}: {provisioner.taken_over}"
+            raise KernelTakenOverError(msg)
+        return km
+
+    def _client(self) -> AsyncKernelClient:
+        if self.kc is None:
+            self._manager()
+            msg = "the session has no kernel client"
+            raise RuntimeError(msg)
+        return self.kc
+
+    async def _workspace_files(self) -> WorkspaceFiles:
+        provisioner = self._manager().provisioner
+        if not isinstance(provisioner, SandboxProvisioner):
+            msg = "the session's kernel is not a sandboxed kernel"
+            raise TypeError(msg)
+        if self._workspace is None:
+            self._workspace = await workspace_files(
+                await provisioner.get_provisioner_info(), provisioner.backend
+            )
+        return self._workspace
+
+
+class _Meter:
+    """The sandbox's CPU time and peak memory over one run (host cgroup; blocking calls)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.cpu = cpu_seconds(pid)
+        self.peak = PeakMemory(pid)
+
+    def stop(self) -> tuple[float | None, int | None]:
+        now = cpu_seconds(self.pid)
+        cpu = None if now is None or self.cpu is None else max(0.0, now - self.cpu)
+        peak = self.peak.read()
+        self.peak.close()
+        return cpu, peak
+
+
+def _take(
+    message: dict[str, Any],
+    execution: Execution,
+    on_stdout: OutputCallback | None,
+    on_stderr: OutputCallback | None,
+    on_display: DisplayCallback | None,
+) -> bool:
+    """Add one IOPub message of the run to ``execution``; True when the kernel went idle."""
+    kind, body = message["header"].get("msg_type"), message["content"]
+    if kind == "status":
+        return bool(body.get("execution_state") == "idle")
+    if kind == "stream":
+        text = str(body.get("text", ""))
+        if body.get("name") == "stderr":
+            execution.stderr += text
+            if on_stderr is not None:
+                on_stderr(text)
+        else:
+            execution.stdout += text
+            if on_stdout is not None:
+                on_stdout(text)
+    elif kind in ("execute_result", "display_data", "update_display_data"):
+        result = Result(
+            dict(body.get("data") or {}),
+            dict(body.get("metadata") or {}),
+            is_main_result=kind == "execute_result",
+        )
+        execution.results.append(result)
+        if on_display is not None and kind != "execute_result":
+            on_display(result)
+    elif kind == "error":
+        execution.error = ExecutionError(
+            str(body.get("ename", "")), str(body.get("evalue", "")), list(body.get("traceback") or [])
+        )
+    return False
+
+
+async def _within(task: asyncio.Future[T], seconds: float) -> T | None:
+    try:
+        return await asyncio.wait_for(task, seconds)
+    except (asyncio.TimeoutError, queue.Empty, RuntimeError):
+        return None
+
+
+class AsyncSessionFiles:
+    """The kernel's workspace from the host: what the kernel sees in its working folder.
+
+    Paths are relative to the kernel's working folder, or absolute inside the sandbox
+    (``/workspace/...``); none may leave the workspace or pass through a link. Files
+    written here belong to the kernel's user. See :mod:`~sandbox_kernel.files`.
+    """
+
+    def __init__(self, session: AsyncSandboxSession) -> None:
+        self._session = session
+
+    async def upload(self, path: str, data: bytes | str) -> str:
+        """Write ``data`` to ``path`` (replacing it at once); the path in the sandbox."""
+        files = await self._session._workspace_files()
+        return await asyncio.to_thread(files.upload, path, data)
+
+    async def download(self, path: str, max_bytes: int | None = None) -> bytes:
+        files = await self._session._workspace_files()
+        if max_bytes is None:
+            return await asyncio.to_thread(files.download, path)
+        return await asyncio.to_thread(files.download, path, max_bytes)
+
+    async def list(self, path: str = ".") -> list[FileInfo]:
+        files = await self._session._workspace_files()
+        return await asyncio.to_thread(files.list, path)
+
+    async def delete(self, path: str, recursive: bool = False) -> None:
+        files = await self._session._workspace_files()
+        await asyncio.to_thread(files.delete, path, recursive)
+
+
+class SandboxSession:
+    """:class:`AsyncSandboxSession` for code without asyncio (the same arguments).
+
+    Its kernel is driven from an event loop in a thread of its own, so it works inside a
+    running event loop too (a notebook, say); the ``on_*`` callbacks run in that thread.
+    """
+
+    def __init__(
+        self, kernel_name: str = "sandboxed-python", cwd: str | os.PathLike[str] | None = None, **kwargs: Any
+    ) -> None:
+        self._session = AsyncSandboxSession(kernel_name, cwd, **kwargs)
+        self._loop: BackgroundLoop | None = None
+        self.files = SessionFiles(self)
+
+    @classmethod
+    def connect(cls, kernel_id: str, *, take_over: bool = False, **kwargs: Any) -> SandboxSession:
+        """See :meth:`AsyncSandboxSession.connect`."""
+        session = cls.__new__(cls)
+        session._loop = None
+        session.files = SessionFiles(session)
+        session._session = session._call(
+            AsyncSandboxSession.connect(kernel_id, take_over=take_over, **kwargs)
+        )
+        return session
+
+    @property
+    def kernel_id(self) -> str | None:
+        return self._session.kernel_id
+
+    @property
+    def km(self) -> AsyncKernelManager | None:
+        return self._session.km
+
+    def start(self) -> SandboxSession:
+        try:
+            self._call(self._session.start())
+        except BaseException:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+            raise
+        return self
+
+    def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: DisplayCallback | None = None,
+        max_output: int | None = None,
+    ) -> Execution:
+        """See :meth:`AsyncSandboxSession.run`. Ctrl-C interrupts the kernel too."""
+        run = self._session.run(
+            code,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+            max_output=max_output,
+        )
+        try:
+            return self._call(run)
+        except KeyboardInterrupt:
+            with contextlib.suppress(Exception):
+                self._call(self._session.interrupt())
+            raise
+
+    def interrupt(self) -> None:
+        self._call(self._session.interrupt())
+
+    def restart(self) -> None:
+        self._call(self._session.restart())
+
+    def shutdown(self) -> None:
+        try:
+            self._call(self._session.shutdown())
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+    def detach(self) -> None:
+        try:
+            self._call(self._session.detach())
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+                self._loop = None
+
+    def __enter__(self) -> SandboxSession:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            self._loop = BackgroundLoop(name="sandbox-kernel-session")
+        future: concurrent.futures.Future[T] = self._loop.submit(coro)
+        return future.result()
+
+
+class SessionFiles:
+    """:class:`AsyncSessionFiles` for :class:`SandboxSession`."""
+
+    def __init__(self, session: SandboxSession) -> None:
+        self._session = session
+
+    def upload(self, path: str, data: bytes | str) -> str:
+        return self._session._call(self._session._session.files.upload(path, data))
+
+    def download(self, path: str, max_bytes: int | None = None) -> bytes:
+        return self._session._call(self._session._session.files.download(path, max_bytes))
+
+    def list(self, path: str = ".") -> list[FileInfo]:
+        return self._session._call(self._session._session.files.list(path))
+
+    def delete(self, path: str, recursive: bool = False) -> None:
+        self._session._call(self._session._session.files.delete(path, recursive))

@@ -1,0 +1,245 @@
+"""``jupyter sandbox-kernel mcp``, driven by the ``mcp`` package's own client over stdio,
+the way an AI assistant drives it: real kernels in real gVisor containers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client import stdio as mcp_stdio
+from mcp.types import CallToolResult, ImageContent, TextContent
+
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+
+SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
+
+TOOLS = {
+    "start_kernel",
+    "run_code",
+    "upload_file",
+    "download_file",
+    "list_files",
+    "restart_kernel",
+    "shutdown_kernel",
+}
+
+PLOT = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.title('squares')\nplt.show()"
+
+
+@pytest.fixture(autouse=True)
+def _patient_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give the server time to stop its kernels once stdin closes.
+
+    The client's default grace is 2 s before SIGTERM (the server finishes its shutdown
+    on SIGTERM) and 2 s more before SIGKILL; stopping gVisor kernels on a busy
+    two-core CI host can take longer, and a SIGKILL would leave them to the orphan reaper.
+    """
+    monkeypatch.setattr(mcp_stdio, "PROCESS_TERMINATION_TIMEOUT", 60.0)
+
+
+@asynccontextmanager
+async def mcp_server(workspace: Path) -> AsyncIterator[ClientSession]:
+    """``jupyter-sandbox-kernel mcp --cwd workspace`` as a subprocess, with an initialised session."""
+    params = StdioServerParameters(
+        command=str(SK),
+        args=["mcp", "--cwd", str(workspace)],
+        # The test's isolated Jupyter folders (the client passes only HOME, PATH... by default).
+        env=dict(os.environ),
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+async def call(session: ClientSession, tool: str, **arguments: Any) -> CallToolResult:
+    """Call ``tool``, insisting it succeeded; its structured content is there."""
+    result = await session.call_tool(tool, arguments, read_timeout_seconds=180)
+    assert not result.is_error, f"{tool} failed: {text(result)}"
+    assert result.structured_content is not None
+    return result
+
+
+async def run(session: ClientSession, code: str, **arguments: Any) -> dict[str, Any]:
+    result = await call(session, "run_code", code=code, **arguments)
+    assert result.structured_content is not None
+    return result.structured_content
+
+
+def text(result: CallToolResult) -> str:
+    return "\n".join(block.text for block in result.content if isinstance(block, TextContent))
+
+
+def containers(docker_client: docker.DockerClient, kernel_ids: set[str]) -> list[str]:
+    return [
+        container.name
+        for kernel_id in sorted(kernel_ids)
+        for container in docker_client.containers.list(
+            all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        )
+    ]
+
+
+@pytest.mark.timeout(900)
+async def test_an_assistant_runs_code_files_and_kernels_over_stdio(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    kernel_ids: set[str] = set()
+    async with mcp_server(workspace) as session:
+        tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+        assert set(tools) == TOOLS
+        assert tools["run_code"].input_schema["required"] == ["code"]
+
+        first = await run(session, "x = 41 + 1\nprint('hello')\nx")
+        kernel_ids.add(first["kernel_id"])
+        assert first["status"] == "ok"
+        assert first["stdout"] == "hello\n"
+        assert [result["text"] for result in first["results"]] == ["42"]
+        again = await run(session, "x")
+        assert again["kernel_id"] == first["kernel_id"], "one default kernel, its state kept"
+
+        plot = await call(session, "run_code", code=PLOT)
+        (image,) = [block for block in plot.content if isinstance(block, ImageContent)]
+        assert image.mime_type == "image/png"
+        assert base64.b64decode(image.data).startswith(b"\x89PNG\r\n\x1a\n")
+
+        failed = await run(session, "def f():\n    return 1 / 0\nf()")
+        assert failed["status"] == "error"
+        assert failed["error"]["ename"] == "ZeroDivisionError"
+        assert failed["error"]["evalue"] == "division by zero"
+        traceback = "\n".join(failed["error"]["traceback"])
+        assert "return 1 / 0" in traceback
+        assert "\x1b[" not in traceback, "ANSI colour codes are stripped"
+
+        await call(session, "upload_file", path="data/numbers.csv", content="n\n1\n2\n3\n")
+        summed = await run(session, "print(sum(int(n) for n in open('data/numbers.csv').read().split()[1:]))")
+        assert summed["stdout"] == "6\n"
+        png = base64.b64encode(base64.b64decode(image.data)).decode()
+        await call(session, "upload_file", path="plot.png", content=png, encoding="base64")
+        assert (await run(session, "print(len(open('plot.png', 'rb').read()))"))["stdout"] == (
+            f"{len(base64.b64decode(png))}\n"
+        )
+
+        await run(
+            session,
+            "open('report.txt', 'w').write('résumé\\n'); open('raw.bin', 'wb').write(bytes(range(256)))",
+        )
+        report = (await call(session, "download_file", path="report.txt")).structured_content
+        assert report == {"path": "report.txt", "size": 9, "encoding": "utf-8", "content": "résumé\n"}
+        raw = (await call(session, "download_file", path="raw.bin")).structured_content
+        assert raw is not None
+        assert raw["encoding"] == "base64"
+        assert base64.b64decode(raw["content"]) == bytes(range(256))
+
+        listing = (await call(session, "list_files")).structured_content
+        assert listing is not None
+        entries = {entry["name"]: entry for entry in listing["files"]}
+        assert {"data", "plot.png", "report.txt", "raw.bin"} <= set(entries)
+        assert entries["data"]["is_dir"]
+        assert entries["raw.bin"]["size"] == 256
+        inside = (await call(session, "list_files", path="data")).structured_content
+        assert inside is not None
+        assert [entry["name"] for entry in inside["files"]] == ["numbers.csv"]
+
+        restarted = await call(session, "restart_kernel")
+        assert restarted.structured_content == {"kernel_id": first["kernel_id"], "status": "restarted"}
+        gone = await run(session, "x")
+        assert gone["status"] == "error"
+        assert gone["error"]["ename"] == "NameError", "a restart forgets the variables"
+
+        stuck = await run(session, "import time\ny = 1\ntime.sleep(300)", timeout=3)
+        assert stuck["status"] == "error"
+        assert stuck["error"]["ename"] == "TimeoutError"
+        assert "was interrupted" in stuck["error"]["evalue"], "run_code's timeout interrupts the cell"
+        assert not stuck["restarted"]
+        assert (await run(session, "y"))["results"][0]["text"] == "1"
+
+        narrow = await call(session, "start_kernel", memory="512m", network="none")
+        assert narrow.structured_content is not None
+        narrow_id = narrow.structured_content["kernel_id"]
+        kernel_ids.add(narrow_id)
+        assert narrow_id != first["kernel_id"]
+        offline = await run(
+            session,
+            "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=3)\n"
+            "    print('online')\nexcept OSError:\n    print('offline')",
+            kernel_id=narrow_id,
+        )
+        assert offline["kernel_id"] == narrow_id
+        assert offline["stdout"] == "offline\n"
+        shared = await run(session, "print(open('report.txt').read(), end='')", kernel_id=narrow_id)
+        assert shared["stdout"] == "résumé\n", "every kernel of the server shares the workspace"
+
+        wider = await session.call_tool("start_kernel", {"memory": "64g"})
+        assert wider.is_error
+        assert "memory" in text(wider)
+        unknown = await session.call_tool("run_code", {"code": "1", "kernel_id": "no-such-kernel"})
+        assert unknown.is_error
+        assert "no kernel 'no-such-kernel'" in text(unknown)
+        refused = await session.call_tool("download_file", {"path": "../../etc/passwd"})
+        assert refused.is_error
+        still = await run(session, "print('still serving')")
+        assert still["stdout"] == "still serving\n", "errors do not take the server down"
+
+        down = await call(session, "shutdown_kernel", kernel_id=narrow_id)
+        assert down.structured_content == {"kernel_id": narrow_id, "status": "shut down"}
+        assert containers(docker_client, {narrow_id}) == []
+        after = await session.call_tool("run_code", {"code": "1", "kernel_id": narrow_id})
+        assert after.is_error
+
+        assert containers(docker_client, {first["kernel_id"]}) != [], "the default kernel still runs"
+    # stdin closed: the server shut its kernels down before exiting.
+    assert containers(docker_client, kernel_ids) == []
+
+    audit = Path(os.environ["JUPYTER_DATA_DIR"]) / "sandbox-kernel" / "audit.jsonl"
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    audited = {(line["kernel_id"], line["code"]) for line in lines if line["event"] == "finished"}
+    assert (first["kernel_id"], "x = 41 + 1\nprint('hello')\nx") in audited, "MCP runs are audited"
+    assert any(kernel == narrow_id for kernel, _ in audited)
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.timeout(300)
+async def test_sigterm_shuts_the_kernels_down(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    async with mcp_server(workspace) as session:
+        kernel_id = (await run(session, "1"))["kernel_id"]
+        assert containers(docker_client, {kernel_id}) != []
+        (server,) = [
+            pid
+            for pid in children(os.getpid())
+            if "mcp" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        ]
+        os.kill(server, signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while not exited(server) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert exited(server), "SIGTERM ends the server"
+        assert containers(docker_client, {kernel_id}) == []
+
+
+def exited(pid: int) -> bool:
+    """``pid`` is gone or a zombie (our child, not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -1,0 +1,399 @@
+"""The AI assistant's path: the session API, start arguments that narrow the policy, a
+plain KernelManager after its kernel died, and one holder per kernel across processes.
+
+Real kernels in gVisor, driven as an assistant's program drives them: through
+``sandbox_kernel.SandboxSession`` and jupyter_client's ``KernelManager``, and for
+reattaching, two real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from jupyter_client import KernelManager
+
+from sandbox_kernel import (
+    AsyncSandboxSession,
+    ConfigurationError,
+    KernelHeldError,
+    KernelTakenOverError,
+    SandboxSession,
+    WorkspaceError,
+)
+from sandbox_kernel.reattach import reattach_kernel_blocking
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+
+from .conftest import KERNEL, SANDBOX_UID, KernelStarter, run, run_ok
+
+pytestmark = pytest.mark.integration
+
+
+def _containers(client: docker.DockerClient, kernel_id: str) -> list[Any]:
+    return client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"})
+
+
+@pytest.fixture
+def session_dir(jupyter_dirs: Path, workspace: Path) -> Path:
+    return workspace
+
+
+def test_the_readme_example_runs_code_and_returns_a_structured_result(
+    session_dir: Path, docker_client: docker.DockerClient
+) -> None:
+    streamed: list[str] = []
+    with SandboxSession(cwd=session_dir, memory="1g", exec_timeout="2m") as sandbox:
+        kernel_id = sandbox.kernel_id
+        assert kernel_id is not None
+        path = sandbox.files.upload("input.csv", "region,revenue\nnorth,10\nsouth,32\n")
+        assert path == "/workspace/input.csv"
+        result = sandbox.run(
+            "import pandas as pd, sys\n"
+            "df = pd.read_csv('input.csv')\n"
+            "print('rows', len(df)); print('careful', file=sys.stderr)\n"
+            "int(df.revenue.sum())",
+            on_stdout=streamed.append,
+        )
+        assert (result.status, result.error) == ("ok", None)
+        assert result.stdout == "rows 2\n"
+        assert result.stderr == "careful\n"
+        assert result.text == "42"
+        assert "".join(streamed) == "rows 2\n"
+        assert result.duration > 0
+        assert result.cpu_time is not None
+        assert result.cpu_time > 0
+        assert result.peak_memory is not None
+        assert result.peak_memory > 20 * 2**20
+        json.dumps(result.to_dict())  # all of it JSON-able
+
+        plot = sandbox.run("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3]); plt.show()")
+        assert plot.status == "ok", plot.error
+        assert any("image/png" in r.data for r in plot.results)
+
+        failed = sandbox.run("1 / 0")
+        assert failed.status == "error"
+        assert failed.error is not None
+        assert (failed.error.ename, failed.error.evalue) == ("ZeroDivisionError", "division by zero")
+        assert "ZeroDivisionError" in failed.error.text
+        assert "\x1b[" not in failed.error.text
+
+        policy = json.loads(sandbox.run("import os; print(os.environ['SANDBOX_KERNEL_POLICY'])").stdout)
+        assert (policy["memory"], policy["exec_timeout"], policy["allowed_domains"]) == ("1g", 120.0, [])
+        (container,) = _containers(docker_client, kernel_id)
+        assert container.attrs["HostConfig"]["Memory"] == 2**30
+    assert _containers(docker_client, kernel_id) == []
+
+
+def test_a_dead_kernel_is_an_error_result_then_a_fresh_kernel(session_dir: Path) -> None:
+    with SandboxSession(cwd=session_dir) as sandbox:
+        assert sandbox.run("x = 1").status == "ok"
+        died = sandbox.run("import os; os._exit(3)")
+        assert died.status == "error"
+        assert died.error is not None
+        assert died.error.ename == "KernelDied"
+        assert "exit code 3" in died.error.evalue
+        assert died.restarted
+        after = sandbox.run("print(x)")
+        assert after.error is not None
+        assert after.error.ename == "NameError"  # a fresh kernel
+        assert sandbox.run("print('alive')").stdout == "alive\n"
+
+
+def test_a_run_past_its_timeout_is_interrupted_and_the_kernel_keeps_its_state(session_dir: Path) -> None:
+    with SandboxSession(cwd=session_dir) as sandbox:
+        sandbox.run("x = 7")
+        started = time.monotonic()
+        slow = sandbox.run("import time; time.sleep(60)", timeout=2)
+        assert time.monotonic() - started < 10
+        assert slow.status == "error"
+        assert slow.error is not None
+        assert slow.error.ename == "TimeoutError"
+        assert "timeout of 2 s" in slow.error.evalue
+        assert not slow.restarted
+        assert sandbox.run("print(x)").stdout == "7\n"
+
+
+def test_a_kernel_killed_by_its_wall_clock_limit_restarts_for_the_next_run(session_dir: Path) -> None:
+    """The kernelspec's limit, narrowed by the session: code that ignores the in-kernel
+    TimeoutError and the interrupt gets the kernel killed; the run says so, no hang."""
+    code = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGALRM, signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "time.sleep(120)"
+    )
+    with SandboxSession(cwd=session_dir, exec_timeout=2) as sandbox:
+        killed = sandbox.run(code)
+        assert killed.error is not None
+        assert killed.error.ename == "WallClockLimitExceeded", killed.error
+        assert killed.restarted
+        assert sandbox.run("print('next')").stdout == "next\n"
+
+
+async def test_the_async_session_and_its_files(session_dir: Path) -> None:
+    async with AsyncSandboxSession(cwd=session_dir, network="none", pids=64) as sandbox:
+        await sandbox.files.upload("data/in.txt", b"abc")
+        done = await sandbox.run("open('data/out.txt', 'w').write(open('data/in.txt').read().upper())")
+        assert done.status == "ok"
+        assert await sandbox.files.download("data/out.txt") == b"ABC"
+        assert {f.name for f in await sandbox.files.list("data")} == {"in.txt", "out.txt"}
+        out = session_dir / "data" / "out.txt"
+        assert (out.stat().st_uid, out.stat().st_gid) == (SANDBOX_UID, SANDBOX_UID)
+        await sandbox.files.delete("data/in.txt")
+        assert not (session_dir / "data" / "in.txt").exists()
+
+
+@pytest.fixture
+def plain_kernel(jupyter_dirs: Path, workspace: Path) -> Iterator[Callable[..., tuple[KernelManager, Any]]]:
+    """Start a kernel as a script does: ``KernelManager().start_kernel(**kw)``."""
+    started: list[tuple[KernelManager, Any]] = []
+
+    def start(**kwargs: Any) -> tuple[KernelManager, Any]:
+        km = KernelManager(kernel_name=KERNEL)
+        km.start_kernel(cwd=str(workspace), **kwargs)
+        kc = km.client()
+        started.append((km, kc))
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        return km, kc
+
+    yield start
+    for km, kc in started:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_start_arguments_narrow_the_policy_and_never_widen_it(
+    plain_kernel: Callable[..., tuple[KernelManager, Any]],
+    workspace: Path,
+    docker_client: docker.DockerClient,
+) -> None:
+    km, kc = plain_kernel(memory="512m", cpus=0.5, pids=64, exec_timeout="90s")
+    policy = json.loads(run_ok(kc, "import os; print(os.environ['SANDBOX_KERNEL_POLICY'])"))
+    assert (policy["memory"], policy["cpus"], policy["pids"], policy["exec_timeout"]) == (
+        "512m",
+        0.5,
+        64,
+        90.0,
+    )
+    (container,) = _containers(docker_client, km.kernel_id)
+    assert container.attrs["HostConfig"]["Memory"] == 512 * 2**20
+    # A restart keeps what the start asked for.
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert json.loads(run_ok(kc, "import os; print(os.environ['SANDBOX_KERNEL_POLICY'])"))["memory"] == "512m"
+
+    before = set(c.id for c in docker_client.containers.list(all=True))
+    for kwargs, words in [
+        ({"memory": "8g"}, "start_kernel(memory='8g') would widen"),
+        ({"network": "allowlist"}, "would widen"),
+        ({"pids": 0}, "pids"),
+        ({"memroy": "1g"}, "start_kernel() got memroy, which a sandboxed kernel does not take"),
+        ({"stdout": subprocess.DEVNULL}, "got stdout"),
+    ]:
+        wider = KernelManager(kernel_name=KERNEL)
+        with pytest.raises(ConfigurationError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            wider.start_kernel(cwd=str(workspace), **kwargs)
+    assert set(c.id for c in docker_client.containers.list(all=True)) == before  # nothing started
+
+
+def test_a_start_cannot_remove_a_limit_the_kernelspec_sets(
+    make_kernelspec: Callable[..., str], workspace: Path
+) -> None:
+    name = make_kernelspec("py-limited", config={"exec_timeout": 60})
+    with pytest.raises(ConfigurationError, match="exec_timeout=0"):
+        KernelManager(kernel_name=name).start_kernel(cwd=str(workspace), exec_timeout=0)
+    with pytest.raises(ConfigurationError, match="exec_timeout"):
+        KernelManager(kernel_name=name).start_kernel(cwd=str(workspace), exec_timeout="2h")
+
+
+def test_sandbox_env_sets_variables_and_an_unpassed_env_is_said(
+    plain_kernel: Callable[..., tuple[KernelManager, Any]],
+) -> None:
+    with pytest.warns(UserWarning, match="MY_SETTING, which do not reach the sandboxed kernel"):
+        _, kc = plain_kernel(env={**os.environ, "MY_SETTING": "1"}, sandbox_env={"REPORT_TITLE": "Q3"})
+    out = run_ok(kc, "import os; print(os.environ.get('REPORT_TITLE'), os.environ.get('MY_SETTING'))")
+    assert out.strip() == "Q3 None"
+
+
+def test_a_plain_kernel_manager_gets_an_error_at_once_after_its_kernel_died(
+    start_kernel: KernelStarter,
+) -> None:
+    """No restarter runs in a script's KernelManager: the next execution must not wait
+    for a kernel that is not there (it used to hang), and restart_kernel() brings it back."""
+    km, kc = start_kernel()
+    died = run(kc, "import os; os._exit(1)", timeout=30)
+    assert died.reply["content"]["ename"] == "KernelDied"
+    started = time.monotonic()
+    again = run(kc, "print('hello')", timeout=30)
+    assert time.monotonic() - started < 5
+    content = again.reply["content"]
+    assert content["status"] == "error"
+    assert content["ename"] == "KernelDied"
+    assert "restart_kernel()" in content["evalue"]
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert run_ok(kc, "print('back')").strip() == "back"
+
+
+def test_a_workspace_the_kernel_cannot_write_is_refused_naming_owner_and_fix(
+    jupyter_dirs: Path, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    root_owned = tmp_path / "root-owned"
+    root_owned.mkdir(mode=0o755)
+    before = set(c.id for c in docker_client.containers.list(all=True))
+    with pytest.raises(WorkspaceError) as info:
+        SandboxSession(cwd=root_owned).start()
+    message = str(info.value)
+    assert "uid 65533, which cannot write its workspace" in message
+    assert "owner uid 0" in message
+    assert f"chown -R 65533:65533 {root_owned}" in message
+    assert set(c.id for c in docker_client.containers.list(all=True)) == before
+
+
+# ---------------------------------------------------------------- one holder per kernel
+
+_HOLDER = r"""
+import json, sys
+from jupyter_client import KernelManager
+
+km = KernelManager(kernel_name=sys.argv[1])
+km.start_kernel(cwd=sys.argv[2])
+kc = km.client()
+kc.start_channels()
+kc.wait_for_ready(timeout=60)
+print(json.dumps({"kernel_id": km.kernel_id}), flush=True)
+for line in sys.stdin:
+    code = json.loads(line)
+    if code is None:
+        break
+    out = []
+    hook = lambda msg: out.append(msg["content"].get("text", "")) if msg["msg_type"] == "stream" else None
+    try:
+        content = kc.execute_interactive(code, timeout=30, output_hook=hook)["content"]
+        answer = {k: content.get(k) for k in ("status", "ename", "evalue")}
+    except TimeoutError:
+        answer = {"status": "hung"}
+    print(json.dumps({**answer, "stdout": "".join(out)}), flush=True)
+kc.stop_channels()
+km.shutdown_kernel(now=True)
+"""
+
+
+class Holder:
+    """A separate program driving a kernel with jupyter_client, one cell per request."""
+
+    def __init__(self, kernelspec: str, workspace: Path, tmp_path: Path) -> None:
+        script = tmp_path / "holder.py"
+        script.write_text(_HOLDER)
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), kernelspec, str(workspace)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.kernel_id = str(self._answer()["kernel_id"])
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, f"the holder program ended (exit code {self.process.poll()})"
+        return dict(json.loads(line))
+
+    def run(self, code: str) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(code) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def end(self) -> int:
+        assert self.process.stdin is not None
+        self.process.stdin.write("null\n")
+        self.process.stdin.close()
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture
+def holder(
+    make_kernelspec: Callable[..., str], workspace: Path, tmp_path: Path, docker_client: docker.DockerClient
+) -> Iterator[Holder]:
+    program = Holder(make_kernelspec("py-held"), workspace, tmp_path)
+    yield program
+    if program.process.poll() is None:
+        program.process.kill()
+        program.process.wait()
+    for container in _containers(docker_client, program.kernel_id):
+        container.remove(force=True)
+
+
+def test_a_second_process_cannot_break_the_holder_and_takes_over_only_when_asked(
+    holder: Holder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, docker_client: docker.DockerClient
+) -> None:
+    assert holder.run("x = 42; print(x)")["stdout"] == "42\n"
+    # The second process does not see the kernelspec (another user's data folder, say).
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "elsewhere"))
+
+    with pytest.raises(KernelHeldError, match=f"process {holder.process.pid} on {socket.gethostname()}"):
+        reattach_kernel_blocking(holder.kernel_id)
+    # That attempt broke nothing: the holder's cells run as before.
+    assert holder.run("x += 1; print(x)") == {"status": "ok", "ename": None, "evalue": None, "stdout": "43\n"}
+
+    km = reattach_kernel_blocking(holder.kernel_id, take_over=True)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        assert run_ok(kc, "print(x)").strip() == "43"
+        started = time.monotonic()
+        refused = holder.run("print(x)")
+        assert time.monotonic() - started < 5, "the old holder's call must fail fast"
+        assert refused["status"] == "error"
+        assert refused["ename"] == "KernelTakenOver"
+        assert f"taken over by process {os.getpid()}" in refused["evalue"]
+        # The old holder shuts down what it no longer holds: the kernel stays the newcomer's.
+        assert holder.end() == 0
+        assert run_ok(kc, "print(x * 2)").strip() == "86"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert _containers(docker_client, holder.kernel_id) == []
+
+
+def test_the_session_api_connects_and_takes_over_too(holder: Holder) -> None:
+    holder.run("y = 'kept'")
+    with pytest.raises(KernelHeldError):
+        SandboxSession.connect(holder.kernel_id)
+    session = SandboxSession.connect(holder.kernel_id, take_over=True)
+    try:
+        assert session.run("print(y)").stdout == "kept\n"
+        assert holder.run("print(y)")["ename"] == "KernelTakenOver"
+    finally:
+        session.shutdown()
+
+
+def test_a_session_whose_kernel_was_taken_over_fails_fast(session_dir: Path) -> None:
+    async def scenario() -> None:
+        first = await AsyncSandboxSession(cwd=session_dir).start()
+        try:
+            await first.run("z = 5")
+            assert first.kernel_id is not None
+            second = await AsyncSandboxSession.connect(first.kernel_id, take_over=True)
+            try:
+                assert (await second.run("print(z)")).stdout == "5\n"
+                with pytest.raises(KernelTakenOverError, match="taken over by process"):
+                    await first.run("print(z)")
+            finally:
+                await second.shutdown()
+        finally:
+            await first.shutdown()
+
+    asyncio.run(scenario())
