@@ -331,6 +331,11 @@ class KernelBridge:
         self._kernel_endpoints = dict(kernel_endpoints)
         for pending in self._outstanding.values():
             pending.clear()  # the next kernel answers none of the last one's requests
+        if self._limiter is not None and "iopub" in self._fronts:
+            # The last kernel's held output tail, before anything of the next one (no
+            # relay thread runs now to share the socket with).
+            for message in self._limiter.release():
+                self._send(self._fronts["iopub"], "iopub", message)
         for channel in CHANNELS:
             self._connect_back(channel)
         routes = _Routes()
@@ -472,11 +477,21 @@ class KernelBridge:
         fronts: Mapping[str, zmq.Socket[bytes]],
     ) -> None:
         target, *message = inject_rx.recv_multipart()
-        front = fronts[target.decode()]
+        channel = target.decode()
+        front = fronts[channel]
+        if channel == "iopub" and self._limiter is not None:
+            # The host's notice (the kernel died, a limit stopped it) ends the execution:
+            # the tail of its output held back by the limiter comes first.
+            for held in self._limiter.release():
+                self._send(front, channel, held)
+        self._send(front, channel, message)
+
+    def _send(self, front: zmq.Socket[bytes], channel: str, message: Frames) -> None:
+        """Send a message of the bridge's own (a notice, a held output tail) to clients."""
         try:
             front.send_multipart(message, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.debug("Bridge could not deliver a notice: %s", exc)
+            log.debug("Bridge could not deliver a %s notice: %s", channel, exc)
 
     def _forward(self, channel: str, to_kernel: bool, frames: Frames, peer: zmq.Socket[bytes]) -> None:
         """Pass one message on if it passes the checks: observed by the tap, capped by
@@ -500,6 +515,8 @@ class KernelBridge:
         outgoing: list[Frames] = [frames]
         if self._limiter is not None and channel == "iopub" and not to_kernel:
             outgoing = self._limiter.admit(frames)
+        elif self._limiter is not None and channel == "shell" and to_kernel:
+            self._limiter.request(frames)  # signed: it may narrow its own output limit
         for message in outgoing:
             try:
                 peer.send_multipart(message, zmq.NOBLOCK, copy=False)

@@ -73,7 +73,13 @@ class Signatures:
         return hmac.compare_digest(frame_bytes(frames[index + 1]), mac.hexdigest().encode())
 
 
+def stream_message(session: Session, name: str, text: str, parent: dict[str, Any] | None) -> list[bytes]:
+    """A signed IOPub stream message (``name`` "stdout" or "stderr") written on the host,
+    as part of ``parent``'s output."""
+    msg = session.msg("stream", {"name": name, "text": text}, parent=parent)
+    return list(session.serialize(msg, ident=[f"stream.{name}".encode()]))
+
+
 def stderr_notice(session: Session, text: str, parent: dict[str, Any] | None) -> list[bytes]:
     """A signed IOPub stderr message from sandbox-kernel itself, as part of ``parent``'s output."""
-    msg = session.msg("stream", {"name": "stderr", "text": f"\n[sandbox-kernel] {text}\n"}, parent=parent)
-    return list(session.serialize(msg, ident=[b"stream.stderr"]))
+    return stream_message(session, "stderr", f"\n[sandbox-kernel] {text}\n", parent)

@@ -95,6 +95,7 @@ def test_policy_is_visible_inside_without_host_details(
         "file_size": "4g",
         "network": "none",
         "image": "sandbox-kernel/python:latest",
+        "allowed_domains": [],  # always there, as the README shows it
     }
     out = run_ok(kc, "import shutil; print(shutil.disk_usage('/tmp').total)")
     assert int(out) == 64 * 1024**2
@@ -188,7 +189,7 @@ def test_a_wall_clock_ceiling_requires_a_limit(workspace: Path, jupyter_dirs: Pa
         "for i in range(1_000_000):\n    print(i)",  # a million tiny prints
     ],
 )
-def test_output_floods_are_truncated_with_a_notice_and_the_client_stays_responsive(
+def test_output_floods_keep_their_head_and_tail_with_a_notice_and_the_client_stays_responsive(
     flood: str, jupyter_dirs: Path, workspace: Path
 ) -> None:
     km = KernelManager(kernel_name=KERNEL, config=Config({"SandboxProvisioner": {"output_limit": "1m"}}))
@@ -202,6 +203,12 @@ def test_output_floods_are_truncated_with_a_notice_and_the_client_stays_responsi
         assert len(result.stdout) <= 1024**2
         assert "Output truncated: this execution produced more than 1 MiB of output" in result.stderr
         assert result.stderr.count("Output truncated") == 1
+        # The head and the tail of what it printed, with a marker between.
+        assert result.stdout.startswith("x" * 1000 if "'x'" in flood else "0\n1\n2\n")
+        assert (
+            "of output dropped: over this kernel's output limit of 1 MiB per execution ...]" in result.stdout
+        )
+        assert result.stdout.endswith("\nthe cell finished\n")
         # The budget is per execution: the next cell's output arrives whole.
         assert run_ok(kc, "print('next cell')").strip() == "next cell"
     finally:

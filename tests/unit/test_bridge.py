@@ -10,7 +10,7 @@ import errno
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,10 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
+from sandbox_kernel.audit import ExecutionAuditor
 from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
+from sandbox_kernel.output import OutputLimiter
+from sandbox_kernel.wire import stderr_notice
 
 TIMEOUT_MS = 1000
 KEY = b"a-session-key"
@@ -601,3 +604,107 @@ def test_comm_messages_never_crowd_out_a_pending_reply(session: Session, endpoin
     passed = bridge._check("shell", False, list(session.serialize(reply, ident=[b"client"])))
     assert passed is not None
     assert passed[0] == b"client"
+
+
+# ---------------------------------------------------------------- the output limit
+
+
+@pytest.fixture
+def limited(endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]) -> Iterator[KernelBridge]:
+    """A bridge with the output limiter, its executions known from the audit tap, as the
+    provisioner wires them."""
+    auditor = ExecutionAuditor(None, "k1", "spec")
+
+    def current() -> tuple[str, dict[str, Any]] | None:
+        execution = auditor.current()
+        return None if execution is None else (str(execution.header["msg_id"]), execution.header)
+
+    limiter = OutputLimiter(2**20, Session(key=KEY), current)
+    bridge = KernelBridge(endpoints, key=KEY, tap=auditor, output_limiter=limiter)
+    bridge.start()
+    yield bridge
+    bridge.stop()
+
+
+def start_execution(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge, **metadata: Any
+) -> tuple[zmq.Socket[bytes], dict[str, Any]]:
+    """A subscribed client sends an execute_request; returns its subscriber and the request."""
+    sub = subscriber(ctx, bridge)
+    assert publish_until_received(kernel["iopub"], sub, status(session)) is not None
+    while sub.poll(200):
+        sub.recv_multipart()
+    msg = session.msg("execute_request", {"code": "print(...)"}, metadata=metadata)
+    dealer = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    dealer.send_multipart(list(session.serialize(msg)))
+    recv(kernel["shell"])  # the bridge has seen it
+    dealer.close()
+    return sub, msg
+
+
+def publish(
+    session: Session, kernel: dict[str, zmq.Socket[bytes]], kind: str, content: Any, parent: Any
+) -> None:
+    kernel["iopub"].send_multipart(
+        list(session.serialize(session.msg(kind, content, parent=parent), ident=[b"k"]))
+    )
+
+
+def received_until(
+    session: Session, sub: zmq.Socket[bytes], last: Callable[[dict[str, Any]], bool]
+) -> list[Any]:
+    messages = []
+    while not messages or not last(messages[-1]):
+        messages.append(session.deserialize(session.feed_identities(recv(sub))[1]))
+    return messages
+
+
+def stdout_of(messages: list[dict[str, Any]]) -> str:
+    return "".join(
+        m["content"]["text"]
+        for m in messages
+        if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+    )
+
+
+def test_a_run_that_narrows_its_output_limit_gets_its_head_and_tail_before_idle(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    sub, request = start_execution(ctx, session, kernel, limited, sandbox_kernel={"output_limit": 8000})
+    publish(
+        session, kernel, "stream", {"name": "stdout", "text": "A" * 20_000 + "MIDDLE" + "Z" * 20_000}, request
+    )
+    publish(session, kernel, "status", {"execution_state": "idle"}, request)
+    messages = received_until(session, sub, lambda m: m["msg_type"] == "status")
+    out = stdout_of(messages)
+    assert out.startswith("AAAA")
+    assert out.endswith("\n" + "Z" * 2000)
+    assert "MIDDLE" not in out
+    assert "over the output limit of 7.8 KiB set for this execution" in out
+    assert messages[-1]["content"] == {"execution_state": "idle"}
+
+
+def test_a_kernel_that_dies_mid_run_gets_its_tail_delivered_before_the_hosts_notice(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    sub, request = start_execution(ctx, session, kernel, limited, sandbox_kernel={"output_limit": 8000})
+    publish(session, kernel, "stream", {"name": "stdout", "text": "A" * 20_000 + "Z" * 2000}, request)
+    time.sleep(0.3)  # the bridge has it
+    limited.inject("iopub", stderr_notice(session, "the kernel stopped", request))
+    messages = received_until(session, sub, lambda m: "the kernel stopped" in m["content"].get("text", ""))
+    assert stdout_of(messages).endswith("\n" + "Z" * 2000)
+
+
+def test_a_forged_request_narrows_nothing(
+    ctx: Ctx, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    forger = Session(key=b"not-the-key")
+    msg = forger.msg("execute_request", {"code": ""}, metadata={"sandbox_kernel": {"output_limit": 10}})
+    dealer = client(ctx, zmq.DEALER, limited.endpoint("shell"))
+    dealer.send_multipart(list(forger.serialize(msg)))
+    deadline = time.monotonic() + 2
+    while not limited.dropped and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert limited.dropped["shell message from a client: bad signature"] == 1
+    assert limited._limiter is not None
+    assert limited._limiter._requested == {}

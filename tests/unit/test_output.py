@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import zmq
 from jupyter_client.session import Session
 
-from sandbox_kernel.output import OutputLimiter
+from sandbox_kernel.output import TAIL_BYTES, OutputLimiter, _Tail, amount, requested_limit, tail_reserve
 
 KEY = b"secret-key"
 
@@ -35,51 +39,120 @@ def stream(session: Session, size: int, parent_id: str = "cell-1") -> list[zmq.F
     return kernel_message(session, "stream", {"name": "stdout", "text": "x" * size}, parent_id)
 
 
-def test_output_past_the_budget_becomes_one_signed_notice_then_nothing() -> None:
+def printed(session: Session, text: str, name: str = "stdout", parent_id: str = "cell-1") -> list[zmq.Frame]:
+    return kernel_message(session, "stream", {"name": name, "text": text}, parent_id)
+
+
+def status(session: Session, state: str = "busy", parent_id: str = "cell-1", **extra: Any) -> list[zmq.Frame]:
+    return kernel_message(session, "status", {"execution_state": state, **extra}, parent_id)
+
+
+def execute_request(session: Session, msg_id: str, metadata: dict[str, Any]) -> list[bytes]:
+    msg = session.msg("execute_request", {"code": "print(1)"}, metadata=metadata)
+    msg["header"]["msg_id"] = msg_id
+    return list(session.serialize(msg, ident=[b"client"]))
+
+
+def read(messages: Sequence[Sequence[zmq.Frame | bytes]]) -> list[dict[str, Any]]:
+    """What a client makes of ``messages``: each must carry a valid signature."""
+    client = Session(key=KEY)
+    parsed = []
+    for message in messages:
+        _, parts = client.feed_identities([bytes(f) if isinstance(f, zmq.Frame) else f for f in message])
+        parsed.append(client.deserialize(parts))  # raises if the signature is wrong
+    return parsed
+
+
+def streams(messages: list[dict[str, Any]], name: str = "stdout") -> str:
+    return "".join(
+        m["content"]["text"] for m in messages if m["msg_type"] == "stream" and m["content"]["name"] == name
+    )
+
+
+def test_a_huge_print_keeps_its_head_and_tail_with_a_marker_between() -> None:
+    """One 60 kB print through a 20 000-byte budget: the client reads the start, a marker
+    saying how much was dropped, and the end, all within the budget."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(20_000, Session(key=KEY), Running())
+    assert limiter.admit(stream(kernel, 100)) != []
+    during = read(limiter.admit(printed(kernel, "A" * 30_000 + "MIDDLE" + "Z" * 30_000)))
+    idle = status(kernel, "idle")
+    after = limiter.admit(idle)
+    assert after[-1] == idle  # the tail comes before the kernel's idle
+    received = during + read(after[:-1])
+    assert all(m["parent_header"]["msg_id"] == "cell-1" for m in received)
+    assert "Output truncated: this execution produced more than 19.5 KiB of output" in streams(
+        received, "stderr"
+    )
+
+    out = streams(received)
+    head, marker, tail = out.removeprefix("x" * 100).split("\n", 2)[0], *out.split("\n")[1:3]
+    assert head == "A" * len(head)
+    assert len(head) > 10_000
+    assert tail == "Z" * tail_reserve(20_000)
+    assert "MIDDLE" not in out
+    dropped = 60_006 - len(head) - len(tail)
+    limit = "this kernel's output limit of 19.5 KiB per execution"
+    assert marker == f"[... {amount(dropped)} of output dropped: over {limit} ...]"
+    assert sum(len(f) for m in during for f in m) + sum(len(f) for m in after for f in m) < 20_000 + 2_000
+    assert limiter.release() == []  # nothing held any more
+
+
+def test_output_past_the_budget_gets_one_signed_notice_and_only_the_tail_follows() -> None:
     kernel = Session(key=KEY)
     limiter = OutputLimiter(2000, Session(key=KEY), Running())
     small = stream(kernel, 100)
     big = stream(kernel, 3000)
 
     assert limiter.admit(small) == [small]
-    (notice,) = limiter.admit(big)
+    head, notice = read(limiter.admit(big))
+    assert head["content"]["name"] == "stdout"
+    assert set(head["content"]["text"]) == {"x"}
     assert limiter.admit(big) == []
     assert limiter.admit(small) == []
 
-    client = Session(key=KEY)
-    idents, parts = client.feed_identities(notice, copy=True)
-    assert idents == [b"stream.stderr"]
-    msg = client.deserialize(parts)  # raises if the signature is wrong
-    assert msg["msg_type"] == "stream"
-    assert msg["content"]["name"] == "stderr"
-    assert "Output truncated" in msg["content"]["text"]
-    assert msg["parent_header"]["msg_id"] == "cell-1"
+    assert notice["msg_type"] == "stream"
+    assert notice["content"]["name"] == "stderr"
+    assert "Output truncated" in notice["content"]["text"]
+    assert notice["parent_header"]["msg_id"] == "cell-1"
+    marker, tail = read(limiter.release())
+    assert "of output dropped" in marker["content"]["text"]
+    assert tail["content"]["text"] == "x" * tail_reserve(2000)
 
 
-def test_a_new_request_from_a_client_gets_a_new_budget() -> None:
+def test_a_new_request_from_a_client_gets_a_new_budget_after_the_last_ones_tail() -> None:
     kernel = Session(key=KEY)
     running = Running()
     limiter = OutputLimiter(2000, Session(key=KEY), running)
-    assert len(limiter.admit(stream(kernel, 3000))) == 1  # the notice
+    assert len(limiter.admit(stream(kernel, 3000))) == 2  # the head, the notice
     running.msg_id = "cell-2"
     fresh = stream(kernel, 100, "cell-2")
-    assert limiter.admit(fresh) == [fresh]
+    *held, passed = limiter.admit(fresh)
+    assert passed == fresh
+    marker, tail = read(held)
+    assert marker["parent_header"]["msg_id"] == tail["parent_header"]["msg_id"] == "cell-1"
 
 
 def test_a_hostile_kernel_cannot_open_fresh_budgets() -> None:
     kernel = Session(key=KEY)
     limiter = OutputLimiter(2000, Session(key=KEY), Running())
-    assert len(limiter.admit(stream(kernel, 3000))) == 1  # over budget: the notice
+    assert len(limiter.admit(stream(kernel, 3000))) == 2  # over budget: the head, the notice
     forged = [
         stream(kernel, 500, "invented-parent"),
         kernel_message(kernel, "comm_msg", {"data": "y" * 500}, "cell-1"),
-        kernel_message(kernel, "status", {"execution_state": "idle", "pad": "z" * 2000}, "cell-1"),
+        status(kernel, "idle", pad="z" * 2000),
+        status(kernel, "idle", "invented-parent"),  # an idle for another request ends nothing
     ]
-    for message in forged:
+    for message in forged[:3]:
         assert limiter.admit(message) == [], message[1]
-    # Small status messages still pass, so clients see the kernel go idle.
-    idle = kernel_message(kernel, "status", {"execution_state": "idle"}, "cell-1")
-    assert limiter.admit(idle) == [idle]
+    assert limiter.admit(forged[3]) == [forged[3]]
+    # Small status messages still pass, so clients see the kernel go idle; the tail first.
+    idle = status(kernel, "idle")
+    *tail, last = limiter.admit(idle)
+    assert last == idle
+    assert len(streams(read(tail))) < 600  # the reserve, and a marker
+    assert limiter.admit(stream(kernel, 3000)) == []  # still no fresh budget
+    assert len(streams(read(limiter.release()))) < 600
 
 
 def test_non_jupyter_frames_from_the_kernel_are_dropped() -> None:
@@ -102,13 +175,26 @@ def test_output_after_the_reply_still_counts_against_its_request() -> None:
     kernel = Session(key=KEY)
     running = Running()
     limiter = OutputLimiter(2000, Session(key=KEY), running)
-    assert limiter.admit(stream(kernel, 1500)) != []
+    assert limiter.admit(stream(kernel, 1000)) != []
     running.msg_id = None  # the reply overtook the tail of the output
-    assert len(limiter.admit(stream(kernel, 1500))) == 1  # the notice, not a fresh budget
+    (notice,) = read(limiter.admit(stream(kernel, 1500)))  # no fresh budget: no room for a head
+    assert notice["content"]["name"] == "stderr"
 
 
-def status(session: Session, state: str = "busy", **extra: Any) -> list[zmq.Frame]:
-    return kernel_message(session, "status", {"execution_state": state, **extra}, "cell-1")
+def test_a_run_answered_before_its_output_is_read_still_has_its_own_budget() -> None:
+    """The bridge reads shell before iopub: the next cell's reply may pass before any of
+    its output. Its output is its own, not the capped cell's before it."""
+    kernel = Session(key=KEY)
+    running = Running()
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    limiter.request(execute_request(kernel, "cell-1", {}))
+    assert len(limiter.admit(stream(kernel, 3000))) == 2  # the head, the notice
+    limiter.request(execute_request(kernel, "cell-2", {}))
+    running.msg_id = None  # cell-2 was answered before the bridge read its output
+    small = stream(kernel, 10, "cell-2")
+    *held, passed = limiter.admit(small)
+    assert passed == small
+    assert {m["parent_header"]["msg_id"] for m in read(held)} == {"cell-1"}
 
 
 def test_status_messages_are_charged_and_padded_ones_stop_at_the_cap() -> None:
@@ -126,6 +212,203 @@ def test_past_the_cap_a_few_plain_status_messages_still_pass() -> None:
     limiter = OutputLimiter(2000, Session(key=KEY), Running())
     limiter.admit(stream(kernel, 3000))
     idle = status(kernel, "idle")
-    assert limiter.admit(idle) == [idle]
+    assert limiter.admit(idle)[-1] == idle
     passed = [limiter.admit(idle) for _ in range(100)]
     assert sum(1 for p in passed if p) < 20
+
+
+@pytest.mark.parametrize("limit", range(1200, 1260))
+def test_text_is_cut_on_utf8_character_boundaries(limit: int) -> None:
+    """Characters of 1 to 4 bytes, cut at every offset: never half a character."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(limit, Session(key=KEY), Running())
+    text = "aé€😀" * 1000
+    received = read(limiter.admit(printed(kernel, text)) + limiter.release())
+    head, tail = streams(received).split("\n[... ")
+    tail = tail.split("...]\n", 1)[1]
+    assert head
+    assert tail
+    assert text.startswith(head)
+    assert text.endswith(tail)
+    assert len(tail.encode()) <= tail_reserve(limit)
+    assert len(tail.encode()) > tail_reserve(limit) - 4
+
+
+def test_a_lone_surrogate_in_the_text_does_not_break_the_cut() -> None:
+    """JSON can carry one (``"\\ud800"``), UTF-8 cannot: it is shown as U+FFFD."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(2000, Session(key=KEY), Running())
+    msg = kernel.msg("stream", {}, parent={"msg_id": "cell-1"})
+    parts = [json.dumps(msg[part], default=str).encode() for part in ("header", "parent_header", "metadata")]
+    parts.append(json.dumps({"name": "stdout", "text": "\ud800x" * 3000}).encode())
+    frames = [b"stream", b"<IDS|MSG>", kernel.sign(parts), *parts]
+    received = read(limiter.admit(frames) + limiter.release())
+    assert "\ud800" not in streams(received)
+    assert "\ufffd" in streams(received)
+
+
+def test_a_client_narrows_the_limit_of_one_execution() -> None:
+    kernel = Session(key=KEY)
+    running = Running()
+    limiter = OutputLimiter(100_000, Session(key=KEY), running)
+    limiter.request(execute_request(kernel, "cell-1", {"sandbox_kernel": {"output_limit": 2000}}))
+    _, notice = read(limiter.admit(stream(kernel, 3000)))
+    assert "more than 2 KiB of output" in notice["content"]["text"]
+    marker, _ = read(limiter.release())
+    assert "over the output limit of 2 KiB set for this execution" in marker["content"]["text"]
+    running.msg_id = "cell-2"  # the next execution has the server's limit again
+    big = stream(kernel, 3000, "cell-2")
+    assert limiter.admit(big) == [big]
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"sandbox_kernel": {"output_limit": 10**9}},  # wider than the server's: no
+        {"sandbox_kernel": {"output_limit": -1}},
+        {"sandbox_kernel": {"output_limit": "1k"}},
+        {"sandbox_kernel": {"output_limit": 1.5}},
+        {"sandbox_kernel": {"output_limit": True}},
+        {"sandbox_kernel": 1000},
+        {"output_limit": 1000},
+        {},
+    ],
+)
+def test_a_wider_or_malformed_per_run_limit_is_ignored(metadata: dict[str, Any]) -> None:
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(10_000, Session(key=KEY), Running())
+    limiter.request(execute_request(kernel, "cell-1", metadata))
+    big = stream(kernel, 3000)
+    assert limiter.admit(big) == [big]
+
+
+def test_requested_limit_reads_only_whole_bytes() -> None:
+    assert requested_limit({"sandbox_kernel": {"output_limit": 0}}) == 0
+    assert requested_limit({"sandbox_kernel": {"output_limit": 4096}}) == 4096
+    assert requested_limit({"sandbox_kernel": {"output_limit": 4096.0}}) is None
+
+
+def test_only_execute_requests_narrow_a_limit() -> None:
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(10_000, Session(key=KEY), Running())
+    msg = kernel.msg("inspect_request", {}, metadata={"sandbox_kernel": {"output_limit": 10}})
+    msg["header"]["msg_id"] = "cell-1"
+    limiter.request(list(kernel.serialize(msg)))
+    big = stream(kernel, 3000)
+    assert limiter.admit(big) == [big]
+
+
+def test_a_limit_of_zero_lets_only_notices_through() -> None:
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(10_000, Session(key=KEY), Running())
+    limiter.request(execute_request(kernel, "cell-1", {"sandbox_kernel": {"output_limit": 0}}))
+    (notice,) = read(limiter.admit(stream(kernel, 10)))
+    assert notice["content"]["name"] == "stderr"
+    (marker,) = read(limiter.release())
+    assert "10 bytes of output dropped" in marker["content"]["text"]
+
+
+def test_output_just_past_the_head_room_is_held_and_then_passes_whole() -> None:
+    """Nothing dropped: no marker, no notice; the text arrives whole, in order."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(20_000, Session(key=KEY), Running())
+    lines = [f"{i}".rjust(2000, ".") + "\n" for i in range(7)]  # with their headers, 20 000 bytes or less
+    messages = [m for line in lines for m in limiter.admit(printed(kernel, line))]
+    sent = "".join(lines)
+    assert streams(read(messages)) != sent  # the last one's end is held back
+    messages += limiter.admit(status(kernel, "idle"))
+    received = read(messages)
+    assert streams(received) == sent
+    assert streams(received, "stderr") == ""
+
+
+def test_a_display_that_fits_passes_after_the_text_held_before_it() -> None:
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(20_000, Session(key=KEY), Running())
+    limiter.admit(stream(kernel, 14_000))
+    head = limiter.admit(stream(kernel, 1000))  # past the head room: the rest is held
+    assert len(streams(read(head))) < 1000
+    display = kernel_message(
+        kernel, "display_data", {"data": {"text/plain": "plot"}, "metadata": {}}, "cell-1"
+    )
+    *held, passed = limiter.admit(display)
+    assert passed == display
+    assert streams(read(head + held)) == "x" * 1000
+
+
+def test_a_display_over_the_budget_is_dropped_and_only_the_tail_follows() -> None:
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(10_000, Session(key=KEY), Running())
+    display = kernel_message(kernel, "display_data", {"data": {"image/png": "A" * 20_000}}, "cell-1")
+    (notice,) = read(limiter.admit(display))
+    assert "the rest was dropped" in notice["content"]["text"]
+    assert limiter.admit(printed(kernel, "after\n")) == []  # no head once something was dropped
+    marker, tail = read(limiter.release())
+    assert tail["content"]["text"] == "after\n"
+    assert "of output dropped" in marker["content"]["text"]
+
+
+def test_stdout_and_stderr_keep_their_order_in_the_tail() -> None:
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(8000, Session(key=KEY), Running())
+    limiter.admit(stream(kernel, 20_000))
+    for i in range(50):
+        limiter.admit(printed(kernel, f"out {i}\n"))
+        limiter.admit(printed(kernel, f"err {i}\n", "stderr"))
+    marker, *tail = read(limiter.release())
+    texts = [(m["content"]["name"], m["content"]["text"]) for m in tail]
+    assert texts[-2:] == [("stdout", "out 49\n"), ("stderr", "err 49\n")]
+    assert marker["content"]["name"] == texts[0][0]  # right before what follows the gap
+    assert sum(len(text) for _, text in texts) <= tail_reserve(8000)
+
+
+def test_the_tail_is_bounded_whatever_the_kernel_prints() -> None:
+    tail = _Tail(TAIL_BYTES)
+    for i in range(200_000):
+        tail.add("stdout" if i % 2 else "stderr", "x")
+    assert tail.held <= TAIL_BYTES
+    assert len(tail._pieces) <= 1024
+    tail.add("stdout", "y" * 10 * TAIL_BYTES)
+    assert tail.take() == [("stdout", "y" * TAIL_BYTES)]
+    assert tail.dropped == 200_000 + 9 * TAIL_BYTES
+
+
+def test_a_million_tiny_prints_take_linear_time() -> None:
+    """Past the head room every print goes to the tail: each costs the same, however
+    many came before (a quadratic tail would take minutes here)."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(2**20, Session(key=KEY), Running())
+    tiny = printed(kernel, "7\n")
+    started = time.monotonic()
+    for _ in range(50_000):
+        limiter.admit(tiny)
+    first = time.monotonic() - started
+    started = time.monotonic()
+    for _ in range(50_000):
+        limiter.admit(tiny)
+    assert time.monotonic() - started < 3 * first + 1
+    assert len(streams(read(limiter.release()))) < tail_reserve(2**20) + 200
+
+
+def test_a_kernel_that_never_goes_idle_still_gets_its_tail_delivered_on_release() -> None:
+    """The kernel died mid-request: the bridge asks for the tail before the host's notice."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(2000, Session(key=KEY), Running())
+    limiter.admit(printed(kernel, "A" * 5000 + "Z" * 500))
+    _, tail = read(limiter.release())
+    assert tail["content"]["text"] == "Z" * 500
+    assert limiter.release() == []
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [
+        (0, "0 bytes"),
+        (512, "512 bytes"),
+        (64 * 2**10, "64 KiB"),
+        (int(29.8 * 2**20), "29.8 MiB"),
+        (3 * 2**30, "3 GiB"),
+    ],
+)
+def test_amounts_read_well(size: int, text: str) -> None:
+    assert amount(size) == text
