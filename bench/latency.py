@@ -16,7 +16,9 @@ of ``jupyter_client`` would see it:
 * execute round trip: ``client.execute_interactive("1+1")``, i.e. from sending the
   ``execute_request`` until both the ``execute_reply`` and the ``idle`` status on
   IOPub have arrived, ``--runs`` times after ``--warmup`` untimed runs, on one kernel
-  (p50 and p95).
+  (p50 and p95); and the same through the session API, ``SandboxSession.run("1+1")`` to
+  its ``Execution`` (on a kernel of its own; for the local kernel too, as the session API
+  drives any kernel), which adds the host's CPU and peak-memory readings per run.
 
 * host memory of one kernel, idle and after ``import pandas`` (install pandas where the
   local kernel runs, e.g. ``.venv/bin/pip install pandas``, or that row reads nan): for the local kernel
@@ -70,7 +72,7 @@ from jupyter_client import AsyncKernelManager, KernelManager
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.kernelspec import KernelSpecManager
 
-from sandbox_kernel import SandboxPool, warm_pool
+from sandbox_kernel import SandboxPool, SandboxSession, warm_pool
 from sandbox_kernel.cgroups import cpu_seconds, memory_usage
 from sandbox_kernel.plan import DEFAULT_KERNEL_UID
 
@@ -113,6 +115,7 @@ class Timings:
     at_once_pooled_s: float = math.nan
     memory_pooled_mib: float = math.nan
     idle_cpu_pct: float = math.nan
+    session_run_ms: list[float] = field(default_factory=list)
 
 
 def progress(message: str) -> None:
@@ -184,6 +187,7 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
             timings.memory_pandas_mib = host_memory_mib(kernel.manager)
         else:
             progress(f"[{kernel_name}] pandas is not installed for this kernel: no 'with pandas' figure")
+    timings.session_run_ms = measure_session(kernel_name, runs, warmup, cwd)
     progress(
         f"[{kernel_name}] host memory: {timings.memory_idle_mib:.1f} MiB idle, "
         f"{timings.memory_pandas_mib:.1f} MiB with pandas"
@@ -193,6 +197,23 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
         f"p95 {percentile(timings.execute_ms, 95):.2f} ms"
     )
     return timings
+
+
+def measure_session(kernel_name: str, runs: int, warmup: int, cwd: str) -> list[float]:
+    """Milliseconds per ``SandboxSession.run(CODE)``: what an assistant's program waits for
+    one structured result (the session API on jupyter_client, whatever the kernel)."""
+    with SandboxSession(kernel_name, cwd) as session:
+        for _ in range(warmup):
+            session.run(CODE)
+        times = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            result = session.run(CODE)
+            times.append((time.perf_counter() - started) * 1000)
+            if result.text != "2":
+                msg = f"SandboxSession.run({CODE!r}) gave {result.to_dict()}"
+                raise RuntimeError(msg)
+    return times
 
 
 def restart_once(kernel: StartedKernel) -> float:
@@ -378,6 +399,8 @@ def summarize(t: Timings) -> dict[str, float]:
         "restart_max_s": max(t.restart_s) if t.restart_s else math.nan,
         "execute_p50_ms": percentile(t.execute_ms, 50),
         "execute_p95_ms": percentile(t.execute_ms, 95),
+        "session_p50_ms": percentile(t.session_run_ms, 50),
+        "session_p95_ms": percentile(t.session_run_ms, 95),
         "memory_idle_mib": t.memory_idle_mib,
         "memory_pandas_mib": t.memory_pandas_mib,
     }
@@ -393,6 +416,8 @@ ROWS = (
     ("restart_max_s", "restart -> kernel_info reply, max", "s"),
     ("execute_p50_ms", f"execute {CODE!r} round trip, p50", "ms"),
     ("execute_p95_ms", f"execute {CODE!r} round trip, p95", "ms"),
+    ("session_p50_ms", f"SandboxSession.run({CODE!r}), p50", "ms"),
+    ("session_p95_ms", f"SandboxSession.run({CODE!r}), p95", "ms"),
     ("memory_idle_mib", "host memory, idle kernel", "MiB"),
     ("memory_pandas_mib", "host memory, after import pandas", "MiB"),
     ("pooled_p50_s", "pooled start -> kernel_info reply, p50 (local: cold)", "s"),

@@ -142,20 +142,22 @@ class ExecutionAuditor:
         self._egress_stamp = time.monotonic()
         self._egress_suppressed = 0
 
-    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> None:
+    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> bool:
+        """Note one message; False for a request refused (answered here, not passed on)."""
         if channel not in ("shell", "iopub"):
-            return
+            return True
         split = _split(frames)
         if split is None:
-            return
+            return True
         idents, parts = split
         if channel == "iopub":
             if not to_kernel:
                 self._started(parts)
         elif to_kernel:
-            self._request(idents, parts)
+            return self._request(idents, parts)
         else:
             self._reply(parts)
+        return True
 
     def _started(self, parts: list[bytes]) -> None:
         """The kernel announced it runs a request: its wall-clock starts now, not when queued."""
@@ -167,10 +169,11 @@ class ExecutionAuditor:
             if pending is not None and pending.running_since is None:
                 pending.running_since = time.monotonic()
 
-    def _request(self, idents: list[bytes], parts: list[bytes]) -> None:
+    def _request(self, idents: list[bytes], parts: list[bytes]) -> bool:
+        """An execute_request on its way to the kernel; False if refused (answered here)."""
         header = load_dict(parts[1], limit=None)
         if header.get("msg_type") != "execute_request":
-            return
+            return True
         content = load_dict(parts[4], limit=None)
         pending = PendingExecution(
             started=time.monotonic(),
@@ -195,11 +198,12 @@ class ExecutionAuditor:
                 while len(self._pending) > _MAX_PENDING:
                     oldest = next(iter(self._pending))
                     self._finish(oldest, self._pending.pop(oldest), "unanswered (too many pending)", None)
-                return
+                return True
         self._write(self._record("started", msg_id, pending))
         self._finish(msg_id, pending, f"refused: {refusing}", None)
         if self.on_refused is not None:
             self.on_refused(pending)
+        return False
 
     def _reply(self, parts: list[bytes]) -> None:
         header = load_dict(parts[1])

@@ -72,8 +72,9 @@ _BATCH = 100
 
 #: Called in the bridge thread for every message that passes the checks: (channel,
 #: to_kernel, frames). It must be quick and must not keep the frames; it cannot change
-#: or stop the message.
-Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], None]
+#: the message, and stops it only by returning False (it answered it: a request to a
+#: kernel that is not running must never reach the next one).
+Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], bool | None]
 Frames = Sequence[zmq.Frame | bytes]
 
 
@@ -509,7 +510,8 @@ class KernelBridge:
             frames = cleaned
         if self._tap is not None:
             try:
-                self._tap(channel, to_kernel, frames)
+                if self._tap(channel, to_kernel, frames) is False:
+                    return
             except Exception:
                 log.exception("Bridge tap failed on a %s message", channel)
         outgoing: list[Frames] = [frames]

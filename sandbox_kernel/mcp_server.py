@@ -103,7 +103,12 @@ class RunCodeOutput(TypedDict):
     peak_memory: int | None
     """The most memory the sandbox held during the run, in bytes, when the host can tell."""
     restarted: bool
-    """The kernel died or hit a limit during the cell and was restarted: its variables are gone."""
+    """The kernel was restarted, its variables are gone: it died or hit a limit during the
+    cell (the error says why), or before it (restart_reason says why)."""
+    restart_reason: str | None
+    """Why the kernel had stopped before this cell, if it had."""
+    truncated: bool
+    """The output went over the output limit: the head and tail of stdout/stderr are kept."""
 
 
 class StartKernelOutput(TypedDict):
@@ -205,8 +210,8 @@ def run_output(kernel_id: str, execution: Any) -> RunCodeOutput:
     return {
         "kernel_id": kernel_id,
         "status": execution.status if execution.status in ("ok", "aborted") else "error",
-        "stdout": execution.stdout,
-        "stderr": execution.stderr,
+        "stdout": strip_ansi(execution.stdout),
+        "stderr": strip_ansi(execution.stderr),
         "results": [
             {"text": str(result.data.get("text/plain", "")), "mime_types": sorted(result.data)}
             for result in execution.results
@@ -216,6 +221,8 @@ def run_output(kernel_id: str, execution: Any) -> RunCodeOutput:
         "cpu_time": getattr(execution, "cpu_time", None),
         "peak_memory": getattr(execution, "peak_memory", None),
         "restarted": bool(getattr(execution, "restarted", False)),
+        "restart_reason": getattr(execution, "restart_reason", None),
+        "truncated": bool(getattr(execution, "truncated", False)),
     }
 
 

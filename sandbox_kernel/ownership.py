@@ -68,6 +68,8 @@ POOL_READY_FILE = "pool-ready"
 STATE_FILE = "provisioner.json"
 #: Written by a manager that let go of its kernel, taken over by another (its holder token).
 RELEASED_FILE = "released"
+#: The holder token of a kernel its owner let go of (detached): anyone may reattach.
+NO_HOLDER = "-"
 
 
 def _start_ticks(pid: int) -> str | None:

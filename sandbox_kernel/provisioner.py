@@ -49,6 +49,7 @@ from .limits import size_bytes
 from .mounts import can_mount, detach_mounts
 from .output import OutputLimiter
 from .ownership import (
+    NO_HOLDER,
     OWNER_FILE,
     Holder,
     OrphanReaper,
@@ -92,6 +93,9 @@ REQUEST_CPU_CREDIT = 10.0
 STATE_CHECK_INTERVAL = 30.0
 #: What a kernel's saved state says of its workspace (see ``SandboxProvisioner._layout``).
 LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid")
+#: Seconds in a row without the kernel's CPU time before the watchdog says it cannot
+#: limit computing outside executions.
+CPU_MISSES_TO_WARN = 10
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
 
@@ -188,7 +192,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             DockerUnavailableError, RuntimeMissingError, ImageNotFoundError: the host
                 is not ready; each message says how to fix it.
         """
-        if self.taken_over is not None:
+        if await asyncio.to_thread(self._held_elsewhere_now):
             msg = f"Sandboxed kernel {self.kernel_id}: {self.taken_over}"
             raise KernelTakenOverError(msg)
         check_settings(self, kernelspec_config(self.kernel_spec), self.kernel_name)
@@ -346,11 +350,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 await asyncio.to_thread(self._seal, launch_dir)
             self._reopen()
             self._start_watchdog(container_id)
-        except BaseException:
+        except BaseException as exc:
             try:
                 await self._teardown(keep_bridge=False)
             except SandboxKernelError:
                 pass  # logged; the start's own error is the one to report
+            if self._auditor is not None:  # a restart that failed: nothing runs to answer
+                self._refusal = ("KernelDied", f"the kernel could not be started again: {exc}")
+                self._auditor.refuse(self._refusal[1])
             raise
         info: dict[str, Any] = {
             "transport": self.bridge.transport if self.bridge else self.client_transport,
@@ -605,6 +612,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         next_deep = next_state = 0.0
         next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
         docker_lost = cpu_unknown = False
+        cpu_misses = 0
         while self.container_id == container_id and self._auditor is not None:
             await asyncio.sleep(0.5)
             auditor = self._auditor
@@ -619,8 +627,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 look = Look(now, running=auditor.running(), idle_for=auditor.idle_for())
                 if now >= next_deep:
                     next_deep = now + 1.0
-                    if pid is None:
-                        pid = await self.backend.main_pid(container_id)
+                    if not pid:  # Docker says 0 for a sandbox not (yet) running
+                        pid = await self.backend.main_pid(container_id) or None
                     code = None
                     if not self.backend.surely_running(container_id) or now >= next_state:
                         # Docker's event stream says when it ends; ask now and then anyway.
@@ -633,7 +641,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                     )
                     # The CPU bounds computing outside executions only with a wall-clock limit.
                     cpu = cpu_seconds(pid) if pid is not None and limits.exec_timeout > 0 else None
-                    if cpu is None and pid is not None and limits.exec_timeout > 0 and not cpu_unknown:
+                    if cpu is None and limits.exec_timeout > 0:
+                        # Perhaps a process of the sandbox's start that is gone: look again.
+                        pid, cpu_misses = None, cpu_misses + 1
+                    else:
+                        cpu_misses = 0
+                    if cpu_misses >= CPU_MISSES_TO_WARN and not cpu_unknown:
                         cpu_unknown = True
                         self.log.warning(
                             "Sandboxed kernel %s: cannot read its CPU time from the host's cgroup; computing "
@@ -675,10 +688,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             return None
         return holder
 
-    async def _let_go(self, holder: Holder) -> None:
-        """Another process took the kernel over (see :mod:`~.reattach`): stop driving it.
-        Its container runs on, untouched; this manager's clients get an error at once
-        for every execution, and the kernel's output no longer reaches them."""
+    def _lose(self, holder: Holder) -> Path | None:
+        """The kernel is another's now: forget its container and folders at once (nothing
+        here may remove or signal them from now on), refuse executions with the reason.
+        Returns the runtime folder that was this manager's."""
+        runtime_dir = self.runtime_dir
+        self.container_id = None
+        self.runtime_dir = self.launch_dir = None
         reason = (
             f"this kernel was taken over by {holder}, which drives it now; this program no longer "
             "does (reattach with take_over=True to take it back)"
@@ -688,21 +704,41 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._refusal = ("KernelTakenOver", reason)
         if self._auditor is not None:
             self._auditor.refuse(reason)
-        self._answer_pending("KernelTakenOver", reason)
+        return runtime_dir
+
+    def _held_elsewhere_now(self) -> bool:
+        """Before anything that removes, signals or relaunches the kernel: if another holder
+        took it over (say while this manager's watchdog was not running), let go instead."""
+        if self.taken_over is not None:
+            return True
+        if self.runtime_dir is None:
+            return False
+        self._owner_seen = None  # read it now, changed or not
+        holder = self._holder_elsewhere()
+        if holder is None:
+            return False
+        runtime_dir = self._lose(holder)
+        if runtime_dir is not None:
+            write_released(runtime_dir, holder.token)
+        return True
+
+    async def _let_go(self, holder: Holder) -> None:
+        """Another process took the kernel over (see :mod:`~.reattach`): stop driving it.
+        Its container runs on, untouched; this manager's clients get an error at once
+        for every execution, and the kernel's output no longer reaches them."""
+        runtime_dir = self._lose(holder)
+        self._answer_pending("KernelTakenOver", self._refusal[1])
         await asyncio.sleep(0.1)  # let the bridge send the answers before it moves
         await self._close_egress()
-        if self.bridge is not None and self.runtime_dir is not None:
+        if self.bridge is not None and runtime_dir is not None:
             # Relay to nowhere: requests still reach the auditor, which answers them.
-            nowhere = self.runtime_dir / f"let-go-{self._holder}"
+            nowhere = runtime_dir / f"let-go-{self._holder}"
             await asyncio.to_thread(self.bridge.attach, {c: f"ipc://{nowhere}-{c}" for c in CHANNELS})
         km, loop = self.parent, self._manager_loop
         if km is not None and hasattr(km, "stop_restarter") and loop is not None:
             loop.call_soon_threadsafe(km.stop_restarter)  # nothing here to restart
-        if self.runtime_dir is not None:
-            await asyncio.to_thread(write_released, self.runtime_dir, holder.token)
-        # Like detach(): the container and its folder are the new holder's now.
-        self.container_id = None
-        self.runtime_dir = self.launch_dir = None
+        if runtime_dir is not None:
+            await asyncio.to_thread(write_released, runtime_dir, holder.token)
 
     async def _act(self, container_id: str, verdict: Verdict, look: Look) -> bool:
         """Carry out the watchdog's verdict; True once the kernel has ended."""
@@ -878,7 +914,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     async def send_signal(self, signum: int) -> None:
         """Deliver ``signum`` to the kernel via the container's init (which forwards it)."""
-        if self.container_id is not None:
+        if self.container_id is not None and not await asyncio.to_thread(self._held_elsewhere_now):
             await self.backend.signal(self.container_id, signum)
 
     async def kill(self, restart: bool = False) -> None:
@@ -888,8 +924,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         await self.send_signal(signal.SIGTERM)
 
     async def cleanup(self, restart: bool = False) -> None:
-        """Remove the container; unless restarting, also the bridge and runtime folder."""
+        """Remove the container; unless restarting, also the bridge and runtime folder.
+        A kernel another process took over is left to it: only the bridge goes."""
+        await asyncio.to_thread(self._held_elsewhere_now)
         await self._teardown(keep_bridge=restart)
+        if restart and self._auditor is not None and self.taken_over is None:
+            # Requests from now on wait for the next kernel, as with a local one.
+            self._auditor.refuse(None)
 
     async def _teardown(self, keep_bridge: bool) -> None:
         """Remove this kernel's container and files; the bridge's ports survive a restart.
@@ -972,6 +1013,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self.bridge is not None:
             await asyncio.to_thread(self.bridge.stop)
             self.bridge = None
+        if self.runtime_dir is not None and not await asyncio.to_thread(self._held_elsewhere_now):
+            # Nobody holds it now: whoever reattaches next need not take it over.
+            await asyncio.to_thread(write_owner, self.runtime_dir, NO_HOLDER)
         self.log.info("Sandboxed kernel %s detached; its container keeps running", self.kernel_id)
         self.container_id = None
         self.runtime_dir = self.launch_dir = None
@@ -1059,6 +1103,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._open_egress(self.launch_dir)
             if self.container_id:
                 self._start_watchdog(self.container_id)
+                # The event stream tells of ends from now on; one before (a limit stopped
+                # it while nobody held it) is known only from its state.
+                _, code = await self.backend.state(self.container_id)
+                if code is not None:
+                    await self._note_exit(self.container_id, code)
         if self.runtime_dir is not None:
             # Last, once all is in place: this process owns the kernel now.
             await asyncio.to_thread(write_owner, self.runtime_dir, self._holder)

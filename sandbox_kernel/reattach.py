@@ -44,6 +44,7 @@ from jupyter_core.utils import run_sync
 from .docker_backend import DockerBackend
 from .errors import KernelHeldError, KernelNotFoundError
 from .ownership import (
+    NO_HOLDER,
     SandboxedKernel,
     list_kernels,
     own_runtime_dir,
@@ -149,6 +150,8 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any], take_over:
         await provisioner.load_provisioner_info(info)
     except BaseException:
         await provisioner.detach(save=False)  # nothing half-attached stays; the kernel runs on
+        if runtime_dir:  # and nobody holds it: a later try need not take it over
+            await asyncio.to_thread(write_owner, Path(runtime_dir), NO_HOLDER)
         raise
     km.provisioner = provisioner
     # The addresses may have changed (another process holds the old ones): load them anew.
@@ -175,7 +178,7 @@ async def _become_holder(
     """Make ``provisioner`` the kernel's one holder; with ``take_over``, once the live
     holder has let go (or died)."""
     holder = await asyncio.to_thread(read_holder, runtime_dir)
-    if holder is None or not holder.alive:
+    if holder is None or not holder.alive or holder.token == NO_HOLDER:
         return
     if holder.identity == server_identity() and not holder.token:
         return  # this process made it and has not handed it to a manager yet (a pool)

@@ -62,6 +62,12 @@ KERNEL_ENDED = frozenset({"KernelDied", "MemoryLimitExceeded", "WallClockLimitEx
 INTERRUPT_GRACE = 5.0
 #: Seconds between checks that the kernel still runs, while a run waits in silence.
 ALIVE_CHECK_INTERVAL = 1.0
+#: Bytes added to a run's ``max_output`` for what the host counts besides output text:
+#: each message's header and the run's status and input messages.
+MESSAGE_ALLOWANCE = 8192
+#: What the host writes where it cut a run's output (see :mod:`~sandbox_kernel.output`).
+TRUNCATION_NOTICE = "[sandbox-kernel] Output truncated"
+DROPPED_MARKER = "of output dropped: over "
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -123,10 +129,18 @@ class Execution:
     #: The most memory the sandbox held during the run, in bytes (the host's cgroup,
     #: gVisor's own memory included; Linux 6.12 or later), None where it cannot be read.
     peak_memory: int | None = None
-    #: The kernel ended during the run (its error says why) and was started again:
-    #: the next run has a fresh kernel, without the earlier variables.
+    #: The kernel was started afresh, without the earlier variables: it ended during
+    #: this run (its error says why; the next run has the new kernel), or before it
+    #: (say, killed by a limit while idle; :attr:`restart_reason` says why).
     restarted: bool = False
+    restart_reason: str | None = None
     msg_id: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the host cut this run's output at its output limit (the head and the
+        tail of stdout/stderr are kept; results past the limit are dropped)."""
+        return TRUNCATION_NOTICE in self.stderr or DROPPED_MARKER in self.stdout + self.stderr
 
     @property
     def text(self) -> str | None:
@@ -138,6 +152,7 @@ class Execution:
         """A JSON-able dict of everything above."""
         data = asdict(self)
         data["text"] = self.text
+        data["truncated"] = self.truncated
         return data
 
 
@@ -199,7 +214,8 @@ class AsyncSandboxSession:
         if self.km is not None:
             return self
         km = AsyncKernelManager(kernel_name=self.kernel_name, **self._manager_kwargs)
-        await km.start_kernel(cwd=str(self.cwd), sandbox_env=self.env, **self.policy)
+        extra = {"sandbox_env": self.env} if self.env else {}
+        await km.start_kernel(cwd=str(self.cwd), **extra, **self.policy)
         try:
             await self._connect(km)
         except BaseException:
@@ -223,6 +239,8 @@ class AsyncSandboxSession:
         cwd = (km._launch_args or {}).get("cwd")
         session = cls(km.kernel_name, str(cwd) if cwd else None, **kwargs)
         try:
+            if session.restart_on_death and not await km.is_alive():
+                await km.restart_kernel(now=True)  # stopped (a limit, say) while nobody held it
             await session._connect(km)
         except BaseException:
             if isinstance(km.provisioner, SandboxProvisioner):
@@ -311,21 +329,26 @@ class AsyncSandboxSession:
         km, kc = self._manager(), self._client()
         execution = Execution()
         if not await km.is_alive():
+            why = self._stopped_because()
             if not self.restart_on_death:
                 execution.status = "error"
-                execution.error = ExecutionError("KernelDied", "the kernel is not running; restart() it")
+                execution.error = ExecutionError("KernelDied", f"{why}; restart() it")
                 return execution
             await self.restart()
             execution.restarted = True
+            execution.restart_reason = why
         limit = max_output if max_output is not None else self.max_output
-        metadata = {"sandbox_kernel": {"output_limit": int(limit)}} if limit is not None else {}
+        # The host counts every byte the kernel publishes, each message's own few hundred too.
+        allowance = {"output_limit": int(limit) + MESSAGE_ALLOWANCE} if limit is not None else None
+        metadata = {"sandbox_kernel": allowance} if allowance else {}
         content = {
             "code": code,
             "silent": False,
             "store_history": True,
             "user_expressions": {},
             "allow_stdin": False,
-            "stop_on_error": True,
+            # Each run stands alone: one that fails (or is interrupted) aborts no later one.
+            "stop_on_error": False,
         }
         request = kc.session.msg("execute_request", content, metadata=metadata)
         execution.msg_id = request["header"]["msg_id"]
@@ -334,6 +357,11 @@ class AsyncSandboxSession:
         kc.shell_channel.send(request)
         try:
             reply = await self._collect(execution, timeout, on_stdout, on_stderr, on_display)
+        except asyncio.CancelledError:
+            # The caller gave up (asyncio.wait_for, a cancelled task): the code stops too.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(km.interrupt_kernel())
+            raise
         finally:
             execution.duration = time.monotonic() - started
             if meter is not None:
@@ -357,7 +385,22 @@ class AsyncSandboxSession:
         ):
             await self.restart()
             execution.restarted = True
+            execution.restart_reason = f"{error.ename}: {error.evalue}"
+            execution.error = ExecutionError(
+                error.ename,
+                f"{error.evalue} [the session restarted the kernel: the next run works, "
+                "without the earlier variables]",
+                error.traceback,
+            )
         return execution
+
+    def _stopped_because(self) -> str:
+        """Why the kernel is not running, as the host knows it."""
+        provisioner = self._manager().provisioner
+        stop = provisioner.limit_stop if isinstance(provisioner, SandboxProvisioner) else None
+        if stop is not None:
+            return f"the kernel was stopped ({stop.ename}: {stop.reason})"
+        return "the kernel had stopped"
 
     async def _collect(
         self,
@@ -426,6 +469,9 @@ class AsyncSandboxSession:
                             f"the execution ran longer than its timeout of {timeout:g} s and ignored the "
                             "interrupt; the kernel was restarted",
                         )
+                        for task in (shell, iopub):  # the restart's own replies are not ours
+                            task.cancel()
+                        await asyncio.gather(shell, iopub, return_exceptions=True)
                         await self.restart()
                         execution.restarted = True
                         return None
@@ -593,9 +639,13 @@ class SandboxSession:
         session = cls.__new__(cls)
         session._loop = None
         session.files = SessionFiles(session)
-        session._session = session._call(
-            AsyncSandboxSession.connect(kernel_id, take_over=take_over, **kwargs)
-        )
+        try:
+            session._session = session._call(
+                AsyncSandboxSession.connect(kernel_id, take_over=take_over, **kwargs)
+            )
+        except BaseException:
+            session._close_loop()
+            raise
         return session
 
     @property
@@ -610,9 +660,7 @@ class SandboxSession:
         try:
             self._call(self._session.start())
         except BaseException:
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+            self._close_loop()
             raise
         return self
 
@@ -635,9 +683,12 @@ class SandboxSession:
             on_display=on_display,
             max_output=max_output,
         )
+        future = self._submit(run)
         try:
-            return self._call(run)
+            return future.result()
         except KeyboardInterrupt:
+            # Stop waiting for this run (its readers go with it), and the code with it.
+            future.cancel()
             with contextlib.suppress(Exception):
                 self._call(self._session.interrupt())
             raise
@@ -652,17 +703,13 @@ class SandboxSession:
         try:
             self._call(self._session.shutdown())
         finally:
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+            self._close_loop()
 
     def detach(self) -> None:
         try:
             self._call(self._session.detach())
         finally:
-            if self._loop is not None:
-                self._loop.close()
-                self._loop = None
+            self._close_loop()
 
     def __enter__(self) -> SandboxSession:
         return self.start()
@@ -673,10 +720,17 @@ class SandboxSession:
         self.shutdown()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._submit(coro).result()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._loop is None:
             self._loop = BackgroundLoop(name="sandbox-kernel-session")
-        future: concurrent.futures.Future[T] = self._loop.submit(coro)
-        return future.result()
+        return self._loop.submit(coro)
+
+    def _close_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
 
 
 class SessionFiles:

@@ -168,8 +168,11 @@ def test_no_setuid_setgid_or_sticky_file_reaches_the_host(
 
 
 def _root_owned_folder(tmp_path: Path) -> Path:
+    """A folder of root's that anyone may write (a root-owned folder the kernel cannot
+    write is refused at start: see test_session_api.py)."""
     folder = tmp_path / "root-owned"
     folder.mkdir()
+    folder.chmod(0o777)
     assert folder.stat().st_uid == 0
     return folder
 
@@ -223,8 +226,10 @@ def test_a_kernel_whose_uid_has_no_account_in_the_image_works(
         "print(os.getuid(), getpass.getuser(), os.path.expanduser('~'))\n"
         "pip = [sys.executable, '-m', 'pip', 'install', '--no-index', '--no-warn-script-location']\n"
         "wheel = '/tmp/sk_probe-1.0-py3-none-any.whl'\n"
+        # pip takes one install location: the kernel's own (PIP_PREFIX) is set aside.
+        "env = {**os.environ, 'PIP_PREFIX': ''}\n"
         "for how in (['--target', '/tmp/pkgs'], ['--user']):\n"
-        "    done = subprocess.run(pip + how + [wheel], capture_output=True, text=True)\n"
+        "    done = subprocess.run(pip + how + [wheel], capture_output=True, text=True, env=env)\n"
         "    print('pip', how[0], done.returncode, (done.stderr.strip().splitlines() or [''])[-1])\n"
         "sys.path.insert(0, '/tmp/pkgs')\n"
         "import sk_probe\n"

@@ -397,3 +397,107 @@ def test_a_session_whose_kernel_was_taken_over_fails_fast(session_dir: Path) -> 
             await first.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_holder_shutting_down_mid_run_leaves_the_kernel_to_the_one_that_took_it(
+    session_dir: Path, docker_client: docker.DockerClient
+) -> None:
+    """The old holder's cell fails at once and its program shuts down, as programs do:
+    that must not remove the kernel it no longer holds (it did, racing the let-go)."""
+
+    async def scenario() -> None:
+        first = await AsyncSandboxSession(cwd=session_dir).start()
+        kernel_id = first.kernel_id
+        assert kernel_id is not None
+        await first.run("z = 5")
+        running = asyncio.ensure_future(first.run("import time; time.sleep(30)"))
+        await asyncio.sleep(1)
+        second = await AsyncSandboxSession.connect(kernel_id, take_over=True)
+        try:
+            with pytest.raises(KernelTakenOverError):
+                await running
+            await first.shutdown()
+            assert len(_containers(docker_client, kernel_id)) == 1
+            assert (await second.run("print(z)")).stdout == "5\n"
+        finally:
+            await second.shutdown()
+        assert _containers(docker_client, kernel_id) == []
+
+    asyncio.run(scenario())
+
+
+def test_a_kernel_its_holder_stopped_watching_is_taken_over_and_kept(
+    session_dir: Path, docker_client: docker.DockerClient
+) -> None:
+    """An idle-stopped kernel's holder no longer watches it, so it never lets go: the
+    newcomer takes over after a wait, restarts the kernel, and the old holder's shutdown
+    then leaves it alone (it used to remove the newcomer's runtime folder)."""
+
+    async def scenario() -> None:
+        first = await AsyncSandboxSession(cwd=session_dir, idle_timeout=2).start()
+        kernel_id = first.kernel_id
+        assert kernel_id is not None
+        await asyncio.sleep(5)  # stopped by its idle limit
+        second = await AsyncSandboxSession.connect(kernel_id, take_over=True)
+        try:
+            assert (await second.run("print('fresh')")).stdout == "fresh\n"
+            await first.shutdown()
+            assert (await second.run("print('still mine')")).stdout == "still mine\n"
+        finally:
+            await second.shutdown()
+        assert _containers(docker_client, kernel_id) == []
+
+    asyncio.run(scenario())
+
+
+def test_a_detached_kernel_is_connected_again_without_taking_it_over(session_dir: Path) -> None:
+    session = SandboxSession(cwd=session_dir).start()
+    kernel_id = session.kernel_id
+    assert kernel_id is not None
+    session.run("kept = 'yes'")
+    session.detach()
+    started = time.monotonic()
+    again = SandboxSession.connect(kernel_id)
+    try:
+        assert time.monotonic() - started < 8
+        assert again.run("print(kept)").stdout == "yes\n"
+    finally:
+        again.shutdown()
+
+
+def test_giving_up_on_a_run_stops_its_code_and_spoils_no_later_run(session_dir: Path) -> None:
+    """A caller's own timeout (asyncio.wait_for, an MCP client's cancel) used to leave the
+    cell running, and the next run waited for it, or came back "aborted"."""
+
+    async def scenario() -> None:
+        async with AsyncSandboxSession(cwd=session_dir) as sandbox:
+            await sandbox.run("x = 1")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(sandbox.run("import time; time.sleep(30); x = 2"), 2)
+            started = time.monotonic()
+            after = await sandbox.run("print(x)")
+            assert time.monotonic() - started < 5
+            assert (after.status, after.stdout) == ("ok", "1\n")
+
+    asyncio.run(scenario())
+
+
+def test_a_kernel_stopped_between_runs_says_why_it_was_restarted(session_dir: Path) -> None:
+    with SandboxSession(cwd=session_dir, idle_timeout=2) as sandbox:
+        sandbox.run("x = 1")
+        time.sleep(5)  # stopped by its idle limit
+        after = sandbox.run("print('fresh')")
+        assert (after.status, after.stdout, after.restarted) == ("ok", "fresh\n", True)
+        assert after.restart_reason is not None
+        assert "IdleLimitExceeded" in after.restart_reason
+
+
+def test_a_run_over_its_output_limit_keeps_head_and_tail_and_says_so(session_dir: Path) -> None:
+    with SandboxSession(cwd=session_dir) as sandbox:
+        big = sandbox.run("print('HEAD' + 'x' * 200_000 + 'TAIL')", max_output=20_000)
+        assert big.truncated
+        assert big.stdout.startswith("HEAD")
+        assert big.stdout.rstrip().endswith("TAIL")
+        assert len(big.stdout) < 40_000
+        small = sandbox.run("print('small')")
+        assert (small.stdout, small.truncated) == ("small\n", False)

@@ -95,3 +95,21 @@ def test_the_running_execution_is_timed_without_the_kernels_word() -> None:
     assert running is not None
     assert running[0] == second["header"]["msg_id"]
     assert running[1] < 0.1  # the queued one's clock starts now, not when it was sent
+
+
+def test_a_refused_request_is_answered_here_and_never_passed_on() -> None:
+    """A request to a kernel that is not running got an error reply and was still passed
+    on: the next kernel ran it (the audit log said "refused")."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    answered: list[str] = []
+    auditor.on_refused = lambda pending: answered.append(pending.code)
+    assert auditor("shell", True, _message(session, "execute_request", {"code": "1"})) is True
+    auditor.refuse("KernelDied: the kernel is not running")
+    assert auditor("shell", True, _message(session, "execute_request", {"code": "2"})) is False
+    assert answered == ["2"]
+    assert auditor("shell", True, _message(session, "kernel_info_request", {})) is True
+    auditor.refuse(None)
+    assert auditor("shell", True, _message(session, "execute_request", {"code": "3"})) is True
