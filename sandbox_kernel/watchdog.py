@@ -116,8 +116,7 @@ NOTHING = Verdict(Act.NOTHING)
 def memory_reason(memory: str) -> str:
     return (
         f"memory limit {memory} exceeded: the kernel was stopped and its variables are lost. "
-        "Restart the kernel to go on (a Jupyter server does it for you; a KernelManager: restart_kernel()), "
-        "and use less memory at once "
+        "Restart the kernel to go on (JupyterLab does it for you), and use less memory at once "
         "(files in /tmp count) or ask for a higher limit"
     )
 
@@ -155,7 +154,7 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
                     f"killed: it kept computing for more than {limits.exec_timeout:g} s with no execution "
                     "running (a background thread, or code that answered for its own cell), beyond the "
                     "wall-clock limit per execution; it loses its state and must be restarted "
-                    "(a Jupyter server does that at once; a KernelManager: restart_kernel())"
+                    "(JupyterLab does it for you)"
                 )
                 why = f"kept computing for {untracked:g} CPU-seconds with no execution running"
                 return Verdict(Act.KILL, "WallClockLimitExceeded", reason, why)
@@ -174,7 +173,7 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
         reason = (
             f"killed: wall-clock limit of {limit:g} s per execution exceeded and the "
             "interrupt ignored; it loses its state and must be restarted "
-            "(a Jupyter server does that at once; a KernelManager: restart_kernel())"
+            "(JupyterLab does it for you)"
         )
         why = f"an execution ignored its {limit:g} s wall-clock limit and the interrupt"
         return Verdict(Act.KILL, "WallClockLimitExceeded", reason, why)
