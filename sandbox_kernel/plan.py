@@ -325,9 +325,7 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
         setting = f"SandboxProvisioner.{ceiling_name}"
         fix = "Ask for at most that in the kernelspec, or have the server's administrator raise the ceiling."
         if kind in ("amount", "size"):
-            amount = size_bytes(name, asked) if kind == "size" else asked
-            most = size_bytes(ceiling_name, ceiling) if kind == "size" else ceiling
-            if amount > most:
+            if exceeds(kind, name, asked, ceiling):
                 found.append(
                     f"{name}={asked!r} exceeds the server's ceiling of {ceiling!r} ({setting}). "
                     f"Ask for at most {ceiling!r} in the kernelspec, or have the server's administrator "
@@ -336,7 +334,7 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
         elif kind in ("timeout", "lifetime"):
             if kind == "lifetime" and settings.lifecycle != "persistent":
                 continue
-            if ceiling > 0 and not 0 < asked <= ceiling:
+            if exceeds(kind, name, asked, ceiling):
                 what = "no limit" if asked <= 0 else f"{asked:g} s"
                 found.append(
                     f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s "
@@ -361,6 +359,18 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
             msg = f"{name}: unknown ceiling bound {kind!r}"
             raise ValueError(msg)
     return found
+
+
+def exceeds(kind: str, name: str, value: Any, bound: Any) -> bool:
+    """Whether ``value`` of the setting ``name`` goes beyond ``bound``, as settings of its
+    ``bound=`` kind compare: an amount or a size (in bytes) above it; a limit in seconds
+    (``timeout``, ``lifetime``; 0 is none, the widest) that is none or above a bound that
+    is a limit. A ceiling and what a kernelspec gives a start are such bounds."""
+    if kind == "size":
+        return size_bytes(name, value) > size_bytes(name, bound)
+    if kind in ("timeout", "lifetime"):
+        return bool(bound > 0 and not 0 < value <= bound)
+    return bool(value > bound)
 
 
 def check_ceilings(settings: SandboxSettings, kernelspec_config: Mapping[str, Any]) -> None:
@@ -497,12 +507,7 @@ def _widens(settings: SandboxSettings, key: str, before: Any, after: Any) -> boo
         if settings.network == "none":
             return True
         return bool(EgressRules.parse(after, key).uncovered_by(EgressRules.parse(before, key)))
-    kind = settings.traits()[key].metadata.get("bound")
-    if kind == "size":
-        return size_bytes(key, after) > size_bytes(key, before)
-    if kind == "timeout":  # 0: no limit, the widest
-        return bool(before > 0 and not 0 < after <= before)
-    return bool(after > before)
+    return exceeds(settings.traits()[key].metadata["bound"], key, after, before)
 
 
 def check_sandbox_env(sandbox_env: Any) -> dict[str, str]:
