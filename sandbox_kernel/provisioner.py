@@ -166,7 +166,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.taken_over: str | None = None
         # While the kernel is not running (and nobody restarts it): the error that new
         # executions get at once, instead of waiting for a kernel that is not there.
-        self._refusal: tuple[str, str] = ("IdleLimitExceeded", "")
+        self._refusal: tuple[str, str] = ("KernelDied", "the kernel is not running")
 
     # ------------------------------------------------------------------ launch
 
@@ -356,8 +356,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             except SandboxKernelError:
                 pass  # logged; the start's own error is the one to report
             if self._auditor is not None:  # a restart that failed: nothing runs to answer
-                self._refusal = ("KernelDied", f"the kernel could not be started again: {exc}")
-                self._auditor.refuse(self._refusal[1])
+                self._refuse("KernelDied", f"the kernel could not be started again: {exc}")
             raise
         info: dict[str, Any] = {
             "transport": self.bridge.transport if self.bridge else self.client_transport,
@@ -619,7 +618,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             if auditor is None:
                 return
             try:
-                holder = await asyncio.to_thread(self._holder_elsewhere)
+                holder = self._holder_elsewhere()  # a stat, a read only when it changed
                 if holder is not None:
                     await self._let_go(holder)
                     return
@@ -701,10 +700,15 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         )
         self.taken_over = reason
         self.log.warning("Sandboxed kernel %s: taken over by %s; letting go", self.kernel_id, holder)
-        self._refusal = ("KernelTakenOver", reason)
+        self._refuse("KernelTakenOver", reason)
+        return runtime_dir
+
+    def _refuse(self, ename: str, reason: str) -> None:
+        """From now on, answer every new execution with ``ename``: ``reason`` at once and
+        pass it on to no kernel (until :meth:`_reopen` or a restart's cleanup)."""
+        self._refusal = (ename, reason)
         if self._auditor is not None:
             self._auditor.refuse(reason)
-        return runtime_dir
 
     def _held_elsewhere_now(self) -> bool:
         """Before anything that removes, signals or relaunches the kernel: if another holder
@@ -752,8 +756,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self.backend.signal(container_id, signal.SIGINT)
             return False
         if verdict.act is Act.STOP_IDLE:
-            # The auditor decides atomically: a request that came meanwhile wins.
-            self._refusal = ("IdleLimitExceeded", verdict.reason)
+            # The auditor decides atomically: a request that came meanwhile wins. What
+            # later requests are told is set first, so none meets the refusal without it.
+            self._refusal = (
+                "IdleLimitExceeded",
+                f"the kernel was stopped after {self.idle_timeout:g} s without executions (idle_timeout); "
+                "restart the kernel to run code again",
+            )
             if self._auditor is None or not self._auditor.refuse_if_idle(self.idle_timeout, verdict.reason):
                 return False
             await self._stop_idle_kernel(container_id, verdict.reason)
@@ -789,13 +798,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     def _refuse_execution(self, execution: PendingExecution) -> None:
         """Answer a request sent to a kernel that is not running (bridge thread)."""
-        ename, reason = self._refusal
-        if ename == "IdleLimitExceeded":
-            reason = (
-                f"the kernel was stopped after {self.idle_timeout:g} s without executions (idle_timeout); "
-                "restart the kernel to run code again"
-            )
-        self._answer_for_kernel(execution, ename, reason)
+        self._answer_for_kernel(execution, *self._refusal)
 
     async def _wait_exited(self, container_id: str, timeout: float = 10.0) -> None:
         """Until the container has stopped, so nothing it still sends can follow our notices."""
@@ -856,12 +859,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # Until it is restarted, a new execution gets the kernel's end at once: a program
         # with no restarter (a plain KernelManager) must not wait for a dead kernel.
         if self._auditor is not None and ename != "IdleLimitExceeded":  # that one refuses already
-            self._refusal = (
+            self._refuse(
                 ename,
                 f"{reason}. The kernel is not running: restart it (a Jupyter server's restarter does, "
                 "by itself; with a KernelManager, call restart_kernel())",
             )
-            self._auditor.refuse(self._refusal[1])
 
     async def _abandon_executions(self, ename: str, reason: str) -> None:
         """Record unfinished executions, and answer their clients on the kernel's behalf.
