@@ -33,7 +33,6 @@ import inspect
 import json
 import logging
 import os
-import re
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -50,7 +49,7 @@ from typing_extensions import TypedDict
 
 from ._version import __version__
 from .errors import SandboxKernelError
-from .session import AsyncSandboxSession
+from .session import AsyncSandboxSession, strip_ansi
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 #: The largest file ``download_file`` returns; bigger ones are read in parts with ``run_code``.
 MAX_DOWNLOAD = 10 * 1024 * 1024
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 
 _MAGIC = {
     b"\x89PNG\r\n\x1a\n": "image/png",
@@ -171,11 +169,6 @@ class Session(Protocol):
 
 
 SessionFactory = Callable[..., Session]
-
-
-def strip_ansi(text: str) -> str:
-    """``text`` without ANSI escape sequences (IPython colours its tracebacks)."""
-    return _ANSI.sub("", text)
 
 
 def narrowed_policy(

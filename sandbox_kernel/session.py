@@ -69,7 +69,13 @@ MESSAGE_ALLOWANCE = 8192
 TRUNCATION_NOTICE = "[sandbox-kernel] Output truncated"
 DROPPED_MARKER = "of output dropped: over "
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal escape sequences (IPython colours its tracebacks, pip its
+    errors)."""
+    return _ANSI.sub("", text)
 
 
 @dataclass(frozen=True)
@@ -82,10 +88,16 @@ class ExecutionError:
     #: The traceback as the kernel formats it (with terminal colours; see :attr:`text`).
     traceback: list[str] = field(default_factory=list)
 
+    @classmethod
+    def from_content(cls, content: Mapping[str, Any]) -> ExecutionError:
+        """From an ``error`` message's or an error ``execute_reply``'s content."""
+        traceback = list(content.get("traceback") or [])
+        return cls(str(content.get("ename", "")), str(content.get("evalue", "")), traceback)
+
     @property
     def text(self) -> str:
         """The traceback without terminal colours, or ``ename: evalue``."""
-        return _ANSI.sub("", "\n".join(self.traceback)) if self.traceback else f"{self.ename}: {self.evalue}"
+        return strip_ansi("\n".join(self.traceback)) if self.traceback else f"{self.ename}: {self.evalue}"
 
     def __str__(self) -> str:
         return f"{self.ename}: {self.evalue}"
@@ -195,6 +207,8 @@ class AsyncSandboxSession:
         self.kc: AsyncKernelClient | None = None
         self.files = AsyncSessionFiles(self)
         self._workspace: WorkspaceFiles | None = None
+        # (container, its host pid): what the CPU and peak-memory readings are taken of.
+        self._sandbox_pid: tuple[str, int] | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -277,11 +291,9 @@ class AsyncSandboxSession:
         if kc is not None:
             kc.stop_channels()
         if km is not None:
-            provisioner = km.provisioner
-            if isinstance(provisioner, SandboxProvisioner) and provisioner.taken_over is not None:
-                await km.cleanup_resources()  # not ours any more: only let go of it
-            else:
-                await km.shutdown_kernel(now=not await km.is_alive())
+            # A kernel another process took over is not alive here, and the provisioner
+            # removes and signals nothing of it: only this manager's side goes.
+            await km.shutdown_kernel(now=not await km.is_alive())
 
     async def detach(self) -> None:
         """Let go of the kernel without stopping it, for :meth:`connect` in this or
@@ -371,9 +383,7 @@ class AsyncSandboxSession:
             execution.status = str(body.get("status", "error"))
             execution.execution_count = body.get("execution_count")
             if execution.status == "error":
-                execution.error = ExecutionError(
-                    str(body.get("ename", "")), str(body.get("evalue", "")), list(body.get("traceback") or [])
-                )
+                execution.error = ExecutionError.from_content(body)
         error = execution.error
         if error is not None and error.ename == "KernelTakenOver":
             raise KernelTakenOverError(error.evalue)
@@ -414,8 +424,7 @@ class AsyncSandboxSession:
         None if the kernel ended without one (``execution.error`` then says why)."""
         km, kc = self._manager(), self._client()
         deadline = time.monotonic() + timeout if timeout else None
-        interrupted_at: float | None = None
-        timed_out: str | None = None
+        timed_out: str | None = None  # set when interrupted for the timeout
         reply: dict[str, Any] | None = None
         idle = False
         shell = asyncio.ensure_future(kc.get_shell_msg())
@@ -424,7 +433,7 @@ class AsyncSandboxSession:
             while reply is None or not idle:
                 wait = ALIVE_CHECK_INTERVAL
                 if deadline is not None:
-                    wait = max(0.0, min(wait, (interrupted_at or deadline) - time.monotonic()))
+                    wait = max(0.0, min(wait, deadline - time.monotonic()))
                 done, _ = await asyncio.wait(
                     {shell, iopub}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -454,10 +463,9 @@ class AsyncSandboxSession:
                         return None
                     continue
                 if deadline is not None and now >= deadline:
-                    if interrupted_at is None:
+                    if timed_out is None:
                         await km.interrupt_kernel()
-                        interrupted_at = now + INTERRUPT_GRACE
-                        deadline = interrupted_at
+                        deadline = now + INTERRUPT_GRACE
                         timed_out = (
                             f"the execution ran longer than its timeout of {timeout:g} s and was interrupted"
                         )
@@ -490,11 +498,16 @@ class AsyncSandboxSession:
         provisioner = self._manager().provisioner
         if not isinstance(provisioner, SandboxProvisioner) or provisioner.container_id is None:
             return None
-        try:
-            pid = await provisioner.backend.main_pid(provisioner.container_id)
-        except SandboxKernelError:
-            return None
-        return None if pid is None else await asyncio.to_thread(_Meter, pid)
+        container_id = provisioner.container_id
+        if self._sandbox_pid is None or self._sandbox_pid[0] != container_id:
+            try:
+                pid = await provisioner.backend.main_pid(container_id)
+            except SandboxKernelError:
+                return None
+            if pid is None:
+                return None
+            self._sandbox_pid = (container_id, pid)  # one Docker call per sandbox, not per run
+        return await asyncio.to_thread(_Meter, self._sandbox_pid[1])
 
     # ------------------------------------------------------------------ plumbing
 
@@ -575,9 +588,7 @@ def _take(
         if on_display is not None and kind != "execute_result":
             on_display(result)
     elif kind == "error":
-        execution.error = ExecutionError(
-            str(body.get("ename", "")), str(body.get("evalue", "")), list(body.get("traceback") or [])
-        )
+        execution.error = ExecutionError.from_content(body)
     return False
 
 
