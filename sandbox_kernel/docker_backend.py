@@ -81,6 +81,18 @@ def build_command(image: str) -> str:
     return f"jupyter sandbox-kernel build-image --tag {image}"
 
 
+def _workspace_volume_labels() -> dict[str, str]:
+    """The labels of a volume made for sandbox-kernel workspaces by this server's user."""
+    return {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())}
+
+
+def _is_workspace_volume(labels: Mapping[str, str]) -> bool:
+    """Only such volumes are mounted or have their files handed out: never another
+    service's or another user's, which a kernelspec could name."""
+    mine = _workspace_volume_labels()
+    return {key: labels.get(key) for key in mine} == mine
+
+
 class DockerBackend(SandboxBackend):
     """Sandboxes as Docker containers under the gVisor runtime: the one place that talks
     to Docker about kernels. An async facade over a docker-py client, made on first use."""
@@ -207,10 +219,9 @@ class DockerBackend(SandboxBackend):
         """
         if spec.volume is None:
             return None
-        mine = {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())}
         labels = await self.volume_labels(spec.volume)
         if labels is not None:
-            if {key: labels.get(key) for key in mine} != mine:
+            if not _is_workspace_volume(labels):
                 msg = (
                     f"The Docker volume {spec.volume!r} (the kernelspec's workspace_volume) exists but "
                     "was not made for sandbox-kernel workspaces by this server's user, so it is not "
@@ -218,13 +229,13 @@ class DockerBackend(SandboxBackend):
                 )
                 raise WorkspaceError(msg)
         else:
-            await self.create_volume(spec.volume, mine)
+            await self.create_volume(spec.volume, _workspace_volume_labels())
             log.info("Created workspace volume %s for uid %d", spec.volume, spec.uid)
             code, output = await self.run_once(volume_setup_kwargs(spec))
             if code != 0:
                 msg = f"Could not prepare the workspace volume {spec.volume!r} (exit code {code}): {output}"
                 raise KernelStartupError(msg, output)
-        return Path(await self.volume_mountpoint(spec.volume))
+        return await self.volume_path(spec.volume)
 
     async def volume_path(self, name: str) -> Path:
         """The host mountpoint of a sandbox-kernel workspace volume of this server's uid.
@@ -233,20 +244,17 @@ class DockerBackend(SandboxBackend):
             WorkspaceError: no such volume, or not one made for sandbox-kernel workspaces
                 by this server's user (another service's files are never handed out).
         """
-        client = await self.client()
-        try:
-            volume = await self._api(f"inspect volume {name}", client.volumes.get, name)
-        except NotFound:
+        attrs = await self._inspect_volume(name)
+        if attrs is None:
             msg = f"There is no Docker volume {name!r}: the kernel's workspace volume is gone."
-            raise WorkspaceError(msg) from None
-        labels = volume.attrs.get("Labels") or {}
-        if labels.get(LABEL_VOLUME) != "true" or labels.get(LABEL_VOLUME_UID) != str(os.getuid()):
+            raise WorkspaceError(msg)
+        if not _is_workspace_volume(attrs.get("Labels") or {}):
             msg = (
                 f"The Docker volume {name!r} was not made for sandbox-kernel workspaces by this "
                 "server's user, so its files are not handed out."
             )
             raise WorkspaceError(msg)
-        mountpoint = volume.attrs.get("Mountpoint")
+        mountpoint = attrs.get("Mountpoint")
         if not mountpoint:
             msg = f"Docker does not say where the files of the volume {name!r} are (no Mountpoint)."
             raise WorkspaceError(msg)
@@ -269,18 +277,17 @@ class DockerBackend(SandboxBackend):
 
     async def volume_labels(self, name: str) -> dict[str, str] | None:
         """The labels of the named volume; None when there is no such volume."""
+        attrs = await self._inspect_volume(name)
+        return None if attrs is None else dict(attrs.get("Labels") or {})
+
+    async def _inspect_volume(self, name: str) -> dict[str, Any] | None:
+        """``docker volume inspect``; None when there is no such volume."""
         client = await self.client()
         try:
             volume = await self._api(f"inspect volume {name}", client.volumes.get, name)
         except NotFound:
             return None
-        return dict(volume.attrs.get("Labels") or {})
-
-    async def volume_mountpoint(self, name: str) -> str:
-        """Where the named volume's files are on the Docker host."""
-        client = await self.client()
-        volume = await self._api(f"inspect volume {name}", client.volumes.get, name)
-        return str(volume.attrs.get("Mountpoint") or "")
+        return dict(volume.attrs)
 
     async def rename(self, container_id: str, name: str) -> None:
         client = await self.client()
