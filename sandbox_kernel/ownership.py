@@ -97,12 +97,18 @@ def server_identity(pid: int | None = None) -> str:
     return f"{socket.gethostname()}/{_pid_namespace()}/{pid}/{_start_ticks(pid)}"
 
 
+def identity_parts(identity: str) -> tuple[str, str, str, str] | None:
+    """(host, pid namespace, pid, start time) of a :func:`server_identity`; None if it is not one."""
+    parts = identity.rsplit("/", 3)
+    return (parts[0], parts[1], parts[2], parts[3]) if len(parts) == 4 else None
+
+
 def owner_is_gone(identity: str) -> bool:
     """True only when the owner is known to have run here and that process is gone."""
-    try:
-        host, namespace, pid, ticks = identity.rsplit("/", 3)
-    except ValueError:
+    parts = identity_parts(identity)
+    if parts is None:
         return False  # not ours to judge
+    host, namespace, pid, ticks = parts
     if host != socket.gethostname() or namespace != _pid_namespace() or namespace == _UNKNOWN:
         return False
     if not pid.isdigit():
@@ -126,11 +132,13 @@ class Holder:
 
     @property
     def pid(self) -> str:
-        return self.identity.rsplit("/", 3)[-2] if self.identity.count("/") >= 3 else "?"
+        parts = identity_parts(self.identity)
+        return parts[2] if parts else "?"
 
     @property
     def host(self) -> str:
-        return self.identity.rsplit("/", 3)[0] if self.identity.count("/") >= 3 else "?"
+        parts = identity_parts(self.identity)
+        return parts[0] if parts else "?"
 
     @property
     def alive(self) -> bool:
