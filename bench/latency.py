@@ -58,6 +58,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +81,10 @@ STARTUP_TIMEOUT = 120.0  # seconds for one kernel to become ready
 EXECUTE_TIMEOUT = 30.0  # seconds for one `1+1` round trip
 SANDBOX_UID = DEFAULT_KERNEL_UID  # the uid the sandboxed kernel runs as when we are root
 CODE = "1+1"
+#: A cell writing to file descriptor 1, as C libraries and child processes do (its output
+#: reaches the client through ipykernel's pipe; over the output cap the sandbox drops it).
+FLOOD_MIB = 20
+FLOOD = f"import os\nchunk = b'x' * 2**20\nfor _ in range({FLOOD_MIB}):\n    os.write(1, chunk)"
 
 
 class StampedClient(BlockingKernelClient):
@@ -116,6 +121,7 @@ class Timings:
     memory_pooled_mib: float = math.nan
     idle_cpu_pct: float = math.nan
     session_run_ms: list[float] = field(default_factory=list)
+    flood_s: float = math.nan
 
 
 def progress(message: str) -> None:
@@ -129,7 +135,9 @@ def running_kernel(kernel_name: str, cwd: str) -> Iterator[StartedKernel]:
     client: StampedClient | None = None
     started = time.perf_counter()
     try:
-        manager.start_kernel(cwd=cwd)
+        # A local kernel echoes FLOOD to its own stdout (a sandboxed one, to its container's log).
+        local = manager.kernel_spec.metadata.get("kernel_provisioner") is None
+        manager.start_kernel(cwd=cwd, **({"stdout": subprocess.DEVNULL} if local else {}))
         client = manager.client()
         client.start_channels()
         client.wait_for_ready(timeout=STARTUP_TIMEOUT)
@@ -158,6 +166,16 @@ def execute_once(client: BlockingKernelClient) -> float:
     return elapsed
 
 
+def flood_once(client: BlockingKernelClient) -> float:
+    """Seconds from sending :data:`FLOOD` until its reply."""
+    started = time.perf_counter()
+    reply = client.execute_interactive(FLOOD, timeout=EXECUTE_TIMEOUT * 4, output_hook=ignore_output)
+    if reply["content"]["status"] != "ok":
+        msg = f"Writing {FLOOD_MIB} MiB to fd 1 failed: {reply['content']}"
+        raise RuntimeError(msg)
+    return time.perf_counter() - started
+
+
 def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int, cwd: str) -> Timings:
     timings = Timings(kernel_name)
     for i in range(1, starts + 1):
@@ -179,6 +197,7 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
         for _ in range(warmup):
             execute_once(kernel.client)
         timings.execute_ms = [execute_once(kernel.client) * 1000 for _ in range(runs)]
+        timings.flood_s = flood_once(kernel.client)
         timings.memory_idle_mib = host_memory_mib(kernel.manager)
         reply = kernel.client.execute_interactive(
             "import pandas", timeout=EXECUTE_TIMEOUT, output_hook=ignore_output
@@ -401,6 +420,7 @@ def summarize(t: Timings) -> dict[str, float]:
         "execute_p95_ms": percentile(t.execute_ms, 95),
         "session_p50_ms": percentile(t.session_run_ms, 50),
         "session_p95_ms": percentile(t.session_run_ms, 95),
+        "flood_s": t.flood_s,
         "memory_idle_mib": t.memory_idle_mib,
         "memory_pandas_mib": t.memory_pandas_mib,
     }
@@ -418,6 +438,7 @@ ROWS = (
     ("execute_p95_ms", f"execute {CODE!r} round trip, p95", "ms"),
     ("session_p50_ms", f"SandboxSession.run({CODE!r}), p50", "ms"),
     ("session_p95_ms", f"SandboxSession.run({CODE!r}), p95", "ms"),
+    ("flood_s", f"{FLOOD_MIB} MiB written to fd 1 -> reply", "s"),
     ("memory_idle_mib", "host memory, idle kernel", "MiB"),
     ("memory_pandas_mib", "host memory, after import pandas", "MiB"),
     ("pooled_p50_s", "pooled start -> kernel_info reply, p50 (local: cold)", "s"),

@@ -683,7 +683,7 @@ class PruneApp(_KernelsApp):
         removed = self.docker(partial(prune_orphans, runtime_parent=self.runtime_parent or None))
         for kernel in removed:
             why = "its time-to-live ran out" if kernel.expired else f"server {kernel.owner} is gone"
-            print(f"Removed kernel {kernel.kernel_id} ({why})")
+            print(f"Removed {kernel.description}: {why}")
         print(f"{len(removed)} kernel(s) removed.")
 
 

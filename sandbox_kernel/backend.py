@@ -100,7 +100,7 @@ class SandboxBackend(ABC):
 
     @abstractmethod
     async def remove(self, sandbox_id: str) -> None:
-        """Stop and remove a sandbox; a missing one is fine."""
+        """Stop and remove a sandbox, frozen or not (see :mod:`~.pool`); a missing one is fine."""
 
     @abstractmethod
     def remove_blocking(self, sandbox_id: str) -> None:

@@ -103,6 +103,8 @@ class BackgroundLoop:
     async def _run_chore(self, name: str) -> None:
         while self._work:
             await asyncio.sleep(self._chores[name][1]())
+            if not self._work:
+                return
             job, interval = self._chores[name]
             try:
                 # Once begun, a job finishes even if the work ends meanwhile.

@@ -110,6 +110,34 @@ def freeze(pid: int, frozen: bool, proc: Path = Path("/proc")) -> bool:
     return True
 
 
+#: Where Docker makes a container's cgroup in a hierarchy: its cgroupfs driver, its systemd driver.
+DOCKER_CGROUPS = ("docker/{id}", "system.slice/docker-{id}.scope")
+
+
+def thaw_container(container_id: str) -> bool:
+    """Thaw a container's cgroup, found from its full id alone (asking Docker about a
+    frozen gVisor sandbox may hang); True if there was one to thaw.
+
+    Docker's kill of a frozen runsc sandbox waits until it is thawed, and holds up every
+    later Docker call on the container meanwhile (an inspect, a second kill): whatever
+    removes a sandbox thaws it first.
+    """
+    if len(container_id) != 64 or any(c not in "0123456789abcdef" for c in container_id):
+        return False
+    for layout in DOCKER_CGROUPS:
+        folder = layout.format(id=container_id)
+        for path, thawed in (
+            (CGROUP_ROOT / "freezer" / folder / "freezer.state", "THAWED"),
+            (CGROUP_ROOT / folder / "cgroup.freeze", "0"),
+        ):
+            try:
+                path.write_text(thawed)
+            except OSError:
+                continue
+            return True
+    return False
+
+
 class PeakMemory:
     """The most memory ``pid``'s cgroup (the whole sandbox) used since this was made.
 

@@ -23,6 +23,7 @@ from requests.exceptions import RequestException
 
 from . import mounts
 from .backend import SandboxBackend
+from .cgroups import thaw_container
 from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .errors import (
     DockerOperationError,
@@ -388,6 +389,7 @@ class DockerBackend(SandboxBackend):
         Raises:
             DockerOperationError, DockerUnavailableError: it may still exist.
         """
+        thaw_container(container_id)
         try:
             with _translated("remove the kernel container"):
                 client = self._client or self._client_factory()
@@ -402,6 +404,7 @@ class DockerBackend(SandboxBackend):
             DockerOperationError, DockerUnavailableError: it may still exist.
         """
         client = await self.client()
+        await asyncio.to_thread(thaw_container, container_id)
         try:
             await self._api(
                 "remove the kernel container", client.api.remove_container, container_id, force=True

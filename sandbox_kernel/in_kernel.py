@@ -40,6 +40,9 @@
 # - ``%pip`` fails the cell when pip fails (IPython's own reports success whatever pip
 #   did), with one line saying why, for instance that a kernel without network can install
 #   only local files.
+# - Output written to file descriptors 1 and 2 (a C library's, a child process's) reaches
+#   the notebook in 64 KiB reads instead of ipykernel's 1000 bytes: under gVisor each read
+#   costs system calls enough to slow a flood of it tenfold.
 # - With a wall-clock limit, a SIGALRM armed before each cell raises a ``TimeoutError``
 #   naming it, so the user keeps the kernel. Code that blocks or ignores the signal is the
 #   host's business: the provisioner interrupts, then kills the kernel.
@@ -95,6 +98,17 @@ def _sandbox_kernel_startup() -> None:
         "POLARS_MAX_THREADS",
     ):
         os.environ.setdefault(name, str(max(1, math.ceil(float(policy.get("cpus") or 1)))))
+
+    # Output written to file descriptors 1 and 2 (os.write, C libraries, child processes)
+    # reaches ipykernel through a pipe that it reads 1000 bytes at a time, each read with
+    # its echo a few system calls, which gVisor makes dear: 2 MB/s. Reads of 64 KiB carry
+    # it about as fast as a local kernel does.
+    try:
+        import ipykernel.iostream as iostream
+
+        iostream.PIPE_BUFFER_SIZE = max(iostream.PIPE_BUFFER_SIZE, 2**16)
+    except (ImportError, AttributeError):
+        pass
 
     shell = get_ipython()
     page = os.sysconf("SC_PAGE_SIZE")

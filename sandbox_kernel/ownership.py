@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from .backend import SandboxBackend
 from .background import BackgroundLoop
-from .cgroups import freeze, memory_usage
+from .cgroups import memory_usage
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .mounts import detach_mounts
@@ -295,6 +295,12 @@ class SandboxedKernel:
         return self.state
 
     @property
+    def description(self) -> str:
+        """ "kernel ID (container C)", or "pooled sandbox (container C)" before a claim."""
+        what = "pooled sandbox" if self.pooled else f"kernel {self.kernel_id}"
+        return f"{what} (container {self.container_id[:12]})"
+
+    @property
     def age_seconds(self) -> float:
         try:
             created = datetime.fromisoformat(self.created[:26].rstrip("Z") + "+00:00")
@@ -424,11 +430,24 @@ async def remove_kernel(
     docker_backend: SandboxBackend, kernel: SandboxedKernel, runtime_parent: str | None
 ) -> None:
     """Remove a kernel's container and runtime folder."""
-    if kernel.pid is not None:
-        # A waiting pooled sandbox is frozen, and a frozen process cannot die.
-        await asyncio.to_thread(freeze, kernel.pid, False)
     await docker_backend.remove(kernel.container_id)
     await asyncio.to_thread(remove_runtime_dir, kernel.runtime_dir, runtime_parent)
+
+
+def stray_runtime_dirs(runtime_parent: str | None, in_use: set[Path]) -> list[Path]:
+    """This user's runtime folders that no sandbox uses (``in_use``: the folders of every
+    sandbox there is) and whose owner is gone: a process killed while it started a kernel
+    or a pooled sandbox leaves one, as does a sandbox removed behind its owner's back."""
+    parent = Path(runtime_parent or tempfile.gettempdir()).resolve()
+    in_use = {folder.resolve() for folder in in_use}
+    stray = []
+    for outer in parent.glob(RUNTIME_DIR_PREFIX + "*"):
+        if outer in in_use or own_runtime_dir(str(outer / "_"), str(parent)) != outer:
+            continue
+        owner = owner_identity(str(outer / "_"))
+        if owner is not None and owner_is_gone(owner[0]):  # no owner file yet: being made
+            stray.append(outer)
+    return stray
 
 
 async def prune_orphans(
@@ -441,17 +460,19 @@ async def prune_orphans(
         DockerUnavailableError, DockerOperationError: Docker failed; what was removed
             before stays removed.
     """
-    return await _prune(docker_backend, lambda kernel: runtime_parent)
+    return await _prune(docker_backend, lambda kernel: runtime_parent, [runtime_parent])
 
 
 async def _prune(
     docker_backend: SandboxBackend,
     runtime_parent_of: Callable[[SandboxedKernel], str | None],
+    runtime_parents: list[str | None],
     only_own: bool = False,
 ) -> list[SandboxedKernel]:
+    kernels = await list_kernels(docker_backend)
     doomed = [
         k
-        for k in await list_kernels(docker_backend)
+        for k in kernels
         # Unattended, judge only kernels of this uid whose owner file could be read: one
         # in another user's folder may have been adopted by a process the label does
         # not name.
@@ -459,13 +480,17 @@ async def _prune(
     ]
     for kernel in doomed:
         log.warning(
-            "Removing %s sandboxed kernel %s (container %s): its server %s is gone",
+            "Removing %s %s: its server %s is gone",
             "expired" if kernel.expired else "stopped" if kernel.abandoned else "orphaned",
-            kernel.kernel_id,
-            kernel.container_id[:12],
+            kernel.description,
             kernel.owner,
         )
         await remove_kernel(docker_backend, kernel, runtime_parent_of(kernel))
+    in_use = {Path(k.runtime_dir).parent for k in kernels if k.runtime_dir and k not in doomed}
+    for runtime_parent in runtime_parents:
+        for folder in await asyncio.to_thread(stray_runtime_dirs, runtime_parent, in_use):
+            log.warning("Removing %s: its process is gone and no sandbox uses it", folder)
+            await asyncio.to_thread(remove_tree, folder)
     return doomed
 
 
@@ -520,7 +545,9 @@ class OrphanReaper:
     async def reap(self) -> list[SandboxedKernel]:
         """One round: remove the kernels whose owner is gone; return them."""
         try:
-            return await _prune(self.docker, self._runtime_parent_of, only_own=True)
+            with self._lock:
+                parents: list[str | None] = [str(parent) for parent in self._runtime_parents]
+            return await _prune(self.docker, self._runtime_parent_of, parents, only_own=True)
         except SandboxKernelError as exc:
             log.warning("Could not remove orphaned sandboxed kernels: %s", exc)
             return []

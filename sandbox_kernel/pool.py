@@ -176,8 +176,7 @@ class PooledSandbox:
     frozen_pid: int | None = None
 
     def thaw(self) -> None:
-        """Let the sandbox run again (before its claim, or its removal: a frozen process
-        cannot even die)."""
+        """Let the sandbox run again, before its claim (the backend's removal thaws by itself)."""
         if self.frozen_pid is not None:
             freeze(self.frozen_pid, False)
 
@@ -390,7 +389,6 @@ class SandboxPool:
         )
 
     async def _remove(self, sandbox: PooledSandbox) -> None:
-        await asyncio.to_thread(sandbox.thaw)
         try:
             await sandbox.backend.remove(sandbox.container_id)
         except SandboxKernelError as exc:
@@ -424,7 +422,6 @@ class SandboxPool:
             self._failed.clear()
             self._over_budget.clear()
         for sandbox in doomed:
-            sandbox.thaw()
             try:
                 sandbox.backend.remove_blocking(sandbox.container_id)
             except SandboxKernelError as exc:

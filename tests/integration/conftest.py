@@ -132,7 +132,7 @@ def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
     }
     for container in docker_client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
         if container.name not in before.containers and container.id in mine:
-            container.remove(force=True)
+            DockerBackend().remove_blocking(container.id)  # thawed first, if a pooled one
     if problems:
         pytest.fail("Left behind after the tests: " + "; ".join(problems), pytrace=False)
 
@@ -221,7 +221,7 @@ def volume_prefix(docker_client: docker.DockerClient) -> Iterator[str]:
         if volume.name.startswith(prefix):
             # Kernels still running on it (a failed test) go first.
             for container in docker_client.containers.list(all=True, filters={"volume": volume.name}):
-                container.remove(force=True)
+                DockerBackend().remove_blocking(container.id)
             volume.remove(force=True)
 
 
@@ -337,12 +337,17 @@ def count_restarts(km: KernelManager) -> list[str]:
     return restarts
 
 
-async def wait_for_restart(restarts: list[str], timeout: float, message: str) -> None:
-    """Until the restarter has restarted the kernel (see :func:`count_restarts`), or fail."""
+async def wait_for_restart(
+    km: AsyncIOLoopKernelManager, restarts: list[str], timeout: float, message: str
+) -> None:
+    """Until the restarter has restarted the kernel (see :func:`count_restarts`) and the
+    new one is running, or fail. The restarter tells its callbacks before it restarts: a
+    client's ``wait_for_ready`` in between finds no kernel and says it died."""
     deadline = time.monotonic() + timeout
-    while not restarts and time.monotonic() < deadline:
+    while not (restarts and await km.is_alive()) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
     assert restarts, message
+    assert await km.is_alive(), f"{message}: the restarted kernel is not running"
 
 
 def fill_file(path: str, chunk_mib: int = 1) -> str:

@@ -105,7 +105,7 @@ async def test_a_forged_reply_does_not_escape_the_wall_clock_limit(
     """The cell answers its own request and spins on: the host sees the CPU and kills it."""
     name = make_kernelspec("forger", config={"exec_timeout": 3})
     config = Config({"SandboxProvisioner": {"exec_kill_grace": 2}})
-    async with restarting_kernel(workspace, name, config) as (_, kc, restarts):
+    async with restarting_kernel(workspace, name, config) as (km, kc, restarts):
         started = time.monotonic()
         msg_id = kc.execute(
             FORGE_REPLY
@@ -114,7 +114,7 @@ async def test_a_forged_reply_does_not_escape_the_wall_clock_limit(
         reply = await kc.get_shell_msg(timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["status"] == "ok"  # the forged reply: the host cannot tell
-        await wait_for_restart(restarts, 40, "the kernel spinning after its forged reply was not stopped")
+        await wait_for_restart(km, restarts, 40, "the kernel spinning after its forged reply was not stopped")
         assert time.monotonic() - started < 3 + 2 + 20
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)

@@ -97,7 +97,7 @@ async def test_dead_container_is_auto_restarted(jupyter_dirs: Path, workspace: P
     async with restarting_kernel(workspace) as (km, kc, restarts):
         (first,) = kernel_containers(client, km.kernel_id)
         client.containers.get(first).kill()  # from outside, as an OOM killer or admin would
-        await wait_for_restart(restarts, 45, "jupyter_client's restarter did not notice the dead kernel")
+        await wait_for_restart(km, restarts, 45, "jupyter_client's restarter did not notice the dead kernel")
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("import os; print(os.uname().release)", timeout=30)
         assert reply["content"]["status"] == "ok"

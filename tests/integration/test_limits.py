@@ -148,7 +148,7 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
 ) -> None:
     name = make_kernelspec("runaway", config={"exec_timeout": 2})
     config = Config({"SandboxProvisioner": {"exec_kill_grace": 4}})
-    async with restarting_kernel(workspace, name, config) as (_, kc, restarts):
+    async with restarting_kernel(workspace, name, config) as (km, kc, restarts):
         started = time.monotonic()
         reply = await kc.execute_interactive(
             "import signal\n"
@@ -162,7 +162,7 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         assert reply["content"]["ename"] == "WallClockLimitExceeded"
         assert "wall-clock limit of 2 s per execution exceeded" in reply["content"]["evalue"]
         assert time.monotonic() - started < 2 + 4 + 15
-        await wait_for_restart(restarts, 30, "the killed kernel was not restarted")
+        await wait_for_restart(km, restarts, 30, "the killed kernel was not restarted")
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
@@ -221,7 +221,7 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
     suicide: str, workspace: Path, jupyter_dirs: Path
 ) -> None:
     (workspace / "precious.csv").write_text("a,b\n1,2\n")
-    async with restarting_kernel(workspace) as (_, kc, restarts):
+    async with restarting_kernel(workspace) as (km, kc, restarts):
         outputs: list[dict] = []
         reply = await kc.execute_interactive(suicide, timeout=60, output_hook=outputs.append)
         content = reply["content"]
@@ -230,7 +230,7 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
         assert "the kernel stopped" in content["evalue"]
         notices = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
         assert any("[sandbox-kernel] the kernel stopped" in text for text in notices)
-        await wait_for_restart(restarts, 30, "the dead kernel was not restarted")
+        await wait_for_restart(km, restarts, 30, "the dead kernel was not restarted")
         await kc.wait_for_ready(timeout=60)  # restarted by jupyter_client's restarter
         again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=30)
         assert again["content"]["status"] == "ok"

@@ -91,7 +91,9 @@ def test_prune_removes_what_a_killed_server_left(
     assert [k for k in listed.values() if k["orphaned"] is False], "the live kernel is listed too"
 
     cli("prune")
-    assert f"Removed kernel {kernel_id} (server " in capsys.readouterr().out
+    assert f"Removed kernel {kernel_id} (container " in (out := capsys.readouterr().out)
+    assert ": server " in out
+    assert " is gone" in out
     assert not runtime_dir.exists()
     assert before.new_leftovers() == []
     assert run_ok(live_kc, "print('untouched')").strip() == "untouched"
@@ -179,7 +181,7 @@ def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
         assert docker_client.containers.list(all=True, filters=label) == [], "the orphan still spins"
         assert not runtime_dir.exists()
         assert took < interval + 15, f"removed only after {took:.0f} s"
-        assert f"Removing orphaned sandboxed kernel {kernel_id}" in caplog.text, "this process reaped it"
+        assert f"Removing orphaned kernel {kernel_id} (container " in caplog.text, "this process reaped it"
 
         (lasting,) = docker_client.containers.list(
             filters={"label": f"io.sandbox-kernel.kernel-id={lasting_id}"}

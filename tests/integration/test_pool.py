@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,7 +18,9 @@ import pytest
 
 from sandbox_kernel import SandboxPool, warm_pool
 from sandbox_kernel.cgroups import cpu_seconds
+from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.mounts import mounts_under
+from sandbox_kernel.ownership import OrphanReaper
 from sandbox_kernel.sandbox_spec import LABEL_KERNELSPEC, LABEL_POOL
 
 from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run_ok
@@ -40,6 +43,17 @@ def pooled(make_kernelspec: Callable[..., str]) -> str:
     return make_kernelspec(POOLED, config={"pool_size": 2}, display_name="Sandboxed Python (pooled)")
 
 
+@pytest.fixture
+def no_reaper_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test process's own orphan reaper (it runs while the process has kernels) would
+    race the `list` and `prune` under test for the orphans of a program the test kills."""
+
+    async def reap(self: OrphanReaper) -> list[object]:
+        return []
+
+    monkeypatch.setattr(OrphanReaper, "reap", reap)
+
+
 def waiting(client: docker.DockerClient, kernelspec: str = POOLED) -> dict[str, str]:
     """Pooled sandboxes no kernel has claimed: id -> name."""
     found = client.containers.list(
@@ -56,7 +70,7 @@ def ready_in_pool(kernelspec: str = POOLED) -> list[str]:
 def listed(kernelspec: str = POOLED) -> list[dict[str, object]]:
     """``jupyter sandbox-kernel list --json`` rows of one kernelspec."""
     out = subprocess.run(
-        [JUPYTER, "sandbox-kernel", "list", "--json"], capture_output=True, text=True, check=True
+        [JUPYTER, "sandbox-kernel", "list", "--json"], capture_output=True, text=True, check=True, timeout=120
     )
     return [row for row in json.loads(out.stdout) if row["kernelspec"] == kernelspec]
 
@@ -196,6 +210,7 @@ def test_a_program_that_ends_while_its_pool_refills_leaves_nothing(
     assert listed() == []
 
 
+@pytest.mark.usefixtures("no_reaper_here")
 def test_pooled_sandboxes_go_with_their_program_even_when_it_is_killed(
     pooled: str, workspace: Path, docker_client: docker.DockerClient
 ) -> None:
@@ -227,6 +242,32 @@ def test_pooled_sandboxes_go_with_their_program_even_when_it_is_killed(
     assert (workspace / "kept.txt").read_text() == "mine", "the workspace survives its kernel's removal"
     assert [folder for folder in folders if folder.exists()] == [], pruned.stderr
     assert [p for folder in folders for p in mounts_under(folder)] == [], pruned.stderr
+
+
+@pytest.mark.usefixtures("no_reaper_here")
+def test_a_program_killed_while_its_pool_waits_leaves_sandboxes_prune_removes(
+    pooled: str, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """Waiting sandboxes are frozen; a SIGKILL leaves them so. `list` and `prune` must
+    still answer (Docker hangs on a frozen gVisor sandbox) and remove them."""
+    proc, lines = run_program(workspace, "warm")
+    assert lines == ["2"]
+    first, second = waiting(docker_client)
+    folders = {Path(str(row["runtime_dir"])).parent for row in listed()}
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    rows = listed()
+    assert sorted(str(row["container_id"]) for row in rows) == sorted([first, second])
+    assert {row["status"] for row in rows} == {"orphaned"}
+    # Removing one by its id alone, as any cleanup may (Docker's kill of a frozen gVisor
+    # sandbox would wait for ever, and hold up every later Docker call on it).
+    asyncio.run(asyncio.wait_for(DockerBackend().remove(first), 30))
+    pruned = subprocess.run(
+        [JUPYTER, "sandbox-kernel", "prune"], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "1 kernel(s) removed" in pruned.stdout
+    assert waiting(docker_client) == {}
+    assert [folder for folder in folders if folder.exists()] == [], pruned.stderr
 
 
 async def test_pooled_kernels_under_jupyter_server(

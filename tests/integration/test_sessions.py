@@ -206,7 +206,10 @@ def test_a_persistent_kernel_nobody_holds_expires_after_its_ttl(
         os.utime(runtime_dir / OWNER_FILE, (then, then))
         (listed,) = [k for k in json.loads(_cli("list", "--json")) if k["kernel_id"] == kernel_id]
         assert listed["status"] == "expired"
-        assert f"Removed kernel {kernel_id} (its time-to-live ran out)" in _cli("prune")
+        pruned = _cli("prune")
+        assert (
+            f"Removed kernel {kernel_id} (container {container.id[:12]}): its time-to-live ran out" in pruned
+        )
         assert not _exists(container)
         assert not runtime_dir.exists()
     finally:

@@ -65,3 +65,33 @@ def test_cpu_time_from_cgroup_v1_and_v2(fake_host: tuple[Path, Path]) -> None:
     (v2 / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
     assert cgroups.cpu_seconds(8, proc) == 1.5
     assert cgroups.cpu_seconds(9, proc) is None
+
+
+@pytest.mark.parametrize(
+    ("layout", "state_file", "thawed"),
+    [
+        ("freezer/docker/{id}", "freezer.state", "THAWED"),  # v1, cgroupfs driver
+        ("freezer/system.slice/docker-{id}.scope", "freezer.state", "THAWED"),  # v1, systemd
+        ("system.slice/docker-{id}.scope", "cgroup.freeze", "0"),  # v2, systemd
+    ],
+)
+def test_a_container_is_thawed_from_its_id_alone(
+    fake_host: tuple[Path, Path], layout: str, state_file: str, thawed: str
+) -> None:
+    _, root = fake_host
+    container_id = "ab" * 32
+    folder = root / layout.format(id=container_id)
+    folder.mkdir(parents=True)
+    (folder / state_file).write_text("FROZEN" if state_file == "freezer.state" else "1")
+    assert cgroups.thaw_container(container_id)
+    assert (folder / state_file).read_text() == thawed
+
+
+def test_only_a_full_container_id_names_a_cgroup(fake_host: tuple[Path, Path]) -> None:
+    _, root = fake_host
+    (root / "freezer" / "docker").mkdir(parents=True)
+    (root / "freezer" / "docker" / "freezer.state").write_text("FROZEN")
+    for name in ("", "..", "abc", "../docker", "AB" * 32):
+        assert not cgroups.thaw_container(name)
+    assert (root / "freezer" / "docker" / "freezer.state").read_text() == "FROZEN"
+    assert not cgroups.thaw_container("cd" * 32)  # no such container

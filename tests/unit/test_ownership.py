@@ -21,6 +21,7 @@ from sandbox_kernel.ownership import (
     SandboxedKernel,
     own_runtime_dir,
     owner_is_gone,
+    prune_orphans,
     read_holder,
     read_state,
     released,
@@ -324,7 +325,7 @@ def test_the_reaper_removes_only_what_prune_removes(tmp_path: Path, caplog: pyte
         "sandbox-kernel-unreadable",
     ]
     assert (elsewhere / "sandbox-kernel-stray").exists(), "only this process's runtime folders are deleted"
-    assert "Removing orphaned sandboxed kernel kernel-orphan" in caplog.text
+    assert "Removing orphaned kernel kernel-orphan (container " in caplog.text
 
 
 def test_a_kernel_owner_reaps_orphans_every_interval_while_it_watches_kernels(
@@ -353,3 +354,33 @@ def test_writing_an_owner_file_starts_no_reaping(tmp_path: Path, monkeypatch: py
     (tmp_path / "sandbox-kernel-x").mkdir()
     write_owner(tmp_path / "sandbox-kernel-x")
     assert reaper._runtime_parents == []
+
+
+def test_prune_removes_folders_that_a_dead_process_left_and_no_sandbox_uses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A program killed while it started a kernel or a pooled sandbox leaves its runtime
+    folder without a container; so does a container removed behind its owner's back."""
+    parent = tmp_path / "runtime"
+
+    def folder(name: str, owner: str | None, mode: int = 0o700) -> Path:
+        path = parent / name
+        (path / "run1").mkdir(parents=True, exist_ok=True)
+        if owner is not None:
+            (path / "owner").write_text(owner)
+        path.chmod(mode)
+        return path
+
+    host = FakeHost(container("detached", parent / "sandbox-kernel-detached", dead_owner(), "persistent"))
+    kept = [
+        folder("sandbox-kernel-detached", dead_owner()),  # its sandbox waits for a server
+        folder("sandbox-kernel-starting", server_identity()),
+        folder("sandbox-kernel-new", None),  # just made: no owner file yet
+        folder("sandbox-kernel-public", dead_owner(), 0o755),  # not one of ours
+        folder("other-program", dead_owner()),
+    ]
+    stray = folder("sandbox-kernel-stray", dead_owner())
+    assert asyncio.run(prune_orphans(host, str(parent))) == []  # type: ignore[arg-type]
+    assert not stray.exists()
+    assert [path for path in kept if not path.exists()] == []
+    assert f"Removing {stray}: its process is gone and no sandbox uses it" in caplog.text
