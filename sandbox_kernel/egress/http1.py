@@ -139,6 +139,19 @@ def response_framing(method: str, status: int, head: bytes) -> Framing:
     return UNTIL_CLOSE
 
 
+def connection_tokens(headers: Sequence[Header]) -> set[str]:
+    """The lowercase options of a message's ``Connection`` headers ("close", and the
+    names of headers meant for this hop only)."""
+    tokens = {token.strip().lower() for value in _values(headers, "connection") for token in value.split(",")}
+    return tokens - {""}
+
+
+def response_keeps_connection(head: bytes) -> bool:
+    """Whether the upstream keeps the connection open after this response: an HTTP/1.1
+    response without ``Connection: close``."""
+    return head.startswith(b"HTTP/1.1 ") and "close" not in connection_tokens(_response_headers(head))
+
+
 def closing_response_head(head: bytes) -> bytes:
     """A final response head telling the client that the connection closes after it."""
     lines = head[:-4].split(b"\r\n")

@@ -18,7 +18,11 @@ close`` and exactly the body its framing announces (framing two parsers could re
 is refused, see ``http1.py``); the response comes back with ``Connection: close`` and the
 connection is closed at its end. Whatever the client sends after its request is another
 request: it is recorded as denied and never forwarded. After a CONNECT tunnel's TLS
-ClientHello is checked, the bytes in the tunnel are opaque.
+ClientHello is checked, the bytes in the tunnel are opaque, except to a host that one of
+the kernel's credentials is bound to: there the proxy ends the kernel's TLS with a
+certificate of the kernel's own CA (``ca.py``), opens its own verified TLS connection to
+the host, and passes request after request on, each checked to be for that host, its
+own decision, with the credential's headers put in place of any the kernel sent.
 
 All kernels share one proxy thread running its own asyncio loop: the server's loop
 cannot be used, because synchronous KernelManagers do not run it between calls.
@@ -35,24 +39,31 @@ import logging
 import os
 import re
 import socket
+import ssl
 import stat
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from ..background import BackgroundLoop
+from ..errors import ConfigurationError
+from .ca import KernelCA, LeafContexts
+from .credentials import BoundCredential, CredentialTable
 from .http1 import (
     Framing,
     FramingError,
     chunk_size,
     closing_response_head,
+    connection_tokens,
     request_framing,
     response_framing,
+    response_keeps_connection,
     response_status,
 )
 from .rules import PORT, EgressPolicy, is_domain_name, is_ip_literal, normalize_host, shown
 from .tls import MAX_CLIENT_HELLO, IncompleteHello, client_hello_sni
+from .tlsstream import TlsStream
 
 log = logging.getLogger(__name__)
 
@@ -144,19 +155,43 @@ class EgressProxy:
         socket_path: Path,
         policy: EgressPolicy,
         on_decision: Callable[[Decision], None],
+        ca: KernelCA | None = None,
+        credentials: Iterable[BoundCredential] = (),
     ) -> None:
         """Serve ``kernel_id``: keep idle connections dialed to its relay at
-        ``socket_path`` (retrying until the relay is up) and enforce ``policy``.
+        ``socket_path`` (retrying until the relay is up) and enforce ``policy``; add
+        ``credentials`` to its requests to their hosts, ending its TLS there with
+        certificates of ``ca`` (which the kernel trusts).
 
         A kernel already registered under ``kernel_id`` is removed first.
         ``on_decision`` is called in the proxy thread once per request; what it raises is
         logged and dropped.
 
         Raises:
+            ConfigurationError: credentials without a CA, or two that clash.
             RuntimeError: called from the proxy's own thread.
             concurrent.futures.TimeoutError: the proxy thread did not answer in time.
         """
-        self._call(self._add_kernel(kernel_id, Path(socket_path), policy, on_decision))
+        table = CredentialTable(credentials)
+        if table.names and ca is None:
+            msg = "credentials need the kernel's egress CA: without it the proxy cannot add them"
+            raise ConfigurationError(msg)
+        self._call(self._add_kernel(kernel_id, Path(socket_path), policy, on_decision, ca, table))
+
+    def bind_credential(self, kernel_id: str, credential: BoundCredential) -> None:
+        """Add ``credential`` to ``kernel_id``'s requests from now on (replacing one of
+        its name).
+
+        Raises:
+            ConfigurationError: the kernel is not served, has no CA, or another
+                credential sets one of its headers for the same domains.
+        """
+        self._call(self._bind_credential(kernel_id, credential))
+
+    def revoke_credential(self, kernel_id: str, name: str) -> bool:
+        """Stop adding the credential ``name`` to ``kernel_id``'s requests, open
+        connections included; whether it was bound."""
+        return self._call(self._revoke_credential(kernel_id, name))
 
     def remove_kernel(self, kernel_id: str) -> None:
         """Stop serving ``kernel_id``: stop dialing and close all its connections, open
@@ -176,9 +211,29 @@ class EgressProxy:
         socket_path: Path,
         policy: EgressPolicy,
         on_decision: Callable[[Decision], None],
+        ca: KernelCA | None,
+        credentials: CredentialTable,
     ) -> None:
         await self._remove_kernel(kernel_id)
-        self._kernels[kernel_id] = _KernelEgress(kernel_id, socket_path, policy, on_decision)
+        self._kernels[kernel_id] = _KernelEgress(kernel_id, socket_path, policy, on_decision, ca, credentials)
+
+    def _served(self, kernel_id: str) -> _KernelEgress:
+        kernel = self._kernels.get(kernel_id)
+        if kernel is None:
+            msg = f"Kernel {kernel_id} has no egress proxy: its network is not 'allowlist', or it stopped."
+            raise ConfigurationError(msg)
+        return kernel
+
+    async def _bind_credential(self, kernel_id: str, credential: BoundCredential) -> None:
+        kernel = self._served(kernel_id)
+        if kernel.leaves is None:
+            msg = f"Kernel {kernel_id} has no egress CA: credentials cannot be added to its requests."
+            raise ConfigurationError(msg)
+        kernel.credentials.bind(credential)
+
+    async def _revoke_credential(self, kernel_id: str, name: str) -> bool:
+        kernel = self._kernels.get(kernel_id)
+        return kernel is not None and kernel.credentials.revoke(name)
 
     async def _remove_kernel(self, kernel_id: str) -> None:
         kernel = self._kernels.pop(kernel_id, None)
@@ -225,11 +280,16 @@ class _KernelEgress:
         socket_path: Path,
         policy: EgressPolicy,
         on_decision: Callable[[Decision], None],
+        ca: KernelCA | None = None,
+        credentials: CredentialTable | None = None,
     ) -> None:
         self.kernel_id = kernel_id
         self.socket_path = socket_path
         self.policy = policy
         self.on_decision = on_decision
+        self.leaves = None if ca is None else LeafContexts(ca)
+        self.credentials = credentials or CredentialTable()
+        self._upstream_tls: ssl.SSLContext | None = None
         self.idle = 0
         self.active = 0
         self.closed = False
@@ -244,6 +304,21 @@ class _KernelEgress:
             self.on_decision(decision)
         except Exception:
             log.exception("egress: the decision callback of kernel %s failed", self.kernel_id)
+
+    def intercepts(self, host: str, port: int) -> bool:
+        """Whether the proxy ends the kernel's TLS to ``host``:``port`` (to add a credential)."""
+        return self.leaves is not None and self.credentials.intercepts(host, port)
+
+    @property
+    def upstream_tls(self) -> ssl.SSLContext:
+        """How the proxy speaks TLS to an intercepted host: verified (against the
+        policy's ``upstream_cafile``, else the system's CAs), HTTP/1.1."""
+        if self._upstream_tls is None:
+            context = ssl.create_default_context(cafile=self.policy.upstream_cafile)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.set_alpn_protocols(["http/1.1"])
+            self._upstream_tls = context
+        return self._upstream_tls
 
     def _wants_connection(self) -> bool:
         return self.idle < SPARE_CONNECTIONS and self.idle + self.active < self.policy.max_connections
@@ -464,6 +539,7 @@ class _Exchange:
         self.host = ""
         self.port: int | None = None
         self.address: str | None = None
+        self.pattern = ""
         self.decided = False
         # Set once the upstream's final response has begun: no request byte follows it.
         self.answered = False
@@ -594,9 +670,10 @@ class _Exchange:
         return self.host, self.port
 
     async def _open_upstream(
-        self, host: str, port: int
+        self, host: str, port: int, tls: ssl.SSLContext | None = None
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-        """Check the destination against the policy, resolve it, and connect.
+        """Check the destination against the policy, resolve it, and connect (over
+        ``tls``, verifying the host's certificate, if given).
 
         Raises:
             _Refusal: not allowed (403), or cannot be resolved or reached (502).
@@ -625,7 +702,10 @@ class _Exchange:
         for address in addresses:
             try:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(str(address), port), max(deadline - loop.time(), 0.001)
+                    asyncio.open_connection(
+                        str(address), port, ssl=tls, server_hostname=host if tls is not None else None
+                    ),
+                    max(deadline - loop.time(), 0.001),
                 )
             except (OSError, asyncio.TimeoutError) as exc:
                 failure = str(exc) or "timed out"
@@ -639,7 +719,16 @@ class _Exchange:
 
     async def _connect(self, target: str, rest: bytes) -> None:
         host, port = self._set_destination(target, default_port=None)
-        upstream_reader, upstream_writer, pattern = await self._open_upstream(host, port)
+        intercept = self.kernel.intercepts(host, port)
+        names = ""
+        if intercept:
+            live, ended = self.kernel.credentials.lookup(host, port)
+            if not live:
+                raise _Refusal(403, f"{ended[0]}; nothing was sent")
+            names = ", ".join(f"'{credential.name}'" for credential in live)
+        upstream_reader, upstream_writer, pattern = await self._open_upstream(
+            host, port, self.kernel.upstream_tls if intercept else None
+        )
         self.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await self.writer.drain()
         try:
@@ -653,6 +742,12 @@ class _Exchange:
         if normalize_host(sni) != self.host:
             self.decide("denied", f"TLS SNI '{shown(sni)}' does not match the requested host '{self.host}'")
             return
+        if intercept and self.kernel.leaves is not None:
+            self.pattern = pattern
+            self.decide("allowed", f"allowed by '{pattern}'; TLS ends at the proxy, for credentials {names}")
+            client = TlsStream(self.reader, self.writer, self.kernel.leaves.get(host), hello)
+            await self._serve_intercepted(client, upstream_reader, upstream_writer)
+            return
         self.decide("allowed", f"allowed by '{pattern}'")
         upstream_writer.write(hello)
         await self._splice(
@@ -660,6 +755,144 @@ class _Exchange:
             self._pump(upstream_reader, self.writer),
             until_download_done=False,
         )
+
+    async def _serve_intercepted(
+        self, tls: TlsStream, upstream_reader: asyncio.StreamReader, upstream_writer: asyncio.StreamWriter
+    ) -> None:
+        """Pass the requests of a tunnel whose TLS ends here on, one after another, each
+        with its own decision, until either side closes or a request is refused."""
+        try:
+            await asyncio.wait_for(tls.handshake(), CLIENT_HELLO_TIMEOUT)
+        except (ssl.SSLError, EOFError, asyncio.TimeoutError) as exc:
+            log.debug("egress: kernel %s TLS to %s not set up: %r", self.kernel.kernel_id, self.host, exc)
+            return
+        client = _Source(tls, b"", self._active)  # type: ignore[arg-type]
+        upstream = _Source(upstream_reader, b"", self._active)
+        while not self.kernel.closed:
+            request = _Exchange(self.kernel, tls, tls)  # type: ignore[arg-type]
+            request.host, request.port, request.address = self.host, self.port, self.address
+            request.pattern = self.pattern
+            try:
+                if not await request._pass_intercepted(client, upstream, upstream_writer):
+                    return
+            except _Refusal as refusal:
+                await request._refuse(refusal.status, refusal.reason)
+                return
+            except (OSError, EOFError, FramingError) as exc:
+                request.decide("denied", f"the connection failed: {exc}")
+                return
+
+    async def _pass_intercepted(
+        self, client: _Source, upstream: _Source, upstream_writer: asyncio.StreamWriter
+    ) -> bool:
+        """Pass one request inside an intercepted tunnel on, with the credentials for its
+        host, and its response back; whether the connection carries another.
+
+        Raises:
+            _Refusal: a request the credentials must not go with, or none is live.
+        """
+        try:
+            head = await asyncio.wait_for(client.head(MAX_HEAD), IDLE_TIMEOUT)
+        except asyncio.TimeoutError:
+            return False
+        except FramingError:
+            raise _Refusal(431, f"the request head is larger than {MAX_HEAD // 1024} KiB") from None
+        if head is None:
+            return False
+        method, target, version, headers = self._parse(head)
+        path = self._pinned_path(target, headers)
+        if method == "CONNECT" or any(name.lower() == "upgrade" for name, _ in headers):
+            raise _Refusal(400, "a tunnel or protocol upgrade inside a tunnel that carries a credential")
+        live, ended = self.kernel.credentials.lookup(self.host, self.port or 443)
+        if not live:
+            raise _Refusal(403, f"{ended[0] if ended else 'no credential applies'}; the request was not sent")
+        if method == "TRACE":
+            raise _Refusal(405, "TRACE would show the credential to the kernel; the request was not sent")
+        try:
+            framing = request_framing(version, headers)
+        except FramingError as exc:
+            raise _Refusal(400, str(exc)) from None
+        replaced = {name.lower() for credential in live for name in credential.header_names}
+        hop = connection_tokens(headers) | _DROPPED_HEADERS | replaced
+        closing = "close" in connection_tokens(headers) or version == "1.0"
+        authority = self.host if self.port == 443 else f"{self.host}:{self.port}"
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {authority}"]
+        lines += [f"{name}: {value}" for name, value in headers if name.lower() not in hop]
+        lines += [f"{name}: {value.reveal()}" for credential in live for name, value in credential.headers]
+        if framing.kind == "length":
+            lines.append(f"Content-Length: {framing.length}")
+        elif framing.kind == "chunked":
+            lines.append("Transfer-Encoding: chunked")
+        if closing:
+            lines.append("Connection: close")
+        names = ", ".join(f"'{credential.name}'" for credential in live)
+        self.decide("allowed", f"allowed by '{self.pattern}'; credential {names} added")
+        upstream_writer.write("\r\n".join([*lines, "", ""]).encode("latin-1"))
+
+        async def send(data: bytes) -> None:
+            if not self.answered:
+                upstream_writer.write(data)
+                await upstream_writer.drain()
+
+        upload = asyncio.get_running_loop().create_task(_copy_body(client, framing, send))
+        try:
+            keeps = await self._pass_response(upstream, method, closing)
+            if not upload.done():
+                return False  # answered before the body was sent: its end is unknown
+            await upload
+        finally:
+            upload.cancel()
+        return keeps and not closing
+
+    async def _pass_response(self, upstream: _Source, method: str, closing: bool) -> bool:
+        """Pass on the upstream's interim responses and its final one; whether the
+        upstream keeps the connection open after it."""
+        while True:
+            head = await upstream.head(MAX_RESPONSE_HEAD)
+            if head is None:
+                raise EOFError
+            status = response_status(head)
+            if not 100 <= status < 200 or status == 101:
+                break
+            self.writer.write(head)
+            await self.writer.drain()
+        self.answered = True
+        framing = response_framing(method, status, head)
+        keeps = framing.kind != "close" and status != 101 and response_keeps_connection(head)
+        self.writer.write(head if keeps and not closing else closing_response_head(head))
+
+        async def write(data: bytes) -> None:
+            self.writer.write(data)
+            await self.writer.drain()
+
+        await _copy_body(upstream, framing, write)
+        await self.writer.drain()
+        return keeps
+
+    def _pinned_path(self, target: str, headers: list[tuple[str, str]]) -> str:
+        """The path of a request inside an intercepted tunnel, which must name the
+        tunnel's host and no other: a credential goes to its host only.
+
+        Raises:
+            _Refusal: the request names another host (421), or no path (400).
+        """
+        authorities = [value for name, value in headers if name.lower() == "host"]
+        if target.lower().startswith("https://"):
+            rest = target[8:]
+            cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+            authorities.append(rest[:cut])
+            target = rest[cut:] or "/"
+        elif not target.startswith("/"):
+            raise _Refusal(400, f"'{shown(target, 60)}' is not a path on {self.host}")
+        for authority in authorities or [""]:
+            host, _, port = authority.partition(":")
+            if normalize_host(host) != self.host or port not in ("", str(self.port)):
+                raise _Refusal(
+                    421,
+                    f"the request names '{shown(authority)}' inside a tunnel to {self.host}:{self.port}; "
+                    f"its credential goes to {self.host} only",
+                )
+        return target
 
     async def _read_client_hello(self, rest: bytes) -> tuple[bytes, str | None]:
         data = bytearray(rest)

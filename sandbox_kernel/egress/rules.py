@@ -225,6 +225,9 @@ class EgressPolicy:
     private_networks: tuple[str, ...] = ()
     connect_timeout: float = 10.0
     max_connections: int = 32
+    #: The CAs (a PEM file) that the proxy verifies a host with when it ends the kernel's
+    #: TLS there to add a credential; None: the system's.
+    upstream_cafile: str | None = None
     _networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False, default=())
     _addresses: Mapping[str, IPAddress] = field(init=False, repr=False, compare=False, default_factory=dict)
 
