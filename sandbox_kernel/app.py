@@ -38,6 +38,7 @@ from .settings import (
     DATASCIENCE_IMAGE,
     DEFAULT_IMAGE,
     DEFAULT_RUNTIME,
+    Credentials,
     Duration,
     SandboxSettings,
     kernelspec_keys,
@@ -166,7 +167,7 @@ def _kernelspec_flag(trait: TraitType[Any, Any]) -> TraitType[Any, Any]:
     ``_InstallBase.given``), so ``--pids 0`` is checked like any value, never dropped.
     """
     help_text = f"{trait.help} Unset: the server's."
-    if isinstance(trait, List):
+    if isinstance(trait, List | Credentials):  # a kernelspec names credentials
         return List(Unicode(), config=True, help=help_text + " Repeat for several.")
     if isinstance(trait, Duration):
         return Duration(0, config=True, help=help_text)

@@ -37,6 +37,7 @@ from typing import Any
 
 import zmq
 
+from .egress.credentials import BoundCredential
 from .wire import find_delimiter, frame_bytes, load_dict
 
 log = logging.getLogger(__name__)
@@ -298,6 +299,28 @@ class ExecutionAuditor:
             }
         )
         return True
+
+    def credential(self, action: str, credential: BoundCredential) -> None:
+        """Record that a credential was bound to the kernel or revoked: its name, domains,
+        header names, expiry and who bound it; never a value."""
+        wall = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        expires = credential.expires_at
+        self._write(
+            {
+                "event": "credential",
+                "time": wall,
+                "kernel_id": self._kernel_id,
+                "kernelspec": self._kernelspec,
+                "action": action,
+                "name": credential.name,
+                "domains": list(credential.rules.patterns),
+                "headers": list(credential.header_names),
+                "expires": None
+                if expires is None
+                else datetime.fromtimestamp(expires, timezone.utc).isoformat(timespec="seconds"),
+                "by": credential.by,
+            }
+        )
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._log is None:

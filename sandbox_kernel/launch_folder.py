@@ -31,6 +31,7 @@ from .ownership import RUNTIME_DIR_PREFIX, write_owner
 from .sandbox_spec import (
     CONTAINER_CLAIM_SOCKET,
     CONTAINER_CONNECTION_FILE,
+    CONTAINER_EGRESS_CA,
     CONTAINER_EGRESS_SOCKET,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Files the host writes into the launch folder before the kernel starts.
 HOST_FILES = frozenset(
-    Path(p).name for p in (CONTAINER_CONNECTION_FILE, CONTAINER_STARTUP_FILE, CONTAINER_RELAY_FILE)
+    Path(p).name
+    for p in (CONTAINER_CONNECTION_FILE, CONTAINER_STARTUP_FILE, CONTAINER_RELAY_FILE, CONTAINER_EGRESS_CA)
 )
 #: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
 #: (where it hears its claim).
@@ -145,10 +147,16 @@ def new_launch_dir(runtime_dir: Path, number: int, uid: int, gid: int) -> Path:
 
 
 def write_launch_files(
-    launch_dir: Path, owner: tuple[int, int], key: bytes, scheme: str, kernel_name: str, egress: bool
+    launch_dir: Path,
+    owner: tuple[int, int],
+    key: bytes,
+    scheme: str,
+    kernel_name: str,
+    egress_ca: bytes | None,
 ) -> None:
     """What the kernel reads at its start: connection file (its own, 0600), start-up
-    code, and with network "allowlist" the egress relay."""
+    code, and with network "allowlist" (``egress_ca``: the certificate of its egress CA)
+    the egress relay and that certificate."""
     info = container_connection_info(key, scheme, kernel_name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     fd = os.open(launch_dir / Path(CONTAINER_CONNECTION_FILE).name, flags, 0o600)
@@ -157,8 +165,9 @@ def write_launch_files(
             os.fchown(f.fileno(), *owner)
         json.dump(info, f)
     (launch_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(Path(in_kernel.__file__).read_text())
-    if egress:
+    if egress_ca is not None:
         (launch_dir / Path(CONTAINER_RELAY_FILE).name).write_text(Path(egress_relay.__file__).read_text())
+        (launch_dir / Path(CONTAINER_EGRESS_CA).name).write_bytes(egress_ca)
 
 
 def expected_sockets(launch_dir: Path, egress: bool, pooled: bool) -> list[Path]:

@@ -23,6 +23,7 @@ from typing import Any
 from traitlets import TraitError
 
 from .egress import EgressPolicy, EgressRules
+from .egress.credentials import CredentialSpec
 from .errors import ConfigurationError, WorkspaceError
 from .limits import size_bytes
 from .sandbox_spec import (
@@ -316,7 +317,8 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
     - ``timeout``: with a ceiling (above 0), a limit is required: above 0, at most it;
     - ``lifetime``: the same, for persistent kernels only;
     - ``names``: only names the ceiling lists, for what the kernelspec itself asks;
-    - ``domains``: every domain covered by one of the ceiling's patterns.
+    - ``domains``: every domain covered by one of the ceiling's patterns;
+    - ``credentials``: only names the ceiling lists (a kernelspec never defines one).
     """
     found = []
     for name, trait in sorted(settings.traits(bound=lambda bound: bound is not None).items()):
@@ -347,6 +349,20 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
                     f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
                     f"server's ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
                     "set a value in its `env` instead, or have the administrator widen the ceiling."
+                )
+        elif kind == "credentials":
+            named = kernelspec_config.get(name, [])
+            if isinstance(named, Mapping):
+                found.append(
+                    "The kernelspec defines credentials; it may only name the server's "
+                    '(credentials: ["warehouse"]), whose values only the server\'s config holds '
+                    "(SandboxProvisioner.credentials)."
+                )
+            elif beyond := sorted(set(named) - set(ceiling)):
+                found.append(
+                    f"credentials names {beyond}, beyond the server's ceiling "
+                    f"({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, or have the "
+                    "administrator add them to the ceiling."
                 )
         elif kind == "domains":
             rules = settings.egress_rules()
@@ -407,6 +423,8 @@ class Plan:
 
     spec: SandboxSpec
     egress: EgressPolicy | None
+    #: The credentials the egress proxy adds to the kernel's requests (values not read yet).
+    credentials: tuple[CredentialSpec, ...] = ()
     #: For the server's log: things that work, but not as the user may expect.
     warnings: tuple[str, ...] = ()
 
@@ -561,6 +579,7 @@ def plan_sandbox(
         ConfigurationError, WorkspaceError: the start cannot go ahead as asked.
     """
     egress = settings.egress_policy()
+    credentials = settings.credential_specs(egress)
     cwd, env = launch.cwd, launch.env
     volume = None
     warnings: list[str] = []
@@ -607,6 +626,8 @@ def plan_sandbox(
         "image": settings.image,
     }
     policy["allowed_domains"] = list(egress.rules.patterns) if egress is not None else []
+    # Which domains get a credential (never its value): code may know why a request works.
+    policy["credentials"] = {spec.name: list(spec.rules.patterns) for spec in credentials}
     if egress is not None:
         command = egress_command(command)
     spec = SandboxSpec(
@@ -641,4 +662,4 @@ def plan_sandbox(
             LABEL_SCOPE: launch.scope,
         },
     )
-    return Plan(spec, egress, tuple(warnings))
+    return Plan(spec, egress, credentials, tuple(warnings))

@@ -45,6 +45,8 @@ from typing import Any, ClassVar
 from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .cgroups import freeze
+from .egress.ca import KernelCA
+from .egress.rules import EgressRules
 from .errors import SandboxKernelError
 from .launch_folder import (
     expected_sockets,
@@ -139,7 +141,8 @@ class PoolPlan:
     spec: SandboxSpec
     size: int
     scheme: str
-    egress: bool
+    #: With network "allowlist", the kernel's allowed domains (its egress CA signs for no others).
+    egress: EgressRules | None
     startup_timeout: float
     runtime_parent: str
     #: Most bytes of memory limits all waiting sandboxes of the process may reserve.
@@ -355,7 +358,10 @@ class SandboxPool:
             slot.mkdir(mode=0o755)
             launch_dir = new_launch_dir(runtime_dir, 1, spec.uid, spec.gid)
             owner = (spec.uid, spec.gid)
-            write_launch_files(launch_dir, owner, key, plan.scheme, spec.kernelspec, plan.egress)
+            ca = None
+            if plan.egress is not None:  # the claiming kernel finds it there
+                ca = KernelCA.of_kernel(runtime_dir, runtime_dir.name, plan.egress).cert_pem
+            write_launch_files(launch_dir, owner, key, plan.scheme, spec.kernelspec, ca)
             return slot, launch_dir
 
         container_id = None
@@ -363,7 +369,7 @@ class SandboxPool:
             slot, launch_dir = await asyncio.to_thread(prepare)
             pooled = pooled_spec(spec, slot, launch_dir)
             container_id = await backend.create(pooled)
-            sockets = expected_sockets(launch_dir, plan.egress, pooled=True)
+            sockets = expected_sockets(launch_dir, plan.egress is not None, pooled=True)
             await wait_until_ready(backend, container_id, sockets, plan.startup_timeout, spec.image)
             if os.getuid() == 0:
                 await asyncio.to_thread(seal_launch_dir, launch_dir)

@@ -32,7 +32,10 @@ from .binding import bind
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
 from .egress import Decision, EgressPolicy, EgressProxy
+from .egress.ca import KernelCA
+from .egress.credentials import BoundCredential, parse_definitions
 from .errors import (
+    ConfigurationError,
     DockerUnavailableError,
     KernelTakenOverError,
     SandboxKernelError,
@@ -147,6 +150,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # Signs the provisioner's own messages to clients (notices, replies for the dead).
         self._signer: Session | None = None
         self._egress: EgressPolicy | None = None
+        self._egress_ca: KernelCA | None = None
+        # What the egress proxy adds to the kernel's requests (see bind_credential).
+        self._credentials: list[BoundCredential] = []
         self._egress_registered = False
         self._restarter_stopped = False
         self._cwd: str | None = None
@@ -229,6 +235,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         for warning in plan.warnings:
             self.log.warning("%s", warning)
         self._spec, self._egress = plan.spec, plan.egress
+        # Read on the host now: a missing token fails the start before any sandbox exists.
+        self._credentials = [BoundCredential.bind(spec) for spec in plan.credentials]
         kwargs["cmd"] = plan.spec.command
         self._cwd = str(cwd)
         # A pooled sandbox has the kernelspec's policy and environment, nothing of one start's.
@@ -270,7 +278,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             spec=spec,
             size=self.pool_size,
             scheme=km.session.signature_scheme if km is not None else "hmac-sha256",
-            egress=self._egress is not None,
+            egress=None if self._egress is None else self._egress.rules,
             startup_timeout=self.startup_timeout,
             runtime_parent=self.runtime_parent,
             budget=size_bytes("max_pool_memory", self.max_pool_memory),
@@ -387,6 +395,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.launch_dir = launch_dir
         self.from_pool = False
         spec = replace(plan, runtime_dir=launch_dir)
+        ca = await self._kernel_ca()
         await asyncio.to_thread(
             write_launch_files,
             launch_dir,
@@ -394,7 +403,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             key,
             scheme,
             self.kernel_name,
-            self._egress is not None,
+            ca.cert_pem if ca is not None else None,
         )
         await self.backend.prepare_workspace(spec)
         self.container_id = await self.backend.create(spec)
@@ -449,16 +458,84 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         except SandboxKernelError as exc:
             self.log.warning("Sandboxed kernel %s: %s", self.kernel_id, exc)
 
+    async def _kernel_ca(self) -> KernelCA | None:
+        """With network "allowlist": the kernel's egress CA, kept in its runtime folder
+        (a pooled sandbox's was made with it; a restart or a reattach finds it there)."""
+        if self._egress is None or self.runtime_dir is None:
+            return None
+        if self._egress_ca is None:
+            self._egress_ca = await asyncio.to_thread(
+                KernelCA.of_kernel, self.runtime_dir, str(self.kernel_id), self._egress.rules
+            )
+        return self._egress_ca
+
     async def _open_egress(self, launch_dir: Path) -> None:
         """With network "allowlist": have the host's egress proxy dial this kernel's relay."""
         if self._egress is None:
             return
         proxy = EgressProxy.instance()
         socket_path = launch_dir / Path(CONTAINER_EGRESS_SOCKET).name
+        ca = await self._kernel_ca()
         await asyncio.to_thread(
-            proxy.add_kernel, str(self.kernel_id), socket_path, self._egress, self._on_egress
+            proxy.add_kernel,
+            str(self.kernel_id),
+            socket_path,
+            self._egress,
+            self._on_egress,
+            ca,
+            self._credentials,
         )
         self._egress_registered = True
+        for credential in self._credentials:
+            if self._auditor is not None:
+                self._auditor.credential("bound", credential)
+
+    def bind_credential(self, name: str, domains: list[str], headers: dict[str, str], ttl: float = 0) -> None:
+        """Have the egress proxy add ``headers`` to this kernel's requests to ``domains``
+        from now on (and after restarts), for ``ttl`` seconds (0: as long as the kernel
+        runs), replacing a credential of that name. The kernel never holds the values.
+
+        A header's value is text, in which ``{env:NAME}`` and ``{file:/path}`` are read in
+        this process: ``{"Authorization": "Bearer {env:WAREHOUSE_TOKEN}"}``. Call it from
+        any thread; it blocks briefly.
+
+        Raises:
+            ConfigurationError: the kernel is not running with network "allowlist", the
+                domains are not all allowed to it, or a value cannot be read.
+        """
+        (spec,) = parse_definitions(
+            {name: {"domains": domains, "headers": headers, "ttl": ttl}}, "bind_credential"
+        ).values()
+        if self._egress is None or not self._egress_registered:
+            msg = (
+                f"bind_credential({name!r}): kernel {self.kernel_id} is not running with network 'allowlist'"
+            )
+            raise ConfigurationError(msg)
+        outside = spec.rules.uncovered_by(self._egress.rules)
+        if outside:
+            msg = (
+                f"bind_credential({name!r}): {outside} are not in the kernel's allowed_domains "
+                f"({list(self._egress.rules.patterns)!r}); a credential never widens egress."
+            )
+            raise ConfigurationError(msg)
+        credential = BoundCredential.bind(spec, by="api")
+        EgressProxy.instance().bind_credential(str(self.kernel_id), credential)
+        self._credentials = [c for c in self._credentials if c.name != name] + [credential]
+        if self._auditor is not None:
+            self._auditor.credential("bound", credential)
+
+    def revoke_credential(self, name: str) -> bool:
+        """Stop adding the credential ``name`` to this kernel's requests, at once (open
+        connections included); whether it was bound. Call it from any thread."""
+        kept = [c for c in self._credentials if c.name != name]
+        revoked = [c for c in self._credentials if c.name == name]
+        self._credentials = kept
+        found = self._egress_registered and EgressProxy.instance().revoke_credential(
+            str(self.kernel_id), name
+        )
+        if revoked and self._auditor is not None:
+            self._auditor.credential("revoked", revoked[0])
+        return bool(found or revoked)
 
     async def _close_egress(self) -> None:
         if self._egress_registered:
@@ -1082,6 +1159,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self._curve = CurveKeys(public=str(pub).encode(), secret=str(sec).encode())
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             self._egress = self.egress_policy()  # the server's ceilings may have narrowed
+            try:  # what this server defines now; one bound by the last holder's program is gone
+                self._credentials = [
+                    BoundCredential.bind(spec) for spec in self.credential_specs(self._egress)
+                ]
+            except ConfigurationError as exc:
+                self.log.warning("Sandboxed kernel %s gets no credentials: %s", self.kernel_id, exc)
+                self._credentials = []
             unusable: str | None = None
             if info.get("transport") != self.client_transport:
                 unusable = "the server's client_transport changed"

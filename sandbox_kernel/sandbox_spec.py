@@ -97,6 +97,9 @@ CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
 CONTAINER_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/egress_relay.py"
 
 CONTAINER_EGRESS_SOCKET = f"{CONTAINER_RUNTIME_DIR}/egress.sock"
+#: The kernel's egress CA certificate (the host keeps its key), which the relay makes the
+#: kernel's TLS clients trust (see egress/ca.py).
+CONTAINER_EGRESS_CA = f"{CONTAINER_RUNTIME_DIR}/egress-ca.pem"
 
 #: A pooled sandbox's kernel listens here for its claim: working folder and session env.
 CONTAINER_CLAIM_SOCKET = f"{CONTAINER_RUNTIME_DIR}/claim.sock"
@@ -195,12 +198,22 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
 
 
 def egress_command(cmd: Sequence[str]) -> list[str]:
-    """``cmd`` behind the egress relay, which starts first and then runs ``cmd``.
+    """``cmd`` behind the egress relay, which starts first (trusting the kernel's egress
+    CA) and then runs ``cmd``.
 
     The relay runs with the kernel's interpreter when ``argv[0]`` names one.
     """
     python = cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
-    return [python, CONTAINER_RELAY_FILE, CONTAINER_EGRESS_SOCKET, str(EGRESS_PROXY_PORT), "--", *cmd]
+    return [
+        python,
+        CONTAINER_RELAY_FILE,
+        CONTAINER_EGRESS_SOCKET,
+        str(EGRESS_PROXY_PORT),
+        "--ca",
+        CONTAINER_EGRESS_CA,
+        "--",
+        *cmd,
+    ]
 
 
 def proxy_env() -> dict[str, str]:

@@ -35,6 +35,7 @@ from traitlets import (
 from traitlets.config import LoggingConfigurable
 
 from .egress import EgressPolicy, EgressRules
+from .egress.credentials import CredentialSpec, parse_definitions
 from .errors import ConfigurationError
 from .limits import DURATION_FORMS, SIZE_FORMS, Limits, duration_seconds, size_bytes, validate_size
 from .sandbox_spec import CONTAINER_WORKSPACE
@@ -78,6 +79,26 @@ class Size(TraitType[str, str | int]):
             return validate_size(self.name or "size", value)
         except ConfigurationError as exc:
             raise TraitError(str(exc)) from None
+
+
+class Credentials(TraitType[Any, Any]):
+    """``credentials``: in the server's config the definitions (name -> domains, headers,
+    ttl), in a kernelspec or a start the names of those its kernels get."""
+
+    default_value: Any = {}
+    info_text = "credential definitions (server config) or a list of credential names (kernelspec)"
+
+    def validate(self, obj: Any, value: Any) -> Any:
+        if isinstance(value, dict):
+            try:
+                parse_definitions(value)
+            except ConfigurationError as exc:
+                raise TraitError(str(exc)) from None
+            return dict(value)
+        if isinstance(value, list | tuple) and all(isinstance(name, str) for name in value):
+            return list(value)
+        self.error(obj, value)
+        return None
 
 
 class SandboxSettings(LoggingConfigurable):
@@ -192,6 +213,30 @@ class SandboxSettings(LoggingConfigurable):
         help="""Non-public networks (CIDRs) the egress proxy may connect to, e.g. an internal
         package mirror's ["10.0.0.5/32"]. Otherwise an allowed name that resolves to a private,
         loopback, link-local (cloud metadata) or reserved address is denied. Server config only.""",
+    )
+    credentials = Credentials(
+        config=True,
+        help="""Credentials the egress proxy adds to a kernel's requests to their domains, so
+        that the kernel never holds them. In the server's config, their definitions:
+        {"warehouse": {"domains": ["api.example.com"], "headers": {"Authorization":
+        "Bearer {env:WAREHOUSE_TOKEN}"}, "ttl": 3600}}, values read on the host from the
+        server's environment ({env:NAME}) or a file ({file:/path}), ttl in seconds (0: none).
+        In a kernelspec, the names of those its kernels get (["warehouse"]), within
+        `max_credentials`. Needs network `allowlist` with the credential's domains allowed.""",
+    ).tag(kernelspec=True, ceiling="max_credentials", bound="credentials", flag="credential")
+    max_credentials = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Ceiling for a kernelspec's `credentials`: the names of the server's credentials
+        a kernelspec may ask for. Empty (the default): none. Server config only.""",
+    )
+    egress_ca_bundle = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help="""CA certificates (a PEM file) the egress proxy verifies a host with when it adds
+        a credential to a request for it; unset: the system's. Server config only.""",
     )
     max_pass_env = List(
         Unicode(),
@@ -535,7 +580,56 @@ class SandboxSettings(LoggingConfigurable):
             rules=rules,
             host_map=dict(self.egress_host_map),
             private_networks=tuple(self.egress_private_networks),
+            upstream_cafile=self.egress_ca_bundle or None,
         )
+
+    def credential_catalog(self) -> dict[str, CredentialSpec]:
+        """The credentials the server's config defines (a kernelspec only names them).
+
+        Raises:
+            ConfigurationError: a definition is malformed.
+        """
+        defined = self.credentials if isinstance(self.credentials, dict) else None
+        if defined is None:  # the kernelspec's names took the trait: the server's own config
+            defined = self._find_my_config(self.config).get("credentials") or {}
+        return parse_definitions(defined) if isinstance(defined, dict) else {}
+
+    def credential_specs(self, egress: EgressPolicy | None) -> tuple[CredentialSpec, ...]:
+        """The credentials this kernel gets: those its kernelspec (or start) names, each
+        for domains the kernel may reach.
+
+        Raises:
+            ConfigurationError: a name the server does not define, a kernel without
+                network, or a credential for domains outside its allowed_domains.
+        """
+        names = list(self.credentials) if isinstance(self.credentials, list) else []
+        if not names:
+            return ()
+        catalog = self.credential_catalog()
+        unknown = [name for name in names if name not in catalog]
+        if unknown:
+            msg = (
+                f"credentials={names!r} names {unknown}, which the server does not define "
+                f"(SandboxProvisioner.credentials defines {sorted(catalog)}). Ask the administrator."
+            )
+            raise ConfigurationError(msg)
+        if egress is None:
+            msg = (
+                f"credentials={names!r} needs network 'allowlist': the egress proxy adds them to "
+                "requests, and a kernel without network makes none."
+            )
+            raise ConfigurationError(msg)
+        specs = tuple(catalog[name] for name in names)
+        for spec in specs:
+            outside = spec.rules.uncovered_by(egress.rules)
+            if outside:
+                msg = (
+                    f"Credential {spec.name!r} is for {outside}, which this kernel may not reach "
+                    f"(allowed_domains={list(egress.rules.patterns)!r}): a credential never widens "
+                    "egress. Allow those domains in the kernelspec, or drop the credential."
+                )
+                raise ConfigurationError(msg)
+        return specs
 
     def egress_rules(self) -> EgressRules | None:
         """The domains this kernel asks for (None: no network), consistent in themselves.

@@ -28,6 +28,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from ..errors import ConfigurationError
 from .rules import EgressRules, is_domain_name, normalize_host
 
+#: The CA (certificate and key) in a kernel's server-only runtime folder, never mounted.
+CA_FILE = "egress-ca-and-key.pem"
 #: How long a kernel's CA is valid; a persistent kernel may live for months.
 CA_LIFETIME = datetime.timedelta(days=5 * 365)
 #: How long a site certificate is valid, and how long before its end a new one is made.
@@ -158,6 +160,16 @@ class KernelCA:
         with os.fdopen(fd, "wb") as f:
             f.write(self.cert_pem + self.key_pem)
         tmp.replace(path)
+
+    @classmethod
+    def of_kernel(cls, runtime_dir: Path, kernel_id: str, permitted: EgressRules) -> KernelCA:
+        """The CA kept in a kernel's runtime folder; made (and kept there) the first time."""
+        path = runtime_dir / CA_FILE
+        if path.exists():
+            return cls.load(path)
+        ca = cls.create(kernel_id, permitted)
+        ca.save(path)
+        return ca
 
     @classmethod
     def load(cls, path: Path) -> KernelCA:

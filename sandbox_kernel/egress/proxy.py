@@ -724,7 +724,7 @@ class _Exchange:
         if intercept:
             live, ended = self.kernel.credentials.lookup(host, port)
             if not live:
-                raise _Refusal(403, f"{ended[0]}; nothing was sent")
+                raise _Refusal(403, f"{'; '.join(ended)}; nothing was sent")
             names = ", ".join(f"'{credential.name}'" for credential in live)
         upstream_reader, upstream_writer, pattern = await self._open_upstream(
             host, port, self.kernel.upstream_tls if intercept else None
@@ -805,7 +805,7 @@ class _Exchange:
             raise _Refusal(400, "a tunnel or protocol upgrade inside a tunnel that carries a credential")
         live, ended = self.kernel.credentials.lookup(self.host, self.port or 443)
         if not live:
-            raise _Refusal(403, f"{ended[0] if ended else 'no credential applies'}; the request was not sent")
+            raise _Refusal(403, f"{'; '.join(ended) or 'no credential applies'}; the request was not sent")
         if method == "TRACE":
             raise _Refusal(405, "TRACE would show the credential to the kernel; the request was not sent")
         try:

@@ -11,12 +11,17 @@ python, so it uses the standard library only and runs on Python 3.9.
 
 Usage::
 
-    python egress_relay.py SOCKET_PATH PORT [-- CMD [ARGS...]]
+    python egress_relay.py SOCKET_PATH PORT [--ca CA_FILE] [-- CMD [ARGS...]]
 
 Both sockets are bound first, so a failure is reported (non-zero exit, message on
 stderr) before the kernel starts. With ``-- CMD`` the relay becomes a daemon and this
 process execs ``CMD``; without it the relay runs in the foreground and prints its TCP
 port on stdout once both sockets listen.
+
+``--ca`` names the kernel's egress CA certificate (the host proxy ends the kernel's TLS
+with it for the domains whose credentials it adds): ``CMD`` then trusts it besides what
+it trusted, through a bundle of both in ``BUNDLE`` that the usual variables name
+(OpenSSL and Python's ssl, requests, curl, pip; node's takes the CA alone).
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ LINGER_SECONDS = 1.0
 UNAVAILABLE = (
     b"HTTP/1.1 503 sandbox-kernel egress proxy unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 )
-USAGE = "usage: egress_relay.py SOCKET_PATH PORT [-- CMD [ARGS...]]"
+USAGE = "usage: egress_relay.py SOCKET_PATH PORT [--ca CA_FILE] [-- CMD [ARGS...]]"
+#: Where the trusted CAs plus the kernel's egress CA are written for ``CMD``.
+BUNDLE = "/tmp/.sandbox-kernel-ca.pem"  # noqa: S108 (the sandbox's own /tmp)
+#: The variables that name the CAs TLS clients trust; the first files they name are kept.
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")
 
 
 def bind(socket_path: str, port: int) -> tuple[socket.socket, socket.socket]:
@@ -225,6 +234,32 @@ def daemonize() -> bool:
     return True
 
 
+def trust(ca_file: str, bundle: str = BUNDLE) -> None:
+    """Have this process's children trust ``ca_file`` besides the CAs they trusted: the
+    files the CA variables name, else the system's bundle.
+
+    Raises:
+        OSError: the CA or the bundle could not be read or written.
+    """
+    import ssl
+
+    with open(ca_file, "rb") as f:
+        ca = f.read()
+    sources = [os.environ[name] for name in CA_VARIABLES if os.path.isfile(os.environ.get(name, ""))]
+    if not sources:
+        defaults = ssl.get_default_verify_paths()
+        sources = [p for p in (defaults.cafile, defaults.openssl_cafile) if p and os.path.isfile(p)][:1]
+    parts = []
+    for source in dict.fromkeys(sources):
+        with open(source, "rb") as f:
+            parts.append(f.read().rstrip(b"\n") + b"\n")
+    fd = os.open(bundle, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"".join(parts) + ca)
+    os.environ.update(dict.fromkeys(CA_VARIABLES, bundle))
+    os.environ["NODE_EXTRA_CA_CERTS"] = ca_file
+
+
 def main(argv: list[str]) -> int:
     args = argv[1:]
     command: list[str] = []
@@ -234,6 +269,14 @@ def main(argv: list[str]) -> int:
         if not command:
             print(f"egress relay: no command after '--'\n{USAGE}", file=sys.stderr)
             return 2
+    ca_file = None
+    if "--ca" in args:
+        at = args.index("--ca")
+        if at + 1 >= len(args):
+            print(USAGE, file=sys.stderr)
+            return 2
+        ca_file = args[at + 1]
+        del args[at : at + 2]
     if len(args) != 2 or not args[1].isdigit() or not 0 <= int(args[1]) <= 65535:
         print(USAGE, file=sys.stderr)
         return 2
@@ -243,6 +286,12 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"egress relay: cannot listen on 127.0.0.1:{port} and {socket_path}: {exc}", file=sys.stderr)
         return 1
+    if ca_file is not None:
+        try:
+            trust(ca_file)
+        except OSError as exc:
+            print(f"egress relay: cannot trust the kernel's egress CA {ca_file}: {exc}", file=sys.stderr)
+            return 1
     if not command:
         print(tcp.getsockname()[1], flush=True)
         try:

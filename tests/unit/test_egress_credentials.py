@@ -9,6 +9,7 @@ answers what it received, so the tests see exactly which headers arrived.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import threading
 import time
@@ -260,3 +261,23 @@ def test_the_handshake_shows_the_kernel_its_ca_certificate_never_the_key(kernel:
     assert leaf
     assert b"PRIVATE" not in leaf
     kernel.sandbox.take(2)
+
+
+def test_the_relay_has_the_kernel_trust_its_ca_besides_what_it_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca_file, theirs, bundle = tmp_path / "egress-ca.pem", tmp_path / "theirs.pem", tmp_path / "bundle.pem"
+    ca_file.write_bytes(b"-----BEGIN CERTIFICATE-----\nKERNEL\n-----END CERTIFICATE-----\n")
+    theirs.write_bytes(b"-----BEGIN CERTIFICATE-----\nTHEIRS\n-----END CERTIFICATE-----")
+    for name in (*test_egress.egress_relay.CA_VARIABLES, "NODE_EXTRA_CA_CERTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(theirs))  # as a kernelspec's env may
+    test_egress.egress_relay.trust(str(ca_file), str(bundle))
+    assert bundle.read_bytes().count(b"BEGIN CERTIFICATE") == 2
+    assert b"THEIRS" in bundle.read_bytes()
+    assert all(os.environ[name] == str(bundle) for name in test_egress.egress_relay.CA_VARIABLES)
+    assert os.environ["NODE_EXTRA_CA_CERTS"] == str(ca_file)
+    for name in test_egress.egress_relay.CA_VARIABLES:
+        monkeypatch.delenv(name)
+    test_egress.egress_relay.trust(str(ca_file), str(bundle))
+    assert bundle.read_bytes().count(b"BEGIN CERTIFICATE") > 10, "the system's CAs, and the kernel's"

@@ -286,9 +286,15 @@ def test_every_ceiling_is_declared_on_the_setting_it_bounds() -> None:
     assert bounded == ceilings
     for name, trait in traits.items():
         if "ceiling" in trait.metadata:
-            assert trait.metadata["bound"] in ("amount", "size", "timeout", "lifetime", "names", "domains"), (
-                name
-            )
+            assert trait.metadata["bound"] in (
+                "amount",
+                "size",
+                "timeout",
+                "lifetime",
+                "names",
+                "domains",
+                "credentials",
+            ), name
             assert trait.metadata.get("kernelspec"), (
                 f"{name}: only what a kernelspec may choose needs a ceiling"
             )

@@ -395,3 +395,72 @@ def test_a_workspace_the_kernel_cannot_write_is_refused(real_workspace_modes: No
     message = str(info.value)
     assert f"uid 4321, which cannot write its workspace {folder} (owner uid {os.getuid()}" in message
     assert f"chown -R 4321:4321 {folder}" in message
+
+
+# ---------------------------------------------------------------- credentials
+
+
+WAREHOUSE = {
+    "warehouse": {"domains": ["api.python.org"], "headers": {"Authorization": "Bearer {env:WAREHOUSE_TOKEN}"}}
+}
+
+
+def _with_credentials(tmp_path: Path, **kernelspec: Any) -> Any:
+    from traitlets.config import Config
+
+    from sandbox_kernel.plan import Launch, plan_sandbox
+
+    config = Config({"SandboxSettings": {"credentials": WAREHOUSE, "max_credentials": ["warehouse"]}})
+    settings = SandboxSettings(
+        config=config, kernel_uid=4321, max_allowed_domains=["*.python.org"], **kernelspec
+    )
+    workspace = tmp_path / "workspace"
+    workspace.mkdir(exist_ok=True)
+    launch = Launch("k1", "ks", ["python", "{connection_file}"], workspace, {}, "me")
+    return settings, lambda: plan_sandbox(settings, launch, {}, [])
+
+
+def test_a_kernelspec_names_the_server_s_credentials_and_the_plan_carries_no_value(tmp_path: Path) -> None:
+    settings, plan = _with_credentials(tmp_path, credentials=["warehouse"], **PYTHON_ORG)
+    check_ceilings(settings, {"credentials": ["warehouse"]})
+    result = plan()
+    (spec,) = result.credentials
+    assert (spec.name, spec.rules.patterns, spec.header_names) == (
+        "warehouse",
+        ("api.python.org",),
+        ("Authorization",),
+    )
+    policy = json.loads(result.spec.env["SANDBOX_KERNEL_POLICY"])
+    assert policy["credentials"] == {"warehouse": ["api.python.org"]}
+    _, plain = _with_credentials(tmp_path, **PYTHON_ORG)
+    assert plain().credentials == (), "the server's definitions go to no kernel that does not name them"
+
+
+@pytest.mark.parametrize(
+    ("kernelspec", "says"),
+    [
+        ({"credentials": ["payroll"], **PYTHON_ORG}, r"\['payroll'\], which the server does not define"),
+        ({"credentials": ["warehouse"]}, "needs network 'allowlist'"),
+        (
+            {"credentials": ["warehouse"], "network": "allowlist", "allowed_domains": ["docs.python.org"]},
+            "never widens egress",
+        ),
+    ],
+)
+def test_a_credential_the_kernel_cannot_use_is_refused_before_it_starts(
+    tmp_path: Path, kernelspec: dict[str, Any], says: str
+) -> None:
+    _, plan = _with_credentials(tmp_path, **kernelspec)
+    with pytest.raises(ConfigurationError, match=says):
+        plan()
+
+
+def test_a_kernelspec_may_only_name_credentials_within_the_ceiling() -> None:
+    settings = SandboxSettings(credentials=["warehouse", "payroll"], max_credentials=["warehouse"])
+    with pytest.raises(
+        ConfigurationError, match=r"credentials names \['payroll'\], beyond the server's ceiling"
+    ):
+        check_ceilings(settings, {"credentials": ["warehouse", "payroll"]})
+    defining = SandboxSettings(credentials=WAREHOUSE, max_credentials=["warehouse"])
+    with pytest.raises(ConfigurationError, match="it may only name the server's"):
+        check_ceilings(defining, {"credentials": WAREHOUSE})

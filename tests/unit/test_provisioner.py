@@ -576,13 +576,19 @@ async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
     await launch(prov, workspace)
     (container,) = fake_client.containers_created
     create = container.create_kwargs
-    assert create["command"][1:5] == [
+    assert create["command"][1:7] == [
         f"{CONTAINER_RUNTIME_DIR}/egress_relay.py",
         f"{CONTAINER_RUNTIME_DIR}/egress.sock",
         "3128",
+        "--ca",
+        f"{CONTAINER_RUNTIME_DIR}/egress-ca.pem",
         "--",
     ]
-    assert create["command"][5:] == ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+    assert create["command"][7:] == ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+    # The sandbox gets the CA's certificate; its key stays in the server-only folder.
+    launch_dir = container.runtime_dir
+    assert b"PRIVATE KEY" not in (launch_dir / "egress-ca.pem").read_bytes()
+    assert b"PRIVATE KEY" in (launch_dir.parent / "egress-ca-and-key.pem").read_bytes()
     assert create["network_mode"] == "none"
     env = create["environment"]
     assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
