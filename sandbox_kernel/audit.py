@@ -109,6 +109,8 @@ class PendingExecution:
     header: dict[str, Any]
     #: When the kernel said it began this one (its execute_input); queued ones have None.
     running_since: float | None = None
+    #: Whether its client answers prompts on stdin (the request's allow_stdin).
+    allow_stdin: bool = False
     #: The egress proxy's verdicts while it ran (the first ``_MAX_EGRESS``), and how many more.
     egress: list[dict[str, Any]] = field(default_factory=list)
     egress_dropped: int = 0
@@ -130,6 +132,9 @@ class ExecutionAuditor:
         self._log = log_file
         self._kernel_id = kernel_id
         self._kernelspec = kernelspec
+        #: Sees stdin messages (to_kernel, idents, parts) and may take one (False): the
+        #: approval broker's answers.
+        self.on_stdin: Callable[[bool, list[bytes], list[bytes]], bool] | None = None
         self._pending: dict[str, PendingExecution] = {}
         self._lock = threading.Lock()
         self._last_activity = time.monotonic()
@@ -145,12 +150,15 @@ class ExecutionAuditor:
 
     def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> bool:
         """Note one message; False for a request refused (answered here, not passed on)."""
-        if channel not in ("shell", "iopub"):
+        if channel not in ("shell", "iopub", "stdin"):
             return True
         split = _split(frames)
         if split is None:
             return True
         idents, parts = split
+        if channel == "stdin":
+            on_stdin = self.on_stdin
+            return True if on_stdin is None else on_stdin(to_kernel, idents, parts)
         if channel == "iopub":
             if not to_kernel:
                 self._started(parts)
@@ -184,6 +192,7 @@ class ExecutionAuditor:
             code=str(content.get("code", "")),
             idents=idents,
             header=header,
+            allow_stdin=content.get("allow_stdin") is True,
         )
         msg_id = str(header.get("msg_id", ""))
         with self._lock:
@@ -299,6 +308,25 @@ class ExecutionAuditor:
             }
         )
         return True
+
+    def approval(self, host: str, port: int, answer: str, by: str, waited: float) -> None:
+        """Record what the kernel's holder answered (or why nobody did) to a request that
+        needed approval, with the execution it served."""
+        running = self.running()
+        self._write(
+            {
+                "event": "approval",
+                "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                "kernel_id": self._kernel_id,
+                "kernelspec": self._kernelspec,
+                "msg_id": running[0] if running else None,
+                "host": host,
+                "port": port,
+                "answer": answer,
+                "by": by,
+                "waited": round(waited, 3),
+            }
+        )
 
     def credential(self, action: str, credential: BoundCredential) -> None:
         """Record that a credential was bound to the kernel or revoked: its name, domains,

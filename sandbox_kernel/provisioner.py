@@ -16,7 +16,9 @@ import signal
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,14 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 
+from .approval import Answer, ApprovalBroker, ApprovalHandler
 from .audit import AuditLog, ExecutionAuditor, PendingExecution
 from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .binding import bind
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
-from .egress import Decision, EgressPolicy, EgressProxy
+from .egress import ApprovalRequest, Decision, EgressPolicy, EgressProxy
 from .egress.ca import KernelCA
 from .egress.credentials import BoundCredential, parse_definitions
 from .errors import (
@@ -153,6 +156,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._egress_ca: KernelCA | None = None
         # What the egress proxy adds to the kernel's requests (see bind_credential).
         self._credentials: list[BoundCredential] = []
+        #: With approval "egress": called (in a thread of its own) with an ApprovalRequest,
+        #: returns "once", "kernel" or "deny"; unset: the client running the cell is asked
+        #: on stdin (see sandbox_kernel.approval).
+        self.approval_handler: ApprovalHandler | None = None
         self._egress_registered = False
         self._restarter_stopped = False
         self._cwd: str | None = None
@@ -484,11 +491,42 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._on_egress,
             ca,
             self._credentials,
+            self._approver(),
         )
         self._egress_registered = True
         for credential in self._credentials:
             if self._auditor is not None:
                 self._auditor.credential("bound", credential)
+
+    def _approver(self) -> Callable[[ApprovalRequest], concurrent.futures.Future[Answer]] | None:
+        """With approval "egress": what the egress proxy asks, each answer (or its absence)
+        an audit line."""
+        auditor, signer, bridge = self._auditor, self._signer, self.bridge
+        if self._egress is None or self._egress.approval != "egress" or auditor is None:
+            return None
+        if signer is None or bridge is None:
+            return None
+        broker = ApprovalBroker(
+            str(self.kernel_id),
+            auditor,
+            signer,
+            partial(bridge.inject, "stdin"),
+            lambda: self.approval_handler,
+        )
+        auditor.on_stdin = broker.on_stdin
+
+        def ask(request: ApprovalRequest) -> concurrent.futures.Future[Answer]:
+            asked = time.monotonic()
+            future = broker.ask(request)
+
+            def record(done: concurrent.futures.Future[Answer]) -> None:
+                answer, by = ("deny", "timeout") if done.cancelled() else done.result()
+                auditor.approval(request.host, request.port, answer, by, time.monotonic() - asked)
+
+            future.add_done_callback(record)
+            return future
+
+        return ask
 
     def bind_credential(self, name: str, domains: list[str], headers: dict[str, str], ttl: float = 0) -> None:
         """Have the egress proxy add ``headers`` to this kernel's requests to ``domains``

@@ -224,6 +224,22 @@ class SandboxSettings(LoggingConfigurable):
         In a kernelspec, the names of those its kernels get (["warehouse"]), within
         `max_credentials`. Needs network `allowlist` with the credential's domains allowed.""",
     ).tag(kernelspec=True, ceiling="max_credentials", bound="credentials", flag="credential")
+    approval = CaselessStrEnum(
+        ["off", "egress"],
+        default_value="off",
+        config=True,
+        help="""With network `allowlist`: `egress` has a request to a domain outside
+        `allowed_domains` (but within the server's `max_allowed_domains`) wait while the
+        kernel's holder is asked: a program's `km.provisioner.approval_handler`, else the
+        client running the cell, through a stdin prompt (JupyterLab shows it). The answer is
+        once, kernel (this domain from now on) or deny; no answer within `approval_timeout`,
+        or a client that cannot answer prompts, is deny. `off`: such requests are denied.""",
+    ).tag(kernelspec=True)
+    approval_timeout = Duration(
+        60.0,
+        config=True,
+        help="Seconds (or e.g. '2m') a request waits for approval before it is denied.",
+    ).tag(kernelspec=True)
     max_credentials = List(
         Unicode(),
         default_value=[],
@@ -455,13 +471,19 @@ class SandboxSettings(LoggingConfigurable):
             raise TraitError(msg)
         return value
 
-    @validate("startup_timeout")
-    def _validate_startup_timeout(self, proposal: dict[str, Any]) -> float:
+    @validate("startup_timeout", "approval_timeout")
+    def _validate_waiting(self, proposal: dict[str, Any]) -> float:
         value: float = proposal["value"]
         if not 0 < value <= LONGEST:
+            name = proposal["trait"].name
+            waits = (
+                "a kernel needs time to start"
+                if name == "startup_timeout"
+                else "a person needs time to answer"
+            )
             msg = (
-                f"startup_timeout={value!r} is out of range; a kernel needs time to start: use more "
-                "than 0 seconds and at most a week, e.g. 120 or '2m' (the default is 60)."
+                f"{name}={value!r} is out of range; {waits}: use more than 0 seconds and at most "
+                "a week, e.g. 120 or '2m' (the default is 60)."
             )
             raise TraitError(msg)
         return value
@@ -581,6 +603,11 @@ class SandboxSettings(LoggingConfigurable):
             host_map=dict(self.egress_host_map),
             private_networks=tuple(self.egress_private_networks),
             upstream_cafile=self.egress_ca_bundle or None,
+            approval=self.approval,
+            approval_timeout=self.approval_timeout,
+            approvable=EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
+            if self.approval == "egress"
+            else EgressRules(),
         )
 
     def credential_catalog(self) -> dict[str, CredentialSpec]:

@@ -43,6 +43,7 @@ import ssl
 import stat
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -61,11 +62,26 @@ from .http1 import (
     response_keeps_connection,
     response_status,
 )
-from .rules import PORT, EgressPolicy, is_domain_name, is_ip_literal, normalize_host, shown
+from .rules import (
+    PORT,
+    DomainRule,
+    EgressPolicy,
+    EgressRules,
+    is_domain_name,
+    is_ip_literal,
+    normalize_host,
+    shown,
+)
 from .tls import MAX_CLIENT_HELLO, IncompleteHello, client_hello_sni
 from .tlsstream import TlsStream
 
 log = logging.getLogger(__name__)
+
+#: Asks the kernel's holder about a request the policy leaves to them; the future gets
+#: ("once" | "kernel" | "deny", who answered or why not). See sandbox_kernel.approval.
+Approver = Callable[["ApprovalRequest"], "concurrent.futures.Future[tuple[str, str]]"]
+#: Questions one kernel may have open at once; more are denied at once.
+MAX_QUESTIONS = 4
 
 #: What ``on_decision`` receives: kernel_id, method, host, port, verdict ("allowed" or
 #: "denied"), reason, and address (the IP connected to, or None).
@@ -120,6 +136,20 @@ _IP_LITERAL = "IP literals are not allowed; use a domain name"
 _T = TypeVar("_T")
 
 
+@dataclass(frozen=True)
+class ApprovalRequest:
+    """A request of a kernel that waits for its holder's approval."""
+
+    kernel_id: str
+    host: str
+    port: int
+    method: str
+
+    @property
+    def what(self) -> str:
+        return f"egress to {self.host}:{self.port}"
+
+
 class EgressProxy:
     """The process-wide egress proxy: one daemon thread, its own event loop, every kernel.
 
@@ -157,11 +187,13 @@ class EgressProxy:
         on_decision: Callable[[Decision], None],
         ca: KernelCA | None = None,
         credentials: Iterable[BoundCredential] = (),
+        approver: Approver | None = None,
     ) -> None:
         """Serve ``kernel_id``: keep idle connections dialed to its relay at
         ``socket_path`` (retrying until the relay is up) and enforce ``policy``; add
         ``credentials`` to its requests to their hosts, ending its TLS there with
-        certificates of ``ca`` (which the kernel trusts).
+        certificates of ``ca`` (which the kernel trusts); ask ``approver`` about requests
+        the policy leaves to the kernel's holder (any thread may answer the future).
 
         A kernel already registered under ``kernel_id`` is removed first.
         ``on_decision`` is called in the proxy thread once per request; what it raises is
@@ -176,7 +208,7 @@ class EgressProxy:
         if table.names and ca is None:
             msg = "credentials need the kernel's egress CA: without it the proxy cannot add them"
             raise ConfigurationError(msg)
-        self._call(self._add_kernel(kernel_id, Path(socket_path), policy, on_decision, ca, table))
+        self._call(self._add_kernel(kernel_id, Path(socket_path), policy, on_decision, ca, table, approver))
 
     def bind_credential(self, kernel_id: str, credential: BoundCredential) -> None:
         """Add ``credential`` to ``kernel_id``'s requests from now on (replacing one of
@@ -213,9 +245,12 @@ class EgressProxy:
         on_decision: Callable[[Decision], None],
         ca: KernelCA | None,
         credentials: CredentialTable,
+        approver: Approver | None,
     ) -> None:
         await self._remove_kernel(kernel_id)
-        self._kernels[kernel_id] = _KernelEgress(kernel_id, socket_path, policy, on_decision, ca, credentials)
+        self._kernels[kernel_id] = _KernelEgress(
+            kernel_id, socket_path, policy, on_decision, ca, credentials, approver
+        )
 
     def _served(self, kernel_id: str) -> _KernelEgress:
         kernel = self._kernels.get(kernel_id)
@@ -282,8 +317,13 @@ class _KernelEgress:
         on_decision: Callable[[Decision], None],
         ca: KernelCA | None = None,
         credentials: CredentialTable | None = None,
+        approver: Approver | None = None,
     ) -> None:
         self.kernel_id = kernel_id
+        self.approver = approver
+        #: Domains the holder approved for this kernel ("kernel" answers).
+        self.approved = EgressRules()
+        self._asking: dict[tuple[str, int], asyncio.Future[tuple[str, str]]] = {}
         self.socket_path = socket_path
         self.policy = policy
         self.on_decision = on_decision
@@ -304,6 +344,52 @@ class _KernelEgress:
             self.on_decision(decision)
         except Exception:
             log.exception("egress: the decision callback of kernel %s failed", self.kernel_id)
+
+    async def ask(self, host: str, port: int, method: str) -> str:
+        """The reason a request outside the kernel's rules may pass: its holder approved.
+
+        Concurrent requests for one destination share one question.
+
+        Raises:
+            _Refusal: not approvable by policy, denied, or no answer in time.
+        """
+        policy = self.policy
+        if policy.approval != "egress" or self.approver is None or not policy.approvable.allows(host, port):
+            raise _Refusal(403, f"{shown(host)}:{port} is not in this kernel's allowed domains")
+        key = (host, port)
+        asking = self._asking.get(key)
+        if asking is None:
+            if len(self._asking) >= MAX_QUESTIONS:
+                raise _Refusal(403, f"{host}:{port} needs approval, and {MAX_QUESTIONS} questions are open")
+            asking = asyncio.ensure_future(self._ask(ApprovalRequest(self.kernel_id, host, port, method)))
+            self._asking[key] = asking
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        answer, why = await asyncio.shield(asking)
+        if answer == "deny":
+            raise _Refusal(403, why)
+        return f"approved by {why}, {answer}"
+
+    async def _ask(self, request: ApprovalRequest) -> tuple[str, str]:
+        if self.approver is None:
+            return "deny", f"{request.what} needed approval; nobody can be asked"
+        future = self.approver(request)
+        timeout = self.policy.approval_timeout
+        try:
+            answer, by = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        except asyncio.TimeoutError:
+            future.cancel()
+            return (
+                "deny",
+                f"{request.what} needed approval; no answer within {timeout:g} s (approval_timeout)",
+            )
+        except Exception:
+            log.exception("egress: asking about %s failed", request.what)
+            return "deny", f"{request.what} needed approval; asking failed"
+        if answer == "kernel":
+            self.approved = EgressRules((*self.approved.rules, DomainRule(request.host, port=request.port)))
+        if answer == "deny":
+            return "deny", f"{request.what} needed approval and was denied by {by}"
+        return answer, by
 
     def intercepts(self, host: str, port: int) -> bool:
         """Whether the proxy ends the kernel's TLS to ``host``:``port`` (to add a credential)."""
@@ -539,7 +625,8 @@ class _Exchange:
         self.host = ""
         self.port: int | None = None
         self.address: str | None = None
-        self.pattern = ""
+        #: Why the destination may be reached (an allowed pattern, the holder's approval).
+        self.why = ""
         self.decided = False
         # Set once the upstream's final response has begun: no request byte follows it.
         self.answered = False
@@ -672,15 +759,15 @@ class _Exchange:
     async def _open_upstream(
         self, host: str, port: int, tls: ssl.SSLContext | None = None
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-        """Check the destination against the policy, resolve it, and connect (over
-        ``tls``, verifying the host's certificate, if given).
+        """Check the destination against the policy (asking the kernel's holder, where
+        it leaves the request to them), resolve it, and connect (over ``tls``, verifying
+        the host's certificate, if given); the reader, the writer and why it may pass.
 
         Raises:
             _Refusal: not allowed (403), or cannot be resolved or reached (502).
         """
-        rule = self.policy.rules.match(host, port)
-        if rule is None:
-            raise _Refusal(403, f"{shown(host)}:{port} is not in this kernel's allowed domains")
+        rule = self.policy.rules.match(host, port) or self.kernel.approved.match(host, port)
+        why = f"allowed by '{rule.pattern}'" if rule else await self.kernel.ask(host, port, self.method)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.policy.connect_timeout
         mapped = self.policy.mapped_address(host)
@@ -714,7 +801,7 @@ class _Exchange:
             self.address = str(address)
             if self.kernel.closed:
                 raise asyncio.CancelledError
-            return reader, writer, rule.pattern
+            return reader, writer, why
         raise _Refusal(502, f"cannot connect to {host}:{port}: {failure}")
 
     async def _connect(self, target: str, rest: bytes) -> None:
@@ -726,7 +813,7 @@ class _Exchange:
             if not live:
                 raise _Refusal(403, f"{'; '.join(ended)}; nothing was sent")
             names = ", ".join(f"'{credential.name}'" for credential in live)
-        upstream_reader, upstream_writer, pattern = await self._open_upstream(
+        upstream_reader, upstream_writer, why = await self._open_upstream(
             host, port, self.kernel.upstream_tls if intercept else None
         )
         self.writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -743,12 +830,12 @@ class _Exchange:
             self.decide("denied", f"TLS SNI '{shown(sni)}' does not match the requested host '{self.host}'")
             return
         if intercept and self.kernel.leaves is not None:
-            self.pattern = pattern
-            self.decide("allowed", f"allowed by '{pattern}'; TLS ends at the proxy, for credentials {names}")
+            self.why = why
+            self.decide("allowed", f"{why}; TLS ends at the proxy, for credentials {names}")
             client = TlsStream(self.reader, self.writer, self.kernel.leaves.get(host), hello)
             await self._serve_intercepted(client, upstream_reader, upstream_writer)
             return
-        self.decide("allowed", f"allowed by '{pattern}'")
+        self.decide("allowed", why)
         upstream_writer.write(hello)
         await self._splice(
             self._pump(self.reader, upstream_writer),
@@ -771,7 +858,7 @@ class _Exchange:
         while not self.kernel.closed:
             request = _Exchange(self.kernel, tls, tls)  # type: ignore[arg-type]
             request.host, request.port, request.address = self.host, self.port, self.address
-            request.pattern = self.pattern
+            request.why = self.why
             try:
                 if not await request._pass_intercepted(client, upstream, upstream_writer):
                     return
@@ -826,7 +913,7 @@ class _Exchange:
         if closing:
             lines.append("Connection: close")
         names = ", ".join(f"'{credential.name}'" for credential in live)
-        self.decide("allowed", f"allowed by '{self.pattern}'; credential {names} added")
+        self.decide("allowed", f"{self.why}; credential {names} added")
         upstream_writer.write("\r\n".join([*lines, "", ""]).encode("latin-1"))
 
         async def send(data: bytes) -> None:
@@ -927,7 +1014,7 @@ class _Exchange:
             framing = request_framing(version, headers)
         except FramingError as exc:
             raise _Refusal(400, str(exc)) from None
-        upstream_reader, upstream_writer, pattern = await self._open_upstream(host, port)
+        upstream_reader, upstream_writer, why = await self._open_upstream(host, port)
         host_header = host if port == 80 else f"{host}:{port}"
         lines = [
             f"{method} {path if path.startswith('/') else '/' + path} HTTP/{version}",
@@ -939,7 +1026,7 @@ class _Exchange:
         elif framing.kind == "chunked":
             lines.append("Transfer-Encoding: chunked")
         lines += ["Connection: close", "", ""]
-        self.decide("allowed", f"allowed by '{pattern}'")
+        self.decide("allowed", why)
         upstream_writer.write("\r\n".join(lines).encode("latin-1"))
         await self._splice(
             self._send_body(_Source(self.reader, rest, self._active), framing, upstream_writer),

@@ -228,6 +228,11 @@ class EgressPolicy:
     #: The CAs (a PEM file) that the proxy verifies a host with when it ends the kernel's
     #: TLS there to add a credential; None: the system's.
     upstream_cafile: str | None = None
+    #: "egress": a request outside ``rules`` but within ``approvable`` waits for the
+    #: kernel's holder to approve it, at most ``approval_timeout`` seconds; "off": denied.
+    approval: str = "off"
+    approval_timeout: float = 60.0
+    approvable: EgressRules = field(default_factory=EgressRules)
     _networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False, default=())
     _addresses: Mapping[str, IPAddress] = field(init=False, repr=False, compare=False, default_factory=dict)
 

@@ -27,6 +27,8 @@ from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.ownership import list_kernels, remove_kernel
 
 from .conftest import REPORTS, make_workspace
+from .test_egress import Upstreams, _fetch
+from .test_egress import upstreams as upstreams  # the egress tests' local HTTPS upstream
 from .test_jupyter_server import Server, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -106,12 +108,12 @@ class Labs:
         self.pages: list[Page] = []
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, persistent: bool = False) -> Lab:
-        """A server (``persistent``: with the documented kernel_manager_class line) and
-        a fresh page on it."""
+    def start(self, persistent: bool = False, config_lines: str = "") -> Lab:
+        """A server (``persistent``: with the documented kernel_manager_class line; and
+        ``config_lines``) and a fresh page on it."""
         config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
         config_dir.mkdir(parents=True, exist_ok=True)
-        config = LAB_CONFIG + (PERSISTENT_CONFIG if persistent else "")
+        config = LAB_CONFIG + (PERSISTENT_CONFIG if persistent else "") + config_lines
         (config_dir / "jupyter_server_config.py").write_text(config)
         server = self.serve()
         page = self.browser.new_page(viewport={"width": 1400, "height": 900})
@@ -260,6 +262,38 @@ def test_a_limit_that_stops_the_kernel_is_announced(labs: Labs, make_kernelspec:
     dialog.locator(".jp-mod-accept").click()
     analyst.wait_for_kernel("Small Python")
     assert "NameError" in analyst.run("x")
+
+
+def test_the_analyst_is_asked_before_the_kernel_leaves_its_allow_list(
+    labs: Labs, make_kernelspec: Callable[..., str], upstreams: Upstreams
+) -> None:
+    """Approval through JupyterLab's own input box, as for input(): no extension."""
+    port = upstreams.https_port
+    (labs.root / "ca.pem").write_bytes(upstreams.ca_pem)
+    make_kernelspec(
+        "py-asking",
+        config={"network": "allowlist", "allowed_domains": [f"allowed.test:{port}"], "approval": "egress"},
+        env={"SSL_CERT_FILE": "/workspace/ca.pem"},
+        display_name="Asking Python",
+    )
+    analyst = labs.start(
+        config_lines=(
+            f"c.SandboxProvisioner.max_allowed_domains = ['allowed.test:{port}', 'other.test:{port}']\n"
+            "c.SandboxProvisioner.egress_host_map = "
+            "{'allowed.test': '127.0.0.1', 'other.test': '127.0.0.1'}\n"
+            "c.SandboxProvisioner.egress_private_networks = ['127.0.0.1/32']\n"
+        )
+    )
+    analyst.new_notebook("Asking Python")
+    cell = analyst.type_cell(_fetch(f"https://other.test:{port}/asked"))
+    expect(cell.locator(".jp-Stdin-prompt")).to_contain_text(
+        f"allow this kernel egress to other.test:{port} (not in its allowed domains)?", timeout=30_000
+    )
+    box = cell.locator(".jp-Stdin-input")
+    box.fill("once")
+    box.press("Enter")
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=30_000)
+    assert "OK" in cell.locator(".jp-OutputArea").inner_text()
 
 
 def test_a_persistent_kernel_survives_a_sigkill_of_jupyter_lab(

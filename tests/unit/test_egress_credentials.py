@@ -39,9 +39,19 @@ TOKEN = "sk-live-0123456789abcdef"
 
 
 class KeepAliveEcho(Echo):
-    """The echo handler over HTTP/1.1: the connection stays open between requests."""
+    """The echo handler over HTTP/1.1: the connection stays open between requests;
+    ``/redirect?to=URL`` answers 302 to URL."""
 
     protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/redirect?to="):
+            self.send_response(302)
+            self.send_header("Location", self.path.split("=", 1)[1])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.reply()
 
 
 class TlsUpstream(ThreadingHTTPServer):
@@ -182,6 +192,17 @@ def test_the_credential_never_goes_to_another_host_named_in_the_tunnel(kernel: K
     (connect, refused) = kernel.sandbox.take(2)
     assert connect["verdict"] == "allowed"
     assert refused["verdict"] == "denied"
+
+
+def test_a_redirect_to_another_host_does_not_take_the_credential_along(kernel: Kernel) -> None:
+    target = f"https://other.test:{kernel.port}/data"
+    with kernel.session() as session:
+        response = session.get(f"https://allowed.test:{kernel.port}/redirect?to={target}", timeout=10)
+    assert response.url == target
+    assert "authorization" not in received(response)
+    reasons = kernel.reasons(3)
+    assert "credential 'warehouse' added" in reasons[1], "the request to allowed.test had it"
+    assert reasons[2] == f"allowed by 'other.test:{kernel.port}'", "other.test: an opaque tunnel"
 
 
 def test_a_host_without_a_credential_stays_an_opaque_tunnel(kernel: Kernel) -> None:

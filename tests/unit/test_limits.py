@@ -118,6 +118,7 @@ def test_duration_seconds_rejects_non_durations_naming_key_value_and_forms(value
 
 SECONDS = (
     "exec_timeout",
+    "approval_timeout",
     "max_exec_timeout",
     "exec_kill_grace",
     "idle_timeout",

@@ -1,0 +1,97 @@
+"""Asking the kernel's holder on stdin: the prompt goes to the client running the cell,
+its answer is taken before the kernel sees it, and the kernel's own input() is left alone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import pytest
+from jupyter_client.session import Session
+
+from sandbox_kernel.approval import ApprovalBroker
+from sandbox_kernel.audit import ExecutionAuditor
+from sandbox_kernel.egress import ApprovalRequest
+from sandbox_kernel.wire import find_delimiter
+
+CLIENT = [b"client-session"]
+REQUEST = ApprovalRequest("k1", "other.test", 443, "CONNECT")
+
+
+class Setup:
+    def __init__(self, allow_stdin: bool = True, handler: Any = None) -> None:
+        self.session = Session(key=b"secret")
+        self.auditor = ExecutionAuditor(None, "k1", "ks")
+        self.sent: list[list[bytes]] = []
+        self.broker = ApprovalBroker("k1", self.auditor, self.session, self.sent.append, lambda: handler)
+        self.auditor.on_stdin = self.broker.on_stdin
+        execute = self.session.msg("execute_request", {"code": "fetch()", "allow_stdin": allow_stdin})
+        self.execute = execute
+        assert self.auditor("shell", True, self.session.serialize(execute, ident=CLIENT))
+
+    def reply(self, value: str, parent: dict[str, Any] | None) -> bool:
+        msg = self.session.msg("input_reply", {"value": value}, parent=parent or {})
+        return self.auditor("stdin", True, self.session.serialize(msg, ident=CLIENT))
+
+    def prompt(self) -> dict[str, Any]:
+        (frames,) = self.sent
+        index = find_delimiter(frames)
+        assert index is not None
+        assert frames[:index] == CLIENT, "to the client that runs the cell"
+        msg = self.session.deserialize(frames[index + 1 :])
+        return msg
+
+
+def answer(future: concurrent.futures.Future[tuple[str, str]]) -> tuple[str, str]:
+    return future.result(timeout=5)
+
+
+def test_the_prompt_is_the_host_s_signed_stdin_request_for_the_running_cell() -> None:
+    setup = Setup()
+    future = setup.broker.ask(REQUEST)
+    msg = setup.prompt()  # deserialize checks the signature
+    assert msg["msg_type"] == "input_request"
+    assert msg["parent_header"]["msg_id"] == setup.execute["header"]["msg_id"]
+    assert "egress to other.test:443" in msg["content"]["prompt"]
+    assert not future.done()
+    assert setup.reply("once", msg["header"]) is False, "the answer never reaches the kernel"
+    assert answer(future) == ("once", "the kernel's holder (stdin)")
+
+
+@pytest.mark.parametrize(
+    ("typed", "meaning"), [("k", "kernel"), ("Always", "kernel"), ("yes", "once"), ("", "deny")]
+)
+def test_jupyter_client_s_input_answers_without_a_parent(typed: str, meaning: str) -> None:
+    setup = Setup()
+    future = setup.broker.ask(REQUEST)
+    assert setup.reply(typed, None) is False
+    assert answer(future)[0] == meaning
+
+
+def test_the_kernel_s_own_input_is_left_to_the_kernel() -> None:
+    setup = Setup()
+    own = setup.session.msg("input_request", {"prompt": "name? ", "password": False})
+    assert setup.auditor("stdin", False, setup.session.serialize(own, ident=CLIENT))
+    future = setup.broker.ask(REQUEST)
+    assert setup.reply("Ada", None) is True, "a parentless answer while the kernel asks is the kernel's"
+    assert not future.done()
+    assert setup.reply("deny", setup.prompt()["header"]) is False
+    assert answer(future)[0] == "deny"
+
+
+def test_a_client_that_cannot_answer_is_not_asked() -> None:
+    setup = Setup(allow_stdin=False)
+    verdict, why = answer(setup.broker.ask(REQUEST))
+    assert verdict == "deny"
+    assert "cannot answer prompts (allow_stdin is false)" in why
+    assert setup.sent == []
+
+
+def test_a_program_s_handler_answers_instead() -> None:
+    asked: list[ApprovalRequest] = []
+    setup = Setup(handler=lambda request: asked.append(request) or "kernel")
+    assert answer(setup.broker.ask(REQUEST)) == ("kernel", "the kernel's holder (approval_handler)")
+    assert asked == [REQUEST]
+    assert setup.sent == []
+    failing = Setup(handler=lambda request: 1 / 0)
+    assert answer(failing.broker.ask(REQUEST)) == ("deny", "the approval handler failed")

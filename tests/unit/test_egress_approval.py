@@ -1,0 +1,128 @@
+"""Requests the policy leaves to the kernel's holder, at the proxy: who is asked, how
+often, and what an answer (or none) does. The holder here is a test's approver."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import urllib.error
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from sandbox_kernel.egress import ApprovalRequest, EgressProxy
+from sandbox_kernel.egress.rules import EgressRules
+
+from . import test_egress
+from .test_egress import Relay, Sandbox, Upstreams, policy
+
+# The relay and upstream fixtures of the egress tests.
+relay, relay_dir, upstreams = test_egress.relay, test_egress.relay_dir, test_egress.upstreams
+
+
+class Holder:
+    """Answers when the test says so; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[ApprovalRequest] = []
+        self.futures: list[concurrent.futures.Future[tuple[str, str]]] = []
+
+    def __call__(self, request: ApprovalRequest) -> concurrent.futures.Future[tuple[str, str]]:
+        self.asked.append(request)
+        future: concurrent.futures.Future[tuple[str, str]] = concurrent.futures.Future()
+        self.futures.append(future)
+        return future
+
+    def answer(self, answer: str, timeout: float = 5) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(not f.done() for f in self.futures) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for future in self.futures:
+            if not future.done():
+                future.set_result((answer, "the test"))
+
+
+@pytest.fixture
+def asking(relay: Relay, upstreams: Upstreams) -> Iterator[tuple[Sandbox, Holder]]:
+    sandbox = Sandbox(f"test-{uuid.uuid4().hex[:8]}", relay.port, upstreams)
+    holder = Holder()
+    EgressProxy.instance().add_kernel(
+        sandbox.kernel_id,
+        relay.socket_path,
+        policy(
+            upstreams,
+            approval="egress",
+            approval_timeout=1.0,
+            approvable=EgressRules.parse([f"other.test:{upstreams.http}"]),
+        ),
+        sandbox.decisions.append,
+        approver=holder,
+    )
+    yield sandbox, holder
+    EgressProxy.instance().remove_kernel(sandbox.kernel_id)
+
+
+def fetch(sandbox: Sandbox, host: str = "other.test") -> str:
+    try:
+        sandbox.get(f"http://{host}:{sandbox.upstreams.http}/asked")
+    except urllib.error.HTTPError as exc:
+        return f"{exc.code} {exc.reason}"
+    return "OK"
+
+
+def test_concurrent_requests_for_one_destination_share_one_question(asking: tuple[Sandbox, Holder]) -> None:
+    sandbox, holder = asking
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(fetch(sandbox))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    holder.answer("once")
+    for thread in threads:
+        thread.join(10)
+    assert results == ["OK"] * 3
+    assert len(holder.asked) == 1
+    assert [d["reason"] for d in sandbox.take(3)] == ["approved by the test, once"] * 3
+
+
+def test_once_asks_again_kernel_does_not_deny_says_who(asking: tuple[Sandbox, Holder]) -> None:
+    sandbox, holder = asking
+    threading.Timer(0.2, holder.answer, ["once"]).start()
+    assert fetch(sandbox) == "OK"
+    threading.Timer(0.2, holder.answer, ["deny"]).start()
+    assert fetch(sandbox).startswith("403 sandbox-kernel egress denied: egress to other.test")
+    assert "needed approval and was denied by the test" in sandbox.take(2)[1]["reason"]
+    threading.Timer(0.2, holder.answer, ["kernel"]).start()
+    assert fetch(sandbox) == "OK"
+    assert fetch(sandbox) == "OK"
+    assert len(holder.asked) == 3, "approved for the kernel: not asked again"
+    assert sandbox.take(2)[1]["reason"] == f"allowed by 'other.test:{sandbox.upstreams.http}'"
+
+
+def test_no_answer_in_time_is_a_denial(asking: tuple[Sandbox, Holder]) -> None:
+    sandbox, holder = asking
+    started = time.monotonic()
+    assert "no answer within 1 s (approval_timeout)" in fetch(sandbox)
+    assert time.monotonic() - started < 3
+    assert holder.futures[0].cancelled(), "the question is withdrawn"
+    sandbox.take(1)
+
+
+def test_beyond_the_approvable_domains_nobody_is_asked(asking: tuple[Sandbox, Holder]) -> None:
+    sandbox, holder = asking
+    assert fetch(sandbox, "private.test").startswith("403")
+    assert holder.asked == []
+    sandbox.take(1)
+
+
+def test_without_approval_the_policy_alone_decides(relay: Relay, upstreams: Upstreams) -> None:
+    sandbox = test_egress.register(
+        relay, upstreams, approvable=EgressRules.parse([f"other.test:{upstreams.http}"])
+    )
+    try:
+        assert fetch(sandbox).startswith("403")
+        assert "is not in this kernel's allowed domains" in str(sandbox.decision()["reason"])
+    finally:
+        EgressProxy.instance().remove_kernel(sandbox.kernel_id)
