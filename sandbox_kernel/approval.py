@@ -16,7 +16,9 @@ the human nor read the answer. Every decision is an audit line.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +44,13 @@ ANSWERS = {
 }
 #: How long a late answer to a prompt that timed out is still recognised (and swallowed).
 LATE_ANSWERS = 600.0
+#: Who answered, for the audit line and the refusal.
+STDIN = "the kernel's holder (stdin)"
+HANDLER = "the kernel's holder (approval_handler)"
+AMBIGUOUS = (
+    "sandbox-kernel: an answer without a parent came while the kernel was asking the same client "
+    "for input, so it could have been meant for the kernel"
+)
 
 
 #: The holder's answer: ("once" | "kernel" | "deny", who answered: the holder, or
@@ -60,7 +69,14 @@ class _Prompt:
 class ApprovalBroker:
     """One kernel's asking: by callback, else by a prompt on the stdin of the client
     running the current cell. Thread-safe: the proxy's thread asks, the bridge's thread
-    hands in answers (see :meth:`on_stdin`)."""
+    hands in answers (see :meth:`on_stdin`).
+
+    An answer is ours when its parent is our prompt (JupyterLab's are). One without a
+    parent (jupyter_client's ``input()``) is ours only when it cannot be the answer to a
+    prompt of the kernel's own: while the kernel has asked that client something too, our
+    question is denied instead, for the kernel could word its prompt to get a "yes" meant
+    for it. Our prompts' ids are random, so the kernel cannot reuse one.
+    """
 
     def __init__(
         self,
@@ -77,7 +93,8 @@ class ApprovalBroker:
         self._handler = handler
         self._lock = threading.Lock()
         self._prompts: dict[str, _Prompt] = {}
-        #: Stdin requests of the kernel's own (input()) per client, still unanswered.
+        #: Clients (their routing identity) the kernel's own input() asked, unanswered;
+        #: counted only for clients that run cells, so the kernel cannot grow it.
         self._kernel_asking: dict[bytes, int] = {}
 
     def ask(self, request: ApprovalRequest) -> concurrent.futures.Future[Answer]:
@@ -92,70 +109,78 @@ class ApprovalBroker:
         execution = self._auditor.current()
         if execution is None:
             future.set_result(("deny", "sandbox-kernel: no cell is running whose client could be asked"))
-        elif not execution.allow_stdin:
-            future.set_result(
-                (
-                    "deny",
-                    "sandbox-kernel: the client that ran this cell cannot answer prompts (allow_stdin is "
-                    "false)",
-                )
-            )
-        else:
-            prompt = (
-                f"sandbox-kernel: allow this kernel {request.what} (not in its allowed domains)? "
-                "[once / kernel / deny]: "
-            )
-            msg = self._signer.msg(
-                "input_request", {"prompt": prompt, "password": False}, parent=execution.header
-            )
-            with self._lock:
-                self._prompts[msg["header"]["msg_id"]] = _Prompt(
-                    future, list(execution.idents), time.monotonic() + LATE_ANSWERS
-                )
-            self._send_stdin(list(self._signer.serialize(msg, ident=execution.idents)))
+            return future
+        if not execution.allow_stdin:
+            why = "the client that ran this cell cannot answer prompts (allow_stdin is false)"
+            future.set_result(("deny", f"sandbox-kernel: {why}"))
+            return future
+        prompt = (
+            f"sandbox-kernel: allow this kernel {request.what} (not in its allowed domains)? "
+            "[once / kernel / deny]: "
+        )
+        msg = self._signer.msg(
+            "input_request", {"prompt": prompt, "password": False}, parent=execution.header
+        )
+        msg["header"]["msg_id"] = msg["msg_id"] = secrets.token_hex(16)
+        now = time.monotonic()
+        with self._lock:
+            for msg_id in [m for m, p in self._prompts.items() if p.deadline < now]:
+                del self._prompts[msg_id]
+            self._prompts[msg["msg_id"]] = _Prompt(future, list(execution.idents), now + LATE_ANSWERS)
+        self._send_stdin(list(self._signer.serialize(msg, ident=execution.idents)))
         return future
 
     def _call_handler(
         self, handler: ApprovalHandler, request: ApprovalRequest, future: concurrent.futures.Future[Answer]
     ) -> None:
         try:
-            answer = ANSWERS.get(str(handler(request)).strip().lower(), "deny")
+            answer: Answer = (ANSWERS.get(str(handler(request)).strip().lower(), "deny"), HANDLER)
         except Exception:
             log.exception("Sandboxed kernel %s: the approval handler failed; denied", self.kernel_id)
-            future.set_result(("deny", "the approval handler failed"))
-            return
-        future.set_result((answer, "the kernel's holder (approval_handler)"))
+            answer = ("deny", "the approval handler failed")
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # timed out meanwhile
+            future.set_result(answer)
 
     def on_stdin(self, to_kernel: bool, idents: list[bytes], parts: list[bytes]) -> bool:
         """A signed stdin message through the bridge; False for an answer to our prompt
         (taken here: the kernel never sees it)."""
-        header = load_dict(parts[1])  # parts: signature, header, parent, metadata, content
-        msg_type = header.get("msg_type")
-        who = idents[-1] if idents else b""
+        msg_type = load_dict(parts[1]).get("msg_type")  # parts: signature, header, parent, metadata, content
+        client = idents[0] if idents else b""  # what the bridge's ROUTER routes by
+        if not to_kernel:
+            if msg_type == "input_request" and self._runs_cells(client):
+                with self._lock:
+                    self._kernel_asking[client] = self._kernel_asking.get(client, 0) + 1
+            return True
+        if msg_type != "input_reply":
+            return True
+        parent_id = str(load_dict(parts[2]).get("msg_id", ""))
         with self._lock:
-            if not to_kernel:
-                if msg_type == "input_request":
-                    self._kernel_asking[who] = self._kernel_asking.get(who, 0) + 1
-                return True
-            if msg_type != "input_reply":
-                return True
-            now = time.monotonic()
-            for msg_id in [m for m, p in self._prompts.items() if p.deadline < now]:
-                del self._prompts[msg_id]
-            parent_id = str(load_dict(parts[2]).get("msg_id", ""))
-            prompt = self._prompts.pop(parent_id, None)
-            if prompt is None and not parent_id and not self._kernel_asking.get(who):
-                # jupyter_client's input() answers without a parent: ours if it is the
-                # one prompt this client has open and the kernel asked it nothing.
-                mine = [m for m, p in self._prompts.items() if p.idents == idents and not p.future.done()]
-                if len(mine) == 1:
+            prompt = self._prompts.pop(parent_id, None) if parent_id else None
+            if prompt is None and not parent_id:
+                mine = [
+                    m for m, p in self._prompts.items() if p.idents[:1] == [client] and not p.future.done()
+                ]
+                if len(mine) == 1 and not self._kernel_asking.get(client):
                     prompt = self._prompts.pop(mine[0])
+                elif mine:  # the kernel asked this client too: whose answer is it?
+                    for msg_id in mine:  # kept: a late answer to one is still ours to take
+                        self._deny(self._prompts[msg_id], AMBIGUOUS)
             if prompt is None:
-                if self._kernel_asking.get(who):
-                    self._kernel_asking[who] -= 1
+                if self._kernel_asking.get(client):
+                    self._kernel_asking[client] -= 1
                 return True
         value = str(load_dict(parts[4]).get("value", ""))
-        answer = ANSWERS.get(value.strip().lower(), "deny")
-        if not prompt.future.done():
-            prompt.future.set_result((answer, "the kernel's holder (stdin)"))
+        self._answer(prompt, (ANSWERS.get(value.strip().lower(), "deny"), STDIN))
         return False
+
+    def _runs_cells(self, client: bytes) -> bool:
+        execution = self._auditor.current()
+        return execution is not None and execution.idents[:1] == [client]
+
+    @staticmethod
+    def _answer(prompt: _Prompt, answer: Answer) -> None:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            prompt.future.set_result(answer)
+
+    def _deny(self, prompt: _Prompt, why: str) -> None:
+        self._answer(prompt, ("deny", why))

@@ -36,7 +36,7 @@ from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, oom_kills
 from .egress import ApprovalRequest, Decision, EgressPolicy, EgressProxy
 from .egress.ca import KernelCA
-from .egress.credentials import BoundCredential, parse_definitions
+from .egress.credentials import BoundCredential, CredentialSpec, parse_definitions
 from .errors import (
     ConfigurationError,
     DockerUnavailableError,
@@ -154,8 +154,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._signer: Session | None = None
         self._egress: EgressPolicy | None = None
         self._egress_ca: KernelCA | None = None
-        # What the egress proxy adds to the kernel's requests (see bind_credential).
+        # What the egress proxy adds to the kernel's requests (see bind_credential); when
+        # each configured one ends (its lifetime runs from the kernel's first start); the
+        # configured ones revoked (they stay so across restarts).
         self._credentials: list[BoundCredential] = []
+        self._credential_expiry: dict[str, float | None] = {}
+        self._revoked: set[str] = set()
+        self._announced: set[str] = set()  # credentials the audit log says are bound
         #: With approval "egress": called (in a thread of its own) with an ApprovalRequest,
         #: returns "once", "kernel" or "deny"; unset: the client running the cell is asked
         #: on stdin (see sandbox_kernel.approval).
@@ -243,7 +248,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self.log.warning("%s", warning)
         self._spec, self._egress = plan.spec, plan.egress
         # Read on the host now: a missing token fails the start before any sandbox exists.
-        self._credentials = [BoundCredential.bind(spec) for spec in plan.credentials]
+        self._credentials = self._bound_credentials(plan.credentials)
         kwargs["cmd"] = plan.spec.command
         self._cwd = str(cwd)
         # A pooled sandbox has the kernelspec's policy and environment, nothing of one start's.
@@ -495,8 +500,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         )
         self._egress_registered = True
         for credential in self._credentials:
-            if self._auditor is not None:
-                self._auditor.credential("bound", credential)
+            if self._auditor is not None and credential.name not in self._announced:
+                self._auditor.credential("bound", credential)  # once, not at every restart
+                self._announced.add(credential.name)
 
     def _approver(self) -> Callable[[ApprovalRequest], concurrent.futures.Future[Answer]] | None:
         """With approval "egress": what the egress proxy asks, each answer (or its absence)
@@ -528,6 +534,23 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
         return ask
 
+    def _bound_credentials(self, specs: tuple[CredentialSpec, ...]) -> list[BoundCredential]:
+        """The configured credentials, values read now (a restart picks up a rotated file),
+        each ending when it first would; then those a program bound, as they were.
+
+        Raises:
+            ConfigurationError: a value cannot be read.
+        """
+        program = {c.name: c for c in self._credentials if c.by == "api"}
+        bound = []
+        for spec in specs:
+            if spec.name in program or spec.name in self._revoked:
+                continue
+            credential = BoundCredential.bind(spec, expires_at=self._credential_expiry.get(spec.name))
+            self._credential_expiry.setdefault(spec.name, credential.expires_at)
+            bound.append(credential)
+        return [*bound, *program.values()]
+
     def bind_credential(self, name: str, domains: list[str], headers: dict[str, str], ttl: float = 0) -> None:
         """Have the egress proxy add ``headers`` to this kernel's requests to ``domains``
         from now on (and after restarts), for ``ttl`` seconds (0: as long as the kernel
@@ -558,9 +581,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             raise ConfigurationError(msg)
         credential = BoundCredential.bind(spec, by="api")
         EgressProxy.instance().bind_credential(str(self.kernel_id), credential)
+        self._revoked.discard(name)
+        BackgroundLoop.instance().submit(self._save_state())  # for a process that reattaches
         self._credentials = [c for c in self._credentials if c.name != name] + [credential]
         if self._auditor is not None:
             self._auditor.credential("bound", credential)
+            self._announced.add(name)
 
     def revoke_credential(self, name: str) -> bool:
         """Stop adding the credential ``name`` to this kernel's requests, at once (open
@@ -568,6 +594,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         kept = [c for c in self._credentials if c.name != name]
         revoked = [c for c in self._credentials if c.name == name]
         self._credentials = kept
+        self._revoked.add(name)
+        self._announced.discard(name)
+        BackgroundLoop.instance().submit(self._save_state())  # a reattach keeps it revoked
         found = self._egress_registered and EgressProxy.instance().revoke_credential(
             str(self.kernel_id), name
         )
@@ -1150,6 +1179,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 "image": self.image,
                 "narrowed": self._narrowed,
                 "sandbox_env": self._sandbox_env,
+                # Names and times only: a credential's value is never written down.
+                "credential_expiry": self._credential_expiry,
+                "revoked_credentials": sorted(self._revoked),
                 **self._layout(),
             }
         )
@@ -1181,6 +1213,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # The limits the running kernel has, for the watchdog and a later restart.
         self._narrowed = dict(provisioner_info.get("narrowed") or {})
         self._sandbox_env = dict(provisioner_info.get("sandbox_env") or {})
+        self._credential_expiry = dict(provisioner_info.get("credential_expiry") or {})
+        self._revoked = set(provisioner_info.get("revoked_credentials") or [])
         narrow_settings(self, self._narrowed, self.kernel_name)
         self.connection_info = dict(provisioner_info["connection_info"])  # type: ignore[assignment]
         self.container_id = provisioner_info["container_id"]
@@ -1198,9 +1232,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             ports = {c: int(info[f"{c}_port"]) for c in CHANNELS}  # type: ignore[literal-required]
             self._egress = self.egress_policy()  # the server's ceilings may have narrowed
             try:  # what this server defines now; one bound by the last holder's program is gone
-                self._credentials = [
-                    BoundCredential.bind(spec) for spec in self.credential_specs(self._egress)
-                ]
+                self._credentials = self._bound_credentials(self.credential_specs(self._egress))
             except ConfigurationError as exc:
                 self.log.warning("Sandboxed kernel %s gets no credentials: %s", self.kernel_id, exc)
                 self._credentials = []

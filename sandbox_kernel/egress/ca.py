@@ -16,6 +16,7 @@ import datetime
 import os
 import ssl
 import tempfile
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,9 +196,15 @@ class LeafContexts:
         self.ca = ca
         self.limit = limit
         self._contexts: OrderedDict[str, tuple[ssl.SSLContext, datetime.datetime]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, host: str) -> ssl.SSLContext:
-        host = normalize_host(host)
+        """The context for ``host``; thread-safe (a new one costs a key and a signature,
+        tens of milliseconds: call it off an event loop)."""
+        with self._lock:
+            return self._get(normalize_host(host))
+
+    def _get(self, host: str) -> ssl.SSLContext:
         found = self._contexts.get(host)
         if found is not None and found[1] - _now() > LEAF_RENEWAL:
             self._contexts.move_to_end(host)

@@ -74,7 +74,8 @@ class CredentialSpec:
 
     name: str
     rules: EgressRules
-    headers: tuple[tuple[str, str], ...]
+    #: Templates; one may be the literal value itself, so they are never shown.
+    headers: tuple[tuple[str, str], ...] = field(repr=False)
     ttl: float = 0.0
 
     @property
@@ -217,8 +218,11 @@ def resolve(template: str, name: str, environ: Mapping[str, str] | None = None) 
         return text[:-1] if text.endswith("\n") else text
 
     value = _PLACEHOLDER.sub(fill, template)
-    if any(c in value for c in "\r\n\0"):
-        msg = f"Credential {name!r}: a value holds a line break or NUL, which a header cannot."
+    if not all(" " <= c <= "~" or c == "\t" for c in value):
+        msg = (
+            f"Credential {name!r}: a value holds a line break, a control character or non-ASCII "
+            "text, which a header cannot carry."
+        )
         raise ConfigurationError(msg)
     return Secret(value)
 

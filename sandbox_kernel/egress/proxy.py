@@ -208,7 +208,12 @@ class EgressProxy:
         if table.names and ca is None:
             msg = "credentials need the kernel's egress CA: without it the proxy cannot add them"
             raise ConfigurationError(msg)
-        self._call(self._add_kernel(kernel_id, Path(socket_path), policy, on_decision, ca, table, approver))
+        upstream_tls = None if ca is None else upstream_context(policy.upstream_cafile)
+        self._call(
+            self._add_kernel(
+                kernel_id, Path(socket_path), policy, on_decision, ca, table, approver, upstream_tls
+            )
+        )
 
     def bind_credential(self, kernel_id: str, credential: BoundCredential) -> None:
         """Add ``credential`` to ``kernel_id``'s requests from now on (replacing one of
@@ -246,10 +251,11 @@ class EgressProxy:
         ca: KernelCA | None,
         credentials: CredentialTable,
         approver: Approver | None,
+        upstream_tls: ssl.SSLContext | None,
     ) -> None:
         await self._remove_kernel(kernel_id)
         self._kernels[kernel_id] = _KernelEgress(
-            kernel_id, socket_path, policy, on_decision, ca, credentials, approver
+            kernel_id, socket_path, policy, on_decision, ca, credentials, approver, upstream_tls
         )
 
     def _served(self, kernel_id: str) -> _KernelEgress:
@@ -274,6 +280,23 @@ class EgressProxy:
         kernel = self._kernels.pop(kernel_id, None)
         if kernel is not None:
             await kernel.close()
+
+
+def upstream_context(cafile: str | None) -> ssl.SSLContext:
+    """How the proxy speaks TLS to a host whose credential it adds: verified (against
+    ``cafile``, else the system's CAs), TLS 1.2 or later, HTTP/1.1.
+
+    Raises:
+        ConfigurationError: ``cafile`` cannot be read as CA certificates.
+    """
+    try:
+        context = ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as exc:
+        msg = f"egress_ca_bundle={cafile!r} cannot be read as CA certificates: {exc}"
+        raise ConfigurationError(msg) from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 async def _connect_relay(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -318,6 +341,7 @@ class _KernelEgress:
         ca: KernelCA | None = None,
         credentials: CredentialTable | None = None,
         approver: Approver | None = None,
+        upstream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.kernel_id = kernel_id
         self.approver = approver
@@ -329,7 +353,7 @@ class _KernelEgress:
         self.on_decision = on_decision
         self.leaves = None if ca is None else LeafContexts(ca)
         self.credentials = credentials or CredentialTable()
-        self._upstream_tls: ssl.SSLContext | None = None
+        self._upstream_tls = upstream_tls
         self.idle = 0
         self.active = 0
         self.closed = False
@@ -374,14 +398,18 @@ class _KernelEgress:
             return "deny", f"{request.what} needed approval; nobody can be asked"
         future = self.approver(request)
         timeout = self.policy.approval_timeout
+        waiting = asyncio.wrap_future(future)
         try:
-            answer, by = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+            answer, by = await asyncio.wait_for(asyncio.shield(waiting), timeout)
         except asyncio.TimeoutError:
-            future.cancel()
-            return (
-                "deny",
-                f"{request.what} needed approval; no answer within {timeout:g} s (approval_timeout)",
-            )
+            if not future.cancel():  # answered at the last moment: the answer stands
+                answer, by = await waiting
+            else:
+                waiting.cancel()
+                return (
+                    "deny",
+                    f"{request.what} needed approval; no answer within {timeout:g} s (approval_timeout)",
+                )
         except Exception:
             log.exception("egress: asking about %s failed", request.what)
             return "deny", f"{request.what} needed approval; asking failed"
@@ -397,13 +425,9 @@ class _KernelEgress:
 
     @property
     def upstream_tls(self) -> ssl.SSLContext:
-        """How the proxy speaks TLS to an intercepted host: verified (against the
-        policy's ``upstream_cafile``, else the system's CAs), HTTP/1.1."""
-        if self._upstream_tls is None:
-            context = ssl.create_default_context(cafile=self.policy.upstream_cafile)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.set_alpn_protocols(["http/1.1"])
-            self._upstream_tls = context
+        if self._upstream_tls is None:  # made by add_kernel whenever there is a CA
+            msg = "no upstream TLS context: the kernel has no egress CA"
+            raise RuntimeError(msg)
         return self._upstream_tls
 
     def _wants_connection(self) -> bool:
@@ -627,6 +651,9 @@ class _Exchange:
         self.address: str | None = None
         #: Why the destination may be reached (an allowed pattern, the holder's approval).
         self.why = ""
+        #: Inside an intercepted tunnel: whether the upstream keeps the connection open
+        #: after this request's response.
+        self.keeps = False
         self.decided = False
         # Set once the upstream's final response has begun: no request byte follows it.
         self.answered = False
@@ -832,7 +859,8 @@ class _Exchange:
         if intercept and self.kernel.leaves is not None:
             self.why = why
             self.decide("allowed", f"{why}; TLS ends at the proxy, for credentials {names}")
-            client = TlsStream(self.reader, self.writer, self.kernel.leaves.get(host), hello)
+            context = await asyncio.to_thread(self.kernel.leaves.get, host)  # key and signature: ~20 ms
+            client = TlsStream(self.reader, self.writer, context, hello)
             await self._serve_intercepted(client, upstream_reader, upstream_writer)
             return
         self.decide("allowed", why)
@@ -855,19 +883,24 @@ class _Exchange:
             return
         client = _Source(tls, b"", self._active)  # type: ignore[arg-type]
         upstream = _Source(upstream_reader, b"", self._active)
-        while not self.kernel.closed:
-            request = _Exchange(self.kernel, tls, tls)  # type: ignore[arg-type]
-            request.host, request.port, request.address = self.host, self.port, self.address
-            request.why = self.why
-            try:
-                if not await request._pass_intercepted(client, upstream, upstream_writer):
+        try:
+            while not self.kernel.closed:
+                request = _Exchange(self.kernel, tls, tls)  # type: ignore[arg-type]
+                request.host, request.port, request.address = self.host, self.port, self.address
+                request.why = self.why
+                client.on_data = upstream.on_data = request._active  # its idle clock
+                try:
+                    if not await request._pass_intercepted(client, upstream, upstream_writer):
+                        return
+                except _Refusal as refusal:
+                    await request._refuse(refusal.status, refusal.reason)
                     return
-            except _Refusal as refusal:
-                await request._refuse(refusal.status, refusal.reason)
-                return
-            except (OSError, EOFError, FramingError) as exc:
-                request.decide("denied", f"the connection failed: {exc}")
-                return
+                except (OSError, EOFError, FramingError) as exc:
+                    request.decide("denied", f"the connection failed: {exc}")
+                    return
+        finally:
+            if tls.can_write_eof():  # TLS's own end (close_notify): the response is whole
+                tls.write_eof()
 
     async def _pass_intercepted(
         self, client: _Source, upstream: _Source, upstream_writer: asyncio.StreamWriter
@@ -893,8 +926,8 @@ class _Exchange:
         live, ended = self.kernel.credentials.lookup(self.host, self.port or 443)
         if not live:
             raise _Refusal(403, f"{'; '.join(ended) or 'no credential applies'}; the request was not sent")
-        if method == "TRACE":
-            raise _Refusal(405, "TRACE would show the credential to the kernel; the request was not sent")
+        if method.upper() in ("TRACE", "TRACK"):
+            raise _Refusal(405, f"{method} would show the credential to the kernel; the request was not sent")
         try:
             framing = request_framing(version, headers)
         except FramingError as exc:
@@ -921,15 +954,22 @@ class _Exchange:
                 upstream_writer.write(data)
                 await upstream_writer.drain()
 
-        upload = asyncio.get_running_loop().create_task(_copy_body(client, framing, send))
-        try:
-            keeps = await self._pass_response(upstream, method, closing)
-            if not upload.done():
-                return False  # answered before the body was sent: its end is unknown
-            await upload
-        finally:
-            upload.cancel()
-        return keeps and not closing
+        sent = False
+        self.keeps = False
+
+        async def upload() -> None:
+            nonlocal sent
+            await _copy_body(client, framing, send)
+            sent = True
+
+        async def download() -> None:
+            self.keeps = await self._pass_response(upstream, method, closing)
+
+        # As a tunnel: cut after IDLE_TIMEOUT without data, or when either side fails. A
+        # response that came before the whole body was sent leaves its end unknown: the
+        # connection ends with it.
+        await self._splice(upload(), download(), until_download_done=True)
+        return self.keeps and sent and not closing
 
     async def _pass_response(self, upstream: _Source, method: str, closing: bool) -> bool:
         """Pass on the upstream's interim responses and its final one; whether the
@@ -968,7 +1008,8 @@ class _Exchange:
             rest = target[8:]
             cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
             authorities.append(rest[:cut])
-            target = rest[cut:] or "/"
+            target = rest[cut:]
+            target = target if target.startswith("/") else f"/{target}"
         elif not target.startswith("/"):
             raise _Refusal(400, f"'{shown(target, 60)}' is not a path on {self.host}")
         for authority in authorities or [""]:

@@ -229,6 +229,12 @@ def test_a_program_binds_and_revokes_a_credential_while_the_kernel_runs(
     assert "credential 'adhoc' expired at" in out, out
     with pytest.raises(ConfigurationError, match="never widens egress"):
         km.provisioner.bind_credential("wide", ["evil.test"], {"X-Key": "k"})
+    # A restart renews neither: "warehouse" stays revoked, "adhoc" stays expired.
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    out = run_ok(kc, _call(port))
+    assert "credential 'adhoc' expired at" in out, out
+    assert "warehouse" not in out, out
     actions = [
         (r["name"], r["action"])
         for r in map(json.loads, audit_log.read_text().splitlines())

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from sandbox_kernel.approval import ApprovalBroker
+from sandbox_kernel.approval import AMBIGUOUS, ApprovalBroker
 from sandbox_kernel.audit import ExecutionAuditor
 from sandbox_kernel.egress import ApprovalRequest
 from sandbox_kernel.wire import find_delimiter
@@ -34,7 +34,7 @@ class Setup:
         return self.auditor("stdin", True, self.session.serialize(msg, ident=CLIENT))
 
     def prompt(self) -> dict[str, Any]:
-        (frames,) = self.sent
+        frames = self.sent[0]
         index = find_delimiter(frames)
         assert index is not None
         assert frames[:index] == CLIENT, "to the client that runs the cell"
@@ -68,15 +68,57 @@ def test_jupyter_client_s_input_answers_without_a_parent(typed: str, meaning: st
     assert answer(future)[0] == meaning
 
 
+def kernel_asks(setup: Setup, idents: list[bytes], prompt: str = "name? ") -> None:
+    own = setup.session.msg("input_request", {"prompt": prompt, "password": False})
+    assert setup.auditor("stdin", False, setup.session.serialize(own, ident=idents))
+
+
 def test_the_kernel_s_own_input_is_left_to_the_kernel() -> None:
     setup = Setup()
-    own = setup.session.msg("input_request", {"prompt": "name? ", "password": False})
-    assert setup.auditor("stdin", False, setup.session.serialize(own, ident=CLIENT))
+    kernel_asks(setup, CLIENT)
     future = setup.broker.ask(REQUEST)
     assert setup.reply("Ada", None) is True, "a parentless answer while the kernel asks is the kernel's"
-    assert not future.done()
-    assert setup.reply("deny", setup.prompt()["header"]) is False
+    assert answer(future) == ("deny", AMBIGUOUS), "and ours cannot be told apart: denied"
+    assert setup.reply("once", setup.prompt()["header"]) is False, "a late answer is still taken off"
     assert answer(future)[0] == "deny"
+
+
+def test_the_kernel_cannot_word_a_prompt_to_get_our_yes() -> None:
+    """Our prompt, then the kernel's "type yes to continue": the user's deny for ours must
+    not count as the kernel's, nor the user's yes for the kernel's as ours."""
+    setup = Setup()
+    future = setup.broker.ask(REQUEST)
+    kernel_asks(setup, CLIENT, "Type yes to continue: ")
+    assert setup.reply("deny", None) is True
+    assert setup.reply("yes", None) is True
+    assert answer(future) == ("deny", AMBIGUOUS)
+
+
+def test_the_kernel_cannot_hide_its_prompt_behind_another_route() -> None:
+    setup = Setup()
+    future = setup.broker.ask(REQUEST)
+    kernel_asks(setup, [*CLIENT, b"decoy"], "Type yes to continue: ")  # the client sees it all the same
+    assert setup.reply("yes", None) is True
+    assert answer(future) == ("deny", AMBIGUOUS)
+
+
+def test_prompts_to_clients_that_run_no_cell_are_not_counted() -> None:
+    setup = Setup()
+    for i in range(1000):
+        kernel_asks(setup, [f"nobody-{i}".encode()])
+    assert setup.broker._kernel_asking == {}, "the kernel cannot grow the host's memory"
+
+
+def test_our_prompt_ids_cannot_be_guessed() -> None:
+    setup = Setup()
+    setup.broker.ask(REQUEST)
+    setup.broker.ask(REQUEST)
+    ids = [
+        setup.session.deserialize(frames[frames.index(b"<IDS|MSG>") + 1 :])["header"]["msg_id"]
+        for frames in setup.sent
+    ]
+    assert all(len(msg_id) == 32 for msg_id in ids)
+    assert not ids[0].startswith(setup.session.session), "not jupyter_client's session_pid_counter"
 
 
 def test_a_client_that_cannot_answer_is_not_asked() -> None:

@@ -82,6 +82,8 @@ def test_values_are_read_on_the_host_and_never_shown(tmp_path: Path) -> None:
     bound = BoundCredential.bind(spec, environ={"WAREHOUSE_TOKEN": TOKEN})
     assert bound.headers == (("Authorization", Secret(f"Bearer {TOKEN}")),)
     assert TOKEN not in repr(bound) + str(bound.headers) + repr(spec)
+    literal = parse_definitions(warehouse(headers={"X-Key": TOKEN}))["warehouse"]
+    assert TOKEN not in repr(literal), "a value written into the config is not shown either"
     assert bound.expires_at is not None
 
 
@@ -91,6 +93,7 @@ def test_values_are_read_on_the_host_and_never_shown(tmp_path: Path) -> None:
         ("{env:MISSING}", {}, "environment variable MISSING, not set"),
         ("{file:/nonexistent/token}", {}, "could not read /nonexistent/token"),
         ("{env:T}", {"T": "a\r\nX-Injected: 1"}, "line break"),
+        ("{env:T}", {"T": "Bearer 10€"}, "non-ASCII"),
     ],
 )
 def test_a_value_that_cannot_be_read_fails_naming_the_placeholder(
