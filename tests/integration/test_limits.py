@@ -96,6 +96,7 @@ def test_policy_is_visible_inside_without_host_details(
         "network": "none",
         "image": "sandbox-kernel/python:latest",
         "allowed_domains": [],  # always there, as the README shows it
+        "credentials": {},  # which domains get a credential (never its value)
     }
     out = run_ok(kc, "import shutil; print(shutil.disk_usage('/tmp').total)")
     assert int(out) == 64 * 1024**2
