@@ -70,7 +70,12 @@ class HostState:
         self.processes = runsc_processes()
 
     def _containers(self) -> set[str]:
-        return {c.name for c in self.client.containers.list(all=True, filters={"label": LABEL_MANAGED})}
+        return {
+            c.name
+            for c in self.client.containers.list(
+                all=True, ignore_removed=True, filters={"label": LABEL_MANAGED}
+            )
+        }
 
     def new_leftovers(self, settle: float = 10) -> list[str]:
         """What exists now but did not then; runsc processes get ``settle`` s to exit.
@@ -130,7 +135,9 @@ def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
         for kernel in asyncio.run(list_kernels(DockerBackend()))
         if kernel.owner == server_identity() or kernel.owner_gone
     }
-    for container in docker_client.containers.list(all=True, filters={"label": LABEL_MANAGED}):
+    for container in docker_client.containers.list(
+        all=True, ignore_removed=True, filters={"label": LABEL_MANAGED}
+    ):
         if container.name not in before.containers and container.id in mine:
             DockerBackend().remove_blocking(container.id)  # thawed first, if a pooled one
     if problems:
@@ -220,7 +227,9 @@ def volume_prefix(docker_client: docker.DockerClient) -> Iterator[str]:
     for volume in docker_client.volumes.list():
         if volume.name.startswith(prefix):
             # Kernels still running on it (a failed test) go first.
-            for container in docker_client.containers.list(all=True, filters={"volume": volume.name}):
+            for container in docker_client.containers.list(
+                all=True, ignore_removed=True, filters={"volume": volume.name}
+            ):
                 DockerBackend().remove_blocking(container.id)
             volume.remove(force=True)
 
@@ -258,8 +267,10 @@ def start_kernel(
         if km.has_kernel:
             km.shutdown_kernel(now=True)
         remaining = docker_client.containers.list(
-            all=True, filters={"label": f"{LABEL_KERNEL_ID}={km.kernel_id}"}
-        ) + docker_client.containers.list(all=True, filters={"name": f"sandbox-kernel-{km.kernel_id}"})
+            all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={km.kernel_id}"}
+        ) + docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"name": f"sandbox-kernel-{km.kernel_id}"}
+        )
         assert remaining == [], f"kernel {km.kernel_id} left containers behind: {remaining}"
 
 

@@ -233,7 +233,10 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
 
         server.api("DELETE", f"/api/sessions/{session_id}")
         assert (
-            docker_client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}) == []
+            docker_client.containers.list(
+                all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+            )
+            == []
         )
     finally:
         stop_server(proc)

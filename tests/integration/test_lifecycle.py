@@ -23,7 +23,9 @@ from .conftest import KERNEL, HostState, KernelStarter, restarting_kernel, run, 
 
 
 def kernel_containers(client: docker.DockerClient, kernel_id: str) -> list[str]:
-    found = client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"})
+    found = client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+    )
     return [c.id for c in found]
 
 

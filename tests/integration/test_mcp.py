@@ -86,7 +86,7 @@ def containers(docker_client: docker.DockerClient, kernel_ids: set[str]) -> list
         container.name
         for kernel_id in sorted(kernel_ids)
         for container in docker_client.containers.list(
-            all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+            all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
         )
     ]
 

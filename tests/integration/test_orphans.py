@@ -120,7 +120,7 @@ def test_the_next_server_start_sweeps_orphans(
         time.sleep(0.2)
     assert not runtime_dir.exists()
     gone = docker_client.containers.list(
-        all=True, filters={"label": f"io.sandbox-kernel.kernel-id={kernel_id}"}
+        all=True, ignore_removed=True, filters={"label": f"io.sandbox-kernel.kernel-id={kernel_id}"}
     )
     assert gone == []
     leftovers = before.new_leftovers(settle=0)  # the kernel this test started is still running
@@ -140,7 +140,7 @@ def test_stop_removes_a_kernel_by_id(
     assert f"Stopped {km.kernel_id}" in capsys.readouterr().out
     assert (
         docker_client.containers.list(
-            all=True, filters={"label": f"io.sandbox-kernel.kernel-id={km.kernel_id}"}
+            all=True, ignore_removed=True, filters={"label": f"io.sandbox-kernel.kernel-id={km.kernel_id}"}
         )
         == []
     )
@@ -171,14 +171,17 @@ def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
         _, kernel_id, runtime_dir = start_doomed_server(workspace, script=SPINNING_PROGRAM)
         killed = time.monotonic()
         label = {"label": f"io.sandbox-kernel.kernel-id={kernel_id}"}
-        (orphan,) = docker_client.containers.list(all=True, filters=label)
+        (orphan,) = docker_client.containers.list(all=True, ignore_removed=True, filters=label)
         assert orphan.status == "running"
         while time.monotonic() < killed + 60 and (
-            docker_client.containers.list(all=True, filters=label) or runtime_dir.exists()
+            docker_client.containers.list(all=True, ignore_removed=True, filters=label)
+            or runtime_dir.exists()
         ):
             time.sleep(0.5)
         took = time.monotonic() - killed
-        assert docker_client.containers.list(all=True, filters=label) == [], "the orphan still spins"
+        assert docker_client.containers.list(all=True, ignore_removed=True, filters=label) == [], (
+            "the orphan still spins"
+        )
         assert not runtime_dir.exists()
         assert took < interval + 15, f"removed only after {took:.0f} s"
         assert f"Removing orphaned kernel {kernel_id} (container " in caplog.text, "this process reaped it"

@@ -57,7 +57,7 @@ def no_reaper_here(monkeypatch: pytest.MonkeyPatch) -> None:
 def waiting(client: docker.DockerClient, kernelspec: str = POOLED) -> dict[str, str]:
     """Pooled sandboxes no kernel has claimed: id -> name."""
     found = client.containers.list(
-        all=True, filters={"label": [LABEL_POOL, f"{LABEL_KERNELSPEC}={kernelspec}"]}
+        all=True, ignore_removed=True, filters={"label": [LABEL_POOL, f"{LABEL_KERNELSPEC}={kernelspec}"]}
     )
     return {c.id: c.name for c in found if c.name.startswith("sandbox-kernel-pool-")}
 

@@ -40,7 +40,9 @@ pytestmark = pytest.mark.integration
 
 
 def _containers(client: docker.DockerClient, kernel_id: str) -> list[Any]:
-    return client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"})
+    return client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+    )
 
 
 @pytest.fixture
@@ -192,7 +194,7 @@ def test_start_arguments_narrow_the_policy_and_never_widen_it(
     kc.wait_for_ready(timeout=60)
     assert json.loads(run_ok(kc, "import os; print(os.environ['SANDBOX_KERNEL_POLICY'])"))["memory"] == "512m"
 
-    before = set(c.id for c in docker_client.containers.list(all=True))
+    before = set(c.id for c in docker_client.containers.list(all=True, ignore_removed=True))
     for kwargs, words in [
         ({"memory": "8g"}, "start_kernel(memory='8g') would widen"),
         ({"network": "allowlist"}, "would widen"),
@@ -203,7 +205,9 @@ def test_start_arguments_narrow_the_policy_and_never_widen_it(
         wider = KernelManager(kernel_name=KERNEL)
         with pytest.raises(ConfigurationError, match=words.replace("(", r"\(").replace(")", r"\)")):
             wider.start_kernel(cwd=str(workspace), **kwargs)
-    assert set(c.id for c in docker_client.containers.list(all=True)) == before  # nothing started
+    assert (
+        set(c.id for c in docker_client.containers.list(all=True, ignore_removed=True)) == before
+    )  # nothing started
 
 
 def test_a_start_cannot_remove_a_limit_the_kernelspec_sets(
@@ -250,14 +254,14 @@ def test_a_workspace_the_kernel_cannot_write_is_refused_naming_owner_and_fix(
 ) -> None:
     root_owned = tmp_path / "root-owned"
     root_owned.mkdir(mode=0o755)
-    before = set(c.id for c in docker_client.containers.list(all=True))
+    before = set(c.id for c in docker_client.containers.list(all=True, ignore_removed=True))
     with pytest.raises(WorkspaceError) as info:
         SandboxSession(cwd=root_owned).start()
     message = str(info.value)
     assert "uid 65533, which cannot write its workspace" in message
     assert "owner uid 0" in message
     assert f"chown -R 65533:65533 {root_owned}" in message
-    assert set(c.id for c in docker_client.containers.list(all=True)) == before
+    assert set(c.id for c in docker_client.containers.list(all=True, ignore_removed=True)) == before
 
 
 # ---------------------------------------------------------------- one holder per kernel

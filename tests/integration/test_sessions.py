@@ -45,7 +45,7 @@ def _kernelspec(make_kernelspec: Callable[..., str], kind: str, prefix: str, **c
 
 def _container(docker_client: docker.DockerClient, kernel_id: str) -> docker.models.containers.Container:
     (container,) = docker_client.containers.list(
-        all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
     )
     return container
 
@@ -174,7 +174,10 @@ def test_a_persistent_kernel_outlives_its_program_and_is_reattached(
         kc.stop_channels()
         km.shutdown_kernel(now=True)
         assert (
-            docker_client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}) == []
+            docker_client.containers.list(
+                all=True, ignore_removed=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+            )
+            == []
         )
     finally:
         if _exists(container):
