@@ -53,6 +53,11 @@ _EGRESS_RATE = 20.0
 _EGRESS_BURST = 200
 #: What of an egress decision goes into the execution's "finished" line.
 _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
+#: Why an execution the kernel went past has no reply (the audit line, and its client).
+LOST_REPLY = (
+    "the kernel went on to its next request without a reply to this one reaching the host "
+    "(a message over the size cap cut it off, or code in the kernel withheld it)"
+)
 
 
 class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
@@ -144,6 +149,9 @@ class ExecutionAuditor:
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
         self.on_refused: Callable[[PendingExecution], None] | None = None
+        #: Called with each execution the kernel went past without its reply reaching
+        #: the host (see :meth:`_end_earlier_locked`), so its client can be told.
+        self.on_lost: Callable[[PendingExecution], None] | None = None
         self._egress_tokens = float(_EGRESS_BURST)
         self._egress_stamp = time.monotonic()
         self._egress_suppressed = 0
@@ -175,8 +183,39 @@ class ExecutionAuditor:
         msg_id = str(load_dict(parts[2]).get("msg_id", ""))
         with self._lock:
             pending = self._pending.get(msg_id)
-            if pending is not None and pending.running_since is None:
+            if pending is None:
+                return
+            if pending.running_since is None:
                 pending.running_since = time.monotonic()
+            lost = self._end_earlier_locked(msg_id)
+        self._lose(lost)
+
+    def _end_earlier_locked(self, msg_id: str) -> list[tuple[str, PendingExecution]]:
+        """Take out the executions sent before ``msg_id`` to the same shell; hold the lock.
+
+        A shell (the main one, or one subshell) runs its requests in order: once the
+        kernel begins or answers a later one, the earlier ones are over even if their
+        replies never reached the host (cut off with a message over the size cap, or
+        withheld). Left pending, the first would pass for running for ever, and every
+        later cell's output would be charged to its output budget. Moving on gives the
+        kernel nothing it lacks: it could send those replies itself.
+        """
+        shell = self._pending[msg_id].header.get("subshell_id")
+        lost: list[tuple[str, PendingExecution]] = []
+        for earlier, pending in list(self._pending.items()):
+            if earlier == msg_id:
+                break
+            if pending.header.get("subshell_id") == shell:
+                lost.append((earlier, self._pending.pop(earlier)))
+        if lost:
+            self._head_since = time.monotonic()
+        return lost
+
+    def _lose(self, lost: list[tuple[str, PendingExecution]]) -> None:
+        for msg_id, pending in lost:
+            self._finish(msg_id, pending, f"no reply: {LOST_REPLY}", None)
+            if self.on_lost is not None:
+                self.on_lost(pending)
 
     def _request(self, idents: list[bytes], parts: list[bytes]) -> bool:
         """An execute_request on its way to the kernel; False if refused (answered here)."""
@@ -221,11 +260,13 @@ class ExecutionAuditor:
             return
         msg_id = str(load_dict(parts[2]).get("msg_id", ""))
         with self._lock:
-            pending = self._pending.pop(msg_id, None)
-            if pending is None:
+            if msg_id not in self._pending:
                 return  # the kernel's word alone is no activity
+            lost = self._end_earlier_locked(msg_id)
+            pending = self._pending.pop(msg_id)
             self._last_activity = time.monotonic()
             self._head_since = time.monotonic()
+        self._lose(lost)
         content = load_dict(parts[4])
         status = content.get("status")
         count = content.get("execution_count")

@@ -28,7 +28,7 @@ from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 
 from .approval import Answer, ApprovalBroker, ApprovalHandler
-from .audit import AuditLog, ExecutionAuditor, PendingExecution
+from .audit import LOST_REPLY, AuditLog, ExecutionAuditor, PendingExecution
 from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .binding import bind
@@ -665,6 +665,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 )
                 self._auditor = ExecutionAuditor(log_file, str(self.kernel_id), self.kernel_name)
                 self._auditor.on_refused = self._refuse_execution
+                self._auditor.on_lost = self._answer_lost_reply
             km = self.parent
             key, scheme = self._session_key()
             limiter = sanitizer = None
@@ -943,6 +944,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     def _refuse_execution(self, execution: PendingExecution) -> None:
         """Answer a request sent to a kernel that is not running (bridge thread)."""
         self._answer_for_kernel(execution, *self._refusal)
+
+    def _answer_lost_reply(self, execution: PendingExecution) -> None:
+        """Answer a request whose reply the kernel went past (bridge thread): its client
+        would otherwise wait for it for ever."""
+        self._answer_for_kernel(execution, "ReplyLost", LOST_REPLY)
 
     async def _wait_exited(self, container_id: str, timeout: float = 10.0) -> None:
         """Until the container has stopped, so nothing it still sends can follow our notices."""

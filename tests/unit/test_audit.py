@@ -113,3 +113,72 @@ def test_a_refused_request_is_answered_here_and_never_passed_on() -> None:
     assert auditor("shell", True, _message(session, "kernel_info_request", {})) is True
     auditor.refuse(None)
     assert auditor("shell", True, _message(session, "execute_request", {"code": "3"})) is True
+
+
+def test_a_lost_reply_does_not_pin_the_kernel_to_a_finished_execution() -> None:
+    """A cell sent a message over the bridge's size cap on shell: the bridge cut the kernel
+    off, its reply to that cell was lost with it, and the host took that cell as running
+    for ever, charging every later cell's output to its spent output budget (the next
+    ``print('alive')`` showed nothing; CI). The kernel runs one shell's requests in order:
+    once it begins a later one, the earlier ones are over, and their clients are told."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    lost: list[str] = []
+    auditor.on_lost = lambda pending: lost.append(pending.code)
+    cut = session.msg("execute_request", {"code": "send_40_mib()"})
+    after = session.msg("execute_request", {"code": "print('alive')"})
+    auditor("shell", True, list(session.serialize(cut, ident=[b"c"])))
+    auditor("shell", True, list(session.serialize(after, ident=[b"c"])))
+    auditor("iopub", False, _message(session, "execute_input", {"code": "send_40_mib()"}, cut))
+    assert _current_code(auditor) == "send_40_mib()"
+    auditor("iopub", False, _message(session, "execute_input", {"code": "print('alive')"}, after))
+    assert lost == ["send_40_mib()"]
+    assert _current_code(auditor) == "print('alive')"
+    # Its reply, should it come after all, is no reply to a pending request.
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, cut))
+    assert lost == ["send_40_mib()"]
+    assert _current_code(auditor) == "print('alive')"
+
+
+def test_a_later_reply_ends_earlier_executions_even_without_execute_input() -> None:
+    """The kernel's execute_input is its word (code can withhold it); its reply to a later
+    request says the same."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    lost: list[str] = []
+    auditor.on_lost = lambda pending: lost.append(pending.code)
+    requests = [session.msg("execute_request", {"code": str(i)}) for i in range(3)]
+    for request in requests:
+        auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, requests[1]))
+    assert lost == ["0"]
+    assert _current_code(auditor) == "2"
+
+
+def test_a_subshell_runs_beside_the_main_shell_and_ends_none_of_its_executions() -> None:
+    """ipykernel 7 runs a subshell's requests (JupyterLab's comms, header subshell_id)
+    beside the main shell's: its replies say nothing of the main shell's queue."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    lost: list[str] = []
+    auditor.on_lost = lambda pending: lost.append(pending.code)
+    main = session.msg("execute_request", {"code": "long()"})
+    side = session.msg("execute_request", {"code": "widget()"})
+    side["header"]["subshell_id"] = "s1"
+    auditor("shell", True, list(session.serialize(main, ident=[b"c"])))
+    auditor("shell", True, list(session.serialize(side, ident=[b"c"])))
+    auditor("iopub", False, _message(session, "execute_input", {"code": "widget()"}, side))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, side))
+    assert lost == []
+    assert _current_code(auditor) == "long()"
+
+
+def _current_code(auditor: ExecutionAuditor) -> str | None:
+    current = auditor.current()
+    return None if current is None else current.code
