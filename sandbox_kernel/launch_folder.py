@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import in_kernel
+from . import in_kernel, kernel_relay
 from .backend import SandboxBackend
 from .egress import relay as egress_relay
 from .errors import KernelStartupError
@@ -33,6 +33,7 @@ from .sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_EGRESS_CA,
     CONTAINER_EGRESS_SOCKET,
+    CONTAINER_KERNEL_RELAY_FILE,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
     container_connection_info,
@@ -44,7 +45,13 @@ log = logging.getLogger(__name__)
 #: Files the host writes into the launch folder before the kernel starts.
 HOST_FILES = frozenset(
     Path(p).name
-    for p in (CONTAINER_CONNECTION_FILE, CONTAINER_STARTUP_FILE, CONTAINER_RELAY_FILE, CONTAINER_EGRESS_CA)
+    for p in (
+        CONTAINER_CONNECTION_FILE,
+        CONTAINER_STARTUP_FILE,
+        CONTAINER_KERNEL_RELAY_FILE,
+        CONTAINER_RELAY_FILE,
+        CONTAINER_EGRESS_CA,
+    )
 )
 #: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
 #: (where it hears its claim).
@@ -165,6 +172,7 @@ def write_launch_files(
             os.fchown(f.fileno(), *owner)
         json.dump(info, f)
     (launch_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(Path(in_kernel.__file__).read_text())
+    (launch_dir / Path(CONTAINER_KERNEL_RELAY_FILE).name).write_text(Path(kernel_relay.__file__).read_text())
     if egress_ca is not None:
         (launch_dir / Path(CONTAINER_RELAY_FILE).name).write_text(Path(egress_relay.__file__).read_text())
         (launch_dir / Path(CONTAINER_EGRESS_CA).name).write_bytes(egress_ca)

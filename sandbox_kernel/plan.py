@@ -40,6 +40,7 @@ from .sandbox_spec import (
     egress_command,
     kernel_command,
     proxy_env,
+    relay_command,
     sandbox_env,
 )
 from .settings import SandboxSettings, kernelspec_keys
@@ -619,7 +620,7 @@ def plan_sandbox(
         # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
         workspace_path = pooled_workspace_path(workspace, volume)
         workdir = workspace_path + workdir.removeprefix(CONTAINER_WORKSPACE)
-    command = kernel_command(launch.argv, launch.extra_arguments)
+    command = relay_command(kernel_command(launch.argv, launch.extra_arguments))
     policy: dict[str, Any] = {
         **settings.limits.as_dict(),
         "network": settings.network,

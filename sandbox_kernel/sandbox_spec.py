@@ -92,6 +92,18 @@ NEVER_PASSED_ENV = frozenset({"JPY_PARENT_PID"})
 #: Where the kernel finds its start-up code (clear messages for its limits).
 CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
 
+#: The kernel's parent in the sandbox: binds its channels' host sockets (see
+#: :mod:`~sandbox_kernel.kernel_relay`), so that the kernel itself holds none.
+CONTAINER_KERNEL_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/kernel_relay.py"
+#: The kernel binds its channels here, on the sandbox's own loopback.
+KERNEL_TCP_PORTS: Mapping[str, int] = {
+    "shell": 50001,
+    "iopub": 50002,
+    "stdin": 50003,
+    "control": 50004,
+    "hb": 50005,
+}
+
 #: With network "allowlist": the in-sandbox relay, the unix socket the host's egress
 #: proxy dials into, and the loopback port programs use as their HTTP(S) proxy.
 CONTAINER_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/egress_relay.py"
@@ -197,6 +209,20 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
     )
 
 
+def relay_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` (the kernel) as the child of the channel relay, which binds its channels'
+    host sockets once the kernel listens on the sandbox's loopback.
+
+    The relay runs with the kernel's interpreter when ``argv[0]`` names one (it needs
+    the kernel's pyzmq).
+    """
+    python = cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
+    channels = [
+        f"{channel}={IPC_PREFIX}-{IPC_PORTS[channel]}:{port}" for channel, port in KERNEL_TCP_PORTS.items()
+    ]
+    return [python, CONTAINER_KERNEL_RELAY_FILE, *channels, "--", *cmd]
+
+
 def egress_command(cmd: Sequence[str]) -> list[str]:
     """``cmd`` behind the egress relay, which starts first (trusting the kernel's egress
     CA) and then runs ``cmd``.
@@ -233,11 +259,12 @@ def kernel_sockets(launch_dir: Path) -> dict[str, Path]:
 
 
 def container_connection_info(key: bytes, signature_scheme: str, kernel_name: str) -> dict[str, Any]:
-    """The connection file the kernel reads inside the sandbox: ipc sockets only."""
+    """The connection file the kernel reads inside the sandbox: its channels on the
+    sandbox's loopback, where the channel relay connects."""
     return {
-        "transport": "ipc",
-        "ip": IPC_PREFIX,
-        **{f"{channel}_port": port for channel, port in IPC_PORTS.items()},
+        "transport": "tcp",
+        "ip": "127.0.0.1",
+        **{f"{channel}_port": port for channel, port in KERNEL_TCP_PORTS.items()},
         "key": key.decode("ascii"),
         "signature_scheme": signature_scheme,
         "kernel_name": kernel_name,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from docker.models.containers import _create_container_args
 
+from sandbox_kernel import kernel_relay
 from sandbox_kernel.docker_args import SECCOMP_PROFILE, container_create_kwargs
 from sandbox_kernel.errors import ConfigurationError
 from sandbox_kernel.limits import validate_size
@@ -19,13 +20,14 @@ from sandbox_kernel.sandbox_spec import (
     CONTAINER_WORKSPACE,
     DEFAULT_ENV,
     FIXED_ENV,
-    IPC_PREFIX,
     LABEL_KERNEL_ID,
     LABEL_KERNELSPEC,
     LABEL_MANAGED,
     LABEL_RUNTIME_DIR,
     container_connection_info,
     kernel_command,
+    kernel_sockets,
+    relay_command,
     sandbox_env,
 )
 
@@ -304,19 +306,42 @@ class TestValidateSize:
 # ---------------------------------------------------------------- kernel_user
 
 
-def test_container_connection_info_uses_ipc_in_the_runtime_dir() -> None:
+def test_the_kernel_listens_on_the_sandboxs_loopback_only() -> None:
+    """The kernel holds no host socket (gVisor cannot checkpoint one): its channels are on
+    the sandbox's loopback, where the channel relay connects."""
     info = container_connection_info(b"s3cret", "hmac-sha256", "sandboxed-python")
     assert info == {
-        "transport": "ipc",
-        "ip": IPC_PREFIX,
-        "shell_port": 1,
-        "iopub_port": 2,
-        "stdin_port": 3,
-        "control_port": 4,
-        "hb_port": 5,
+        "transport": "tcp",
+        "ip": "127.0.0.1",
+        "shell_port": 50001,
+        "iopub_port": 50002,
+        "stdin_port": 50003,
+        "control_port": 50004,
+        "hb_port": 50005,
         "key": "s3cret",
         "signature_scheme": "hmac-sha256",
         "kernel_name": "sandboxed-python",
     }
-    assert IPC_PREFIX.startswith(f"{CONTAINER_RUNTIME_DIR}/")
     assert isinstance(info["key"], str)
+
+
+def test_the_relay_binds_each_channel_where_the_host_connects(tmp_path: Path) -> None:
+    """The relay's host sockets are the paths the bridge connects to and the launch
+    folder's sealing keeps, each paired with the kernel's port for that channel."""
+    command = relay_command(["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE])
+    assert command[1] == f"{CONTAINER_RUNTIME_DIR}/kernel_relay.py"
+    assert command[command.index("--") + 1 :] == [
+        "python",
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        CONTAINER_CONNECTION_FILE,
+    ]
+    channels, kernel = kernel_relay.parse(command[2:])
+    assert kernel[0] == "python"
+    info = container_connection_info(b"k", "hmac-sha256", "k")
+    host = kernel_sockets(tmp_path)
+    for name, (path, port) in channels.items():
+        assert port == info[f"{name}_port"]
+        assert Path(path).name == host[name].name
+        assert Path(path).parent == Path(CONTAINER_RUNTIME_DIR)

@@ -32,6 +32,7 @@ from sandbox_kernel.sandbox_spec import (
     CONTAINER_WORKSPACE,
     IPC_PORTS,
     IPC_PREFIX,
+    relay_command,
 )
 from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
@@ -331,14 +332,10 @@ async def test_a_launched_kernel_is_hardened_and_reachable_on_localhost(
     # What Docker is asked for.
     assert create["image"] == "img:1"
     assert create["runtime"] == DEFAULT_RUNTIME
-    assert create["command"] == [
-        "python",
-        "-m",
-        "ipykernel_launcher",
-        "-f",
-        CONTAINER_CONNECTION_FILE,
-        "--debug",
-    ]
+    # The kernel, as the child of the relay that lends its channels to the host.
+    assert create["command"] == relay_command(
+        ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE, "--debug"]
+    )
     assert create["network_mode"] == "none"
     assert create["mem_limit"] == "1g"
     assert create["nano_cpus"] == 500_000_000
@@ -357,8 +354,10 @@ async def test_a_launched_kernel_is_hardened_and_reachable_on_localhost(
     # What the kernel reads inside the sandbox.
     conn_file = runtime_dir / "connection.json"
     assert stat.S_IMODE(conn_file.stat().st_mode) == 0o600
-    assert json.loads(conn_file.read_text())["transport"] == "ipc"
-    assert json.loads(conn_file.read_text())["ip"] == IPC_PREFIX
+    # (its channels on the sandbox's loopback; the relay binds them as host sockets)
+    assert json.loads(conn_file.read_text())["transport"] == "tcp"
+    assert json.loads(conn_file.read_text())["ip"] == "127.0.0.1"
+    assert (runtime_dir / "kernel_relay.py").is_file()
 
     # What clients get: unix sockets in the server's private runtime folder.
     assert info["transport"] == "ipc"
@@ -584,7 +583,9 @@ async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
         f"{CONTAINER_RUNTIME_DIR}/egress-ca.pem",
         "--",
     ]
-    assert create["command"][7:] == ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+    assert create["command"][7:] == relay_command(
+        ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+    )
     # The sandbox gets the CA's certificate; its key stays in the server-only folder.
     launch_dir = container.runtime_dir
     assert b"PRIVATE KEY" not in (launch_dir / "egress-ca.pem").read_bytes()

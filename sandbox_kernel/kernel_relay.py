@@ -1,0 +1,225 @@
+"""Channel relay run inside the sandbox: the kernel's ZeroMQ channels, lent to the host.
+
+The kernel binds its five channels on the sandbox's own loopback (tcp 127.0.0.1). This
+relay, the kernel's parent, connects to them once and stays connected for the kernel's
+life; it binds the host-facing end of each channel as an ipc socket in the launch folder
+(where the host's bridge connects, as it would to a kernel binding them itself) and
+passes whole ZeroMQ messages both ways, reading none of them.
+
+Why a relay: gVisor cannot checkpoint a sandbox that holds a host socket, and cannot
+restore a kernel whose ZeroMQ peers came and went (runsc 20240729: a kernel that a client
+had talked to and left died on restore; one whose peers never went away restored). The
+host-facing sockets live in a ZeroMQ context of their own: ``SIGUSR1`` closes them
+(their files removed, the context ended: the sandbox then holds no host socket),
+``SIGUSR2`` binds them again. The kernel never sees its peer leave.
+
+The relay is untrusted (kernel code can kill or replace it) and enforces nothing: the
+host's bridge checks every message's signature and size. It is copied into the launch
+folder and run by the image's Python with its pyzmq (ipykernel's), standard library
+otherwise, Python 3.9 and newer.
+
+Usage::
+
+    python kernel_relay.py CHANNEL=IPC_PATH:PORT [...] -- CMD [ARGS...]
+
+It starts ``CMD`` (the kernel) as its child, forwards it the signals a container gets
+(SIGINT interrupts it), binds the host-facing sockets once the kernel's ports accept
+connections (so their files appearing means the kernel is ready), and exits with the
+kernel's status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import zmq
+
+USAGE = "usage: kernel_relay.py CHANNEL=IPC_PATH:PORT [...] -- CMD [ARGS...]"
+CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+#: The kernel-facing sockets share one identity: ipykernel answers a prompt on stdin to
+#: the identity its shell request came from.
+IDENTITY = b"sandbox-kernel-relay"
+#: Signals a container's init passes on that are the kernel's, not the relay's.
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+#: How long the kernel may take to open its ports.
+STARTUP_TIMEOUT = 300.0
+
+
+def parse(args: list[str]) -> tuple[dict[str, tuple[str, int]], list[str]]:
+    """({channel: (ipc path, kernel port)}, command).
+
+    Raises:
+        ValueError: the arguments are not as in USAGE.
+    """
+    if "--" not in args:
+        msg = "no '--' before the kernel's command"
+        raise ValueError(msg)
+    split = args.index("--")
+    specs, command = args[:split], args[split + 1 :]
+    if not command:
+        msg = "no command after '--'"
+        raise ValueError(msg)
+    channels: dict[str, tuple[str, int]] = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        path, _, port = rest.rpartition(":")
+        if name not in CHANNELS or not path or not port.isdigit():
+            msg = f"not CHANNEL=IPC_PATH:PORT: {spec!r}"
+            raise ValueError(msg)
+        channels[name] = (path, int(port))
+    if sorted(channels) != sorted(CHANNELS):
+        msg = f"every channel once: {', '.join(CHANNELS)}"
+        raise ValueError(msg)
+    return channels, command
+
+
+def wait_for_ports(ports: list[int], kernel: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Until the kernel accepts connections on every port; False if it exited first."""
+    deadline = time.monotonic() + timeout
+    waiting = list(ports)
+    while waiting:
+        if kernel.poll() is not None or time.monotonic() > deadline:
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", waiting[0]), timeout=1).close()
+            waiting.pop(0)
+        except OSError:
+            time.sleep(0.02)
+    return True
+
+
+class Relay:
+    """The kernel-facing sockets (for ever) and the host-facing ones (until a pause)."""
+
+    def __init__(self, channels: dict[str, tuple[str, int]]) -> None:
+        self.channels = channels
+        self.kernel_context = zmq.Context()
+        self.kernel_side: dict[str, zmq.Socket[bytes]] = {}
+        for name, (_, port) in channels.items():
+            sock = self.kernel_context.socket(zmq.XSUB if name == "iopub" else zmq.DEALER)
+            sock.linger = 0
+            if name != "iopub":
+                sock.setsockopt(zmq.IDENTITY, IDENTITY)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            if name == "iopub":
+                sock.send(b"\x01")  # everything: the host's bridge filters nothing either
+            self.kernel_side[name] = sock
+        self.host_context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self.host_side: dict[str, zmq.Socket[bytes]] = {}
+
+    def open(self) -> None:
+        """Bind the host-facing sockets (a file left at a path is replaced)."""
+        if self.host_context is not None:
+            return
+        self.host_context = zmq.Context()
+        for name, (path, _) in self.channels.items():
+            sock = self.host_context.socket(zmq.XPUB if name == "iopub" else zmq.ROUTER)
+            sock.linger = 0
+            if name != "iopub":
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # the bridge reconnects as itself
+            _unlink(path)
+            sock.bind(f"ipc://{path}")
+            os.chmod(path, 0o666)  # noqa: S103 - the host's bridge may be another user
+            self.host_side[name] = sock
+
+    def close(self) -> None:
+        """Close the host-facing sockets, remove their files, end their context."""
+        for name, sock in self.host_side.items():
+            sock.close(linger=0)
+            _unlink(self.channels[name][0])
+        self.host_side = {}
+        if self.host_context is not None:
+            self.host_context.term()
+        self.host_context = None
+
+    def pass_on(self, ready: dict[zmq.Socket[bytes], int]) -> None:
+        """Move what is waiting, a bounded batch per socket."""
+        for name, kernel in self.kernel_side.items():
+            host = self.host_side.get(name)
+            for _ in range(100 if kernel in ready else 0):
+                try:
+                    frames = kernel.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if host is not None:
+                    try:
+                        host.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError:
+                        pass  # no host peer (paused, or between its reconnects): dropped
+            for _ in range(100 if host is not None and host in ready else 0):
+                try:
+                    frames = host.recv_multipart(zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
+                except zmq.Again:
+                    break
+                if name != "iopub":  # (iopub: the bridge's subscriptions; ours covers all)
+                    try:
+                        kernel.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError:
+                        pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    try:
+        channels, command = parse(argv[1:])
+    except ValueError as exc:
+        print(f"kernel relay: {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    received: list[int] = []  # signal numbers, in order
+    for signum in (*FORWARDED, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(signum, lambda signum, _frame: received.append(signum))
+    try:
+        kernel = subprocess.Popen(command)  # noqa: S603 - the kernelspec's own command
+    except OSError as exc:
+        print(f"kernel relay: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
+    if not wait_for_ports([port for _, port in channels.values()], kernel, STARTUP_TIMEOUT):
+        kernel.wait()
+        return _status(kernel.returncode)
+    relay = Relay(channels)
+    relay.open()
+    while True:
+        poller = zmq.Poller()
+        poller.register(wake_read, zmq.POLLIN)
+        for sock in (*relay.kernel_side.values(), *relay.host_side.values()):
+            poller.register(sock, zmq.POLLIN)
+        ready = dict(poller.poll())
+        if wake_read in ready:
+            os.read(wake_read, 256)
+            while received:
+                number = received.pop(0)
+                if number in FORWARDED and kernel.poll() is None:
+                    kernel.send_signal(number)
+                elif number == signal.SIGUSR1:
+                    relay.close()
+                elif number == signal.SIGUSR2:
+                    relay.open()
+            if kernel.poll() is not None:
+                relay.pass_on({sock: zmq.POLLIN for sock in relay.kernel_side.values()})  # its last words
+                relay.close()
+                return _status(kernel.returncode)
+            continue
+        relay.pass_on(ready)
+
+
+def _status(returncode: int) -> int:
+    """The exit status a shell would give: 128 + N for a kernel killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
