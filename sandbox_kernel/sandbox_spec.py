@@ -95,14 +95,10 @@ CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
 #: The kernel's parent in the sandbox: binds its channels' host sockets (see
 #: :mod:`~sandbox_kernel.kernel_relay`), so that the kernel itself holds none.
 CONTAINER_KERNEL_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/kernel_relay.py"
-#: The kernel binds its channels here, on the sandbox's own loopback.
-KERNEL_TCP_PORTS: Mapping[str, int] = {
-    "shell": 50001,
-    "iopub": 50002,
-    "stdin": 50003,
-    "control": 50004,
-    "hb": 50005,
-}
+#: The kernel binds its channels here, on the sandbox's own loopback: below gVisor's
+#: ephemeral ports (16000-65535), which an outgoing connection made while the kernel
+#: starts (the relay's readiness probe) could otherwise hold.
+KERNEL_TCP_PORTS: Mapping[str, int] = {channel: 15000 + number for channel, number in IPC_PORTS.items()}
 
 #: With network "allowlist": the in-sandbox relay, the unix socket the host's egress
 #: proxy dials into, and the loopback port programs use as their HTTP(S) proxy.

@@ -20,6 +20,7 @@ from sandbox_kernel.sandbox_spec import (
     CONTAINER_WORKSPACE,
     DEFAULT_ENV,
     FIXED_ENV,
+    KERNEL_TCP_PORTS,
     LABEL_KERNEL_ID,
     LABEL_KERNELSPEC,
     LABEL_MANAGED,
@@ -313,16 +314,19 @@ def test_the_kernel_listens_on_the_sandboxs_loopback_only() -> None:
     assert info == {
         "transport": "tcp",
         "ip": "127.0.0.1",
-        "shell_port": 50001,
-        "iopub_port": 50002,
-        "stdin_port": 50003,
-        "control_port": 50004,
-        "hb_port": 50005,
+        "shell_port": 15001,
+        "iopub_port": 15002,
+        "stdin_port": 15003,
+        "control_port": 15004,
+        "hb_port": 15005,
         "key": "s3cret",
         "signature_scheme": "hmac-sha256",
         "kernel_name": "sandboxed-python",
     }
     assert isinstance(info["key"], str)
+    # gVisor gives outgoing connections ports 16000-65535: one made while the kernel starts
+    # (the relay's probe) once held a kernel port, and the kernel could not bind it.
+    assert max(KERNEL_TCP_PORTS.values()) < 16000
 
 
 def test_the_relay_binds_each_channel_where_the_host_connects(tmp_path: Path) -> None:

@@ -1,0 +1,163 @@
+"""The channel relay, run here on the host with a real ipykernel as its child: what it
+does inside the sandbox, without the sandbox (see tests/integration for that)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from jupyter_client import BlockingKernelClient
+
+from sandbox_kernel import kernel_relay
+
+CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """(the relay process, the ipc prefix its host sockets are bound at)."""
+    ports = dict(zip(CHANNELS, _free_ports(len(CHANNELS)), strict=True))
+    connection = tmp_path / "connection.json"
+    info = {"transport": "tcp", "ip": "127.0.0.1", "key": "k", "signature_scheme": "hmac-sha256"}
+    connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
+    prefix = tmp_path / "kernel"
+    args = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
+    kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection)]
+    relay = subprocess.Popen(
+        [sys.executable, kernel_relay.__file__, *args, "--", *kernel], start_new_session=True
+    )
+    try:
+        _wait(lambda: all(_sockets(prefix)), "the relay's host sockets")
+        yield relay, prefix
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(relay.pid, signal.SIGKILL)  # the kernel with it
+        relay.wait()
+
+
+def _sockets(prefix: Path) -> list[bool]:
+    return [Path(f"{prefix}-{number}").exists() for number in CHANNELS.values()]
+
+
+def _wait(condition: object, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def _client(prefix: Path) -> BlockingKernelClient:
+    kc = BlockingKernelClient()
+    kc.load_connection_info(
+        {
+            "transport": "ipc",
+            "ip": str(prefix),
+            **{f"{name}_port": number for name, number in CHANNELS.items()},
+            "key": "k",
+            "signature_scheme": "hmac-sha256",
+        }
+    )
+    kc.start_channels()
+    kc.wait_for_ready(timeout=30)
+    return kc
+
+
+def _run(kc: BlockingKernelClient, code: str) -> str:
+    out: list[str] = []
+
+    def hook(msg: dict[str, object]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(str(msg["content"]["text"]))  # type: ignore[index]
+
+    reply = kc.execute_interactive(code, timeout=30, output_hook=hook)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return "".join(out)
+
+
+def test_a_paused_relay_holds_no_host_socket_and_the_kernel_keeps_its_state(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """SIGUSR1: every host socket closed and its file gone (what a checkpoint needs);
+    SIGUSR2: bound again, and a new client finds the kernel as it was, prompts too."""
+    relay, prefix = relayed
+    kc = _client(prefix)
+    assert _run(kc, "x = 42; print('set')") == "set\n"
+    kc.stop_channels()
+    relay.send_signal(signal.SIGUSR1)
+    _wait(lambda: not any(_sockets(prefix)), "closing of the host sockets")
+    assert not any(Path(f"{prefix}-{n}").exists() for n in CHANNELS.values())
+    relay.send_signal(signal.SIGUSR2)
+    _wait(lambda: all(_sockets(prefix)), "host sockets again")
+    kc = _client(prefix)
+    try:
+        assert _run(kc, "print(x)") == "42\n"
+        answered = kc.execute_interactive(
+            "print(input('name? '))",
+            timeout=30,
+            stdin_hook=lambda _msg: kc.input("ada"),
+            output_hook=lambda _m: None,
+        )
+        assert answered["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+
+
+def test_signals_reach_the_kernel_and_its_status_is_the_relays(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """SIGINT interrupts the running cell (the container's init signals the relay);
+    SIGTERM ends the kernel, and the relay exits as it did."""
+    relay, prefix = relayed
+    kc = _client(prefix)
+    try:
+        msg_id = kc.execute("import time; time.sleep(60)")
+        time.sleep(1)
+        relay.send_signal(signal.SIGINT)
+        reply = kc.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        assert _run(kc, "print('still here')") == "still here\n"
+    finally:
+        kc.stop_channels()
+    relay.send_signal(signal.SIGTERM)
+    assert relay.wait(timeout=30) in (0, 128 + signal.SIGTERM)
+    assert not any(_sockets(prefix)), "the relay removes its sockets when the kernel is gone"
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--", "python"], "every channel once"),
+        (["shell=/p-1:1"], "no '--'"),
+        (["shell=/p-1:1", "--"], "no command"),
+        (["shell=/p-1:x", "--", "python"], "not CHANNEL=IPC_PATH:PORT"),
+        (["web=/p-1:1", "--", "python"], "not CHANNEL=IPC_PATH:PORT"),
+    ],
+)
+def test_bad_arguments_are_refused_saying_why(args: list[str], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        kernel_relay.parse(args)
+
+
+def test_a_kernel_killed_by_a_signal_gives_the_shells_status() -> None:
+    assert kernel_relay._status(-9) == 137
+    assert kernel_relay._status(3) == 3
