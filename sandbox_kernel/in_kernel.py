@@ -14,7 +14,7 @@
 # - A cell that keeps allocating ends in a ``MemoryError`` naming the limit, and the kernel
 #   keeps its other variables. At the container's memory limit the host's OOM killer takes
 #   the whole sandbox, every variable with it, so a thread watches the kernel's resident
-#   memory and, a margin below the limit (for gVisor's own memory and /tmp), raises
+#   memory and, a margin below the limit (for gVisor's own memory, /tmp and the channel relay), raises
 #   ``MemoryError`` in the running cell (and in threads the user's code started), as
 #   Ctrl-C raises ``KeyboardInterrupt``. An allocation gVisor refuses outright (larger
 #   than the limit) raises it as well. Not an address-space limit: that fails the first
@@ -118,7 +118,9 @@ def _sandbox_kernel_startup() -> None:
             return int(statm.read().split()[1]) * page
 
     # ---------------------------------------------------------------- memory
-    threshold = memory_bytes - (64 * 2**20 + memory_bytes // 16)
+    # The margin: gVisor's own memory and /tmp, and the channel relay (about 27 MiB, the
+    # kernel's parent in the same container).
+    threshold = memory_bytes - (96 * 2**20 + memory_bytes // 16)
     fastest_growth = 2 * 2**30  # bytes per second: more than a kernel allocates under gVisor
     step = max(16 * 2**20, memory_bytes // 64)
     executing = threading.Event()

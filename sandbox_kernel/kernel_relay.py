@@ -164,9 +164,12 @@ class Relay:
 
 
 def _unlink(path: str) -> None:
+    """Remove a socket's file, if this process may: once the kernel is up, the host takes
+    the launch folder back and removes what is left (binding again after a pause, the
+    host hands it over first)."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
@@ -209,8 +212,11 @@ def main(argv: list[str]) -> int:
                 elif number == signal.SIGUSR2:
                     relay.open()
             if kernel.poll() is not None:
-                relay.pass_on({sock: zmq.POLLIN for sock in relay.kernel_side.values()})  # its last words
-                relay.close()
+                try:
+                    relay.pass_on({sock: zmq.POLLIN for sock in relay.kernel_side.values()})  # its last words
+                    relay.close()
+                except Exception as exc:  # noqa: BLE001 - the kernel's status must get out
+                    print(f"kernel relay: {exc!r}", file=sys.stderr)
                 return _status(kernel.returncode)
             continue
         relay.pass_on(ready)
