@@ -564,6 +564,11 @@ class CheckApp(_SubApp):
                     rest.close()
                 return 1
             print(f"ok    {label}")
+        try:  # optional: only kernels that pause need it
+            await docker_backend.check_checkpoints()
+            print("ok    pausing kernels to disk (Docker checkpoints)")
+        except SandboxKernelError as exc:
+            print(f"note  kernels cannot pause to disk here: {exc}")
         return 0
 
 

@@ -391,6 +391,13 @@ class ExecutionAuditor:
             }
         )
 
+    def lifecycle(self, action: str, **details: Any) -> None:
+        """Record a step of the kernel's life the host took: ``pause``, ``resume`` (with
+        how long it took, the checkpoint's size, why, or what failed)."""
+        wall = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        record = {"event": action, "time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
+        self._write({**record, **details})
+
     def _write(self, record: dict[str, Any]) -> None:
         if self._log is None:
             return

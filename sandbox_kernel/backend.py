@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from .errors import PauseError
 from .sandbox_spec import SandboxSpec
 
 
@@ -105,6 +106,40 @@ class SandboxBackend(ABC):
     @abstractmethod
     def remove_blocking(self, sandbox_id: str) -> None:
         """:meth:`remove`, from the calling thread (at the process's exit)."""
+
+    # ---------------------------------------------------------------- pausing (optional)
+    # A backend that can save a sandbox's whole state (memory included) to disk and start
+    # it again from there; one that cannot keeps these defaults, and kernels never pause.
+
+    async def check_checkpoints(self) -> None:
+        """Refuse unless sandboxes can be checkpointed on this host.
+
+        Raises:
+            PauseError: saying what the host lacks and how to enable it.
+        """
+        msg = f"{type(self).__name__} cannot pause sandboxes (save their memory to disk)"
+        raise PauseError(msg)
+
+    async def checkpoint(self, sandbox_id: str, name: str) -> int | None:
+        """Save the running sandbox as ``name`` and stop it; the image's size in bytes,
+        if the host lets this process see it. Where the sandbox cannot be saved it keeps
+        running and this raises."""
+        msg = f"{type(self).__name__} cannot pause sandboxes"
+        raise PauseError(msg)
+
+    async def restore(self, sandbox_id: str, name: str) -> None:
+        """Start the stopped sandbox again from its checkpoint ``name``."""
+        msg = f"{type(self).__name__} cannot resume sandboxes"
+        raise PauseError(msg)
+
+    async def checkpoint_usage(self) -> tuple[int, int | None]:
+        """(bytes all sandboxes' checkpoints take, bytes free where they are kept, or None
+        if unknown), for the disk budget of paused kernels."""
+        return 0, None
+
+    async def remove_checkpoint(self, sandbox_id: str, name: str) -> None:  # noqa: B027  # nothing to remove
+        """Remove the checkpoint ``name`` (a missing one is fine); removing the sandbox
+        removes its checkpoints too."""
 
     # ---------------------------------------------------------------- all of them
 

@@ -21,6 +21,11 @@ one reply to a request a client actually sent, routed back to that client.
 
 The client-facing sockets live as long as the bridge, so a restarted kernel (new
 container, same ipc paths) is reached at the same addresses, as with a local kernel.
+
+While the kernel is paused (its sandbox saved to disk and stopped), :meth:`KernelBridge.hold`
+keeps clients' messages on the host, answers their heartbeats, and calls ``on_wake`` at
+the first signed request; :meth:`KernelBridge.release` passes them on, in order, once every
+channel has reconnected to the resumed kernel. Clients see a delay, never a disconnect.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from .output import OutputLimiter
 from .sanitize import OutputSanitizer
@@ -69,6 +75,13 @@ _KERNEL_SIDE_IDENTITY = b"sandbox-kernel-bridge"
 _MAX_OUTSTANDING = 4096
 #: Messages read from one socket before the others get a turn.
 _BATCH = 100
+#: Clients' messages kept on the host while the kernel is paused (count, bytes); beyond,
+#: they are dropped (and counted): a paused kernel must not grow the server's memory.
+_MAX_HELD = 1000
+_MAX_HELD_BYTES = 128 * 2**20
+#: What the kernel-facing sockets' monitors report: the kernel went away (reconnect), or
+#: a connection to it is complete (held messages may go).
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 #: Called in the bridge thread for every message that passes the checks: (channel,
 #: to_kernel, frames). It must be quick and must not keep the frames; it cannot change
@@ -221,6 +234,15 @@ class KernelBridge:
             channel: OrderedDict() for channel in _REQUEST_REPLY
         }
         self._last_warning = 0.0
+        # While the kernel is paused: (channel, frames) of clients' messages, in order.
+        self._held: list[tuple[str, list[bytes]]] | None = None
+        self._held_bytes = 0
+        self._release_due = False
+        # Channels whose kernel-facing socket has completed a connection to the kernel.
+        self._connected: set[str] = set()
+        #: Called (bridge thread) for every signed request that arrives while held: it
+        #: must be quick (schedule the resume) and may be called many times.
+        self.on_wake: Callable[[], None] | None = None
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
         #: Messages dropped, by reason ("shell from a client: bad signature", ...).
@@ -332,6 +354,7 @@ class KernelBridge:
         self._kernel_endpoints = dict(kernel_endpoints)
         for pending in self._outstanding.values():
             pending.clear()  # the next kernel answers none of the last one's requests
+        self._held, self._held_bytes, self._release_due = None, 0, False
         if self._limiter is not None and "iopub" in self._fronts:
             # The last kernel's held output tail, before anything of the next one (no
             # relay thread runs now to share the socket with).
@@ -372,7 +395,8 @@ class KernelBridge:
         back.rcvhwm = 100
         if back_type == zmq.DEALER:
             back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
-        self._monitors[channel] = back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._connected.discard(channel)
+        self._monitors[channel] = back.get_monitor_socket(_MONITORED)
         back.connect(self._kernel_endpoints[channel])
         if back_type == zmq.XSUB:
             # Clients subscribed through the previous socket; subscribe this one to
@@ -382,6 +406,7 @@ class KernelBridge:
         return back
 
     def _close_back(self, channel: str) -> None:
+        self._connected.discard(channel)
         back, monitor = self._backs.pop(channel, None), self._monitors.pop(channel, None)
         if back is not None:
             if monitor is not None:
@@ -399,6 +424,58 @@ class KernelBridge:
             if self._inject_tx is not None:
                 self._inject_tx.send_multipart([channel.encode(), *message])
 
+    # ------------------------------------------------------------------ pausing
+
+    @property
+    def holding(self) -> bool:
+        """Whether clients' messages are kept on the host (the kernel is paused)."""
+        return self._held is not None
+
+    def hold(self) -> None:
+        """From now on keep clients' messages for the kernel, answer heartbeats, and call
+        :attr:`on_wake` at each signed request (any thread)."""
+        if self._held is None:
+            self._held_bytes, self._release_due = 0, False
+            self._held = []
+
+    def release(self) -> None:
+        """Pass the held messages on, in order, once every channel is connected to the
+        kernel again (any thread; :attr:`holding` turns False when they have gone)."""
+        self.inject("", [b"release"])
+
+    def drop_held(self) -> int:
+        """Stop holding, dropping what was held (the kernel is gone); how many there were
+        (any thread: call it only while the bridge is detached or the kernel is gone)."""
+        held, self._held = self._held or [], None
+        self._held_bytes, self._release_due = 0, False
+        return len(held)
+
+    def _hold(self, channel: str, frames: Frames) -> None:
+        held = self._held
+        size = sum(len(frame_bytes(frame)) for frame in frames)
+        if held is None or len(held) >= _MAX_HELD or self._held_bytes + size > _MAX_HELD_BYTES:
+            self._drop(channel, True, "too much waits for the paused kernel")
+            return
+        held.append((channel, [frame_bytes(frame) for frame in frames]))
+        self._held_bytes += size
+        if channel in _SIGNED and self.on_wake is not None:
+            try:
+                self.on_wake()
+            except Exception:
+                log.exception("Bridge could not wake the paused kernel")
+
+    def _release_if_connected(self) -> None:
+        """Send what was held once every channel reaches the kernel again (bridge thread)."""
+        if not self._release_due or self._held is None or not self._connected.issuperset(CHANNELS):
+            return
+        held, self._held = self._held, None
+        self._held_bytes, self._release_due = 0, False
+        for channel, message in held:
+            try:
+                self._backs[channel].send_multipart(message, zmq.NOBLOCK)
+            except (KeyError, zmq.ZMQError):
+                self._drop(channel, True, "could not reach the resumed kernel")
+
     def detach(self) -> None:
         """Stop relaying and drop the kernel-facing sockets with anything queued in them."""
         if self._thread is not None and self._stop_tx is not None:
@@ -414,6 +491,7 @@ class KernelBridge:
             self._stop_tx = None
         for channel in list(self._backs):
             self._close_back(channel)
+        self.drop_held()  # meant for a kernel that is gone
 
     def _relay(
         self,
@@ -435,7 +513,7 @@ class KernelBridge:
                             if inject_rx is not None and sock is inject_rx:
                                 self._deliver_injected(inject_rx, routes.fronts)
                             else:
-                                self._reconnect(routes.monitors[sock], routes)
+                                self._on_monitor(sock, routes)
                         except Exception:
                             log.exception("Bridge could not handle an event; relaying on")
                         continue
@@ -461,6 +539,15 @@ class KernelBridge:
         finally:
             stop_rx.close(linger=0)
 
+    def _on_monitor(self, monitor: zmq.Socket[bytes], routes: _Routes) -> None:
+        channel = routes.monitors[monitor]
+        event = parse_monitor_message(monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected.add(channel)
+            self._release_if_connected()
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._reconnect(channel, routes)
+
     def _reconnect(self, channel: str, routes: _Routes) -> None:
         """The kernel-facing socket of ``channel`` lost its kernel: connect a new one.
 
@@ -478,6 +565,10 @@ class KernelBridge:
         fronts: Mapping[str, zmq.Socket[bytes]],
     ) -> None:
         target, *message = inject_rx.recv_multipart()
+        if not target:  # the bridge's own command
+            self._release_due = True
+            self._release_if_connected()
+            return
         channel = target.decode()
         front = fronts[channel]
         if channel == "iopub" and self._limiter is not None:
@@ -498,6 +589,10 @@ class KernelBridge:
         """Pass one message on if it passes the checks: observed by the tap, capped by
         the output limiter."""
         self.messages[channel] += 1
+        if to_kernel and channel == "hb" and self._held is not None:
+            # The kernel is paused, not dead: its heartbeat is the bridge's to give.
+            self._send(self._fronts["hb"], channel, frames)
+            return
         checked = self._check(channel, to_kernel, frames)
         if checked is None:
             return
@@ -519,6 +614,9 @@ class KernelBridge:
             outgoing = self._limiter.admit(frames)
         elif self._limiter is not None and channel == "shell" and to_kernel:
             self._limiter.request(frames)  # signed: it may narrow its own output limit
+        if to_kernel and self._held is not None:
+            self._hold(channel, frames)
+            return
         for message in outgoing:
             try:
                 peer.send_multipart(message, zmq.NOBLOCK, copy=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +31,7 @@ from .errors import (
     DockerUnavailableError,
     ImageNotFoundError,
     KernelStartupError,
+    PauseError,
     RuntimeMissingError,
     WorkspaceError,
 )
@@ -48,6 +50,14 @@ _TRANSPORT_ERRORS = (DockerException, RequestException)
 #: (not open) host unix sockets, its ipc endpoints; and the container's seccomp profile
 #: is enforced (runsc ignores it otherwise).
 REQUIRED_RUNTIME_ARGS = ("--network=none", "--host-uds=create", "--oci-seccomp")
+#: How long Docker may take to save a kernel's sandbox to disk, or start it from there.
+CHECKPOINT_TIMEOUT = 900
+#: How to let Docker checkpoint containers, for errors and ``check``.
+CHECKPOINT_SETUP_HINT = (
+    'Pausing a kernel needs Docker\'s experimental mode: add "experimental": true to '
+    "/etc/docker/daemon.json and restart dockerd (running containers stop), or run `bash .ci/setup` "
+    "from the sandbox-kernel checkout, which does it when no kernel runs."
+)
 
 
 @contextmanager
@@ -366,6 +376,63 @@ class DockerBackend(SandboxBackend):
             return ""
         return bytes(raw).decode("utf-8", "replace").strip()
 
+    # Pausing. Docker 20.10 checkpoints containers only in experimental mode, and docker-py
+    # has no call for it: the Engine API's own endpoints, through docker-py's session.
+
+    async def check_checkpoints(self) -> None:
+        client = await self.client()
+        version: Mapping[str, Any] = await self._api("read the daemon's version", client.version)
+        if not version.get("Experimental"):
+            msg = f"The Docker daemon cannot checkpoint containers. {CHECKPOINT_SETUP_HINT}"
+            raise PauseError(msg)
+
+    async def checkpoint(self, container_id: str, name: str) -> int | None:
+        api = (await self.client()).api
+
+        def save() -> None:
+            url = api._url("/containers/{0}/checkpoints", container_id)
+            data = {"CheckpointID": name, "Exit": True}
+            api._raise_for_status(api._post_json(url, data=data, timeout=CHECKPOINT_TIMEOUT))
+
+        await self._api("save the kernel's sandbox to disk", save)
+        return await asyncio.to_thread(self._checkpoint_size, container_id, name)
+
+    async def restore(self, container_id: str, name: str) -> None:
+        api = (await self.client()).api
+
+        def start() -> None:
+            url = api._url("/containers/{0}/start", container_id)
+            api._raise_for_status(api._post(url, params={"checkpoint": name}, timeout=CHECKPOINT_TIMEOUT))
+
+        await self._api("start the kernel's sandbox from its checkpoint", start)
+
+    async def remove_checkpoint(self, container_id: str, name: str) -> None:
+        api = (await self.client()).api
+
+        def delete() -> None:
+            response = api._delete(api._url("/containers/{0}/checkpoints/{1}", container_id, name))
+            if response.status_code != 404:
+                api._raise_for_status(response)
+
+        await self._api("remove the kernel's checkpoint", delete)
+
+    async def checkpoint_usage(self) -> tuple[int, int | None]:
+        root = await self._root_dir()
+        return await asyncio.to_thread(_checkpoint_usage, root)
+
+    async def _root_dir(self) -> Path:
+        client = await self.client()
+        info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
+        return Path(str(info.get("DockerRootDir") or "/var/lib/docker"))
+
+    def _checkpoint_size(self, container_id: str, name: str) -> int | None:
+        """Bytes of the checkpoint's files, where Docker keeps them (None: not readable here)."""
+        try:
+            root = str(self._client.info().get("DockerRootDir") or "/var/lib/docker")
+            return _folder_size(Path(root, "containers", container_id, "checkpoints", name))
+        except (OSError, *_TRANSPORT_ERRORS):
+            return None
+
     async def managed_containers(self) -> list[dict[str, Any]]:
         """``docker inspect`` of every sandbox-kernel container, running or not."""
         client = await self.client()
@@ -420,6 +487,22 @@ class DockerBackend(SandboxBackend):
             ):
                 return
             raise
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(
+        entry.stat().st_size for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink()
+    )
+
+
+def _checkpoint_usage(root: Path) -> tuple[int, int | None]:
+    """(bytes of every container's checkpoints under Docker's ``root``, bytes free there);
+    (0, None) where this process may not look (a server not run as root)."""
+    try:
+        used = sum(_folder_size(folder) for folder in (root / "containers").glob("*/checkpoints"))
+        return used, shutil.disk_usage(root).free
+    except OSError:
+        return 0, None
 
 
 class ContainerExits:

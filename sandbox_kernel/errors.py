@@ -10,7 +10,8 @@ Exception tree::
     ├── ImageNotFoundError (LookupError)    the kernel image is not on the Docker host
     ├── DockerOperationError                a Docker call failed unexpectedly
     ├── KernelStartupError                  the container started but the kernel died
-    └── KernelNotFoundError (LookupError)   no such sandboxed kernel to reattach to
+    ├── KernelNotFoundError (LookupError)   no such sandboxed kernel to reattach to
+    └── PauseError                          a kernel could not be paused or resumed
 """
 
 from __future__ import annotations
@@ -65,3 +66,8 @@ class KernelHeldError(SandboxKernelError):
 
 class KernelTakenOverError(SandboxKernelError):
     """Another process took the kernel over: this one no longer drives it."""
+
+
+class PauseError(SandboxKernelError):
+    """A kernel could not be paused (it keeps running, nothing lost) or resumed (its
+    workspace is intact; it can be started fresh). The message says why."""

@@ -137,6 +137,14 @@ class Relay:
             self.host_context.term()
         self.host_context = None
 
+    def poller(self, wake: int) -> zmq.Poller:
+        """A poller of the wake-up pipe ``wake`` and every open socket."""
+        poller = zmq.Poller()
+        poller.register(wake, zmq.POLLIN)
+        for sock in (*self.kernel_side.values(), *self.host_side.values()):
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
     def pass_on(self, ready: dict[zmq.Socket[bytes], int]) -> None:
         """Move what is waiting, a bounded batch per socket."""
         for name, kernel in self.kernel_side.items():
@@ -195,11 +203,8 @@ def main(argv: list[str]) -> int:
         return _status(kernel.returncode)
     relay = Relay(channels)
     relay.open()
+    poller = relay.poller(wake_read)
     while True:
-        poller = zmq.Poller()
-        poller.register(wake_read, zmq.POLLIN)
-        for sock in (*relay.kernel_side.values(), *relay.host_side.values()):
-            poller.register(sock, zmq.POLLIN)
         ready = dict(poller.poll())
         if wake_read in ready:
             os.read(wake_read, 256)
@@ -210,7 +215,15 @@ def main(argv: list[str]) -> int:
                 elif number == signal.SIGUSR1:
                     relay.close()
                 elif number == signal.SIGUSR2:
-                    relay.open()
+                    try:
+                        relay.open()
+                    except (zmq.ZMQError, OSError) as exc:
+                        # The host waits for the sockets, and reports that they never came.
+                        print(
+                            f"kernel relay: cannot bind the host-facing sockets again: {exc}", file=sys.stderr
+                        )
+                        relay.close()
+            poller = relay.poller(wake_read)
             if kernel.poll() is not None:
                 try:
                     relay.pass_on({sock: zmq.POLLIN for sock in relay.kernel_side.values()})  # its last words

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import signal
@@ -33,7 +34,7 @@ from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .binding import bind
 from .bridge import CHANNELS, CurveKeys, KernelBridge
-from .cgroups import cpu_seconds, oom_kills
+from .cgroups import cpu_seconds, memory_usage, oom_kills
 from .egress import ApprovalRequest, Decision, EgressPolicy, EgressProxy
 from .egress.ca import KernelCA
 from .egress.credentials import BoundCredential, CredentialSpec, parse_definitions
@@ -41,6 +42,7 @@ from .errors import (
     ConfigurationError,
     DockerUnavailableError,
     KernelTakenOverError,
+    PauseError,
     SandboxKernelError,
 )
 from .launch_folder import (
@@ -66,6 +68,14 @@ from .ownership import (
     write_owner,
     write_released,
     write_state,
+)
+from .pausing import (
+    Paused,
+    PauseRequests,
+    check_budget,
+    checkpoint_name,
+    lend_launch_dir,
+    wait_for_channels,
 )
 from .plan import (
     Launch,
@@ -104,6 +114,9 @@ LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid")
 CPU_MISSES_TO_WARN = 10
 #: How often a live owner touches its kernels' owner files (seconds).
 OWNER_TOUCH_INTERVAL = 60.0
+#: After a pause the watchdog decided failed (say the disk budget is spent), how long
+#: before it tries again (seconds): it is logged, never retried twice a second.
+PAUSE_RETRY_INTERVAL = 300.0
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # While the kernel is not running (and nobody restarts it): the error that new
         # executions get at once, instead of waiting for a kernel that is not there.
         self._refusal: tuple[str, str] = ("KernelDied", "the kernel is not running")
+        # Pausing (see sandbox_kernel.pausing): pauses, resumes and signals take turns, on
+        # the background loop. While a pause or resume is under way, or the kernel is
+        # paused, its stopped container is not its end.
+        self._paused: Paused | None = None
+        self._pausing = False
+        self._pause_lock: asyncio.Lock | None = None
+        self._wake_due = False
+        self._next_auto_pause = 0.0
 
     # ------------------------------------------------------------------ launch
 
@@ -696,6 +717,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 key=key,
                 signature_scheme=scheme,
             )
+            self.bridge.on_wake = self._wake
             return self.bridge.start()
         await asyncio.to_thread(self.bridge.attach, endpoints)
         return self.bridge.ports
@@ -744,7 +766,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         A failing step is logged and retried: a watchdog never gives up while its kernel runs.
         """
         watch = Watch()
-        limits = WatchLimits(self.exec_timeout, self.exec_kill_grace, self.idle_timeout, self.memory)
+        limits = WatchLimits(
+            self.exec_timeout, self.exec_kill_grace, self.idle_timeout, self.memory, self.pause_after
+        )
         self.backend.watch_exits(container_id)
         try:
             await self._watch_loop(container_id, watch, limits)
@@ -757,6 +781,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         next_touch = time.monotonic() + OWNER_TOUCH_INTERVAL
         docker_lost = cpu_unknown = False
         cpu_misses = 0
+        requests = PauseRequests(self.runtime_dir) if self.runtime_dir is not None else None
         while self.container_id == container_id and self._auditor is not None:
             await asyncio.sleep(0.5)
             auditor = self._auditor
@@ -767,6 +792,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 if holder is not None:
                     await self._let_go(holder)
                     return
+                if requests is not None:
+                    await requests.answer(self._pause, self._resume)  # a stat, unless one came
+                if self._suspended:
+                    pid, watch.oom_baseline = None, None  # the resumed sandbox is a new process
+                    continue
                 now = time.monotonic()
                 look = Look(now, running=auditor.running(), idle_for=auditor.idle_for())
                 if now >= next_deep:
@@ -894,8 +924,18 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if verdict.act is Act.NOTHING:
             return False
         if verdict.act is Act.EXITED:
+            if self._suspended:
+                return False  # stopped for a pause meanwhile: not its end
             await self._note_exit(container_id, look.exit_code if look.exit_code is not None else 255)
             return True
+        if verdict.act is Act.PAUSE:
+            if time.monotonic() >= self._next_auto_pause:
+                try:
+                    await self._pause(f"idle: {verdict.why}")
+                except PauseError as exc:
+                    self._next_auto_pause = time.monotonic() + PAUSE_RETRY_INTERVAL
+                    self.log.warning("Sandboxed kernel %s: %s", self.kernel_id, exc)
+            return False
         if verdict.act is Act.INTERRUPT:
             self.log.warning("Sandboxed kernel %s: %s; interrupting", self.kernel_id, verdict.why)
             await self.backend.signal(container_id, signal.SIGINT)
@@ -959,21 +999,244 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 return
             await asyncio.sleep(0.1)
 
+    # ------------------------------------------------------------------ pausing
+
+    @property
+    def paused(self) -> Paused | None:
+        """The kernel's checkpoint while it is paused (saved to disk, its container
+        stopped), else None."""
+        return self._paused
+
+    @property
+    def _suspended(self) -> bool:
+        """Paused, or a pause or resume under way: the container's stop is not its end."""
+        return self._paused is not None or self._pausing
+
+    async def pause(self) -> Paused:
+        """Save the idle kernel's whole sandbox, memory included, to disk and stop it.
+
+        Clients notice nothing: the next message from any of them resumes the kernel
+        (:meth:`resume`) and is delivered after. A kernel already paused stays so.
+
+        Raises:
+            PauseError: it could not be paused (it runs an execution, the host cannot
+                checkpoint, the disk budget is spent...); it keeps running, nothing lost.
+        """
+        return await asyncio.wrap_future(BackgroundLoop.instance().submit(self._pause("asked")))
+
+    async def resume(self) -> None:
+        """Start a paused kernel again from its checkpoint, with all its variables; a
+        kernel that is not paused is left as it is.
+
+        Raises:
+            PauseError: the sandbox could not be restored: the kernel is then stopped
+                (its workspace intact) and a restart starts it fresh.
+        """
+        await asyncio.wrap_future(BackgroundLoop.instance().submit(self._resume("asked")))
+
+    def _turns(self) -> asyncio.Lock:
+        """The lock pauses, resumes and signals take turns with (background loop)."""
+        if self._pause_lock is None:
+            self._pause_lock = asyncio.Lock()
+        return self._pause_lock
+
+    def _wake(self) -> None:
+        """A client's request waits for the paused kernel (bridge thread): resume it."""
+        if self._wake_due:
+            return
+        self._wake_due = True
+        if self._paused is not None:
+            BackgroundLoop.instance().submit(self._resume_quietly("a client's message"))
+
+    async def _resume_quietly(self, why: str) -> None:
+        try:
+            await self._resume(why)
+        except PauseError as exc:
+            self.log.error("Sandboxed kernel %s: %s", self.kernel_id, exc)
+
+    async def _pause(self, why: str) -> Paused:
+        async with self._turns():
+            if self._paused is not None:
+                return self._paused
+            container_id, bridge, launch_dir = self.container_id, self.bridge, self.launch_dir
+            if (
+                container_id is None
+                or bridge is None
+                or launch_dir is None
+                or self._exit_noted == container_id
+            ):
+                msg = f"Kernel {self.kernel_id} is not running, so it cannot be paused."
+                raise PauseError(msg)
+            if self._egress is not None:
+                msg = (
+                    f"Kernel {self.kernel_id} was not paused: a kernel with network 'allowlist' cannot be "
+                    "paused yet (its egress relay holds host connections). It keeps running."
+                )
+                raise PauseError(msg)
+            await self.backend.check_checkpoints()
+            await self._check_budget(container_id)
+            self._wake_due = False
+            bridge.hold()
+            if self._busy(bridge):
+                bridge.release()
+                msg = f"Kernel {self.kernel_id} was not paused: it is working on a request. It keeps running."
+                raise PauseError(msg)
+            self._pausing = True
+            started = time.monotonic()
+            name = checkpoint_name()
+            try:
+                await self.backend.signal(container_id, signal.SIGUSR1)  # to the relay, via init
+                await wait_for_channels(launch_dir, bound=False)
+                size = await self.backend.checkpoint(container_id, name)
+            except (SandboxKernelError, OSError) as exc:
+                raise await self._pause_failed(container_id, launch_dir, bridge, exc) from exc
+            finally:
+                self._pausing = False
+            self._paused = record = Paused(name, size, time.time())
+            seconds = time.monotonic() - started
+            if self._auditor is not None:
+                self._auditor.lifecycle("pause", reason=why, seconds=round(seconds, 3), checkpoint_bytes=size)
+            self.log.info(
+                "Sandboxed kernel %s paused in %.1f s (%s; image %s)",
+                self.kernel_id,
+                seconds,
+                why,
+                f"{size / 2**20:.0f} MiB" if size is not None else "size unknown",
+            )
+            await self._save_state()
+        if self._wake_due:  # a client's message came while it was being saved
+            await self._resume("a client's message")
+        return record
+
+    def _busy(self, bridge: KernelBridge) -> bool:
+        """An execution or another request of a client awaits the kernel's reply."""
+        auditor = self._auditor
+        return (auditor is not None and auditor.current() is not None) or bridge.requests_in_flight(
+            REQUEST_CPU_CREDIT
+        )
+
+    async def _check_budget(self, container_id: str) -> None:
+        pid = await self.backend.main_pid(container_id)
+        in_use = await asyncio.to_thread(memory_usage, pid) if pid else None
+        used, free = await self.backend.checkpoint_usage()
+        check_budget(
+            str(self.kernel_id), in_use, used, free, size_bytes("checkpoint_budget", self.checkpoint_budget)
+        )
+
+    async def _pause_failed(
+        self, container_id: str, launch_dir: Path, bridge: KernelBridge, exc: BaseException
+    ) -> PauseError:
+        """The sandbox could not be saved: it runs on. Bind its channels again, pass on
+        what came meanwhile; the error that says why."""
+        detail = str(exc)
+        try:
+            await self.backend.signal(container_id, signal.SIGUSR2)
+            await wait_for_channels(launch_dir, bound=True)
+        except (SandboxKernelError, OSError) as again:
+            detail += f"; and its channels could not be opened again ({again})"
+        bridge.release()
+        if self._auditor is not None:
+            self._auditor.lifecycle("pause", failed=detail)
+        return PauseError(f"Kernel {self.kernel_id} could not be paused: {detail}. It keeps running.")
+
+    async def _resume(self, why: str) -> None:
+        async with self._turns():
+            paused, container_id, bridge, launch_dir = (
+                self._paused,
+                self.container_id,
+                self.bridge,
+                self.launch_dir,
+            )
+            if paused is None or container_id is None or bridge is None or launch_dir is None:
+                return
+            self._pausing = True
+            started = time.monotonic()
+            try:
+                layout = self._layout()
+                await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
+                await self.backend.restore(container_id, paused.checkpoint)
+                self.backend.unwatch_exits(container_id)  # it ended once: follow the new run
+                self.backend.watch_exits(container_id)
+                await self.backend.signal(container_id, signal.SIGUSR2)
+                await wait_for_channels(launch_dir, bound=True)
+                await asyncio.to_thread(self._seal, launch_dir)
+            except (SandboxKernelError, OSError) as exc:
+                raise await self._resume_failed(container_id, paused, exc) from exc
+            finally:
+                self._pausing = False
+            self._paused, self._wake_due = None, False
+            bridge.release()
+            seconds = time.monotonic() - started
+            if self._auditor is not None:
+                self._auditor.lifecycle(
+                    "resume",
+                    reason=why,
+                    seconds=round(seconds, 3),
+                    paused_for=round(time.time() - paused.since),
+                )
+            self.log.info("Sandboxed kernel %s resumed in %.1f s (%s)", self.kernel_id, seconds, why)
+            await self._save_state()
+            try:
+                await self.backend.remove_checkpoint(container_id, paused.checkpoint)
+            except SandboxKernelError as exc:
+                self.log.warning("Sandboxed kernel %s: %s (it goes with the container)", self.kernel_id, exc)
+
+    async def _resume_failed(self, container_id: str, paused: Paused, exc: BaseException) -> PauseError:
+        """The sandbox could not be restored: the kernel has ended. Its clients are told
+        why; a restart starts it fresh, with the workspace as it was. The error to raise."""
+        self._paused = None
+        if self.container_id != container_id:  # shut down meanwhile: nothing to report
+            return PauseError(f"Kernel {self.kernel_id} was shut down while it resumed")
+        reason = (
+            f"the paused kernel could not be resumed ({exc}); its variables are lost, its workspace "
+            "is intact. Restart the kernel to start it fresh"
+        )
+        if self._auditor is not None:
+            self._auditor.lifecycle("resume", failed=str(exc), checkpoint=paused.checkpoint)
+        self._planned_exit = (container_id, "ResumeFailed", reason)
+        with contextlib.suppress(SandboxKernelError):
+            await self.backend.signal(container_id, signal.SIGKILL)
+        if self.bridge is not None:
+            self.bridge.drop_held()
+        await self._note_exit(container_id, 1, "not resumed")
+        return PauseError(f"Kernel {self.kernel_id}: {reason}.")
+
+    async def _signal_in_turn(self, signum: int) -> None:
+        """Deliver ``signum`` once no pause or resume is under way (background loop). A
+        paused kernel is idle (an interrupt has nothing to stop) and stopped: a kill or
+        terminate ends its pause, and it."""
+        async with self._turns():
+            container_id = self.container_id
+            if container_id is None:
+                return
+            if self._paused is None:
+                await self.backend.signal(container_id, signum)
+            elif signum in (signal.SIGKILL, signal.SIGTERM):
+                self._paused = None
+                if self.bridge is not None:
+                    self.bridge.drop_held()
+                await self._note_exit(container_id, 128 + signum, "stopped while paused")
+
     # ------------------------------------------------------------------ lifecycle
 
     async def poll(self) -> int | None:
-        """None while the container runs, else its exit code (cheap; never blocks the loop)."""
-        if self.container_id is None:
+        """None while the container runs or the kernel is paused, else its exit code
+        (cheap; never blocks the loop)."""
+        container_id = self.container_id
+        if container_id is None:
             return self.exit_code if self.exit_code is not None else 0
-        if self._exit_noted != self.container_id and self.backend.surely_running(self.container_id):
-            return None  # the backend's event stream has not seen it end (nor the watchdog)
+        if self._exit_noted == container_id:
+            return self.exit_code if self.exit_code is not None else 255
+        if self._suspended or self.backend.surely_running(container_id):
+            return None  # paused, or the backend's event stream has not seen it end
         try:
-            status, code = await self.backend.state(self.container_id)
+            status, code = await self.backend.state(container_id)
         except SandboxKernelError as exc:
             self.log.warning("Cannot check sandboxed kernel %s: %s", self.kernel_id, exc)
             return None
-        if code is not None:
-            await self._note_exit(self.container_id, code, status)
+        if code is None or self._suspended:  # (stopped by a pause that began meanwhile)
+            return None
+        await self._note_exit(container_id, code, status)
         return code
 
     async def _note_exit(self, container_id: str, code: int, status: str = "exited") -> None:
@@ -1065,9 +1328,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await asyncio.sleep(0.1)
 
     async def send_signal(self, signum: int) -> None:
-        """Deliver ``signum`` to the kernel via the container's init (which forwards it)."""
+        """Deliver ``signum`` to the kernel via the container's init (which forwards it),
+        in turn with pauses and resumes."""
         if self.container_id is not None and not await asyncio.to_thread(self._held_elsewhere_now):
-            await self.backend.signal(self.container_id, signum)
+            await asyncio.wrap_future(BackgroundLoop.instance().submit(self._signal_in_turn(signum)))
 
     async def kill(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGKILL)
@@ -1095,6 +1359,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        self._paused = None  # its checkpoint goes with the container
         if self.container_id is not None:
             try:
                 await self.backend.remove(self.container_id)
@@ -1188,6 +1453,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 # Names and times only: a credential's value is never written down.
                 "credential_expiry": self._credential_expiry,
                 "revoked_credentials": sorted(self._revoked),
+                "paused": self._paused.to_dict() if self._paused is not None else None,
                 **self._layout(),
             }
         )
@@ -1263,12 +1529,17 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 }
                 self.connection_info = moved  # type: ignore[assignment]
             await self._open_egress(self.launch_dir)
+            self._paused = Paused.from_dict(provisioner_info.get("paused"))
+            if self._paused is not None and self.bridge is not None:
+                # Saved to disk, its container stopped: the first client's message resumes it.
+                self._wake_due = False
+                self.bridge.hold()
             if self.container_id:
                 self._start_watchdog(self.container_id)
                 # The event stream tells of ends from now on; one before (a limit stopped
                 # it while nobody held it) is known only from its state.
                 _, code = await self.backend.state(self.container_id)
-                if code is not None:
+                if code is not None and self._paused is None:
                     await self._note_exit(self.container_id, code)
         if self.runtime_dir is not None:
             # Last, once all is in place: this process owns the kernel now.

@@ -174,6 +174,14 @@ class SandboxSettings(LoggingConfigurable):
         memory, in seconds or e.g. '30m' or '2h' (0: never). Clients are told; later
         requests get an error reply `IdleLimitExceeded` until the kernel is restarted.""",
     ).tag(kernelspec=True, ceiling="max_idle_timeout", bound="timeout")
+    pause_after = Duration(
+        0.0,
+        config=True,
+        help="""Time without any execution after which the kernel is paused: its whole
+        sandbox, memory included, is saved to disk and stopped (in seconds or e.g. '30m';
+        0: never). The next message from any client resumes it and is then delivered; the
+        variables are all there. Needs Docker's experimental mode (see README).""",
+    ).tag(kernelspec=True, ceiling="max_pause_after", bound="timeout")
     network = CaselessStrEnum(
         ["none", "allowlist"],
         default_value="none",
@@ -297,6 +305,19 @@ class SandboxSettings(LoggingConfigurable):
         "16g",
         config=True,
         help="Ceiling for `file_size`: no kernelspec may ask for more. Server config only.",
+    )
+    max_pause_after = Duration(
+        0.0,
+        config=True,
+        help="""Ceiling for `pause_after`, in seconds or e.g. '1h' (0: none). When set,
+        every kernel must pause at or below it when idle. Server config only.""",
+    )
+    checkpoint_budget = Size(
+        "32g",
+        config=True,
+        help="""Disk that the images of paused kernels may take on this Docker host, all
+        together, e.g. '32g'. A pause that could exceed it (the kernel's memory in use is
+        the bound) is refused with an error, and the kernel keeps running. Server config only.""",
     )
     max_idle_timeout = Duration(
         0.0,
@@ -458,6 +479,8 @@ class SandboxSettings(LoggingConfigurable):
         "exec_kill_grace",
         "idle_timeout",
         "max_idle_timeout",
+        "pause_after",
+        "max_pause_after",
         "persistent_ttl",
         "max_persistent_ttl",
     )

@@ -60,6 +60,7 @@ class WatchLimits:
     exec_kill_grace: float = 10.0
     idle_timeout: float = 0.0
     memory: str = ""
+    pause_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Act(Enum):
     INTERRUPT = "interrupt"  # SIGINT: an execution outran its wall-clock limit
     KILL = "kill"  # SIGKILL, telling clients ``ename``: ``reason``
     STOP_IDLE = "stop-idle"  # stop for good (no restart): idle past its limit
+    PAUSE = "pause"  # save to disk and stop, until a client's next message: idle a while
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
 
     In order: it ended; the host's OOM killer hit it without ending it (it hangs for
     good, see .cgroups); it keeps computing with no execution running; it is idle past
-    its limit; an execution outran its wall-clock limit (interrupt, then kill).
+    its limit; it is idle long enough to pause; an execution outran its wall-clock limit
+    (interrupt, then kill).
     """
     if look.deep:
         if look.exit_code is not None:
@@ -160,6 +163,12 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
                 return Verdict(Act.KILL, "WallClockLimitExceeded", reason, why)
     if limits.idle_timeout > 0 and look.idle_for is not None and look.idle_for >= limits.idle_timeout:
         return Verdict(Act.STOP_IDLE, "IdleLimitExceeded", idle_reason(limits.idle_timeout), "idle")
+    if limits.pause_after > 0 and look.idle_for is not None and look.idle_for >= limits.pause_after:
+        if look.deep and not look.busy:
+            return Verdict(
+                Act.PAUSE, why=f"idle for {look.idle_for:.0f} s (pause_after {limits.pause_after:g} s)"
+            )
+        return NOTHING
     limit, grace = limits.exec_timeout, limits.exec_kill_grace
     if limit <= 0 or look.running is None:
         return NOTHING

@@ -123,6 +123,8 @@ SECONDS = (
     "exec_kill_grace",
     "idle_timeout",
     "max_idle_timeout",
+    "pause_after",
+    "max_pause_after",
     "persistent_ttl",
     "max_persistent_ttl",
     "startup_timeout",
@@ -136,6 +138,7 @@ SIZES = (
     "max_file_size",
     "output_limit",
     "max_pool_memory",
+    "checkpoint_budget",
 )
 
 
