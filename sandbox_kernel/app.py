@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -33,6 +34,7 @@ from .errors import ConfigurationError, DockerUnavailableError, SandboxKernelErr
 from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .plan import ceiling_violations, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
+from .reattach import pause_kernel
 from .resources import data_path
 from .settings import (
     DATASCIENCE_IMAGE,
@@ -595,6 +597,20 @@ class _KernelsApp(_SubApp):
     def kernels(self) -> list[SandboxedKernel]:
         return self.docker(list_kernels)
 
+    def chosen(self) -> list[SandboxedKernel]:
+        """The kernel each given id prefix names (exactly one each), or a usage error."""
+        if not self.extra_args:
+            self.fail("give one or more kernel ids (see `jupyter sandbox-kernel list`)")
+        kernels = self.kernels()
+        chosen = []
+        for prefix in self.extra_args:
+            matches = [k for k in kernels if k.kernel_id.startswith(prefix)]
+            if len(matches) != 1:
+                found = "no kernel" if not matches else f"{len(matches)} kernels"
+                self.fail(f"{found} with an id starting with {prefix!r}; see `jupyter sandbox-kernel list`")
+            chosen.extend(matches)
+        return chosen
+
 
 class ListApp(_KernelsApp):
     """List the sandboxed kernels on this Docker host."""
@@ -633,7 +649,7 @@ class ListApp(_KernelsApp):
             (
                 k.kernel_id or "-",
                 k.kernelspec,
-                k.status,
+                k.status + (f" ({_mib(k.checkpoint_size)} on disk)" if k.paused else ""),
                 k.lifecycle + (f" (ttl {_human_age(k.ttl)})" if k.persistent and k.ttl else ""),
                 _human_age(k.age_seconds),
                 f"{_mib(k.memory_usage)} / {_mib(k.memory_limit)}",
@@ -661,17 +677,45 @@ class StopApp(_KernelsApp):
     takes_arguments = True
 
     def start(self) -> None:
-        if not self.extra_args:
-            self.fail("give one or more kernel ids (see `jupyter sandbox-kernel list`)")
-        kernels = self.kernels()
-        for prefix in self.extra_args:
-            matches = [k for k in kernels if k.kernel_id.startswith(prefix)]
-            if len(matches) != 1:
-                found = "no kernel" if not matches else f"{len(matches)} kernels"
-                self.fail(f"{found} with an id starting with {prefix!r}; see `jupyter sandbox-kernel list`")
-            (kernel,) = matches
+        for kernel in self.chosen():
             self.docker(partial(remove_kernel, kernel=kernel, runtime_parent=self.runtime_parent or None))
             print(f"Stopped {kernel.kernel_id}")
+
+
+class PauseApp(_KernelsApp):
+    """Pause sandboxed kernels to disk."""
+
+    name = "jupyter-sandbox-kernel-pause"
+    description = """Pause the sandboxed kernels whose kernel id starts with each given ID (see
+    `list`): each one's whole sandbox, memory included, is saved to disk and its container
+    stopped. The server that drives it does it, and its clients notice nothing; their next
+    message resumes it (or `resume`). A kernel running an execution is not paused.
+    Needs Docker's experimental mode (see `check`)."""
+    examples = "jupyter sandbox-kernel pause 3f2a9c1e"
+    takes_arguments = True
+    resume = False
+    timeout = Float(900.0, config=True, help="Seconds to wait for each kernel.")
+    aliases = {**base_aliases, "timeout": "PauseApp.timeout"}
+
+    def start(self) -> None:
+        for kernel in self.chosen():
+            started = time.monotonic()
+            said = self.docker(partial(self._pause, kernel_id=kernel.kernel_id))
+            print(f"Kernel {kernel.kernel_id}: {said} in {time.monotonic() - started:.1f} s")
+
+    async def _pause(self, _: DockerBackend, kernel_id: str) -> str:
+        return await pause_kernel(kernel_id, resume=self.resume, timeout=self.timeout)
+
+
+class ResumeApp(PauseApp):
+    """Resume paused sandboxed kernels."""
+
+    name = "jupyter-sandbox-kernel-resume"
+    description = """Resume the paused sandboxed kernels whose kernel id starts with each given
+    ID (see `list`), with all their variables, without waiting for a client's message."""
+    examples = "jupyter sandbox-kernel resume 3f2a9c1e"
+    resume = True
+    aliases = {**base_aliases, "timeout": "ResumeApp.timeout"}
 
 
 class PruneApp(_KernelsApp):
@@ -844,6 +888,8 @@ class SandboxKernelApp(JupyterApp):
         "run": (RunApp, "Execute a notebook in a sandboxed kernel."),
         "list": (ListApp, "List the sandboxed kernels on this Docker host (--json for JSON)."),
         "stop": (StopApp, "Stop and remove sandboxed kernels by kernel id."),
+        "pause": (PauseApp, "Pause sandboxed kernels to disk, memory included, by kernel id."),
+        "resume": (ResumeApp, "Resume paused sandboxed kernels by kernel id."),
         "prune": (PruneApp, "Remove sandboxed kernels whose Jupyter server is gone."),
         "mcp": (McpApp, "Serve sandboxed kernels to an AI assistant over MCP (stdio)."),
     }

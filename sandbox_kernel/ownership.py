@@ -244,6 +244,10 @@ class SandboxedKernel:
     #: its kernel is up, ready to be claimed.
     pooled: bool = False
     pool_ready: bool = False
+    #: Paused to disk (see sandbox_kernel.pausing): its container stopped, its memory in a
+    #: checkpoint of this many bytes (None: unknown).
+    paused: bool = False
+    checkpoint_size: int | None = None
 
     @property
     def persistent(self) -> bool:
@@ -272,8 +276,9 @@ class SandboxedKernel:
 
     @property
     def abandoned(self) -> bool:
-        """A persistent kernel whose container stopped while no server held it."""
-        return self.persistent and self.owner_gone and self.state in ("exited", "dead")
+        """A persistent kernel whose container stopped while no server held it (not one
+        paused to disk: it waits to be adopted and resumed)."""
+        return self.persistent and self.owner_gone and self.state in ("exited", "dead") and not self.paused
 
     @property
     def removable(self) -> bool:
@@ -288,10 +293,12 @@ class SandboxedKernel:
             return "expired"
         if self.abandoned:
             return f"{self.state}, abandoned"
-        if self.detached:
+        if self.detached and not self.paused:
             return f"{self.state}, detached"
         if self.pooled:
             return "pooled" if self.pool_ready else "pooled, starting"
+        if self.paused:
+            return "paused, detached" if self.detached else "paused"
         return self.state
 
     @property
@@ -333,6 +340,13 @@ class SandboxedKernel:
             else:
                 pooled, kernel_id = True, ""
                 pool_ready = runtime_dir is not None and (runtime_dir / POOL_READY_FILE).exists()
+        paused: dict[str, Any] | None = None
+        if state.get("Status") == "exited":  # paused to disk? Its saved state says so.
+            runtime_dir = own_runtime_dir(labels.get(LABEL_RUNTIME_DIR, ""))
+            saved = (read_state(runtime_dir) or {}) if runtime_dir is not None else {}
+            info = saved.get("provisioner_info") or {}
+            if info.get("container_id") == attrs.get("Id") and isinstance(info.get("paused"), dict):
+                paused = info["paused"]
         return cls(
             container_id=str(attrs.get("Id", "")),
             kernel_id=kernel_id,
@@ -351,6 +365,8 @@ class SandboxedKernel:
             scope=labels.get(LABEL_SCOPE, ""),
             pooled=pooled,
             pool_ready=pool_ready,
+            paused=paused is not None,
+            checkpoint_size=paused.get("size") if paused is not None else None,
             pid=pid if isinstance(pid, int) and pid > 0 else None,
         )
 

@@ -42,7 +42,7 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_core.utils import run_sync
 
 from .docker_backend import DockerBackend
-from .errors import KernelHeldError, KernelNotFoundError
+from .errors import KernelHeldError, KernelNotFoundError, PauseError
 from .ownership import (
     NO_HOLDER,
     SandboxedKernel,
@@ -54,6 +54,7 @@ from .ownership import (
     server_identity,
     write_owner,
 )
+from .pausing import ask_holder, describe
 from .provisioner import SandboxProvisioner
 
 M = TypeVar("M", bound=KernelManager)
@@ -236,3 +237,38 @@ async def _reattach(
     km = manager_class(kernel_name=str(state["kernel_name"]), **kwargs)
     await attach_manager(km, state, take_over)
     return km
+
+
+async def pause_kernel(kernel_id: str, *, resume: bool = False, timeout: float = 900.0) -> str:
+    """Pause the sandboxed kernel ``kernel_id`` (or a unique prefix) to disk, or
+    ``resume`` it, from any process of its server's user; what was done.
+
+    The process that drives the kernel does it (asked through the kernel's private
+    runtime folder; its clients notice only a delay); a persistent kernel nobody drives
+    is adopted here for the while.
+
+    Raises:
+        PauseError: it could not be paused (it keeps running) or resumed; or its holder
+            did not answer within ``timeout`` seconds.
+        KernelNotFoundError: no such kernel of this user.
+    """
+    state = await saved_state(kernel_id)
+    action = "resume" if resume else "pause"
+    runtime_dir = Path(str(state["provisioner_info"].get("runtime_dir") or ""))
+    holder = await asyncio.to_thread(read_holder, runtime_dir)
+    if holder is not None and holder.alive and holder.token != NO_HOLDER:
+        done, said = await asyncio.to_thread(ask_holder, runtime_dir, action, timeout)
+        if not done:
+            raise PauseError(said)
+        return said
+    km = await reattach_kernel(state)
+    provisioner = km.provisioner
+    assert isinstance(provisioner, SandboxProvisioner)  # noqa: S101 - reattach_kernel made it so
+    try:
+        if resume:
+            await provisioner.resume()
+            return "resumed"
+        return f"paused ({describe(await provisioner.pause())})"
+    finally:
+        km.stop_restarter()
+        await provisioner.detach()

@@ -49,6 +49,7 @@ from .background import BackgroundLoop
 from .cgroups import PeakMemory, cpu_seconds
 from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
 from .files import FileInfo, WorkspaceFiles, workspace_files
+from .pausing import Paused
 from .provisioner import SandboxProvisioner
 from .reattach import reattach_kernel
 
@@ -276,6 +277,22 @@ class AsyncSandboxSession:
     async def interrupt(self) -> None:
         """Interrupt the running code (``KeyboardInterrupt`` in the kernel)."""
         await self._manager().interrupt_kernel()
+
+    async def pause(self) -> Paused:
+        """Save the idle kernel, memory included, to disk and stop its sandbox; the next
+        :meth:`run` resumes it (or :meth:`resume`). Raises PauseError (the kernel runs on)."""
+        return await self._provisioner().pause()
+
+    async def resume(self) -> None:
+        """Resume a paused kernel now, rather than at the next :meth:`run`."""
+        await self._provisioner().resume()
+
+    def _provisioner(self) -> SandboxProvisioner:
+        provisioner = self._manager().provisioner
+        if not isinstance(provisioner, SandboxProvisioner):
+            msg = "the session's kernel is not a sandboxed one"
+            raise TypeError(msg)
+        return provisioner
 
     async def restart(self) -> None:
         """Start the kernel afresh: same workspace and policy, no variables."""
@@ -709,6 +726,12 @@ class SandboxSession:
 
     def restart(self) -> None:
         self._call(self._session.restart())
+
+    def pause(self) -> Paused:
+        return self._call(self._session.pause())
+
+    def resume(self) -> None:
+        self._call(self._session.resume())
 
     def shutdown(self) -> None:
         try:

@@ -1,0 +1,204 @@
+"""Kernels that keep their memory: paused to disk (a gVisor checkpoint through Docker),
+resumed by the next message, across a dockerd restart; driven as users drive them (a
+plain KernelManager, the CLI from another process, a kernelspec's pause_after)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import docker
+import pytest
+from jupyter_client import KernelManager
+from jupyter_core.utils import run_sync
+from traitlets.config import Config
+
+from sandbox_kernel.errors import PauseError
+from sandbox_kernel.reattach import reattach_kernel_blocking
+
+from .conftest import KernelStarter, run, run_ok
+
+ROOT = Path(__file__).resolve().parents[2]
+SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
+
+#: Live Python objects the pause must keep: a value, 200 MiB of bytes, an array.
+SET_STATE = (
+    "import numpy as np\n"
+    "x = 42\n"
+    "big = bytearray(200 * 2**20)\n"
+    "big[-1] = 7\n"
+    "arr = np.arange(10**6)\n"
+    "print('set')"
+)
+CHECK_STATE = "print(x, len(big), big[-1], int(arr.sum()))"
+STATE = f"42 {200 * 2**20} 7 {sum(range(10**6))}"
+
+
+def _status(docker_client: docker.DockerClient, km: KernelManager) -> str:
+    return str(docker_client.containers.get(km.provisioner.container_id).status)
+
+
+def _audit(jupyter_dirs: Path, kernel_id: str) -> list[dict[str, object]]:
+    path = Path(os.environ["JUPYTER_DATA_DIR"]) / "sandbox-kernel" / "audit.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [line for line in lines if line.get("kernel_id") == kernel_id]
+
+
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(SK), *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient, jupyter_dirs: Path
+) -> None:
+    km, kc = start_kernel()
+    assert run_ok(kc, SET_STATE).strip() == "set"
+
+    paused = run_sync(km.provisioner.pause)()
+
+    assert _status(docker_client, km) == "exited", "a paused kernel's container is stopped"
+    assert km.is_alive(), "a paused kernel is alive to Jupyter"
+    assert paused.size is not None and paused.size > 0
+    assert km.provisioner.paused == paused
+    # The next cell, from the same client, resumes it and runs once it is back.
+    result = run(kc, CHECK_STATE, timeout=120)
+    assert result.status == "ok", result.reply
+    assert result.stdout.strip() == STATE
+    assert _status(docker_client, km) == "running"
+    assert km.provisioner.paused is None
+    events = [line for line in _audit(jupyter_dirs, km.kernel_id) if line["event"] in ("pause", "resume")]
+    assert [line["event"] for line in events] == ["pause", "resume"]
+    assert events[0]["checkpoint_bytes"] == paused.size
+    assert events[1]["reason"] == "a client's message"
+
+
+def test_pause_after_pauses_an_idle_kernel_and_list_shows_it(
+    start_kernel: KernelStarter, make_kernelspec: Callable[..., str], docker_client: docker.DockerClient
+) -> None:
+    name = make_kernelspec("py-pausing", config={"pause_after": 2})
+    km, kc = start_kernel(name)
+    run_ok(kc, "x = 42")
+    deadline = time.monotonic() + 60
+    while km.provisioner.paused is None:
+        assert time.monotonic() < deadline, "the idle kernel was not paused within 60 s"
+        time.sleep(0.2)
+
+    listing = {row["kernel_id"]: row for row in json.loads(_cli("list", "--json").stdout)}
+    row = listing[km.kernel_id]
+    assert row["status"] == "paused" and row["paused"] and row["checkpoint_size"] > 0
+    assert "paused (" in _cli("list").stdout
+    assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
+
+
+def test_the_cli_pauses_and_resumes_a_kernel_another_process_drives(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    km, kc = start_kernel()
+    run_ok(kc, "x = 42")
+
+    paused = _cli("pause", km.kernel_id[:8])
+    assert f"Kernel {km.kernel_id}: paused (checkpoint" in paused.stdout
+    assert _status(docker_client, km) == "exited"
+    assert km.provisioner.paused is not None, "the process driving the kernel paused it"
+
+    assert f"Kernel {km.kernel_id}: resumed" in _cli("resume", km.kernel_id[:8]).stdout
+    assert _status(docker_client, km) == "running"
+    assert run_ok(kc, "print(x)").strip() == "42"
+
+
+def test_a_kernel_that_is_executing_is_not_paused(start_kernel: KernelStarter) -> None:
+    km, kc = start_kernel()
+    msg_id = kc.execute("import time; time.sleep(5); print('done')")
+    time.sleep(1)
+    with pytest.raises(PauseError, match="working on a request. It keeps running"):
+        run_sync(km.provisioner.pause)()
+    reply = kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
+
+
+def test_a_pause_over_the_disk_budget_is_refused_and_the_kernel_runs_on(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    km, kc = start_kernel(config=Config({"SandboxProvisioner": {"checkpoint_budget": "1m"}}))
+    run_ok(kc, "x = 42")
+    with pytest.raises(PauseError, match=r"was not paused: .*\(SandboxProvisioner.checkpoint_budget\). It keeps running"):
+        run_sync(km.provisioner.pause)()
+    assert _status(docker_client, km) == "running"
+    assert run_ok(kc, "print(x)").strip() == "42"
+
+
+def test_a_failed_resume_says_why_keeps_the_workspace_and_a_restart_starts_fresh(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient, workspace: Path
+) -> None:
+    km, kc = start_kernel()
+    run_ok(kc, "x = 42; open('results.txt', 'w').write('kept')")
+    paused = run_sync(km.provisioner.pause)()
+    # The checkpoint is lost (a full disk, an operator's cleanup): the restore must fail.
+    docker_client.api._delete(
+        docker_client.api._url("/containers/{0}/checkpoints/{1}", km.provisioner.container_id, paused.checkpoint)
+    ).raise_for_status()
+
+    result = run(kc, "print(x)", timeout=120)
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "ResumeFailed"
+    assert "could not be resumed" in result.reply["content"]["evalue"]
+    assert not km.is_alive()
+    assert (workspace / "results.txt").read_text() == "kept"
+
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert run_ok(kc, "print(open('results.txt').read(), 'x' in globals())").strip() == "kept False"
+
+
+_PAUSE_AND_LEAVE = """
+import os, sys
+from jupyter_client import KernelManager
+from jupyter_core.utils import run_sync
+km = KernelManager(kernel_name=sys.argv[1])
+km.start_kernel(cwd=sys.argv[2])
+kc = km.client()
+kc.start_channels()
+kc.wait_for_ready(timeout=60)
+reply = kc.execute_interactive("x = 42", timeout=60)
+assert reply["content"]["status"] == "ok", reply
+run_sync(km.provisioner.pause)()
+print(km.kernel_id, flush=True)
+os._exit(0)  # gone without a word: the paused kernel waits for whoever adopts it
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="restarting dockerd needs root (CI runs as root)")
+def test_a_paused_persistent_kernel_survives_a_dockerd_restart_and_is_adopted(
+    make_kernelspec: Callable[..., str], workspace: Path, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    name = make_kernelspec("py-persistent-pausing", config={"lifecycle": "persistent"})
+    script = tmp_path / "owner.py"
+    script.write_text(_PAUSE_AND_LEAVE)
+    done = subprocess.run(
+        [sys.executable, str(script), name, str(workspace)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    kernel_id = done.stdout.strip()
+
+    subprocess.run(["bash", str(ROOT / ".ci/dockerd"), "restart"], check=True, timeout=180)
+    _cli("prune")  # what every server start does: a paused kernel is not abandoned
+    listing = {row["kernel_id"]: row for row in json.loads(_cli("list", "--json").stdout)}
+    assert listing[kernel_id]["status"] == "paused, detached"
+
+    km = reattach_kernel_blocking(kernel_id)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert not docker_client.containers.list(all=True, filters={"name": f"sandbox-kernel-{kernel_id}"})
