@@ -66,7 +66,8 @@ def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
 
     assert _status(docker_client, km) == "exited", "a paused kernel's container is stopped"
     assert km.is_alive(), "a paused kernel is alive to Jupyter"
-    assert paused.size is not None and paused.size > 0
+    assert paused.size is not None
+    assert paused.size > 0
     assert km.provisioner.paused == paused
     # The next cell, from the same client, resumes it and runs once it is back.
     result = run(kc, CHECK_STATE, timeout=120)
@@ -93,7 +94,9 @@ def test_pause_after_pauses_an_idle_kernel_and_list_shows_it(
 
     listing = {row["kernel_id"]: row for row in json.loads(_cli("list", "--json").stdout)}
     row = listing[km.kernel_id]
-    assert row["status"] == "paused" and row["paused"] and row["checkpoint_size"] > 0
+    assert row["status"] == "paused"
+    assert row["paused"]
+    assert row["checkpoint_size"] > 0
     assert "paused (" in _cli("list").stdout
     assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
 
@@ -118,10 +121,11 @@ def test_a_kernel_that_is_executing_is_not_paused(start_kernel: KernelStarter) -
     km, kc = start_kernel()
     msg_id = kc.execute("import time; time.sleep(5); print('done')")
     time.sleep(1)
-    with pytest.raises(PauseError, match="working on a request. It keeps running"):
+    with pytest.raises(PauseError, match=r"working on a request\. It keeps running"):
         run_sync(km.provisioner.pause)()
     reply = kc.get_shell_msg(timeout=30)
-    assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok"
 
 
 def test_a_pause_over_the_disk_budget_is_refused_and_the_kernel_runs_on(
@@ -129,7 +133,8 @@ def test_a_pause_over_the_disk_budget_is_refused_and_the_kernel_runs_on(
 ) -> None:
     km, kc = start_kernel(config=Config({"SandboxProvisioner": {"checkpoint_budget": "1m"}}))
     run_ok(kc, "x = 42")
-    with pytest.raises(PauseError, match=r"was not paused: .*\(SandboxProvisioner.checkpoint_budget\). It keeps running"):
+    refused = r"was not paused: .*\(SandboxProvisioner\.checkpoint_budget\)\. It keeps running"
+    with pytest.raises(PauseError, match=refused):
         run_sync(km.provisioner.pause)()
     assert _status(docker_client, km) == "running"
     assert run_ok(kc, "print(x)").strip() == "42"
@@ -142,9 +147,9 @@ def test_a_failed_resume_says_why_keeps_the_workspace_and_a_restart_starts_fresh
     run_ok(kc, "x = 42; open('results.txt', 'w').write('kept')")
     paused = run_sync(km.provisioner.pause)()
     # The checkpoint is lost (a full disk, an operator's cleanup): the restore must fail.
-    docker_client.api._delete(
-        docker_client.api._url("/containers/{0}/checkpoints/{1}", km.provisioner.container_id, paused.checkpoint)
-    ).raise_for_status()
+    api = docker_client.api
+    container_id = km.provisioner.container_id
+    api._delete(api._url("/containers/{0}/checkpoints/{1}", container_id, paused.checkpoint)).raise_for_status()
 
     result = run(kc, "print(x)", timeout=120)
     assert result.status == "error"
