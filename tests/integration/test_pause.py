@@ -149,7 +149,8 @@ def test_a_failed_resume_says_why_keeps_the_workspace_and_a_restart_starts_fresh
     # The checkpoint is lost (a full disk, an operator's cleanup): the restore must fail.
     api = docker_client.api
     container_id = km.provisioner.container_id
-    api._delete(api._url("/containers/{0}/checkpoints/{1}", container_id, paused.checkpoint)).raise_for_status()
+    url = api._url("/containers/{0}/checkpoints/{1}", container_id, paused.checkpoint)
+    api._delete(url).raise_for_status()
 
     result = run(kc, "print(x)", timeout=120)
     assert result.status == "error"
