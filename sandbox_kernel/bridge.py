@@ -240,9 +240,10 @@ class KernelBridge:
         self._release_due = False
         # Channels whose kernel-facing socket has completed a connection to the kernel.
         self._connected: set[str] = set()
-        #: Called (bridge thread) for every signed request that arrives while held: it
-        #: must be quick (schedule the resume) and may be called many times.
-        self.on_wake: Callable[[], None] | None = None
+        #: Called (bridge thread) with the message type of every signed message that
+        #: arrives while held: it must be quick (schedule the resume); it may be called
+        #: many times.
+        self.on_wake: Callable[[str], None] | None = None
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
         #: Messages dropped, by reason ("shell from a client: bad signature", ...).
@@ -458,9 +459,11 @@ class KernelBridge:
             return
         held.append((channel, [frame_bytes(frame) for frame in frames]))
         self._held_bytes += size
-        if channel in _SIGNED and self.on_wake is not None:
+        if channel != "iopub" and channel in _SIGNED and self.on_wake is not None:  # (not a subscription)
+            index = find_delimiter(frames)
+            header = load_dict(frames[index + 2]) if index is not None else {}
             try:
-                self.on_wake()
+                self.on_wake(f"{channel} {header.get('msg_type', '?')}")
             except Exception:
                 log.exception("Bridge could not wake the paused kernel")
 

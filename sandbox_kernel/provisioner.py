@@ -202,9 +202,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # the background loop. While a pause or resume is under way, or the kernel is
         # paused, its stopped container is not its end.
         self._paused: Paused | None = None
+        self._pending_pause: Paused | None = None  # what a pause under way will be
         self._pausing = False
         self._pause_lock: asyncio.Lock | None = None
-        self._wake_due = False
+        self._wake_due: str | None = None  # what woke the kernel meanwhile
         self._next_auto_pause = 0.0
 
     # ------------------------------------------------------------------ launch
@@ -1040,13 +1041,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._pause_lock = asyncio.Lock()
         return self._pause_lock
 
-    def _wake(self) -> None:
-        """A client's request waits for the paused kernel (bridge thread): resume it."""
-        if self._wake_due:
+    def _wake(self, message: str) -> None:
+        """A client's message (``message``: its channel and type) waits for the paused
+        kernel (bridge thread): resume it."""
+        if self._wake_due is not None:
             return
-        self._wake_due = True
+        self._wake_due = message
         if self._paused is not None:
-            BackgroundLoop.instance().submit(self._resume_quietly("a client's message"))
+            BackgroundLoop.instance().submit(self._resume_quietly(f"a client's {message}"))
 
     async def _resume_quietly(self, why: str) -> None:
         try:
@@ -1075,7 +1077,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 raise PauseError(msg)
             await self.backend.check_checkpoints()
             await self._check_budget(container_id)
-            self._wake_due = False
+            self._wake_due = None
             bridge.hold()
             if self._busy(bridge):
                 bridge.release()
@@ -1084,14 +1086,20 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._pausing = True
             started = time.monotonic()
             name = checkpoint_name()
+            # Said before it is done: a server killed meanwhile must leave a kernel its
+            # successor knows to resume (or to reopen, if it never stopped), not one to prune.
+            self._pending_pause = Paused(name, None, time.time())
             try:
+                await self._save_state()
                 await self.backend.signal(container_id, signal.SIGUSR1)  # to the relay, via init
                 await wait_for_channels(launch_dir, bound=False)
                 size = await self.backend.checkpoint(container_id, name)
             except (SandboxKernelError, OSError) as exc:
+                self._pending_pause = None
                 raise await self._pause_failed(container_id, launch_dir, bridge, exc) from exc
             finally:
                 self._pausing = False
+            self._pending_pause = None
             self._paused = record = Paused(name, size, time.time())
             seconds = time.monotonic() - started
             if self._auditor is not None:
@@ -1104,8 +1112,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 f"{size / 2**20:.0f} MiB" if size is not None else "size unknown",
             )
             await self._save_state()
-        if self._wake_due:  # a client's message came while it was being saved
-            await self._resume("a client's message")
+        if self._wake_due is not None:  # a client's message came while it was being saved
+            await self._resume(f"a client's {self._wake_due}")
         return record
 
     def _busy(self, bridge: KernelBridge) -> bool:
@@ -1154,9 +1162,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             try:
                 layout = self._layout()
                 await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
-                await self.backend.restore(container_id, paused.checkpoint)
-                self.backend.unwatch_exits(container_id)  # it ended once: follow the new run
-                self.backend.watch_exits(container_id)
+                _, code = await self.backend.state(container_id)
+                if code is not None:  # (else a pause its server did not live to finish)
+                    await self.backend.restore(container_id, paused.checkpoint)
+                    self.backend.unwatch_exits(container_id)  # it ended once: follow the new run
+                    self.backend.watch_exits(container_id)
                 await self.backend.signal(container_id, signal.SIGUSR2)
                 await wait_for_channels(launch_dir, bound=True)
                 await asyncio.to_thread(self._seal, launch_dir)
@@ -1164,7 +1174,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 raise await self._resume_failed(container_id, paused, exc) from exc
             finally:
                 self._pausing = False
-            self._paused, self._wake_due = None, False
+            self._paused, self._wake_due = None, None
             bridge.release()
             seconds = time.monotonic() - started
             if self._auditor is not None:
@@ -1453,7 +1463,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 # Names and times only: a credential's value is never written down.
                 "credential_expiry": self._credential_expiry,
                 "revoked_credentials": sorted(self._revoked),
-                "paused": self._paused.to_dict() if self._paused is not None else None,
+                "paused": paused.to_dict() if (paused := self._paused or self._pending_pause) else None,
                 **self._layout(),
             }
         )
@@ -1532,14 +1542,17 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._paused = Paused.from_dict(provisioner_info.get("paused"))
             if self._paused is not None and self.bridge is not None:
                 # Saved to disk, its container stopped: the first client's message resumes it.
-                self._wake_due = False
+                self._wake_due = None
                 self.bridge.hold()
             if self.container_id:
                 self._start_watchdog(self.container_id)
                 # The event stream tells of ends from now on; one before (a limit stopped
                 # it while nobody held it) is known only from its state.
                 _, code = await self.backend.state(self.container_id)
-                if code is not None and self._paused is None:
+                if code is None and self._paused is not None:
+                    # Its last server died while pausing it, before the sandbox stopped.
+                    await self.resume()
+                elif code is not None and self._paused is None:
                     await self._note_exit(self.container_id, code)
         if self.runtime_dir is not None:
             # Last, once all is in place: this process owns the kernel now.

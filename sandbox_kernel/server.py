@@ -143,7 +143,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         parent.config.SessionManager.database_filepath = str(folder / f"sessions-{digest}.db")
 
     async def adopt_kernels(self) -> list[str]:
-        """Prune what nobody will use again, then adopt every running persistent
+        """Prune what nobody will use again, then adopt every running (or paused) persistent
         sandboxed kernel of this server's scope and user that no live server holds;
         return their ids. Failures are logged: a server always starts."""
         docker = DockerBackend()
@@ -158,7 +158,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         for kernel in kernels:
             if not (
                 kernel.detached
-                and kernel.state == "running"
+                and (kernel.state == "running" or kernel.paused)
                 and kernel.server_uid == os.getuid()
                 and kernel.scope == self.adoption_scope
                 and kernel.kernel_id not in self

@@ -243,3 +243,63 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
         for leftover in await list_kernels(DockerBackend()):
             if leftover.kernel_id == kernel_id:
                 await remove_kernel(DockerBackend(), leftover, None)
+
+
+async def test_an_idle_kernel_pauses_under_jupyter_lab_and_the_notebook_resumes_it(
+    jupyter_dirs: Path, tmp_path: Path, make_kernelspec: Any, docker_client: docker.DockerClient
+) -> None:
+    """``jupyter lab`` with pause_after: the idle kernel is saved to disk and stopped; the
+    notebook's next cell resumes it (x = 42 is there), also after the server was killed
+    and a new one adopted the paused kernel."""
+    name = make_kernelspec("py-pausing", config={"lifecycle": "persistent", "pause_after": 2})
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(
+        'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
+    )
+    root = make_workspace(tmp_path / "notebooks")
+    make_workspace(root / "project")
+    log = tmp_path / "server.log"
+    port = free_port()
+    server, proc = start_server(root, log, port, "lab")
+    session_id = kernel_id = ""
+
+    def container_status() -> str:
+        label = {"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        (container,) = docker_client.containers.list(all=True, filters=label)
+        return str(container.status)
+
+    def wait_paused() -> None:
+        deadline = time.monotonic() + 60
+        while container_status() != "exited":
+            assert time.monotonic() < deadline, "the idle kernel was not paused within 60 s"
+            time.sleep(0.3)
+        assert server.api("GET", f"/api/kernels/{kernel_id}").json()["id"] == kernel_id
+
+    try:
+        session = server.api(
+            "POST",
+            "/api/sessions",
+            json={"path": "project/analysis.ipynb", "type": "notebook", "kernel": {"name": name}},
+        ).json()
+        session_id, kernel_id = session["id"], session["kernel"]["id"]
+        assert await execute_over_websocket(server, kernel_id, "x = 42") == ("ok", "")
+        wait_paused()
+        assert await execute_over_websocket(server, kernel_id, "print(x)") == ("ok", "42\n")
+        assert container_status() == "running"
+
+        wait_paused()
+        proc.kill()  # the server dies while the kernel is paused
+        proc.wait()
+        server, proc = start_server(root, log, port, "lab")
+        assert f"Adopted persistent sandboxed kernel {kernel_id}" in log.read_text()
+        assert container_status() == "exited", "adopting a paused kernel does not resume it"
+        assert await execute_over_websocket(server, kernel_id, "print(x)") == ("ok", "42\n")
+        server.api("DELETE", f"/api/sessions/{session_id}")
+        label = {"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        assert docker_client.containers.list(all=True, filters=label) == []
+    finally:
+        stop_server(proc)
+        for kernel in await list_kernels(DockerBackend()):
+            if kernel.kernel_id == kernel_id:
+                await remove_kernel(DockerBackend(), kernel, None)

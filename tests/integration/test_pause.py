@@ -78,7 +78,7 @@ def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
     events = [line for line in _audit(jupyter_dirs, km.kernel_id) if line["event"] in ("pause", "resume")]
     assert [line["event"] for line in events] == ["pause", "resume"]
     assert events[0]["checkpoint_bytes"] == paused.size
-    assert events[1]["reason"] == "a client's message"
+    assert events[1]["reason"] == "a client's shell execute_request"
 
 
 def test_pause_after_pauses_an_idle_kernel_and_list_shows_it(
