@@ -7,6 +7,7 @@ sent the way a local user without the key, or code in the kernel, would send the
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import time
@@ -708,3 +709,85 @@ def test_a_forged_request_narrows_nothing(
     assert limited.dropped["shell message from a client: bad signature"] == 1
     assert limited._limiter is not None
     assert limited._limiter._requested == {}
+
+
+# ---------------------------------------------------------------- a paused kernel
+
+
+def msg_type(frames: list[bytes]) -> str:
+    return str(json.loads(frames[frames.index(b"<IDS|MSG>") + 2])["msg_type"])
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within 5 s"
+        time.sleep(0.01)
+
+
+def test_while_held_the_bridge_answers_heartbeats_keeps_requests_and_wakes_on_each(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    woken: list[str] = []
+    bridge.on_wake = woken.append
+    bridge.hold()
+    hb = client(ctx, zmq.REQ, bridge.endpoint("hb"))
+    hb.send(b"ping")
+    assert recv(hb) == [b"ping"], "a paused kernel is alive to its clients"
+    subscriber(ctx, bridge)  # a subscription does not wake it (a server watching activity)
+    shell = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    shell.send_multipart(request(session))
+    shell.send_multipart(request(session, "execute_request", code="print(x)"))
+    wait_for(lambda: len(woken) == 2)
+    assert woken == ["shell kernel_info_request", "shell execute_request"]
+    assert not kernel["shell"].poll(200), "nothing reaches the paused kernel"
+    assert not kernel["hb"].poll(0)
+
+    bridge.release()
+    first, second = recv(kernel["shell"]), recv(kernel["shell"])
+    assert [msg_type(first), msg_type(second)] == ["kernel_info_request", "execute_request"], "in order"
+    wait_for(lambda: not bridge.holding)
+    answer(session, kernel["shell"], second)
+    _, reply = session.feed_identities(recv(shell))
+    assert session.deserialize(reply)["msg_type"] == "execute_reply"
+
+
+def test_held_messages_wait_until_the_resumed_kernel_is_reachable_on_every_channel(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge, tmp_path: Path
+) -> None:
+    """As in a pause: the kernel's sockets go away, come back later at the same paths."""
+    bridge.hold()
+    for sock in kernel.values():
+        sock.close(linger=0)
+    shell = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    shell.send_multipart(request(session, "execute_request", code="print(x)"))
+    time.sleep(0.5)  # the checkpoint: seconds, in which the bridge sees the kernel go
+    bridge.release()  # before the kernel is back: the bridge waits for it
+    time.sleep(0.5)
+    assert bridge.holding
+    resumed = {}
+    for channel, kind in KERNEL_SOCKET_TYPES.items():
+        resumed[channel] = ctx.socket(kind)
+        resumed[channel].linger = 0
+        resumed[channel].bind(f"ipc://{tmp_path}/{channel}")
+    received = recv(resumed["shell"])
+    assert msg_type(received) == "execute_request"
+    assert not bridge.holding
+    sub = subscriber(ctx, bridge)
+    assert publish_until_received(resumed["iopub"], sub, status(session)) is not None, "output flows again"
+
+
+def test_what_was_held_for_a_kernel_that_is_gone_never_reaches_the_next(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    bridge: KernelBridge,
+    endpoints: dict[str, str],
+) -> None:
+    bridge.hold()
+    shell = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    shell.send_multipart(request(session, "shutdown_request"))
+    wait_for(lambda: bridge.messages["shell"] == 1)
+    bridge.attach(endpoints)  # a restart: a new kernel at the same paths
+    assert not bridge.holding
+    assert not kernel["shell"].poll(300)

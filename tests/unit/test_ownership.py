@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,14 @@ def test_prune_removes_folders_that_a_dead_process_left_and_no_sandbox_uses(
     assert not stray.exists()
     assert [path for path in kept if not path.exists()] == []
     assert f"Removing {stray}: its process is gone and no sandbox uses it" in caplog.text
+
+
+def test_a_paused_persistent_kernel_waits_for_adoption_and_is_never_pruned(tmp_path: Path) -> None:
+    host, namespace, _, _ = server_identity().split("/")
+    gone = f"{host}/{namespace}/999999999/1"
+    stopped = replace(_kernel(tmp_path / "rt", "persistent", 0, gone), state="exited")
+    assert stopped.abandoned, "a persistent kernel that stopped with no server is pruned"
+    paused = replace(stopped, paused=True, checkpoint_size=13 * 2**20)
+    assert (paused.abandoned, paused.removable, paused.detached) == (False, False, True)
+    assert paused.status == "paused, detached"
+    assert replace(paused, owner=server_identity()).status == "paused"

@@ -100,3 +100,15 @@ def test_an_idle_kernel_is_stopped_only_past_its_idle_limit() -> None:
     assert judge(Look(0, idle_for=None), Watch(), limits).act is Act.NOTHING  # an execution pending
     verdict = judge(Look(0, idle_for=60.0), Watch(), limits)
     assert (verdict.act, verdict.ename) == (Act.STOP_IDLE, "IdleLimitExceeded")
+
+
+def test_an_idle_kernel_is_paused_past_pause_after_unless_a_request_awaits_its_reply() -> None:
+    limits = WatchLimits(pause_after=30)
+    assert judge(Look(0, deep=True, idle_for=29.0), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, deep=True, idle_for=30.0), Watch(), limits).act is Act.PAUSE
+    # A request awaits its reply (a completion, say); or whether one does is not known yet.
+    assert judge(Look(0, deep=True, idle_for=30.0, busy=True), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, idle_for=30.0), Watch(), limits).act is Act.NOTHING
+    # Idle past both limits: the idle limit, which frees the memory for good, wins.
+    both = WatchLimits(pause_after=30, idle_timeout=30)
+    assert judge(Look(0, deep=True, idle_for=31.0), Watch(), both).act is Act.STOP_IDLE

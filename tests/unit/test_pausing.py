@@ -1,0 +1,117 @@
+"""Pausing's pure parts: the disk budget, the saved record, and how another process asks
+the kernel's holder to pause or resume it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel.errors import PauseError
+from sandbox_kernel.pausing import (
+    REQUEST_FILE,
+    Paused,
+    PauseRequests,
+    ask_holder,
+    check_budget,
+    checkpoint_name,
+)
+
+MIB = 2**20
+
+
+def test_a_pause_that_could_outgrow_the_budget_or_the_disk_is_refused_saying_what_to_do() -> None:
+    check_budget("k1", 100 * MIB, used=900 * MIB, free=None, budget=1000 * MIB)  # just fits
+    with pytest.raises(PauseError) as over:
+        check_budget("k1", 101 * MIB, used=900 * MIB, free=None, budget=1000 * MIB)
+    message = str(over.value)
+    assert "up to 101 MiB" in message
+    assert "already take 900 MiB of the 1000 MiB budget (SandboxProvisioner.checkpoint_budget)" in message
+    assert "It keeps running, nothing lost" in message
+    with pytest.raises(PauseError, match="has 50 MiB free"):
+        check_budget("k1", 100 * MIB, used=0, free=50 * MIB, budget=1000 * MIB)
+
+
+def test_the_saved_record_reads_back_and_anything_else_is_not_a_pause() -> None:
+    paused = Paused(checkpoint_name(), 13 * MIB, 1.5)
+    assert Paused.from_dict(paused.to_dict()) == paused
+    assert Paused.from_dict({**paused.to_dict(), "size": None}) == Paused(paused.checkpoint, None, 1.5)
+    for other in (None, {}, {"checkpoint": 3}, "sk-1", []):
+        assert Paused.from_dict(other) is None
+    assert checkpoint_name() != checkpoint_name()
+
+
+@pytest.fixture
+def runtime_dir(tmp_path: Path) -> Path:
+    """A kernel's private runtime folder."""
+    folder = tmp_path / "runtime"
+    folder.mkdir(mode=0o700)
+    return folder
+
+
+@contextmanager
+def holder(
+    runtime_dir: Path, pause: Callable[[str], Awaitable[Paused]], resume: Callable[[str], Awaitable[None]]
+) -> Iterator[None]:
+    """The kernel's holder, looking for requests as its watchdog does (twice a second)."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        requests = PauseRequests(runtime_dir)
+        while not stop.is_set():
+            asyncio.run(requests.answer(pause, resume))
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+ANSWERS = [("pause", "paused (checkpoint sk-1, 13 MiB)"), ("resume", "resumed")]
+
+
+@pytest.mark.parametrize(("action", "said"), ANSWERS)
+def test_another_process_asks_the_holder_and_hears_it(runtime_dir: Path, action: str, said: str) -> None:
+    done: list[str] = []
+
+    async def pause(why: str) -> Paused:
+        done.append(f"pause: {why}")
+        return Paused("sk-1", 13 * MIB, 0)
+
+    async def resume(why: str) -> None:
+        done.append(f"resume: {why}")
+
+    with holder(runtime_dir, pause, resume):
+        assert ask_holder(runtime_dir, action, timeout=10) == (True, said)
+    assert done == [f"{action}: asked by `jupyter sandbox-kernel {action}`"]
+    assert list(runtime_dir.iterdir()) == [], "request and answer are gone"
+
+
+def test_a_refusal_reaches_the_asker_and_junk_requests_are_dropped(runtime_dir: Path) -> None:
+    refusal = "Kernel k1 was not paused: it is working on a request. It keeps running."
+
+    async def pause(why: str) -> Paused:
+        raise PauseError(refusal)
+
+    async def resume(why: str) -> None:
+        raise AssertionError("not asked")
+
+    (runtime_dir / REQUEST_FILE).write_text('{"action": "rm -rf", "token": "../../x"}')
+    asyncio.run(PauseRequests(runtime_dir).answer(pause, resume))
+    assert list(runtime_dir.iterdir()) == []
+    with holder(runtime_dir, pause, resume):
+        assert ask_holder(runtime_dir, "pause", timeout=10) == (False, refusal)
+
+
+def test_an_unanswered_request_is_withdrawn(runtime_dir: Path) -> None:
+    with pytest.raises(PauseError, match=r"did not answer within 0\.3 s"):
+        ask_holder(runtime_dir, "pause", timeout=0.3)
+    assert list(runtime_dir.iterdir()) == []
