@@ -177,3 +177,32 @@ class PeakMemory:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str]:
+    """Paths (as the sandbox names them) of the unix sockets a gVisor sandbox holds bound
+    on the host: its gofer binds them, in the container's network namespace (whose
+    ``net/unix`` lists them), and the sandbox's process holds them open. gVisor cannot
+    checkpoint a sandbox holding one, and a failed checkpoint ends the sandbox: this is
+    asked first. [] where it cannot be read."""
+    try:
+        held = {
+            link.removeprefix("socket:[").rstrip("]")
+            for link in (os.readlink(fd) for fd in (proc / str(sandbox_pid) / "fd").iterdir())
+            if link.startswith("socket:[")
+        }
+        shim = (proc / str(sandbox_pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return []
+    for entry in proc.iterdir():
+        try:
+            if not entry.name.isdigit() or (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] != shim:
+                continue
+            if not (entry / "cmdline").read_bytes().startswith(b"runsc-gofer"):
+                continue
+            lines = (entry / "net" / "unix").read_text().splitlines()[1:]
+        except (OSError, IndexError):
+            continue
+        fields = [line.split() for line in lines]
+        return sorted({f[7] for f in fields if len(f) > 7 and f[6] in held})
+    return []

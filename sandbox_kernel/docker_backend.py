@@ -24,7 +24,7 @@ from requests.exceptions import RequestException
 
 from . import mounts
 from .backend import SandboxBackend
-from .cgroups import thaw_container
+from .cgroups import held_host_sockets, thaw_container
 from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .errors import (
     DockerOperationError,
@@ -388,6 +388,14 @@ class DockerBackend(SandboxBackend):
 
     async def checkpoint(self, container_id: str, name: str) -> int | None:
         api = (await self.client()).api
+        pid = await self.main_pid(container_id)
+        held = await asyncio.to_thread(held_host_sockets, pid) if pid else []
+        if held:
+            msg = (
+                f"code in the kernel holds a unix socket bound at {', '.join(held)}, which gVisor cannot "
+                "save (close it, e.g. the server or listener that made it, to let the kernel pause)"
+            )
+            raise PauseError(msg)
 
         def save() -> None:
             url = api._url("/containers/{0}/checkpoints", container_id)

@@ -11,7 +11,7 @@ restore a kernel whose ZeroMQ peers came and went (runsc 20240729: a kernel that
 had talked to and left died on restore; one whose peers never went away restored). The
 host-facing sockets live in a ZeroMQ context of their own: ``SIGUSR1`` closes them
 (their files removed, the context ended: the sandbox then holds no host socket),
-``SIGUSR2`` binds them again. The kernel never sees its peer leave.
+``SIGUSR2`` binds them afresh. The kernel never sees its peer leave.
 
 The relay is untrusted (kernel code can kill or replace it) and enforces nothing: the
 host's bridge checks every message's signature and size. It is copied into the launch
@@ -215,6 +215,7 @@ def main(argv: list[str]) -> int:
                 elif number == signal.SIGUSR1:
                     relay.close()
                 elif number == signal.SIGUSR2:
+                    relay.close()  # (if still open: bound afresh, as the host removed the files)
                     try:
                         relay.open()
                     except (zmq.ZMQError, OSError) as exc:

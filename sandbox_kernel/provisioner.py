@@ -1138,11 +1138,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         what came meanwhile; the error that says why."""
         detail = str(exc)
         try:
-            await self.backend.signal(container_id, signal.SIGUSR2)
-            await wait_for_channels(launch_dir, bound=True)
+            await self._reopen_channels(container_id, launch_dir)
         except (SandboxKernelError, OSError) as again:
             detail += f"; and its channels could not be opened again ({again})"
         bridge.release()
+        await self._save_state()  # not paused after all
         if self._auditor is not None:
             self._auditor.lifecycle("pause", failed=detail)
         return PauseError(f"Kernel {self.kernel_id} could not be paused: {detail}. It keeps running.")
@@ -1160,16 +1160,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._pausing = True
             started = time.monotonic()
             try:
-                layout = self._layout()
-                await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
                 _, code = await self.backend.state(container_id)
                 if code is not None:  # (else a pause its server did not live to finish)
                     await self.backend.restore(container_id, paused.checkpoint)
                     self.backend.unwatch_exits(container_id)  # it ended once: follow the new run
                     self.backend.watch_exits(container_id)
-                await self.backend.signal(container_id, signal.SIGUSR2)
-                await wait_for_channels(launch_dir, bound=True)
-                await asyncio.to_thread(self._seal, launch_dir)
+                await self._reopen_channels(container_id, launch_dir)
             except (SandboxKernelError, OSError) as exc:
                 raise await self._resume_failed(container_id, paused, exc) from exc
             finally:
@@ -1190,6 +1186,15 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 await self.backend.remove_checkpoint(container_id, paused.checkpoint)
             except SandboxKernelError as exc:
                 self.log.warning("Sandboxed kernel %s: %s (it goes with the container)", self.kernel_id, exc)
+
+    async def _reopen_channels(self, container_id: str, launch_dir: Path) -> None:
+        """Have the kernel's relay bind its host sockets again: in the launch folder lent
+        to the kernel's uid for the while, sealed again once they are there."""
+        layout = self._layout()
+        await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
+        await self.backend.signal(container_id, signal.SIGUSR2)
+        await wait_for_channels(launch_dir, bound=True)
+        await asyncio.to_thread(self._seal, launch_dir)
 
     async def _resume_failed(self, container_id: str, paused: Paused, exc: BaseException) -> PauseError:
         """The sandbox could not be restored: the kernel has ended. Its clients are told
@@ -1338,10 +1343,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await asyncio.sleep(0.1)
 
     async def send_signal(self, signum: int) -> None:
-        """Deliver ``signum`` to the kernel via the container's init (which forwards it),
-        in turn with pauses and resumes."""
-        if self.container_id is not None and not await asyncio.to_thread(self._held_elsewhere_now):
+        """Deliver ``signum`` to the kernel via the container's init (which forwards it);
+        while it is paused, or a pause or resume is under way, in turn with them."""
+        if self.container_id is None or await asyncio.to_thread(self._held_elsewhere_now):
+            return
+        if self._suspended:
             await asyncio.wrap_future(BackgroundLoop.instance().submit(self._signal_in_turn(signum)))
+        else:
+            await self.backend.signal(self.container_id, signum)
 
     async def kill(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGKILL)

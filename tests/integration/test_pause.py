@@ -18,6 +18,7 @@ from jupyter_client import KernelManager
 from jupyter_core.utils import run_sync
 from traitlets.config import Config
 
+from sandbox_kernel import SandboxSession
 from sandbox_kernel.errors import PauseError
 from sandbox_kernel.reattach import reattach_kernel_blocking
 
@@ -57,9 +58,10 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
-    start_kernel: KernelStarter, docker_client: docker.DockerClient, jupyter_dirs: Path
+    start_sandboxed: KernelStarter, docker_client: docker.DockerClient, jupyter_dirs: Path
 ) -> None:
-    km, kc = start_kernel()
+    """Started cold, or claimed from a warm pool (whose claim socket is gone by then)."""
+    km, kc = start_sandboxed()
     assert run_ok(kc, SET_STATE).strip() == "set"
 
     paused = run_sync(km.provisioner.pause)()
@@ -208,3 +210,33 @@ def test_a_paused_persistent_kernel_survives_a_dockerd_restart_and_is_adopted(
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     assert not docker_client.containers.list(all=True, filters={"name": f"sandbox-kernel-{kernel_id}"})
+
+
+def test_the_session_api_pauses_and_its_next_run_resumes(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    with SandboxSession(cwd=workspace) as sandbox:
+        assert sandbox.run("x = 42").error is None
+        paused = sandbox.pause()
+        assert paused.size is not None
+        name = f"sandbox-kernel-{sandbox.kernel_id}"
+        (container,) = docker_client.containers.list(all=True, filters={"name": name})
+        assert container.status == "exited"
+        assert sandbox.run("print(x)", timeout=120).stdout == "42\n"
+
+
+def test_code_holding_a_socket_in_the_workspace_blocks_the_pause_and_the_kernel_runs_on(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """A unix socket bound in the workspace is a host socket, which gVisor cannot save:
+    the pause fails, saying why, and the kernel goes on answering with its state."""
+    km, kc = start_kernel()
+    run_ok(kc, "import socket\nx = 42\nlistener = socket.socket(socket.AF_UNIX)\nlistener.bind('held.sock')")
+    with pytest.raises(PauseError, match=r"could not be paused: .*It keeps running\.$"):
+        run_sync(km.provisioner.pause)()
+    assert _status(docker_client, km) == "running"
+    assert km.provisioner.paused is None
+    assert run_ok(kc, "print(x)").strip() == "42"
+    run_ok(kc, "listener.close()")
+    run_sync(km.provisioner.pause)()  # once it lets go, the kernel pauses
+    assert run_ok(kc, "print(x)", timeout=120).strip() == "42"

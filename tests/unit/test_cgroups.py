@@ -95,3 +95,36 @@ def test_only_a_full_container_id_names_a_cgroup(fake_host: tuple[Path, Path]) -
         assert not cgroups.thaw_container(name)
     assert (root / "freezer" / "docker" / "freezer.state").read_text() == "FROZEN"
     assert not cgroups.thaw_container("cd" * 32)  # no such container
+
+
+def test_the_host_sockets_a_sandbox_holds_are_read_from_its_gofers_network_namespace(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+
+    def process(
+        pid: int,
+        ppid: int,
+        cmdline: bytes,
+        unix: tuple[str, ...] | list[str] = (),
+        sockets: tuple[int, ...] | list[int] = (),
+    ) -> None:
+        folder = proc / str(pid)
+        (folder / "net").mkdir(parents=True)
+        (folder / "fd").mkdir()
+        (folder / "stat").write_text(f"{pid} (exe) S {ppid} 1 1 0 -1")
+        (folder / "cmdline").write_bytes(cmdline)
+        header = "Num       RefCount Protocol Flags    Type St Inode Path"
+        (folder / "net" / "unix").write_text("\n".join([header, *unix]) + "\n")
+        for number, inode in enumerate(sockets):
+            (folder / "fd" / str(number)).symlink_to(f"socket:[{inode}]")
+
+    process(10, 1, b"containerd-shim\0")
+    bound = [
+        "0: 00000002 0 00010000 0001 01 7 /workspace/held.sock",  # the sandbox holds it
+        "0: 00000002 0 00010000 0001 01 8 /run/sandbox-kernel/kernel-1",  # let go of
+        "0: 00000003 0 00000000 0001 03 9",  # connected, no path
+    ]
+    process(11, 10, b"runsc-gofer\0--root=/x\0", unix=bound)
+    process(12, 10, b"runsc-sandbox\0--host-uds=create\0", sockets=[7, 9])
+    process(13, 99, b"runsc-gofer\0", unix=["0: 2 0 10000 1 1 7 /another/sandbox.sock"])
+    assert cgroups.held_host_sockets(12, proc) == ["/workspace/held.sock"]
+    assert cgroups.held_host_sockets(404, proc) == [], "unreadable: nothing known, the checkpoint is tried"
