@@ -930,7 +930,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._note_exit(container_id, look.exit_code if look.exit_code is not None else 255)
             return True
         if verdict.act is Act.PAUSE:
-            if time.monotonic() >= self._next_auto_pause:
+            if self._egress is None and time.monotonic() >= self._next_auto_pause:  # (see plan's warning)
                 try:
                     await self._pause(f"idle: {verdict.why}")
                 except PauseError as exc:

@@ -205,14 +205,16 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
     )
 
 
+def _interpreter(cmd: Sequence[str]) -> str:
+    """What runs a relay before ``cmd``: its interpreter when ``argv[0]`` names one (the
+    channel relay needs the kernel's pyzmq), else the image's ``python3``."""
+    return cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
+
+
 def relay_command(cmd: Sequence[str]) -> list[str]:
     """``cmd`` (the kernel) as the child of the channel relay, which binds its channels'
-    host sockets once the kernel listens on the sandbox's loopback.
-
-    The relay runs with the kernel's interpreter when ``argv[0]`` names one (it needs
-    the kernel's pyzmq).
-    """
-    python = cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
+    host sockets once the kernel listens on the sandbox's loopback."""
+    python = _interpreter(cmd)
     channels = [
         f"{channel}={IPC_PREFIX}-{IPC_PORTS[channel]}:{port}" for channel, port in KERNEL_TCP_PORTS.items()
     ]
@@ -221,13 +223,9 @@ def relay_command(cmd: Sequence[str]) -> list[str]:
 
 def egress_command(cmd: Sequence[str]) -> list[str]:
     """``cmd`` behind the egress relay, which starts first (trusting the kernel's egress
-    CA) and then runs ``cmd``.
-
-    The relay runs with the kernel's interpreter when ``argv[0]`` names one.
-    """
-    python = cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
+    CA) and then runs ``cmd``."""
     return [
-        python,
+        _interpreter(cmd),
         CONTAINER_RELAY_FILE,
         CONTAINER_EGRESS_SOCKET,
         str(EGRESS_PROXY_PORT),

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,9 +58,9 @@ def _sockets(prefix: Path) -> list[bool]:
     return [Path(f"{prefix}-{number}").exists() for number in CHANNELS.values()]
 
 
-def _wait(condition: object, what: str, timeout: float = 30) -> None:
+def _wait(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
+    while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.05)
 
@@ -117,6 +117,26 @@ def test_a_paused_relay_holds_no_host_socket_and_the_kernel_keeps_its_state(
             output_hook=lambda _m: None,
         )
         assert answered["content"]["status"] == "ok"
+    finally:
+        kc.stop_channels()
+
+
+def test_sigusr2_binds_afresh_where_the_host_removed_the_files_of_open_sockets(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """A pause that failed, or one its server did not live to finish: the host removes the
+    socket files and asks again; the relay binds new ones even if it had never closed."""
+    relay, prefix = relayed
+    kc = _client(prefix)
+    assert _run(kc, "x = 42; print('set')") == "set\n"
+    kc.stop_channels()
+    for number in CHANNELS.values():
+        Path(f"{prefix}-{number}").unlink()
+    relay.send_signal(signal.SIGUSR2)
+    _wait(lambda: all(_sockets(prefix)), "host sockets again")
+    kc = _client(prefix)
+    try:
+        assert _run(kc, "print(x)") == "42\n"
     finally:
         kc.stop_channels()
 
