@@ -71,12 +71,18 @@ def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
     assert paused.size is not None
     assert paused.size > 0
     assert km.provisioner.paused == paused
+    image = Path("/var/lib/docker/containers", km.provisioner.container_id, "checkpoints", paused.checkpoint)
+    if os.getuid() == 0:  # the server's (root's) alone
+        assert image.is_dir()
+        folder = image.parent.stat()
+        assert (folder.st_uid, folder.st_mode & 0o077) == (0, 0), "Docker keeps checkpoints 0700, root's"
     # The next cell, from the same client, resumes it and runs once it is back.
     result = run(kc, CHECK_STATE, timeout=120)
     assert result.status == "ok", result.reply
     assert result.stdout.strip() == STATE
     assert _status(docker_client, km) == "running"
     assert km.provisioner.paused is None
+    assert not image.exists(), "a resumed kernel's image is removed"
     events = [line for line in _audit(jupyter_dirs, km.kernel_id) if line["event"] in ("pause", "resume")]
     assert [line["event"] for line in events] == ["pause", "resume"]
     assert events[0]["checkpoint_bytes"] == paused.size
