@@ -343,7 +343,14 @@ async def start_at_once(kernel_name: str, count: int, cwd: str) -> tuple[float, 
 
 
 async def shutdown_all(managers: list[AsyncKernelManager]) -> None:
-    await asyncio.gather(*(m.shutdown_kernel() for m in managers if m.has_kernel), return_exceptions=True)
+    """Shut every kernel down at once; a shutdown that fails is reported, not hidden (it
+    may leave a container behind for `jupyter sandbox-kernel prune`)."""
+    results = await asyncio.gather(
+        *(m.shutdown_kernel() for m in managers if m.has_kernel), return_exceptions=True
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            progress(f"a kernel's shutdown failed: {result!r}")
 
 
 def kernel_cpu_seconds(manager: AsyncKernelManager) -> float:
