@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from jupyter_client import BlockingKernelClient
 
 from sandbox_kernel import kernel_relay
@@ -181,3 +182,20 @@ def test_bad_arguments_are_refused_saying_why(args: list[str], why: str) -> None
 def test_a_kernel_killed_by_a_signal_gives_the_shells_status() -> None:
     assert kernel_relay._status(-9) == 137
     assert kernel_relay._status(3) == 3
+
+
+def test_heartbeats_are_answered_while_the_kernel_lives(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    _, prefix = relayed
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        ping = context.socket(zmq.REQ)
+        ping.linger = 0
+        ping.connect(f"ipc://{prefix}-{CHANNELS['hb']}")
+        for beat in (b"one", b"two"):
+            ping.send(beat)
+            assert ping.poll(5000), "no heartbeat within 5 s"
+            assert ping.recv() == beat
+    finally:
+        context.destroy(linger=0)
