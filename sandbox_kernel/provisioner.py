@@ -1280,6 +1280,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._exit_cause = (ename, reason)
         if ename == "KernelDied":
             self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
+            if code not in (0, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
+                # Not a shutdown nor a kill: say why, while the container (its output) is there.
+                output = await self.backend.logs(container_id) or "(none)"
+                self.log.warning("Sandboxed kernel %s: its last output:\n%s", self.kernel_id, output)
         else:
             self._limit_stop = LimitStop(ename, reason, time.time(), container_id)
             self.log.warning("Sandboxed kernel %s ended: %s", self.kernel_id, reason)
