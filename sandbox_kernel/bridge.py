@@ -121,9 +121,12 @@ class SizeCaps:
         return {"iopub": self.kernel_iopub, "hb": self.kernel_hb}.get(channel, self.kernel_reply)
 
 
-def _ipc_in_use(path: str) -> bool:
-    """Whether a live process listens on the unix socket ``path``."""
+def ipc_in_use(path: str, timeout: float | None = None) -> bool:
+    """Whether a live process listens on the unix socket ``path`` (and, with ``timeout``,
+    takes the connection within that many seconds: a socket gVisor let go of can leave a
+    connect hanging for a minute rather than refused)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
     try:
         probe.connect(path)
     except OSError:
@@ -324,7 +327,7 @@ class KernelBridge:
         path = self._ipc_path(channel, port)
         # ZeroMQ unlinks whatever is at the path before binding: never another live
         # bridge's socket (a second process reattaching to the same kernel).
-        if _ipc_in_use(path):
+        if ipc_in_use(path):
             raise zmq.ZMQError(errno.EADDRINUSE, f"{path} is in use by another process")
         front.bind(f"ipc://{_socket_file(path)}")
         _link(path)

@@ -403,7 +403,11 @@ class DockerBackend(SandboxBackend):
             api._raise_for_status(api._post_json(url, data=data, timeout=CHECKPOINT_TIMEOUT))
 
         await self._api("save the kernel's sandbox to disk", save)
-        return await asyncio.to_thread(self._checkpoint_size, container_id, name)
+        folder = await self._root_dir() / "containers" / container_id / "checkpoints" / name
+        try:
+            return await asyncio.to_thread(_folder_size, folder)
+        except OSError:
+            return None  # not readable by this process
 
     async def restore(self, container_id: str, name: str) -> None:
         api = (await self.client()).api
@@ -432,14 +436,6 @@ class DockerBackend(SandboxBackend):
         client = await self.client()
         info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
         return Path(str(info.get("DockerRootDir") or "/var/lib/docker"))
-
-    def _checkpoint_size(self, container_id: str, name: str) -> int | None:
-        """Bytes of the checkpoint's files, where Docker keeps them (None: not readable here)."""
-        try:
-            root = str(self._client.info().get("DockerRootDir") or "/var/lib/docker")
-            return _folder_size(Path(root, "containers", container_id, "checkpoints", name))
-        except (OSError, *_TRANSPORT_ERRORS):
-            return None
 
     async def managed_containers(self) -> list[dict[str, Any]]:
         """``docker inspect`` of every sandbox-kernel container, running or not."""

@@ -22,13 +22,13 @@ import asyncio
 import json
 import os
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .bridge import ipc_in_use
 from .errors import PauseError
 from .launch_folder import seal_launch_dir
 from .sandbox_spec import kernel_sockets
@@ -88,20 +88,6 @@ def check_budget(kernel_id: str, memory_in_use: int | None, used: int, free: int
         raise PauseError(msg)
 
 
-def _accepts(path: Path) -> bool:
-    """Whether a listener takes a connection on ``path`` at once. (A socket gVisor let go
-    of can leave a connect hanging, rather than refused, for a minute.)"""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.05)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
-
-
 async def wait_for_channels(launch_dir: Path, bound: bool, timeout: float = CHANNELS_TIMEOUT) -> None:
     """Until every channel socket in ``launch_dir`` accepts connections (``bound``) or none
     does.
@@ -112,7 +98,7 @@ async def wait_for_channels(launch_dir: Path, bound: bool, timeout: float = CHAN
     sockets = list(kernel_sockets(launch_dir).values())
     deadline = time.monotonic() + timeout
     while True:
-        states = await asyncio.to_thread(lambda: [_accepts(path) for path in sockets])
+        states = await asyncio.to_thread(lambda: [ipc_in_use(str(path), timeout=0.05) for path in sockets])
         if all(state == bound for state in states):
             return
         if time.monotonic() >= deadline:

@@ -156,6 +156,19 @@ async def execute_over_websocket(server: Server, kernel_id: str, code: str) -> t
     return status, stdout
 
 
+def adopting_server_setup(tmp_path: Path) -> tuple[Path, Path]:
+    """The documented config line that lets servers adopt persistent kernels, a notebook
+    folder with a project in it, and the server's log: (root, log)."""
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(
+        'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
+    )
+    root = make_workspace(tmp_path / "notebooks")
+    make_workspace(root / "project")
+    return root, tmp_path / "server.log"
+
+
 async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Server, Path]) -> None:
     server, root = jupyter_server
     folder = make_workspace(root / "project")
@@ -194,14 +207,7 @@ async def test_a_persistent_kernel_survives_its_server_and_the_notebook_reconnec
     """x = 42; ``jupyter <command>`` is killed (SIGKILL); a new one adopts the kernel:
     print(x) gives 42 in the notebook's same session. A clean stop lets go of it too."""
     name = make_kernelspec("py-persistent", config={"lifecycle": "persistent"})
-    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
-    config_dir.mkdir(parents=True, exist_ok=True)
-    (config_dir / "jupyter_server_config.py").write_text(
-        'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
-    )
-    root = make_workspace(tmp_path / "notebooks")
-    make_workspace(root / "project")
-    log = tmp_path / "server.log"
+    root, log = adopting_server_setup(tmp_path)
     port = free_port()  # a restarted server comes back on its port
     server, proc = start_server(root, log, port, command)
     session_id = kernel_id = ""
@@ -252,14 +258,7 @@ async def test_an_idle_kernel_pauses_under_jupyter_lab_and_the_notebook_resumes_
     notebook's next cell resumes it (x = 42 is there), also after the server was killed
     and a new one adopted the paused kernel."""
     name = make_kernelspec("py-pausing", config={"lifecycle": "persistent", "pause_after": 2})
-    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
-    config_dir.mkdir(parents=True, exist_ok=True)
-    (config_dir / "jupyter_server_config.py").write_text(
-        'c.ServerApp.kernel_manager_class = "sandbox_kernel.server.SandboxMappingKernelManager"\n'
-    )
-    root = make_workspace(tmp_path / "notebooks")
-    make_workspace(root / "project")
-    log = tmp_path / "server.log"
+    root, log = adopting_server_setup(tmp_path)
     port = free_port()
     server, proc = start_server(root, log, port, "lab")
     session_id = kernel_id = ""
