@@ -2,9 +2,9 @@
 
 For each size (default 100 MiB and 1024 MiB) a kernel builds that much of live Python
 objects (a list of random floats: ``[random.random() for _ in range(n)]``, 32 bytes
-each, hardly compressible), then:
+each), then:
 
-* pause: ``provisioner.pause()`` (the relay lets go of its host sockets, Docker saves
+* pause: ``provisioner.pause()`` (the relay lets go of its host sockets, runsc saves
   the gVisor sandbox, memory included, and stops it), in seconds; the image's size on
   disk; the host memory the kernel's cgroup held before, and after (none: stopped);
 * resume to first reply: a client sends ``print(len(data))`` to the paused kernel (the

@@ -568,7 +568,12 @@ class CheckApp(_SubApp):
             print(f"ok    {label}")
         try:  # optional: only kernels that pause need it
             await docker_backend.check_checkpoints()
-            print("ok    pausing kernels to disk (Docker checkpoints)")
+            how = (
+                "gVisor checkpoints saved by runsc directly"
+                if os.geteuid() == 0
+                else "Docker's own checkpoints, slow for big kernels; as root, runsc saves them directly"
+            )
+            print(f"ok    pausing kernels to disk ({how})")
         except SandboxKernelError as exc:
             print(f"note  kernels cannot pause to disk here: {exc}")
         return 0

@@ -132,6 +132,11 @@ class SandboxBackend(ABC):
         msg = f"{type(self).__name__} cannot resume sandboxes"
         raise PauseError(msg)
 
+    async def host_sockets(self, sandbox_id: str) -> list[str] | None:
+        """Paths (as the sandbox names them) of the unix sockets the running sandbox holds
+        bound on the host, which keep it from being saved; None if unknown."""
+        return None
+
     async def checkpoint_usage(self) -> tuple[int, int | None]:
         """(bytes all sandboxes' checkpoints take, bytes free where they are kept, or None
         if unknown), for the disk budget of paused kernels."""

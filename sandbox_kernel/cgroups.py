@@ -179,12 +179,12 @@ class PeakMemory:
             self._fd = None
 
 
-def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str]:
+def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str] | None:
     """Paths (as the sandbox names them) of the unix sockets a gVisor sandbox holds bound
     on the host: its gofer binds them, in the container's network namespace (whose
     ``net/unix`` lists them), and the sandbox's process holds them open. gVisor cannot
     checkpoint a sandbox holding one, and a failed checkpoint ends the sandbox: this is
-    asked first. [] where it cannot be read."""
+    asked first. None where it cannot be read."""
     try:
         held = {
             link.removeprefix("socket:[").rstrip("]")
@@ -193,7 +193,7 @@ def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str]
         }
         shim = (proc / str(sandbox_pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]
     except (OSError, IndexError):
-        return []
+        return None
     for entry in proc.iterdir():
         try:
             if not entry.name.isdigit() or (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] != shim:
@@ -205,4 +205,4 @@ def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str]
             continue
         fields = [line.split() for line in lines]
         return sorted({f[7] for f in fields if len(f) > 7 and f[6] in held})
-    return []
+    return None

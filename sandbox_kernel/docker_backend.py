@@ -22,7 +22,7 @@ import docker
 from docker.errors import APIError, BuildError, DockerException, ImageNotFound, NotFound
 from requests.exceptions import RequestException
 
-from . import mounts
+from . import gvisor_checkpoint, mounts
 from .backend import SandboxBackend
 from .cgroups import held_host_sockets, thaw_container
 from .docker_args import container_create_kwargs, volume_setup_kwargs
@@ -35,6 +35,7 @@ from .errors import (
     RuntimeMissingError,
     WorkspaceError,
 )
+from .gvisor_checkpoint import IMAGES_FOLDER
 from .sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from .settings import DATASCIENCE_IMAGE
 
@@ -388,26 +389,107 @@ class DockerBackend(SandboxBackend):
 
     async def checkpoint(self, container_id: str, name: str) -> int | None:
         api = (await self.client()).api
-        pid = await self.main_pid(container_id)
-        held = await asyncio.to_thread(held_host_sockets, pid) if pid else []
+        attrs = await self._api("inspect the kernel container", api.inspect_container, container_id)
+        pid = (attrs.get("State") or {}).get("Pid") or None
+        held = await self.host_sockets(container_id, pid)
         if held:
             msg = (
                 f"code in the kernel holds a unix socket bound at {', '.join(held)}, which gVisor cannot "
                 "save (close it, e.g. the server or listener that made it, to let the kernel pause)"
             )
             raise PauseError(msg)
+        container_folder = await self._root_dir() / "containers" / container_id
+        runsc = await self._runsc_checkpoint(attrs, pid, container_folder, name)
+        if runsc is not None:
+            await self._run_runsc_checkpoint(runsc, container_folder, name)
+            await self._wait_stopped(container_id)
+            folder = gvisor_checkpoint.image_folder(container_folder, name)
+        else:
 
-        def save() -> None:
-            url = api._url("/containers/{0}/checkpoints", container_id)
-            data = {"CheckpointID": name, "Exit": True}
-            api._raise_for_status(api._post_json(url, data=data, timeout=CHECKPOINT_TIMEOUT))
+            def save() -> None:
+                url = api._url("/containers/{0}/checkpoints", container_id)
+                data = {"CheckpointID": name, "Exit": True}
+                api._raise_for_status(api._post_json(url, data=data, timeout=CHECKPOINT_TIMEOUT))
 
-        await self._api("save the kernel's sandbox to disk", save)
-        folder = await self._root_dir() / "containers" / container_id / "checkpoints" / name
+            await self._api("save the kernel's sandbox to disk", save)
+            folder = container_folder / "checkpoints" / name
         try:
             return await asyncio.to_thread(_folder_size, folder)
         except OSError:
             return None  # not readable by this process
+
+    async def host_sockets(self, container_id: str, pid: int | None = None) -> list[str] | None:
+        pid = pid or await self.main_pid(container_id)
+        return await asyncio.to_thread(held_host_sockets, pid) if pid else None
+
+    async def _runsc_checkpoint(
+        self, attrs: Mapping[str, Any], pid: int | None, container_folder: Path, name: str
+    ) -> list[str] | None:
+        """The ``runsc checkpoint`` command that saves this container's sandbox, or None
+        where this process cannot run it (not root, or the sandbox's state root unknown):
+        then Docker's own, slower checkpoint does (see :mod:`.gvisor_checkpoint`)."""
+        if os.geteuid() != 0 or not pid or not await asyncio.to_thread(container_folder.is_dir):
+            return None
+        try:
+            cmdline = await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_bytes)
+        except OSError:
+            return None
+        root = gvisor_checkpoint.runsc_root(cmdline.partition(b"\0")[2])
+        client = await self.client()
+        info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
+        runtime = (info.get("Runtimes") or {}).get((attrs.get("HostConfig") or {}).get("Runtime"))
+        if root is None or not isinstance(runtime, Mapping) or "runsc" not in str(runtime.get("path")):
+            return None
+        image = gvisor_checkpoint.image_folder(container_folder, name)
+        await asyncio.to_thread(image.mkdir, mode=0o700, parents=True, exist_ok=True)
+        direct = await asyncio.to_thread(gvisor_checkpoint.supports_direct_io, image)
+        args = [str(arg) for arg in runtime.get("runtimeArgs") or []]
+        return gvisor_checkpoint.checkpoint_command(
+            str(runtime["path"]), args, root, image, str(attrs["Id"]), direct=direct
+        )
+
+    async def _wait_stopped(self, container_id: str, timeout: float = 60) -> None:
+        """Wait until Docker has seen the sandbox that runsc saved (and ended) stop: only
+        a stopped container starts from a checkpoint.
+
+        Raises:
+            PauseError: Docker still reports it running after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while (await self.state(container_id))[1] is None:
+            if time.monotonic() > deadline:
+                msg = f"the kernel's sandbox was saved, but Docker reports it running after {timeout:.0f} s"
+                raise PauseError(msg)
+            await asyncio.sleep(0.05)
+
+    async def _run_runsc_checkpoint(self, command: list[str], container_folder: Path, name: str) -> None:
+        """Run ``command`` (which saves the sandbox into its image folder), then link the
+        image into Docker's checkpoint folder, for ``docker start --checkpoint``.
+
+        Raises:
+            PauseError: runsc failed (with its words), the image folder removed.
+        """
+        image = gvisor_checkpoint.image_folder(container_folder, name)
+        process = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            output, _ = await asyncio.wait_for(process.communicate(), CHECKPOINT_TIMEOUT)
+        except asyncio.TimeoutError:
+            process.kill()
+            await process.wait()
+            output = f"no answer in {CHECKPOINT_TIMEOUT} s".encode()
+        if process.returncode == 0:
+            checkpoint = container_folder / "checkpoints" / name
+            await asyncio.to_thread(gvisor_checkpoint.link_image, image, checkpoint)
+            return
+        await asyncio.to_thread(shutil.rmtree, image, True)
+        said = " / ".join(output.decode("utf-8", "replace").strip().splitlines()[-3:])
+        msg = f"gVisor could not save the kernel's sandbox ({said or f'runsc exited {process.returncode}'})"
+        raise PauseError(msg)
 
     async def restore(self, container_id: str, name: str) -> None:
         api = (await self.client()).api
@@ -427,6 +509,8 @@ class DockerBackend(SandboxBackend):
                 api._raise_for_status(response)
 
         await self._api("remove the kernel's checkpoint", delete)
+        image = gvisor_checkpoint.image_folder(await self._root_dir() / "containers" / container_id, name)
+        await asyncio.to_thread(shutil.rmtree, image, True)
 
     async def checkpoint_usage(self) -> tuple[int, int | None]:
         root = await self._root_dir()
@@ -503,7 +587,9 @@ def _checkpoint_usage(root: Path) -> tuple[int, int | None]:
     """(bytes of every container's checkpoints under Docker's ``root``, bytes free there);
     (0, None) where this process may not look (a server not run as root)."""
     try:
-        used = sum(_folder_size(folder) for folder in (root / "containers").glob("*/checkpoints"))
+        containers = root / "containers"
+        folders = [*containers.glob("*/checkpoints"), *containers.glob(f"*/{IMAGES_FOLDER}")]
+        used = sum(_folder_size(folder) for folder in folders)
         return used, shutil.disk_usage(root).free
     except OSError:
         return 0, None

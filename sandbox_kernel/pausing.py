@@ -31,7 +31,7 @@ from typing import Any
 from .bridge import ipc_in_use
 from .errors import PauseError
 from .launch_folder import seal_launch_dir
-from .sandbox_spec import kernel_sockets
+from .sandbox_spec import CONTAINER_RUNTIME_DIR, kernel_sockets
 
 #: How long the relay may take to close or bind its host sockets.
 CHANNELS_TIMEOUT = 20.0
@@ -88,9 +88,16 @@ def check_budget(kernel_id: str, memory_in_use: int | None, used: int, free: int
         raise PauseError(msg)
 
 
-async def wait_for_channels(launch_dir: Path, bound: bool, timeout: float = CHANNELS_TIMEOUT) -> None:
+async def wait_for_channels(
+    launch_dir: Path,
+    bound: bool,
+    timeout: float = CHANNELS_TIMEOUT,
+    held: Callable[[], Awaitable[list[str] | None]] | None = None,
+) -> None:
     """Until every channel socket in ``launch_dir`` accepts connections (``bound``) or none
-    does.
+    does. Letting go, ``held`` (the sandbox's bound host sockets, None if unknown) answers
+    sooner: once the sandbox holds none in its runtime folder it can be saved, while
+    gVisor's gofer may go on accepting connections at the paths for a second or two.
 
     Raises:
         PauseError: not within ``timeout`` seconds.
@@ -98,6 +105,10 @@ async def wait_for_channels(launch_dir: Path, bound: bool, timeout: float = CHAN
     sockets = list(kernel_sockets(launch_dir).values())
     deadline = time.monotonic() + timeout
     while True:
+        if not bound and held is not None:
+            paths = await held()
+            if paths is not None and all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths):
+                return
         states = await asyncio.to_thread(lambda: [ipc_in_use(str(path), timeout=0.05) for path in sockets])
         if all(state == bound for state in states):
             return

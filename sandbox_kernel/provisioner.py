@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -1092,7 +1093,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             try:
                 await self._save_state()
                 await self.backend.signal(container_id, signal.SIGUSR1)  # to the relay, via init
-                await wait_for_channels(launch_dir, bound=False)
+                await wait_for_channels(
+                    launch_dir, bound=False, held=functools.partial(self.backend.host_sockets, container_id)
+                )
                 size = await self.backend.checkpoint(container_id, name)
             except (SandboxKernelError, OSError) as exc:
                 self._pending_pause = None

@@ -127,4 +127,4 @@ def test_the_host_sockets_a_sandbox_holds_are_read_from_its_gofers_network_names
     process(12, 10, b"runsc-sandbox\0--host-uds=create\0", sockets=[7, 9])
     process(13, 99, b"runsc-gofer\0", unix=["0: 2 0 10000 1 1 7 /another/sandbox.sock"])
     assert cgroups.held_host_sockets(12, proc) == ["/workspace/held.sock"]
-    assert cgroups.held_host_sockets(404, proc) == [], "unreadable: nothing known, the checkpoint is tried"
+    assert cgroups.held_host_sockets(404, proc) is None, "unreadable: nothing known (the checkpoint is tried)"

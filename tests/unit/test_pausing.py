@@ -4,6 +4,7 @@ the kernel's holder to pause or resume it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -19,7 +20,9 @@ from sandbox_kernel.pausing import (
     ask_holder,
     check_budget,
     checkpoint_name,
+    wait_for_channels,
 )
+from sandbox_kernel.sandbox_spec import CONTAINER_RUNTIME_DIR, kernel_sockets
 
 MIB = 2**20
 
@@ -115,3 +118,39 @@ def test_an_unanswered_request_is_withdrawn(runtime_dir: Path) -> None:
     with pytest.raises(PauseError, match=r"did not answer within 0\.3 s"):
         ask_holder(runtime_dir, "pause", timeout=0.3)
     assert list(runtime_dir.iterdir()) == []
+
+
+def test_a_sandbox_that_holds_none_of_its_channel_sockets_has_let_go_though_the_paths_answer(
+    tmp_path: Path,
+) -> None:
+    """gVisor's gofer accepts connections at the paths for a second or two after the relay
+    closed them; what the sandbox itself holds is what a checkpoint needs."""
+    launch_dir = tmp_path / "launch"
+    launch_dir.mkdir()
+    listeners = []
+    for path in kernel_sockets(launch_dir).values():
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen()
+        listeners.append(listener)
+    held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/kernel-1", "/workspace/own.sock"]
+
+    async def sandbox_holds() -> list[str] | None:
+        return held
+
+    async def wait(timeout: float) -> None:
+        await wait_for_channels(launch_dir, bound=False, timeout=timeout, held=sandbox_holds)
+
+    try:
+        with pytest.raises(PauseError, match=r"did not let go of its channels within 0\.2 s"):
+            asyncio.run(wait(0.2))
+        held = ["/workspace/own.sock"]  # (the checkpoint refuses that one, saying so)
+        asyncio.run(wait(5))
+        held = None  # unknown: the paths decide
+        with pytest.raises(PauseError):
+            asyncio.run(wait(0.2))
+        asyncio.run(wait_for_channels(launch_dir, bound=True, timeout=5, held=sandbox_holds))
+    finally:
+        for listener in listeners:
+            listener.close()
+    asyncio.run(wait(5))

@@ -1,0 +1,82 @@
+"""Saving a sandbox with runsc itself: the command, where its state root comes from, and
+the links that let Docker start from the image without copying it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sandbox_kernel.gvisor_checkpoint import (
+    checkpoint_command,
+    image_folder,
+    link_image,
+    runsc_root,
+    supports_direct_io,
+)
+
+SANDBOX_CMDLINE = b"\0".join(
+    [
+        b"--log-format=json",
+        b"--host-uds=create",
+        b"--network=none",
+        b"--oci-seccomp=true",
+        b"--root=/var/run/docker/runtime-runc/moby",
+        b"--log-fd=3",
+        b"boot",
+        b"--root=/not/this/one",
+        b"abc",
+        b"",
+    ]
+)
+
+
+def test_the_state_root_is_read_from_runscs_own_flags_only() -> None:
+    assert runsc_root(SANDBOX_CMDLINE) == "/var/run/docker/runtime-runc/moby"
+    assert runsc_root(b"--root\0/run/x\0boot\0") == "/run/x", "a flag and its value apart"
+    assert runsc_root(b"--network=none\0boot\0--root=/run/x\0") is None, "after the subcommand: not runsc's"
+    assert runsc_root(b"--root=relative\0boot\0") is None
+    assert runsc_root(b"") is None
+
+
+def test_the_command_saves_uncompressed_with_the_runtimes_flags_and_its_root(tmp_path: Path) -> None:
+    image = image_folder(tmp_path / "containers" / "c1", "sk-1")
+    assert image == tmp_path / "containers" / "c1" / "sandbox-kernel-checkpoints" / "sk-1"
+    args = ["--network=none", "--host-uds=create", "--root=/elsewhere", "--platform=ptrace"]
+    command = checkpoint_command("/usr/bin/runsc", args, "/run/r", image, "c1", direct=True)
+    assert command == [
+        "/usr/bin/runsc",
+        "--network=none",
+        "--host-uds=create",
+        "--platform=ptrace",
+        "--root=/run/r",
+        "checkpoint",
+        "-compression=none",
+        "-exclude-committed-zero-pages",
+        "-direct",
+        f"--image-path={image}",
+        "c1",
+    ]
+    assert "-direct" not in checkpoint_command("/usr/bin/runsc", [], "/run/r", image, "c1", direct=False)
+
+
+def test_dockers_checkpoint_folder_gets_links_to_the_image_not_copies(tmp_path: Path) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "pages.img").write_bytes(b"p" * 4096)
+    (image / "checkpoint.img").write_bytes(b"c")
+    checkpoint = tmp_path / "checkpoints" / "sk-1"
+    link_image(image, checkpoint)
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["checkpoint.img", "pages.img"]
+    for entry in checkpoint.iterdir():
+        assert entry.is_symlink()
+        assert os.readlink(entry) == str(image / entry.name), "absolute: read from containerd's copy"
+    assert (checkpoint / "pages.img").read_bytes() == b"p" * 4096
+    assert checkpoint.stat().st_mode & 0o777 == 0o700
+
+
+def test_direct_io_is_used_only_where_the_file_system_takes_it(tmp_path: Path) -> None:
+    folder = tmp_path / "image"
+    assert supports_direct_io(folder) is False, "no folder: no probe"
+    folder.mkdir()
+    assert isinstance(supports_direct_io(folder), bool)
+    assert list(folder.iterdir()) == [], "the probe leaves nothing"
