@@ -35,6 +35,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -121,18 +122,27 @@ class SizeCaps:
         return {"iopub": self.kernel_iopub, "hb": self.kernel_hb}.get(channel, self.kernel_reply)
 
 
-def ipc_in_use(path: str, timeout: float | None = None) -> bool:
+def ipc_in_use(path: str, timeout: float | None = None, follow: bool = True) -> bool:
     """Whether a live process listens on the unix socket ``path`` (and, with ``timeout``,
     takes the connection within that many seconds: a socket gVisor let go of can leave a
-    connect hanging for a minute rather than refused)."""
+    connect hanging for a minute rather than refused). Without ``follow``, a link at
+    ``path`` (which a sandbox could plant in a folder lent to it) is not followed."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(timeout)
+    fd = -1
     try:
+        if not follow:
+            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return False
+            path = f"/proc/self/fd/{fd}"
         probe.connect(path)
     except OSError:
         return False
     finally:
         probe.close()
+        if fd >= 0:
+            os.close(fd)
     return True
 
 

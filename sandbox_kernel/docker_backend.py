@@ -8,6 +8,7 @@ the server's event loop and must never block it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -401,7 +402,13 @@ class DockerBackend(SandboxBackend):
         container_folder = await self._root_dir() / "containers" / container_id
         runsc = await self._runsc_checkpoint(attrs, pid, container_folder, name)
         if runsc is not None:
-            await self._run_runsc_checkpoint(runsc, container_folder, name)
+            try:
+                await self._run_runsc_checkpoint(runsc, container_folder, name)
+            except PauseError:
+                if pid and await _ends_within(pid, 3.0):  # the failure (or the save) ended it:
+                    with contextlib.suppress(PauseError):  # let Docker see that, for the caller
+                        await self._wait_stopped(container_id, timeout=10)
+                raise
             await self._wait_stopped(container_id)
             folder = gvisor_checkpoint.image_folder(container_folder, name)
         else:
@@ -434,18 +441,22 @@ class DockerBackend(SandboxBackend):
             cmdline = await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_bytes)
         except OSError:
             return None
+        container_id = str(attrs["Id"])
         root = gvisor_checkpoint.runsc_root(cmdline.partition(b"\0")[2])
+        if root is None or not await asyncio.to_thread(gvisor_checkpoint.is_state_root, root, container_id):
+            log.info("Container %s: gVisor's state root not found; Docker saves it (slower)", container_id)
+            return None
         client = await self.client()
         info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
         runtime = (info.get("Runtimes") or {}).get((attrs.get("HostConfig") or {}).get("Runtime"))
-        if root is None or not isinstance(runtime, Mapping) or "runsc" not in str(runtime.get("path")):
+        if not isinstance(runtime, Mapping) or "runsc" not in str(runtime.get("path")):
             return None
         image = gvisor_checkpoint.image_folder(container_folder, name)
         await asyncio.to_thread(image.mkdir, mode=0o700, parents=True, exist_ok=True)
         direct = await asyncio.to_thread(gvisor_checkpoint.supports_direct_io, image)
         args = [str(arg) for arg in runtime.get("runtimeArgs") or []]
         return gvisor_checkpoint.checkpoint_command(
-            str(runtime["path"]), args, root, image, str(attrs["Id"]), direct=direct
+            str(runtime["path"]), args, root, image, container_id, direct=direct
         )
 
     async def _wait_stopped(self, container_id: str, timeout: float = 60) -> None:
@@ -467,26 +478,39 @@ class DockerBackend(SandboxBackend):
         image into Docker's checkpoint folder, for ``docker start --checkpoint``.
 
         Raises:
-            PauseError: runsc failed (with its words), the image folder removed.
+            PauseError: runsc failed (with its words) or the image could not be linked;
+                nothing of it is left on disk.
         """
         image = gvisor_checkpoint.image_folder(container_folder, name)
-        process = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
+        checkpoint = container_folder / "checkpoints" / name
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+        except OSError as exc:
+            await asyncio.to_thread(shutil.rmtree, image, True)
+            msg = f"cannot run gVisor's runsc to save the kernel's sandbox ({exc})"
+            raise PauseError(msg) from exc
         try:
             output, _ = await asyncio.wait_for(process.communicate(), CHECKPOINT_TIMEOUT)
         except asyncio.TimeoutError:
-            process.kill()
-            await process.wait()
             output = f"no answer in {CHECKPOINT_TIMEOUT} s".encode()
+        finally:
+            if process.returncode is None:  # timed out, or cancelled
+                process.kill()
         if process.returncode == 0:
-            checkpoint = container_folder / "checkpoints" / name
-            await asyncio.to_thread(gvisor_checkpoint.link_image, image, checkpoint)
-            return
-        await asyncio.to_thread(shutil.rmtree, image, True)
+            try:
+                await asyncio.to_thread(gvisor_checkpoint.link_image, image, checkpoint)
+                return
+            except OSError as exc:
+                output = f"its image could not be linked for Docker: {exc}".encode()
+        else:
+            await process.wait()
+        for folder in (image, checkpoint):
+            await asyncio.to_thread(shutil.rmtree, folder, True)
         said = " / ".join(output.decode("utf-8", "replace").strip().splitlines()[-3:])
         msg = f"gVisor could not save the kernel's sandbox ({said or f'runsc exited {process.returncode}'})"
         raise PauseError(msg)
@@ -575,6 +599,26 @@ class DockerBackend(SandboxBackend):
             ):
                 return
             raise
+
+
+async def _ends_within(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` ends within ``timeout`` seconds (a sandbox gVisor saved
+    stops a moment after runsc returns)."""
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(_process_gone, pid):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def _folder_size(folder: Path) -> int:

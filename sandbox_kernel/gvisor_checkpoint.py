@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,8 +45,9 @@ def image_folder(container_folder: Path, name: str) -> Path:
 
 def runsc_root(cmdline: bytes) -> str | None:
     """The state root (``--root``) a gVisor sandbox runs under, from its host process's
-    command line (NUL-separated, as in ``/proc/PID/cmdline``): runsc's own flags, written
-    by Docker's runtime call, never by code in the sandbox. None if it has none."""
+    command line (NUL-separated, as in ``/proc/PID/cmdline``; Docker's runtime call wrote
+    it, but it is the sandbox process's own memory: check it with :func:`is_state_root`).
+    None if it has none."""
     args = [arg.decode("utf-8", "surrogateescape") for arg in cmdline.split(b"\0")]
     for i, arg in enumerate(args):
         if not arg.startswith("-"):
@@ -57,6 +59,27 @@ def runsc_root(cmdline: bytes) -> str | None:
     return None
 
 
+def is_state_root(root: str, container_id: str) -> bool:
+    """Whether ``root`` is a state root runsc may be pointed at as root for this
+    container: an absolute path that resolves (``/var/run`` is a link to ``/run``) to
+    folders owned by root that no one else may write to, holding the container's state
+    file (runsc names it ``ID_sandbox:ID.state``), also root's."""
+    if not root.startswith("/"):
+        return False
+    root = os.path.realpath(root)
+    try:
+        path = Path("/")
+        for part in Path(root).parts[1:]:
+            path = path / part
+            info = path.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+                return False
+        state = (Path(root) / f"{container_id}_sandbox:{container_id}.state").lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(state.st_mode) and state.st_uid == 0
+
+
 def checkpoint_command(
     runsc: str, runtime_args: Sequence[str], root: str, image: Path, container_id: str, *, direct: bool
 ) -> list[str]:
@@ -64,7 +87,13 @@ def checkpoint_command(
     own flags (as Docker passes them), its state root, an uncompressed image (compressing
     costs more time than writing the pages), zero pages left out, O_DIRECT when
     ``direct``; the sandbox stops once saved."""
-    flags = [arg for arg in runtime_args if not arg.lstrip("-").startswith("root")]
+    flags: list[str] = []
+    args = iter(runtime_args)
+    for arg in args:
+        if arg.lstrip("-").partition("=")[0] != "root":
+            flags.append(arg)
+        elif "=" not in arg:
+            next(args, None)  # ``--root X``: X goes too
     options = ["-compression=none", "-exclude-committed-zero-pages"] + (["-direct"] if direct else [])
     return [runsc, *flags, f"--root={root}", "checkpoint", *options, f"--image-path={image}", container_id]
 

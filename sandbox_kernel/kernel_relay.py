@@ -12,7 +12,9 @@ restore a kernel whose ZeroMQ peers came and went (runsc 20240729: a kernel that
 had talked to and left died on restore; one whose peers never went away restored). The
 host-facing sockets live in a ZeroMQ context of their own: ``SIGUSR1`` closes them
 (their files removed, the context ended: the sandbox then holds no host socket),
-``SIGUSR2`` binds them afresh. The kernel never sees its peer leave.
+``SIGUSR2`` binds them afresh. The kernel never sees its peer leave. Both signals go on
+to the egress relay, if the kernel has one (its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``),
+which holds host sockets of its own.
 
 The relay is untrusted (kernel code can kill or replace it) and enforces nothing: the
 host's bridge checks every message's signature and size. It is copied into the launch
@@ -49,6 +51,23 @@ IDENTITY = b"sandbox-kernel-relay"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: How long the kernel may take to open its ports.
 STARTUP_TIMEOUT = 300.0
+#: The egress relay's pid, when one runs (see sandbox_kernel.egress.relay).
+EGRESS_RELAY_PID = "SANDBOX_KERNEL_EGRESS_RELAY_PID"
+
+
+def pass_on(pid: int | None, signum: int) -> None:
+    """Send ``signum`` to the egress relay ``pid``, if that process is still it (kernel
+    code may have ended it, and its pid gone to another process, which the signal would
+    kill)."""
+    if pid is None:
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"egress_relay" not in f.read():
+                return
+        os.kill(pid, signum)
+    except OSError:
+        pass
 
 
 def parse(args: list[str]) -> tuple[dict[str, tuple[str, int]], list[str]]:
@@ -204,6 +223,8 @@ def main(argv: list[str]) -> int:
     received: list[int] = []  # signal numbers, in order
     for signum in (*FORWARDED, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(signum, lambda signum, _frame: received.append(signum))
+    egress = os.environ.pop(EGRESS_RELAY_PID, "")
+    egress_pid = int(egress) if egress.isdigit() else None
     try:
         kernel = subprocess.Popen(command)  # noqa: S603 - the kernelspec's own command
     except OSError as exc:
@@ -225,7 +246,9 @@ def main(argv: list[str]) -> int:
                     kernel.send_signal(number)
                 elif number == signal.SIGUSR1:
                     relay.close()
+                    pass_on(egress_pid, number)
                 elif number == signal.SIGUSR2:
+                    pass_on(egress_pid, number)
                     relay.close()  # (if still open: bound afresh, as the host removed the files)
                     try:
                         relay.open()

@@ -12,6 +12,11 @@ resume
     the backend starts the sandbox from its image; the relay binds its sockets again
     (``SIGUSR2``); the folder is sealed again; the bridge passes on what it held.
 
+With network "allowlist" the egress relay in the sandbox holds host sockets too (its
+unix socket, and the connections the host's egress proxy dials in): the proxy lets go of
+the kernel first, the channel relay passes both signals on to the egress relay, and the
+proxy dials again once its socket is back.
+
 What is decided here is pure (the budget, the checkpoint's name); the waiting is on
 the launch folder's sockets, which the host can probe without trusting the sandbox.
 """
@@ -31,10 +36,12 @@ from typing import Any
 from .bridge import ipc_in_use
 from .errors import PauseError
 from .launch_folder import seal_launch_dir
-from .sandbox_spec import CONTAINER_RUNTIME_DIR, kernel_sockets
+from .sandbox_spec import CONTAINER_EGRESS_SOCKET, CONTAINER_RUNTIME_DIR, kernel_sockets
 
 #: How long the relay may take to close or bind its host sockets.
 CHANNELS_TIMEOUT = 20.0
+#: How long the egress relay may take to bind its socket again, once the channels are.
+EGRESS_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -93,24 +100,27 @@ async def wait_for_channels(
     bound: bool,
     timeout: float = CHANNELS_TIMEOUT,
     held: Callable[[], Awaitable[list[str] | None]] | None = None,
+    egress: bool = False,
 ) -> None:
     """Until every channel socket in ``launch_dir`` accepts connections (``bound``) or none
-    does. Letting go, ``held`` (the sandbox's bound host sockets, None if unknown) answers
-    sooner: once the sandbox holds none in its runtime folder it can be saved, while
-    gVisor's gofer may go on accepting connections at the paths for a second or two.
+    does (nor, with ``egress``, the egress relay's). Letting go, ``held`` (the sandbox's
+    bound host sockets, None if unknown) answers sooner: once the sandbox holds none in
+    its runtime folder it can be saved, while gVisor's gofer may go on accepting
+    connections at the paths for a second or two.
 
     Raises:
         PauseError: not within ``timeout`` seconds.
     """
     sockets = list(kernel_sockets(launch_dir).values())
+    if egress and not bound:
+        sockets.append(egress_socket(launch_dir))
     deadline = time.monotonic() + timeout
     while True:
-        if not bound and held is not None:
-            paths = await held()
-            if paths is not None and all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths):
+        paths = await held() if not bound and held is not None else None
+        if paths is not None:  # known: it alone tells (a connection may outlive its listener)
+            if all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths):
                 return
-        states = await asyncio.to_thread(lambda: [ipc_in_use(str(path), timeout=0.05) for path in sockets])
-        if all(state == bound for state in states):
+        elif await _all_in_use(sockets, bound):
             return
         if time.monotonic() >= deadline:
             what = "bind its channels again" if bound else "let go of its channels"
@@ -119,10 +129,34 @@ async def wait_for_channels(
         await asyncio.sleep(0.02)
 
 
+async def wait_for_egress(launch_dir: Path, timeout: float = EGRESS_TIMEOUT) -> bool:
+    """Whether the egress relay binds its socket in ``launch_dir`` again within
+    ``timeout`` seconds (kernel code may have ended it: the kernel resumes all the same)."""
+    deadline = time.monotonic() + timeout
+    while not await _all_in_use([egress_socket(launch_dir)], True):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def _all_in_use(sockets: list[Path], bound: bool) -> bool:
+    # (Not following links: the folder is the kernel's while it binds again.)
+    states = await asyncio.to_thread(
+        lambda: [ipc_in_use(str(path), timeout=0.05, follow=False) for path in sockets]
+    )
+    return all(state == bound for state in states)
+
+
+def egress_socket(launch_dir: Path) -> Path:
+    """Where the egress relay's unix socket is in ``launch_dir``."""
+    return launch_dir / Path(CONTAINER_EGRESS_SOCKET).name
+
+
 def lend_launch_dir(launch_dir: Path, uid: int, gid: int) -> None:
     """Hand the sealed launch folder back to the kernel's uid, without the sockets of its
     last run, so that the resumed relay binds them afresh (sealed again once it has)."""
-    for path in kernel_sockets(launch_dir).values():
+    for path in (*kernel_sockets(launch_dir).values(), egress_socket(launch_dir)):
         path.unlink(missing_ok=True)
     if os.getuid() == 0:
         seal_launch_dir(launch_dir, owner=(uid, gid))

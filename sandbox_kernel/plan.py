@@ -631,11 +631,6 @@ def plan_sandbox(
     policy["credentials"] = {spec.name: list(spec.rules.patterns) for spec in credentials}
     if egress is not None:
         command = egress_command(command)
-        if settings.pause_after > 0:
-            warnings.append(
-                f"pause_after={settings.pause_after:g} is not applied to kernelspec {launch.kernel_name!r}: "
-                "a kernel with network 'allowlist' cannot pause yet (its egress relay holds host connections)"
-            )
     spec = SandboxSpec(
         kernel_id=launch.kernel_id,
         kernelspec=launch.kernel_name,

@@ -77,6 +77,7 @@ from .pausing import (
     checkpoint_name,
     lend_launch_dir,
     wait_for_channels,
+    wait_for_egress,
 )
 from .plan import (
     Launch,
@@ -931,7 +932,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._note_exit(container_id, look.exit_code if look.exit_code is not None else 255)
             return True
         if verdict.act is Act.PAUSE:
-            if self._egress is None and time.monotonic() >= self._next_auto_pause:  # (see plan's warning)
+            if time.monotonic() >= self._next_auto_pause:
                 try:
                     await self._pause(f"idle: {verdict.why}")
                 except PauseError as exc:
@@ -1070,12 +1071,6 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             ):
                 msg = f"Kernel {self.kernel_id} is not running, so it cannot be paused."
                 raise PauseError(msg)
-            if self._egress is not None:
-                msg = (
-                    f"Kernel {self.kernel_id} was not paused: a kernel with network 'allowlist' cannot be "
-                    "paused yet (its egress relay holds host connections). It keeps running."
-                )
-                raise PauseError(msg)
             await self.backend.check_checkpoints()
             await self._check_budget(container_id)
             self._wake_due = None
@@ -1092,9 +1087,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self._pending_pause = Paused(name, None, time.time())
             try:
                 await self._save_state()
-                await self.backend.signal(container_id, signal.SIGUSR1)  # to the relay, via init
+                await self._suspend_egress(True)
+                await self.backend.signal(container_id, signal.SIGUSR1)  # to the relays, via init
                 await wait_for_channels(
-                    launch_dir, bound=False, held=functools.partial(self.backend.host_sockets, container_id)
+                    launch_dir,
+                    bound=False,
+                    held=functools.partial(self.backend.host_sockets, container_id),
+                    egress=self._egress is not None,
                 )
                 size = await self.backend.checkpoint(container_id, name)
             except (SandboxKernelError, OSError) as exc:
@@ -1137,13 +1136,27 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     async def _pause_failed(
         self, container_id: str, launch_dir: Path, bridge: KernelBridge, exc: BaseException
     ) -> PauseError:
-        """The sandbox could not be saved: it runs on. Bind its channels again, pass on
-        what came meanwhile; the error that says why."""
+        """The sandbox could not be saved: it runs on (bind its channels again, pass on
+        what came meanwhile), or, where the failure stopped it, the kernel has ended. The
+        error that says why."""
         detail = str(exc)
+        try:
+            _, code = await self.backend.state(container_id)
+        except SandboxKernelError:
+            code = None
+        if code is not None:
+            reason = f"the pause failed and ended the kernel ({detail}); its workspace is intact"
+            if self._auditor is not None:
+                self._auditor.lifecycle("pause", failed=detail)
+            self._planned_exit = (container_id, "PauseFailed", reason)
+            bridge.drop_held()
+            await self._note_exit(container_id, code or 1, "pause failed")
+            return PauseError(f"Kernel {self.kernel_id}: {reason}. Restart it to start fresh.")
         try:
             await self._reopen_channels(container_id, launch_dir)
         except (SandboxKernelError, OSError) as again:
             detail += f"; and its channels could not be opened again ({again})"
+            await self._suspend_egress(False)
         bridge.release()
         await self._save_state()  # not paused after all
         if self._auditor is not None:
@@ -1197,7 +1210,36 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
         await self.backend.signal(container_id, signal.SIGUSR2)
         await wait_for_channels(launch_dir, bound=True)
+        if self._egress is not None and not await wait_for_egress(launch_dir):
+            self.log.warning(
+                "Sandboxed kernel %s: its egress relay did not bind its socket again after the pause; "
+                "its requests to the network fail (503) until it does",
+                self.kernel_id,
+            )
         await asyncio.to_thread(self._seal, launch_dir)
+        await self._suspend_egress(False)
+
+    async def _suspend_egress(self, suspended: bool) -> None:
+        """With network "allowlist": have the egress proxy let go of the kernel's relay
+        for a pause (``suspended``), or dial it again (a failure to is logged: the kernel
+        runs on, its requests to the network answered 503).
+
+        Raises:
+            PauseError: the proxy did not let go.
+        """
+        if not self._egress_registered:
+            return
+        proxy = EgressProxy.instance()
+        try:
+            if suspended:
+                await asyncio.to_thread(proxy.suspend_kernel, str(self.kernel_id))
+            else:
+                await asyncio.to_thread(proxy.resume_kernel, str(self.kernel_id))
+        except (RuntimeError, concurrent.futures.TimeoutError) as exc:
+            if suspended:
+                msg = f"the egress proxy did not let go of the kernel ({exc!r})"
+                raise PauseError(msg) from exc
+            self.log.error("Sandboxed kernel %s: the egress proxy did not resume (%r)", self.kernel_id, exc)
 
     async def _resume_failed(self, container_id: str, paused: Paused, exc: BaseException) -> PauseError:
         """The sandbox could not be restored: the kernel has ended. Its clients are told
@@ -1556,6 +1598,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self.connection_info = moved  # type: ignore[assignment]
             await self._open_egress(self.launch_dir)
             self._paused = Paused.from_dict(provisioner_info.get("paused"))
+            if self._paused is not None:
+                await self._suspend_egress(True)  # dialed again once it is back
             if self._paused is not None and self.bridge is not None:
                 # Saved to disk, its container stopped: the first client's message resumes it.
                 self._wake_due = None

@@ -242,6 +242,25 @@ class EgressProxy:
         except concurrent.futures.TimeoutError:
             log.warning("egress: closing the connections of kernel %s took too long", kernel_id)
 
+    def suspend_kernel(self, kernel_id: str) -> None:
+        """Stop dialing ``kernel_id``'s relay and close all its connections, open tunnels
+        included (a pause: its sandbox must hold no host socket); its rules, approvals
+        and credentials stay. Does nothing for an unknown id.
+
+        Raises:
+            RuntimeError: called from the proxy's own thread.
+        """
+        self._call(self._suspend_kernel(kernel_id, suspended=True))
+
+    def resume_kernel(self, kernel_id: str) -> None:
+        """Dial ``kernel_id``'s relay again, after :meth:`suspend_kernel`."""
+        self._call(self._suspend_kernel(kernel_id, suspended=False))
+
+    async def _suspend_kernel(self, kernel_id: str, suspended: bool) -> None:
+        kernel = self._kernels.get(kernel_id)
+        if kernel is not None:
+            await kernel.suspend(suspended)
+
     async def _add_kernel(
         self,
         kernel_id: str,
@@ -357,6 +376,8 @@ class _KernelEgress:
         self.idle = 0
         self.active = 0
         self.closed = False
+        #: Paused: no connection to the relay (see suspend).
+        self.suspended = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._exchanges: set[_Exchange] = set()
         self._wanted = asyncio.Event()
@@ -431,7 +452,11 @@ class _KernelEgress:
         return self._upstream_tls
 
     def _wants_connection(self) -> bool:
-        return self.idle < SPARE_CONNECTIONS and self.idle + self.active < self.policy.max_connections
+        return (
+            not self.suspended
+            and self.idle < SPARE_CONNECTIONS
+            and self.idle + self.active < self.policy.max_connections
+        )
 
     async def _dial_forever(self) -> None:
         # Besides cancellation, ``closed`` is checked: asyncio.wait_for before Python 3.12
@@ -454,6 +479,9 @@ class _KernelEgress:
             if self.closed:
                 _close(writer, abort=True)
                 return
+            if self.suspended:  # (paused while it dialed)
+                _close(writer, abort=True)
+                continue
             delay = DIAL_BACKOFF[0]
             self.idle += 1
             task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
@@ -484,9 +512,7 @@ class _KernelEgress:
         except (OSError, EOFError, asyncio.TimeoutError) as exc:
             log.debug("egress: a connection of kernel %s failed: %r", self.kernel_id, exc)
             if first:
-                exchange.decide(
-                    "denied", "egress for this kernel was stopped" if self.closed else "the connection failed"
-                )
+                exchange.decide("denied", self._why_failed())
         except Exception:
             log.warning("egress: a request of kernel %s failed", self.kernel_id, exc_info=True)
             if first:
@@ -497,6 +523,29 @@ class _KernelEgress:
             self._wanted.set()
             exchange.close(abort=self.closed)
             self._exchanges.discard(exchange)
+
+    def _why_failed(self) -> str:
+        if self.closed:
+            return "egress for this kernel was stopped"
+        if self.suspended:
+            return "the kernel was paused"
+        return "the connection failed"
+
+    async def suspend(self, suspended: bool) -> None:
+        """Pause (``suspended``): stop dialing, abort every connection and the requests
+        they carry, until they have ended. Else dial again."""
+        self.suspended = suspended
+        self._wanted.set()
+        if not suspended:
+            return
+        for exchange in list(self._exchanges):
+            exchange.close(abort=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=(CALL_TIMEOUT - 1) / 2)
+            for task in pending:  # (e.g. one waiting for an approval)
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=(CALL_TIMEOUT - 1) / 2)
 
     async def close(self) -> None:
         """Stop dialing, and abort every connection and the requests they carry."""

@@ -18,6 +18,13 @@ stderr) before the kernel starts. With ``-- CMD`` the relay becomes a daemon and
 process execs ``CMD``; without it the relay runs in the foreground and prints its TCP
 port on stdout once both sockets listen.
 
+A pause (the kernel's sandbox saved to disk, which gVisor refuses while it holds a host
+socket) goes through the daemon's signals: ``SIGUSR1`` closes the unix socket and every
+host connection, idle or lent (a client whose request was under way sees its connection
+close); ``SIGUSR2`` binds the unix socket again, and the host proxy dials in anew. The
+daemon's pid is in ``SANDBOX_KERNEL_EGRESS_RELAY_PID`` for ``CMD`` (the channel relay,
+which the host signals, passes both on).
+
 ``--ca`` names the kernel's egress CA certificate (the host proxy ends the kernel's TLS
 with it for the domains whose credentials it adds): ``CMD`` then trusts it besides what
 it trusted, through a bundle of both in ``BUNDLE`` that the usual variables name
@@ -53,10 +60,12 @@ BUNDLE = "/tmp/.sandbox-kernel-ca.pem"  # noqa: S108 (the sandbox's own /tmp)
 CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT")
 
 
+#: Where the daemon's pid is passed to ``CMD``, to pass the pause signals on.
+PID_VARIABLE = "SANDBOX_KERNEL_EGRESS_RELAY_PID"
+
+
 def bind(socket_path: str, port: int) -> tuple[socket.socket, socket.socket]:
     """Listen on TCP 127.0.0.1:``port`` and on the unix socket ``socket_path``.
-
-    A socket file left at ``socket_path`` by an earlier relay is replaced.
 
     Raises:
         OSError: a socket cannot be bound.
@@ -66,24 +75,35 @@ def bind(socket_path: str, port: int) -> tuple[socket.socket, socket.socket]:
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         tcp.bind(("127.0.0.1", port))
         tcp.listen(128)
-        try:
-            if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
-                os.unlink(socket_path)
-        except FileNotFoundError:
-            pass
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            unix.bind(socket_path)
-            # The host side connects, possibly as another user than the kernel's.
-            os.chmod(socket_path, 0o666)  # noqa: S103
-            unix.listen(64)
-        except OSError:
-            unix.close()
-            raise
+        unix = bind_unix(socket_path)
     except OSError:
         tcp.close()
         raise
     return tcp, unix
+
+
+def bind_unix(socket_path: str) -> socket.socket:
+    """Listen on the unix socket ``socket_path``; a socket file left there by an earlier
+    relay (or before a pause) is replaced.
+
+    Raises:
+        OSError: it cannot be bound.
+    """
+    try:
+        if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+            os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        unix.bind(socket_path)
+        # The host side connects, possibly as another user than the kernel's.
+        os.chmod(socket_path, 0o666)  # noqa: S103
+        unix.listen(64)
+    except OSError:
+        unix.close()
+        raise
+    return unix
 
 
 def _alive(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bool:
@@ -157,14 +177,30 @@ class Relay:
         self.idle: collections.deque[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = collections.deque()
         self.waiters: collections.deque[asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
         self.waiters = collections.deque()
+        #: Host connections lent to clients, until their exchange ends.
+        self.lent: set[asyncio.StreamWriter] = set()
+        #: False while paused: a host connection accepted just before is closed at once.
+        self.accepting = True
+
+    def drop_host(self) -> None:
+        """Close every host connection, idle or lent (for a pause)."""
+        self.accepting = False
+        while self.idle:
+            self.idle.popleft()[1].transport.abort()
+        for writer in list(self.lent):
+            writer.transport.abort()
 
     async def host_connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.accepting:
+            writer.transport.abort()
+            return
         for connection in [c for c in self.idle if not _alive(c)]:
             self.idle.remove(connection)
             connection[1].close()
         while self.waiters:
             waiter = self.waiters.popleft()
             if not waiter.done():
+                self.lent.add(writer)  # from now: its client's, until the exchange ends
                 waiter.set_result((reader, writer))
                 return
         self.idle.append((reader, writer))
@@ -183,7 +219,11 @@ class Relay:
         self.waiters.append(waiter)
         await asyncio.wait({waiter}, timeout=HOST_WAIT)
         if waiter.done():
-            return waiter.result()
+            connection = waiter.result()
+            if not self.accepting:  # (let go meanwhile: closed)
+                self.lent.discard(connection[1])
+                return None
+            return connection
         waiter.cancel()
         self.waiters.remove(waiter)
         return None
@@ -196,7 +236,11 @@ class Relay:
                 await writer.drain()
                 await linger_close(reader, writer)
                 return
-            await splice(reader, writer, *host)
+            self.lent.add(host[1])
+            try:
+                await splice(reader, writer, *host)
+            finally:
+                self.lent.discard(host[1])
         except OSError:
             pass
         except Exception as exc:  # noqa: BLE001 - one broken connection must never stop the relay
@@ -206,32 +250,77 @@ class Relay:
 
 
 async def serve(tcp: socket.socket, unix: socket.socket) -> None:
-    """Run the relay on the two bound sockets, forever."""
+    """Run the relay on the two bound sockets, forever; ``SIGUSR1`` lets go of the host
+    (the unix socket and its connections), ``SIGUSR2`` binds the unix socket again."""
     relay = Relay()
+    socket_path = unix.getsockname()
+    loop = asyncio.get_running_loop()
+    host_server: asyncio.AbstractServer | None
     host_server = await asyncio.start_unix_server(relay.host_connected, sock=unix)
+    rebinding: set[asyncio.Task[None]] = set()
+
+    def let_go() -> None:
+        nonlocal host_server
+        if host_server is not None:
+            host_server.close()
+            host_server = None
+            try:
+                os.unlink(socket_path)
+            except OSError:
+                pass  # (the host's folder, taken back: the host removes it)
+        relay.drop_host()
+
+    def bind_again() -> None:
+        task = loop.create_task(rebind())
+        rebinding.add(task)
+        task.add_done_callback(rebinding.discard)
+
+    one_at_a_time = asyncio.Lock()
+
+    async def rebind() -> None:
+        nonlocal host_server
+        async with one_at_a_time:
+            let_go()
+            relay.accepting = True
+            try:
+                listener = bind_unix(socket_path)
+                host_server = await asyncio.start_unix_server(relay.host_connected, sock=listener)
+            except OSError as exc:  # the host waits for the socket, and says it never came
+                print(f"egress relay: cannot bind {socket_path} again: {exc}", file=sys.stderr)
+
+    loop.add_signal_handler(signal.SIGUSR1, let_go)
+    loop.add_signal_handler(signal.SIGUSR2, bind_again)
     client_server = await asyncio.start_server(relay.client_connected, sock=tcp)
-    async with host_server, client_server:
-        await asyncio.gather(host_server.serve_forever(), client_server.serve_forever())
+    async with client_server:
+        await client_server.serve_forever()
 
 
-def daemonize() -> bool:
-    """Double-fork; True in the daemon, False in the original process once the
+def daemonize() -> int:
+    """Double-fork; 0 in the daemon, the daemon's pid in the original process once the
     intermediate child is gone."""
+    read_end, write_end = os.pipe()
     child = os.fork()
     if child:
+        os.close(write_end)
         os.waitpid(child, 0)
-        return False
+        with os.fdopen(read_end, "rb") as pipe:
+            said = pipe.read()
+        return int(said) if said.isdigit() else -1
+    os.close(read_end)
     os.setsid()
-    if os.fork():
+    daemon = os.fork()
+    if daemon:
+        os.write(write_end, str(daemon).encode())
         os._exit(0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    os.close(write_end)
+    for ignored in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):  # (until serve's)
+        signal.signal(ignored, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     # The exec'd kernel owns stdout; stderr stays for the relay's errors.
     os.dup2(devnull, 1)
     os.close(devnull)
-    return True
+    return 0
 
 
 def trust(ca_file: str, bundle: str = BUNDLE) -> None:
@@ -299,11 +388,13 @@ def main(argv: list[str]) -> int:
         except KeyboardInterrupt:
             pass
         return 0
-    if daemonize():
+    daemon = daemonize()
+    if daemon == 0:
         asyncio.run(serve(tcp, unix))
         return 0
     tcp.close()
     unix.close()
+    os.environ[PID_VARIABLE] = str(daemon)
     try:
         os.execvp(command[0], command)  # noqa: S606
     except OSError as exc:

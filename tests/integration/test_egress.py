@@ -26,6 +26,7 @@ import pytest
 import trustme
 from jupyter_client import KernelManager
 from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_core.utils import run_sync
 from traitlets.config import Config
 
 from sandbox_kernel.egress import EgressProxy
@@ -501,3 +502,36 @@ def test_offline_and_web_kernelspecs_coexist(
         web_kc, "import os, json; print(json.loads(os.environ['SANDBOX_KERNEL_POLICY'])['network'])"
     )
     assert policy.strip() == "allowlist"
+
+
+def test_a_kernel_with_allowed_domains_pauses_and_reaches_them_after_the_resume(
+    web_kernel: tuple[KernelManager, BlockingKernelClient, Path], upstreams: Upstreams
+) -> None:
+    """Its egress relay holds host sockets too: the pause has the proxy and the relay let
+    go of each other, the resume has them meet again; variables and a keep-alive session
+    survive, and every request is still decided and logged by the proxy."""
+    km, kc, audit_log = web_kernel
+    url = f"https://allowed.test:{upstreams.https_port}/before"
+    out = run_ok(
+        kc, f"import requests\ns = requests.Session()\nx = 42\nprint(s.get({url!r}, timeout=20).json())"
+    )
+    assert "'path': '/before'" in out
+
+    paused = run_sync(km.provisioner.pause)()
+    assert paused.size is not None
+
+    after = f"https://allowed.test:{upstreams.https_port}/after"
+    out = run_ok(kc, f"print(x, s.get({after!r}, timeout=20).json()['path'])")
+    assert out.strip() == "42 /after"
+    assert km.provisioner.paused is None
+    out = run_ok(kc, _fetch(f"http://plain.test:{upstreams.http_port}/plain"))
+    assert out.startswith("OK "), out
+    out = run_ok(kc, _fetch(f"https://denied.test:{upstreams.https_port}/"))
+    assert out.startswith("FAILED"), out
+    records = _egress_records(audit_log, 4)
+    assert [(r["host"], r["verdict"]) for r in records] == [
+        ("allowed.test", "allowed"),
+        ("allowed.test", "allowed"),
+        ("plain.test", "allowed"),
+        ("denied.test", "denied"),
+    ]

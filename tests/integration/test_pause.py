@@ -255,3 +255,34 @@ def test_code_holding_a_socket_in_the_workspace_blocks_the_pause_and_the_kernel_
     run_ok(kc, "listener.close()")
     run_sync(km.provisioner.pause)()  # once it lets go, the kernel pauses
     assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="runsc saves the sandbox itself only for a root server (CI's)")
+def test_a_pause_that_fails_once_the_sandbox_stopped_ends_the_kernel_saying_so_and_leaves_nothing(
+    start_kernel: KernelStarter, workspace: Path
+) -> None:
+    """The sandbox was saved and stopped, but its image cannot be handed to Docker (a disk
+    error; here Docker's checkpoint folder made immutable): the kernel has ended, the
+    error says so (not "it keeps running"), no image is left behind, and a restart starts
+    it fresh with its workspace."""
+    km, kc = start_kernel()
+    run_ok(kc, "x = 42; open('results.txt', 'w').write('kept')")
+    container_folder = Path("/var/lib/docker/containers", km.provisioner.container_id)
+    checkpoints = container_folder / "checkpoints"
+    checkpoints.mkdir(mode=0o700, exist_ok=True)
+    subprocess.run(["chattr", "+i", str(checkpoints)], check=True)
+    try:
+        with pytest.raises(PauseError, match="the pause failed and ended the kernel") as failed:
+            run_sync(km.provisioner.pause)()
+    finally:
+        subprocess.run(["chattr", "-i", str(checkpoints)], check=True)
+    assert "could not be linked" in str(failed.value)
+    assert "Restart it to start fresh" in str(failed.value)
+    assert not km.is_alive()
+    assert km.provisioner.paused is None
+    assert list((container_folder / "sandbox-kernel-checkpoints").iterdir()) == []
+    assert list(checkpoints.iterdir()) == []
+
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    assert run_ok(kc, "print(open('results.txt').read(), 'x' in globals())").strip() == "kept False"

@@ -34,6 +34,7 @@ import pytest
 import requests
 import trustme
 
+from sandbox_kernel.bridge import ipc_in_use
 from sandbox_kernel.egress import Decision, DomainRule, EgressPolicy, EgressProxy, EgressRules
 from sandbox_kernel.egress import proxy as egress
 from sandbox_kernel.egress import relay as egress_relay
@@ -1240,3 +1241,37 @@ def test_the_server_name_is_read_from_a_client_hello_split_across_records() -> N
     assert client_hello_sni(client_hello(None)) is None
     with pytest.raises(ValueError, match="not a TLS handshake record"):
         client_hello_sni(b"GET / HTTP/1.1\r\n\r\n")
+
+
+def test_a_paused_kernels_relay_and_proxy_let_go_of_each_other_and_egress_works_after(
+    sandbox: Sandbox, relay: Relay, upstreams: Upstreams
+) -> None:
+    """A pause: the proxy stops dialing and closes the kernel's connections (its rules
+    stay), the relay lets go of its socket (SIGUSR1); after it binds again (SIGUSR2) and
+    the proxy dials again, requests pass, a keep-alive session's among them."""
+    proxy = EgressProxy.instance()
+    session = sandbox.session()
+    url = f"http://allowed.test:{upstreams.http}/before"
+    assert session.get(url, timeout=10).json()["path"] == "/before"
+    assert sandbox.decision()["verdict"] == "allowed"
+
+    proxy.suspend_kernel(sandbox.kernel_id)
+    served = proxy._kernels[sandbox.kernel_id]
+    assert (served.idle, served.active) == (0, 0), "no connection left to the relay"
+    relay.process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 5
+    while ipc_in_use(str(relay.socket_path)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not ipc_in_use(str(relay.socket_path)), "the relay let go of its unix socket"
+    time.sleep(0.3)
+    assert (served.idle, served.active) == (0, 0), "a suspended kernel is not dialed"
+
+    relay.process.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 5
+    while not ipc_in_use(str(relay.socket_path)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proxy.resume_kernel(sandbox.kernel_id)
+    after = f"http://allowed.test:{upstreams.http}/after"
+    assert session.get(after, timeout=10).json()["path"] == "/after", "the session reconnects"
+    assert sandbox.get(after)["path"] == "/after"
+    assert [d["verdict"] for d in sandbox.take(2)] == ["allowed", "allowed"]

@@ -4,11 +4,16 @@ the links that let Docker start from the image without copying it."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from sandbox_kernel.gvisor_checkpoint import (
     checkpoint_command,
     image_folder,
+    is_state_root,
     link_image,
     runsc_root,
     supports_direct_io,
@@ -80,3 +85,36 @@ def test_direct_io_is_used_only_where_the_file_system_takes_it(tmp_path: Path) -
     folder.mkdir()
     assert isinstance(supports_direct_io(folder), bool)
     assert list(folder.iterdir()) == [], "the probe leaves nothing"
+
+
+def test_a_state_root_must_hold_the_containers_state_in_folders_only_root_may_write(
+    tmp_path: Path,
+) -> None:
+    """The root comes from the sandbox process's command line, its own memory: runsc is run
+    as root only on a folder no other user could have made."""
+    state = "c1_sandbox:c1.state"
+    other = tmp_path / "theirs"  # under /tmp, which everyone may write to
+    other.mkdir()
+    (other / state).write_text("{}")
+    assert not is_state_root(str(other), "c1")
+    assert not is_state_root("relative/root", "c1")
+    if os.geteuid() != 0 or Path("/run").stat().st_mode & 0o022:
+        pytest.skip("needs root and a /run only root may write to (CI has both)")
+    root = Path(tempfile.mkdtemp(dir="/run", prefix="sk-test-"))
+    try:
+        root.chmod(0o700)
+        assert not is_state_root(str(root), "c1"), "no state of this container"
+        (root / state).write_text("{}")
+        assert is_state_root(str(root), "c1")
+        assert is_state_root(f"/var/run/{root.name}", "c1") == Path("/var/run").resolve().samefile("/run")
+        assert not is_state_root(str(root), "c2")
+        root.chmod(0o777)
+        assert not is_state_root(str(root), "c1"), "writable by others"
+    finally:
+        shutil.rmtree(root)
+
+
+def test_only_the_root_flag_of_the_runtime_is_replaced() -> None:
+    args = ["--rootless=false", "--root", "/elsewhere", "-root=/x", "--network=none"]
+    command = checkpoint_command("runsc", args, "/run/r", Path("/i"), "c1", direct=False)
+    assert command[:4] == ["runsc", "--rootless=false", "--network=none", "--root=/run/r"]

@@ -19,6 +19,8 @@ import zmq
 from jupyter_client import BlockingKernelClient
 
 from sandbox_kernel import kernel_relay
+from sandbox_kernel.bridge import ipc_in_use
+from sandbox_kernel.egress import relay as egress_relay
 
 CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
@@ -140,6 +142,65 @@ def test_sigusr2_binds_afresh_where_the_host_removed_the_files_of_open_sockets(
         assert _run(kc, "print(x)") == "42\n"
     finally:
         kc.stop_channels()
+
+
+def test_behind_the_egress_relay_the_pause_signals_reach_it_too(tmp_path: Path) -> None:
+    """As in a kernel with network "allowlist": the egress relay starts first, becomes a
+    daemon and runs the channel relay, which the host signals; both let go of their host
+    sockets on SIGUSR1 and bind them again on SIGUSR2."""
+    ports = dict(zip(CHANNELS, _free_ports(len(CHANNELS)), strict=True))
+    connection = tmp_path / "connection.json"
+    info = {"transport": "tcp", "ip": "127.0.0.1", "key": "k", "signature_scheme": "hmac-sha256"}
+    connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
+    prefix, egress = tmp_path / "kernel", tmp_path / "egress.sock"
+    channels = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
+    kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection)]
+    chain = [sys.executable, egress_relay.__file__, str(egress), "0", "--"]
+    relay = subprocess.Popen(
+        [*chain, sys.executable, kernel_relay.__file__, *channels, "--", *kernel], start_new_session=True
+    )
+    daemon = 0
+    try:
+        _wait(lambda: all(_sockets(prefix)) and ipc_in_use(str(egress)), "the relays' host sockets")
+        environ = Path(f"/proc/{relay.pid}/environ").read_bytes().split(b"\0")
+        (named,) = [v for v in environ if v.startswith(kernel_relay.EGRESS_RELAY_PID.encode() + b"=")]
+        assert kernel_relay.EGRESS_RELAY_PID == egress_relay.PID_VARIABLE
+        daemon = int(named.split(b"=", 1)[1])
+        assert b"egress_relay" in Path(f"/proc/{daemon}/cmdline").read_bytes()
+        held = socket.socket(socket.AF_UNIX)
+        held.connect(str(egress))  # a host connection, as the egress proxy keeps them
+
+        relay.send_signal(signal.SIGUSR1)
+        _wait(lambda: not any(_sockets(prefix)), "closing of the channels' host sockets")
+        _wait(lambda: not ipc_in_use(str(egress)), "closing of the egress relay's socket")
+        held.settimeout(5)
+        assert held.recv(1) == b"", "the egress relay closed the host's connection"
+        held.close()
+
+        relay.send_signal(signal.SIGUSR2)
+        _wait(lambda: all(_sockets(prefix)) and ipc_in_use(str(egress)), "the relays' host sockets again")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(relay.pid, signal.SIGKILL)
+        relay.wait()
+        if daemon:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(daemon, signal.SIGKILL)
+
+
+def test_the_pause_signals_go_only_to_a_process_that_is_still_the_egress_relay() -> None:
+    """Kernel code may end the egress relay; its pid may then be another process's, which
+    SIGUSR1 would kill."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        kernel_relay.pass_on(other.pid, signal.SIGUSR1)
+        time.sleep(0.2)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+    kernel_relay.pass_on(None, signal.SIGUSR1)
+    kernel_relay.pass_on(2**22 + 1, signal.SIGUSR1)  # no such process: nothing
 
 
 def test_signals_reach_the_kernel_and_its_status_is_the_relays(

@@ -293,19 +293,6 @@ def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_pa
     assert (pooled.workdir, pooled.workspace_path) == ("/workspace/Sales-2026", "/workspace/Sales-2026")
 
 
-def test_pause_after_on_an_allowlist_kernel_is_not_applied_and_the_plan_says_so(tmp_path: Path) -> None:
-    from sandbox_kernel.plan import Launch, plan_sandbox
-
-    project = tmp_path / "project"
-    project.mkdir()
-    launch = Launch(kernel_id="k1", kernel_name="py-web", argv=["python"], cwd=project, env={})
-    quiet = _settings(kernel_uid=4321, pause_after=600, network="none")
-    assert plan_sandbox(quiet, launch, {}, []).warnings == ()
-    web = _settings(kernel_uid=4321, pause_after=600, network="allowlist", allowed_domains=["pypi.org"])
-    (warning,) = plan_sandbox(web, launch, {}, []).warnings
-    assert warning.startswith("pause_after=600 is not applied to kernelspec 'py-web': a kernel with network")
-
-
 # ---------------------------------------------------------------- one start's narrower policy
 
 
