@@ -28,6 +28,7 @@ from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, Trait
 from traitlets.config import Application
 from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
 
+from . import gvisor_checkpoint
 from ._version import __version__
 from .docker_backend import DockerBackend, ImageBuildError, ImageStore
 from .errors import ConfigurationError, DockerUnavailableError, SandboxKernelError
@@ -570,7 +571,7 @@ class CheckApp(_SubApp):
             await docker_backend.check_checkpoints()
             how = (
                 "gVisor checkpoints saved by runsc directly"
-                if os.geteuid() == 0
+                if gvisor_checkpoint.may_run_runsc()
                 else "Docker's own checkpoints, slow for big kernels; as root, runsc saves them directly"
             )
             print(f"ok    pausing kernels to disk ({how})")

@@ -14,12 +14,24 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+async def poll_until(condition: Callable[[], Awaitable[bool]], timeout: float, interval: float) -> bool:
+    """Whether ``condition`` comes true within ``timeout`` seconds, asked every
+    ``interval`` seconds (at least once)."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
 
 
 class BackgroundLoop:

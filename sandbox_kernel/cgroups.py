@@ -179,6 +179,21 @@ class PeakMemory:
             self._fd = None
 
 
+def stat_fields(text: str) -> list[str]:
+    """The fields of a ``/proc/PID/stat`` after the command name, which may hold spaces
+    and parentheses: [0] is the state, [1] the parent's pid, [19] the start time."""
+    return text.rsplit(")", 1)[1].split()
+
+
+def process_ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        state = stat_fields(Path(f"/proc/{pid}/stat").read_text())[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
 def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str] | None:
     """Paths (as the sandbox names them) of the unix sockets a gVisor sandbox holds bound
     on the host: its gofer binds them, in the container's network namespace (whose
@@ -191,12 +206,12 @@ def held_host_sockets(sandbox_pid: int, proc: Path = Path("/proc")) -> list[str]
             for link in (os.readlink(fd) for fd in (proc / str(sandbox_pid) / "fd").iterdir())
             if link.startswith("socket:[")
         }
-        shim = (proc / str(sandbox_pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        shim = stat_fields((proc / str(sandbox_pid) / "stat").read_text())[1]
     except (OSError, IndexError):
         return None
     for entry in proc.iterdir():
         try:
-            if not entry.name.isdigit() or (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] != shim:
+            if not entry.name.isdigit() or stat_fields((entry / "stat").read_text())[1] != shim:
                 continue
             if not (entry / "cmdline").read_bytes().startswith(b"runsc-gofer"):
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -25,7 +26,8 @@ from requests.exceptions import RequestException
 
 from . import gvisor_checkpoint, mounts
 from .backend import SandboxBackend
-from .cgroups import held_host_sockets, thaw_container
+from .background import poll_until
+from .cgroups import held_host_sockets, process_ended, thaw_container
 from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .errors import (
     DockerOperationError,
@@ -159,8 +161,7 @@ class DockerBackend(SandboxBackend):
         Raises:
             RuntimeMissingError: with the daemon.json snippet that fixes it.
         """
-        client = await self.client()
-        info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
+        info = await self._info()
         runtimes = info.get("Runtimes") or {}
         entry = runtimes.get(runtime)
         if entry is None:
@@ -342,8 +343,7 @@ class DockerBackend(SandboxBackend):
 
     async def main_pid(self, container_id: str) -> int | None:
         """The host pid of the container's main process (gVisor's sandbox), if running."""
-        pid = (await self._container_state(container_id) or {}).get("Pid")
-        return int(pid) if isinstance(pid, int) and pid > 0 else None
+        return _main_pid(await self._container_state(container_id) or {})
 
     async def oom_killed(self, container_id: str) -> bool:
         return bool((await self._container_state(container_id) or {}).get("OOMKilled"))
@@ -391,7 +391,7 @@ class DockerBackend(SandboxBackend):
     async def checkpoint(self, container_id: str, name: str) -> int | None:
         api = (await self.client()).api
         attrs = await self._api("inspect the kernel container", api.inspect_container, container_id)
-        pid = (attrs.get("State") or {}).get("Pid") or None
+        pid = _main_pid(attrs.get("State") or {})
         held = await self.host_sockets(container_id, pid)
         if held:
             msg = (
@@ -399,13 +399,16 @@ class DockerBackend(SandboxBackend):
                 "save (close it, e.g. the server or listener that made it, to let the kernel pause)"
             )
             raise PauseError(msg)
-        container_folder = await self._root_dir() / "containers" / container_id
-        runsc = await self._runsc_checkpoint(attrs, pid, container_folder, name)
+        info = await self._info()
+        container_folder = _root_dir(info) / "containers" / container_id
+        runsc = await self._runsc_checkpoint(attrs, info, pid, container_folder, name)
         if runsc is not None:
             try:
                 await self._run_runsc_checkpoint(runsc, container_folder, name)
             except PauseError:
-                if pid and await _ends_within(pid, 3.0):  # the failure (or the save) ended it:
+                if pid and await poll_until(  # the failure (or the save) ended it:
+                    functools.partial(asyncio.to_thread, process_ended, pid), 3.0, 0.05
+                ):
                     with contextlib.suppress(PauseError):  # let Docker see that, for the caller
                         await self._wait_stopped(container_id, timeout=10)
                 raise
@@ -430,12 +433,19 @@ class DockerBackend(SandboxBackend):
         return await asyncio.to_thread(held_host_sockets, pid) if pid else None
 
     async def _runsc_checkpoint(
-        self, attrs: Mapping[str, Any], pid: int | None, container_folder: Path, name: str
+        self,
+        attrs: Mapping[str, Any],
+        info: Mapping[str, Any],
+        pid: int | None,
+        container_folder: Path,
+        name: str,
     ) -> list[str] | None:
         """The ``runsc checkpoint`` command that saves this container's sandbox, or None
         where this process cannot run it (not root, or the sandbox's state root unknown):
         then Docker's own, slower checkpoint does (see :mod:`.gvisor_checkpoint`)."""
-        if os.geteuid() != 0 or not pid or not await asyncio.to_thread(container_folder.is_dir):
+        if not (gvisor_checkpoint.may_run_runsc() and pid):
+            return None
+        if not await asyncio.to_thread(container_folder.is_dir):
             return None
         try:
             cmdline = await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_bytes)
@@ -446,8 +456,6 @@ class DockerBackend(SandboxBackend):
         if root is None or not await asyncio.to_thread(gvisor_checkpoint.is_state_root, root, container_id):
             log.info("Container %s: gVisor's state root not found; Docker saves it (slower)", container_id)
             return None
-        client = await self.client()
-        info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
         runtime = (info.get("Runtimes") or {}).get((attrs.get("HostConfig") or {}).get("Runtime"))
         if not isinstance(runtime, Mapping) or "runsc" not in str(runtime.get("path")):
             return None
@@ -466,12 +474,13 @@ class DockerBackend(SandboxBackend):
         Raises:
             PauseError: Docker still reports it running after ``timeout`` seconds.
         """
-        deadline = time.monotonic() + timeout
-        while (await self.state(container_id))[1] is None:
-            if time.monotonic() > deadline:
-                msg = f"the kernel's sandbox was saved, but Docker reports it running after {timeout:.0f} s"
-                raise PauseError(msg)
-            await asyncio.sleep(0.05)
+
+        async def stopped() -> bool:
+            return (await self.state(container_id))[1] is not None
+
+        if not await poll_until(stopped, timeout, 0.05):
+            msg = f"the kernel's sandbox was saved, but Docker reports it running after {timeout:.0f} s"
+            raise PauseError(msg)
 
     async def _run_runsc_checkpoint(self, command: list[str], container_folder: Path, name: str) -> None:
         """Run ``command`` (which saves the sandbox into its image folder), then link the
@@ -533,17 +542,17 @@ class DockerBackend(SandboxBackend):
                 api._raise_for_status(response)
 
         await self._api("remove the kernel's checkpoint", delete)
-        image = gvisor_checkpoint.image_folder(await self._root_dir() / "containers" / container_id, name)
+        container_folder = _root_dir(await self._info()) / "containers" / container_id
+        image = gvisor_checkpoint.image_folder(container_folder, name)
         await asyncio.to_thread(shutil.rmtree, image, True)
 
     async def checkpoint_usage(self) -> tuple[int, int | None]:
-        root = await self._root_dir()
-        return await asyncio.to_thread(_checkpoint_usage, root)
+        return await asyncio.to_thread(_checkpoint_usage, _root_dir(await self._info()))
 
-    async def _root_dir(self) -> Path:
+    async def _info(self) -> Mapping[str, Any]:
         client = await self.client()
         info: Mapping[str, Any] = await self._api("read the daemon's info", client.info)
-        return Path(str(info.get("DockerRootDir") or "/var/lib/docker"))
+        return info
 
     async def managed_containers(self) -> list[dict[str, Any]]:
         """``docker inspect`` of every sandbox-kernel container, running or not."""
@@ -601,24 +610,15 @@ class DockerBackend(SandboxBackend):
             raise
 
 
-async def _ends_within(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` ends within ``timeout`` seconds (a sandbox gVisor saved
-    stops a moment after runsc returns)."""
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(_process_gone, pid):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
+def _main_pid(state: Mapping[str, Any]) -> int | None:
+    """The host pid of a container's main process, from its ``State``; None if not running."""
+    pid = state.get("Pid")
+    return int(pid) if isinstance(pid, int) and pid > 0 else None
 
 
-def _process_gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+def _root_dir(info: Mapping[str, Any]) -> Path:
+    """Where the daemon ``info`` keeps its data (containers, their checkpoints)."""
+    return Path(str(info.get("DockerRootDir") or "/var/lib/docker"))
 
 
 def _folder_size(folder: Path) -> int:

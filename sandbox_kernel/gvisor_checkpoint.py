@@ -38,6 +38,12 @@ from pathlib import Path
 IMAGES_FOLDER = "sandbox-kernel-checkpoints"
 
 
+def may_run_runsc() -> bool:
+    """Whether this process may run runsc itself (as Docker's runtime calls do: as root);
+    else Docker's own checkpoint saves the sandbox."""
+    return os.geteuid() == 0
+
+
 def image_folder(container_folder: Path, name: str) -> Path:
     """The folder holding checkpoint ``name``'s image files."""
     return container_folder / IMAGES_FOLDER / name

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from .backend import SandboxBackend
 from .background import BackgroundLoop
-from .cgroups import memory_usage
+from .cgroups import memory_usage, stat_fields
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .mounts import detach_mounts
@@ -80,8 +80,7 @@ def _start_ticks(pid: int) -> str | None:
         return None
     except OSError:
         return _UNKNOWN  # e.g. /proc mounted with hidepid: alive or not, we cannot tell
-    # The command name (field 2) may hold spaces and parentheses: split after its end.
-    return stat.rsplit(")", 1)[1].split()[19]
+    return stat_fields(stat)[19]
 
 
 def _pid_namespace() -> str:

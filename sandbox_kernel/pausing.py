@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .background import poll_until
 from .bridge import ipc_in_use
 from .errors import PauseError
 from .launch_folder import seal_launch_dir
@@ -114,30 +115,23 @@ async def wait_for_channels(
     sockets = list(kernel_sockets(launch_dir).values())
     if egress and not bound:
         sockets.append(egress_socket(launch_dir))
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def done() -> bool:
         paths = await held() if not bound and held is not None else None
         if paths is not None:  # known: it alone tells (a connection may outlive its listener)
-            if all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths):
-                return
-        elif await _all_in_use(sockets, bound):
-            return
-        if time.monotonic() >= deadline:
-            what = "bind its channels again" if bound else "let go of its channels"
-            msg = f"the kernel's channel relay did not {what} within {timeout:g} s"
-            raise PauseError(msg)
-        await asyncio.sleep(0.02)
+            return all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths)
+        return await _all_in_use(sockets, bound)
+
+    if not await poll_until(done, timeout, 0.02):
+        what = "bind its channels again" if bound else "let go of its channels"
+        msg = f"the kernel's channel relay did not {what} within {timeout:g} s"
+        raise PauseError(msg)
 
 
 async def wait_for_egress(launch_dir: Path, timeout: float = EGRESS_TIMEOUT) -> bool:
     """Whether the egress relay binds its socket in ``launch_dir`` again within
     ``timeout`` seconds (kernel code may have ended it: the kernel resumes all the same)."""
-    deadline = time.monotonic() + timeout
-    while not await _all_in_use([egress_socket(launch_dir)], True):
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
+    return await poll_until(lambda: _all_in_use([egress_socket(launch_dir)], True), timeout, 0.02)
 
 
 async def _all_in_use(sockets: list[Path], bound: bool) -> bool:

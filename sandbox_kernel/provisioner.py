@@ -32,7 +32,7 @@ from jupyter_client.session import Session
 from .approval import Answer, ApprovalBroker, ApprovalHandler
 from .audit import LOST_REPLY, AuditLog, ExecutionAuditor, PendingExecution
 from .backend import SandboxBackend
-from .background import BackgroundLoop
+from .background import BackgroundLoop, poll_until
 from .binding import bind
 from .bridge import CHANNELS, CurveKeys, KernelBridge
 from .cgroups import cpu_seconds, memory_usage, oom_kills
@@ -995,12 +995,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     async def _wait_exited(self, container_id: str, timeout: float = 10.0) -> None:
         """Until the container has stopped, so nothing it still sends can follow our notices."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            _, code = await self.backend.state(container_id)
-            if code is not None:
-                return
-            await asyncio.sleep(0.1)
+
+        async def stopped() -> bool:
+            return (await self.backend.state(container_id))[1] is not None
+
+        await poll_until(stopped, timeout, 0.1)
 
     # ------------------------------------------------------------------ pausing
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,17 @@ def test_the_host_sockets_a_sandbox_holds_are_read_from_its_gofers_network_names
     process(13, 99, b"runsc-gofer\0", unix=["0: 2 0 10000 1 1 7 /another/sandbox.sock"])
     assert cgroups.held_host_sockets(12, proc) == ["/workspace/held.sock"]
     assert cgroups.held_host_sockets(404, proc) is None, "unreadable: nothing known (the checkpoint is tried)"
+
+
+def test_a_process_that_exited_has_ended_even_before_it_is_reaped() -> None:
+    """A sandbox gVisor saved stops a moment after runsc returns, and its parent (the
+    shim) reaps it later still: a zombie has ended."""
+    assert not cgroups.process_ended(os.getpid())
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 5
+    while not cgroups.process_ended(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cgroups.process_ended(child.pid), "exited, not yet reaped"
+    assert child.poll() == 0
+    assert cgroups.process_ended(child.pid), "reaped: gone"
+    assert cgroups.stat_fields("12 (a) b (c)) S 1 12")[:2] == ["S", "1"]
