@@ -315,6 +315,16 @@ class Execution:
         return str(self.reply["content"]["status"])
 
 
+def shell_reply(kc: BlockingKernelClient, timeout: float) -> dict[str, Any]:
+    """The next reply on the shell channel that is not a ``kernel_info_reply``: a slow
+    start has ``wait_for_ready()`` send another ``kernel_info_request``, whose reply may
+    come after it returned."""
+    reply: dict[str, Any] = kc.get_shell_msg(timeout=timeout)
+    while reply["msg_type"] == "kernel_info_reply":
+        reply = kc.get_shell_msg(timeout=timeout)
+    return reply
+
+
 def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any) -> Execution:
     """Execute ``code`` and wait for its reply and all its output."""
     result = Execution()

@@ -13,7 +13,7 @@ from jupyter_client.session import Session
 
 from sandbox_kernel.errors import WorkspaceError
 
-from .conftest import KERNEL, KernelStarter, run, run_ok
+from .conftest import KERNEL, KernelStarter, run, run_ok, shell_reply
 
 
 def audit_lines(path: Path, count: int, timeout: float = 10) -> list[dict[str, Any]]:
@@ -78,11 +78,8 @@ def test_an_execution_cut_short_by_a_dead_kernel_is_still_audited(
     records = audit_lines(audit, 1)
     assert records[-1]["code"] == code
     assert records[-1]["status"].startswith("no reply")
-    # The waiting client is answered too, instead of waiting forever. (A slow start has
-    # wait_for_ready() send a second kernel_info_request, whose reply may still wait here.)
-    reply = kc.get_shell_msg(timeout=10)
-    while reply["msg_type"] == "kernel_info_reply":
-        reply = kc.get_shell_msg(timeout=10)
+    # The waiting client is answered too, instead of waiting forever.
+    reply = shell_reply(kc, timeout=10)
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["ename"] == "KernelDied"
     # The request was on record before anything went wrong.

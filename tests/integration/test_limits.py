@@ -24,6 +24,7 @@ from .conftest import (
     restarting_kernel,
     run,
     run_ok,
+    shell_reply,
     wait_for_restart,
 )
 
@@ -248,7 +249,7 @@ def test_cells_queued_behind_a_running_one_do_not_spend_their_limit(
     replies = {}
     deadline = time.monotonic() + 60
     while len(replies) < len(msg_ids) and time.monotonic() < deadline:
-        reply = kc.get_shell_msg(timeout=30)
+        reply = shell_reply(kc, timeout=30)
         replies[reply["parent_header"]["msg_id"]] = reply["content"]
     assert [replies[m]["status"] for m in msg_ids] == ["ok"] * 4, replies
 
