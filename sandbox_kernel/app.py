@@ -30,6 +30,7 @@ from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
 
 from . import gvisor_checkpoint
 from ._version import __version__
+from .admission import CONFIG_FILE_NAME, require_sandboxed, sandboxed_manager
 from .docker_backend import DockerBackend, ImageBuildError, ImageStore
 from .errors import ConfigurationError, DockerUnavailableError, SandboxKernelError
 from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
@@ -37,6 +38,7 @@ from .plan import ceiling_violations, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
 from .reattach import pause_kernel
 from .resources import data_path
+from .sandbox_spec import launcher_argv
 from .settings import (
     DATASCIENCE_IMAGE,
     DEFAULT_IMAGE,
@@ -283,6 +285,9 @@ class _InstallBase(_SubApp):
         source = data_path("kernelspecs") / RECIPES[self.recipe].kernelspec
         spec = json.loads((source / "kernel.json").read_text())
         spec["display_name"] = self.display_name or spec["display_name"]
+        # Front ends that ignore provisioners run this themselves: the sandboxed kernel,
+        # started by this environment's interpreter (see sandbox_kernel.launch).
+        spec["argv"] = launcher_argv(self.kernel_name)
         config = spec["metadata"]["kernel_provisioner"].setdefault("config", {})
         chosen = self.given()
         if chosen.get("allowed_domains") and "network" not in chosen:
@@ -743,7 +748,23 @@ class PruneApp(_KernelsApp):
         print(f"{len(removed)} kernel(s) removed.")
 
 
-class RunApp(_SubApp):
+class _KernelStarter(_SubApp):
+    """A subcommand that starts kernels: under the server's config (its files, then
+    ``--config`` and ``--SandboxProvisioner.NAME=`` options), from a sandboxed kernelspec."""
+
+    @default("config_file_name")
+    def _config_file_name_default(self) -> str:
+        return CONFIG_FILE_NAME
+
+    def require_sandboxed(self, kernel_name: str) -> None:
+        """Exit with a one-line error unless ``kernel_name`` is a sandboxed kernelspec."""
+        try:
+            require_sandboxed(kernel_name, config=self.config)
+        except ConfigurationError as exc:
+            self.fail(f"{exc} (--kernel)")
+
+
+class RunApp(_KernelStarter):
     """Execute a notebook in a sandboxed kernel."""
 
     name = "jupyter-sandbox-kernel-run"
@@ -781,9 +802,11 @@ class RunApp(_SubApp):
         if not path.is_file():
             self.fail(f"no such notebook: {path}")
         output = Path(self.output).resolve() if self.output else path.with_suffix(".executed.ipynb")
+        self.require_sandboxed(self.kernel_name)
         nb = nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
         client = NotebookClient(
             nb,
+            km=sandboxed_manager(self.kernel_name, config=self.config),
             kernel_name=self.kernel_name,
             timeout=int(self.timeout),
             resources={"metadata": {"path": str(path.parent)}},
@@ -807,7 +830,7 @@ class RunApp(_SubApp):
             self.fail(f"the notebook failed: {failed}")
 
 
-class McpApp(_SubApp):
+class McpApp(_KernelStarter):
     """Serve sandboxed kernels to an AI assistant over MCP (stdio)."""
 
     name = "jupyter-sandbox-kernel-mcp"
@@ -849,14 +872,8 @@ class McpApp(_SubApp):
         cwd = Path(self.cwd or os.getcwd()).expanduser().resolve()
         if not cwd.is_dir():
             self.fail(f"--cwd {self.cwd!r} is not a folder; give the folder the kernels should work in")
-        try:
-            KernelSpecManager(parent=self).get_kernel_spec(self.kernel_name)
-        except NoSuchKernel:
-            self.fail(
-                f"no kernelspec named {self.kernel_name!r}: install it with `jupyter sandbox-kernel "
-                "install`, or choose another with --kernel (see `jupyter kernelspec list`)"
-            )
-        serve_stdio(kernel_name=self.kernel_name, cwd=str(cwd))
+        self.require_sandboxed(self.kernel_name)
+        serve_stdio(kernel_name=self.kernel_name, cwd=str(cwd), config=self.config)
 
 
 class SandboxKernelApp(JupyterApp):

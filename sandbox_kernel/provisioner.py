@@ -29,6 +29,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 from jupyter_client.session import Session
 
+from .admission import with_server_config
 from .approval import Answer, ApprovalBroker, ApprovalHandler
 from .audit import LOST_REPLY, AuditLog, ExecutionAuditor, PendingExecution
 from .backend import SandboxBackend
@@ -138,6 +139,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     """
 
     def __init__(self, **kwargs: Any) -> None:
+        # Whatever started the kernel (a server, a program, MCP, the kernelspec's launcher),
+        # the server's config files apply under the config its manager was given.
+        parent = kwargs.get("parent")
+        given = kwargs.pop("config", None)
+        kwargs["config"] = with_server_config(given if given is not None else getattr(parent, "config", None))
         super().__init__(**kwargs)
         # The base class declares connection_info as a shared class-level dict.
         self.connection_info: KernelConnectionInfo = {}
@@ -386,12 +392,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 BackgroundLoop.instance().submit(self._rename(container_id, self._spec.container_name))
             else:
                 launch_dir, container_id = await self._start_cold(self._spec, key, scheme)
-            ports = await self._attach_bridge(launch_dir)
-            await self._open_egress(launch_dir)
             if not self.from_pool:  # a pooled sandbox was ready and sealed before its claim
                 sockets = expected_sockets(launch_dir, self._egress is not None, pooled=False)
                 await wait_until_ready(self.backend, container_id, sockets, self.startup_timeout, self.image)
                 await asyncio.to_thread(self._seal, launch_dir)
+            # Clients' ports open once the kernel answers on them: a client that connects as
+            # soon as they do (as front ends that start kernels themselves do) is answered.
+            ports = await self._attach_bridge(launch_dir, self._manager_ports())
+            await self._open_egress(launch_dir)
             self._reopen()
             self._start_watchdog(container_id)
         except BaseException as exc:
@@ -724,6 +732,23 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             return self.bridge.start()
         await asyncio.to_thread(self.bridge.attach, endpoints)
         return self.bridge.ports
+
+    def _manager_ports(self) -> dict[str, int] | None:
+        """The ports the manager already has for the kernel's channels, read from a
+        connection file someone else wrote (see sandbox_kernel.launch), which the bridge
+        must serve; None: the bridge chooses (and the manager learns them from it)."""
+        km = self.parent
+        ports = {channel: int(getattr(km, f"{channel}_port", 0) or 0) for channel in CHANNELS}
+        if self.bridge is not None or not all(ports.values()):
+            return None
+        transport = getattr(km, "transport", "tcp")
+        if transport != self.client_transport:
+            msg = (
+                f"The connection file asks for transport {transport!r}, but this server's "
+                f"SandboxProvisioner.client_transport is {self.client_transport!r}."
+            )
+            raise ConfigurationError(msg)
+        return ports
 
     def _session_key(self) -> tuple[bytes, str]:
         """The kernel's session key and signature scheme: the running kernel's own when

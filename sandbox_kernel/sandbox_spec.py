@@ -6,6 +6,8 @@ for every backend; :mod:`~.docker_args` turns it into Docker's create arguments.
 
 from __future__ import annotations
 
+import itertools
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +190,22 @@ def sandbox_env(
     return result
 
 
+#: The module a sandboxed kernelspec's argv runs (``python -m sandbox_kernel.launch``).
+LAUNCHER_MODULE = "sandbox_kernel.launch"
+#: What runs in the sandbox for a kernelspec whose argv is the launcher.
+SANDBOXED_KERNEL_ARGV = ("python", "-m", "ipykernel_launcher", "-f", "{connection_file}")
+
+
+def launcher_argv(kernel_name: str, python: str = sys.executable) -> list[str]:
+    """A sandboxed kernelspec's argv: the launcher, for the kernelspec ``kernel_name``."""
+    return [python, "-m", LAUNCHER_MODULE, "--kernel", kernel_name, "-f", "{connection_file}"]
+
+
+def is_launcher(argv: Sequence[str]) -> bool:
+    """Whether a kernelspec's argv runs sandbox-kernel's launcher."""
+    return any(a == "-m" and b == LAUNCHER_MODULE for a, b in itertools.pairwise(argv))
+
+
 def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> list[str]:
     """The command run in the container, from the kernelspec's ``argv``.
 
@@ -196,10 +214,14 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
     """
     if not argv:
         msg = (
-            "The kernelspec's argv is empty; it must run ipykernel, "
-            "e.g. python -m ipykernel_launcher -f {connection_file}"
+            "The kernelspec's argv is empty; it must run ipykernel, e.g. python -m "
+            f"{LAUNCHER_MODULE} --kernel NAME -f {{connection_file}} (see sandbox_kernel.launch)"
         )
         raise ConfigurationError(msg)
+    if is_launcher(argv):
+        # What a front end that ignores provisioners runs on the host (see
+        # sandbox_kernel.launch); in the sandbox it is the kernel itself.
+        argv = SANDBOXED_KERNEL_ARGV
     return [arg.replace("{connection_file}", CONTAINER_CONNECTION_FILE) for arg in argv] + list(
         extra_arguments
     )

@@ -44,7 +44,9 @@ from typing import Any, TypeVar
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
+from traitlets.config import Config
 
+from .admission import sandboxed_manager
 from .background import BackgroundLoop
 from .cgroups import PeakMemory, cpu_seconds
 from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
@@ -181,7 +183,11 @@ class AsyncSandboxSession:
     ``env``: variables to set in the sandbox; ``restart_on_death``: restart a kernel that
     died or was stopped by a limit, so the next run works; ``max_output``: bytes of
     output one run may produce (at most the server's ``output_limit``; past it the head
-    and tail are kept); ``**policy``: narrow the kernelspec's policy (see the module).
+    and tail are kept); ``config``: server settings (a traitlets ``Config`` or a dict such
+    as ``{"SandboxProvisioner": {"audit_log": "/var/log/sandbox.log"}}``), over the server's
+    config files, which always apply; ``**policy``: narrow the kernelspec's policy (see
+    the module). A kernelspec whose kernels would not run in the sandbox is refused
+    (``ConfigurationError``).
     """
 
     def __init__(
@@ -193,6 +199,7 @@ class AsyncSandboxSession:
         restart_on_death: bool = True,
         max_output: int | None = None,
         startup_timeout: float = 60.0,
+        config: Config | Mapping[str, Any] | None = None,
         manager_kwargs: Mapping[str, Any] | None = None,
         **policy: Any,
     ) -> None:
@@ -203,6 +210,7 @@ class AsyncSandboxSession:
         self.max_output = max_output
         self.startup_timeout = startup_timeout
         self.policy = policy
+        self.config = Config(config or {})
         self._manager_kwargs = dict(manager_kwargs or {})
         self.km: AsyncKernelManager | None = None
         self.kc: AsyncKernelClient | None = None
@@ -228,7 +236,10 @@ class AsyncSandboxSession:
         """
         if self.km is not None:
             return self
-        km = AsyncKernelManager(kernel_name=self.kernel_name, **self._manager_kwargs)
+        kwargs = dict(self._manager_kwargs)
+        config = Config(kwargs.pop("config", None) or {})
+        config.merge(self.config)
+        km = sandboxed_manager(self.kernel_name, config, **kwargs)
         extra = {"sandbox_env": self.env} if self.env else {}
         await km.start_kernel(cwd=str(self.cwd), **extra, **self.policy)
         try:

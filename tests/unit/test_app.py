@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import types
@@ -29,6 +30,7 @@ from sandbox_kernel.app import (
     SandboxKernelApp,
     _recipe_digest,
 )
+from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.resources import data_path
 from sandbox_kernel.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
 
@@ -68,7 +70,16 @@ def test_install_writes_the_kernelspec_with_the_given_values(
     spec = installed_spec(tmp_path, "x")
     assert spec["display_name"] == "X"
     assert spec["language"] == "python"
-    assert spec["argv"] == ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    # Run directly (front ends that ignore provisioners): the launcher, for this kernelspec.
+    assert spec["argv"] == [
+        sys.executable,
+        "-m",
+        "sandbox_kernel.launch",
+        "--kernel",
+        "x",
+        "-f",
+        "{connection_file}",
+    ]
     assert spec["metadata"] == {
         "debugger": False,
         "supported_encryption": "curve",
@@ -660,7 +671,7 @@ def test_mcp_serves_the_default_kernelspec_in_the_current_folder(
     run(InstallApp, "--user")
     monkeypatch.chdir(tmp_path)
     run(SandboxKernelApp, "mcp")
-    assert served == [{"kernel_name": KERNEL_NAME, "cwd": str(tmp_path.resolve())}]
+    assert [(call["kernel_name"], call["cwd"]) for call in served] == [(KERNEL_NAME, str(tmp_path.resolve()))]
 
 
 def test_mcp_takes_a_kernelspec_and_a_workspace(served: list[dict[str, Any]], tmp_path: Path) -> None:
@@ -668,7 +679,45 @@ def test_mcp_takes_a_kernelspec_and_a_workspace(served: list[dict[str, Any]], tm
     workspace = tmp_path / "analysis"
     workspace.mkdir()
     run(McpApp, "--kernel", "py-small", "--cwd", str(workspace))
-    assert served == [{"kernel_name": "py-small", "cwd": str(workspace.resolve())}]
+    assert [(call["kernel_name"], call["cwd"]) for call in served] == [("py-small", str(workspace.resolve()))]
+
+
+def test_mcp_passes_the_server_config_and_its_command_line_to_the_kernels(
+    served: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The administrator's settings reach MCP's kernels: the server's config files (here
+    in JUPYTER_CONFIG_DIR), then --config and --SandboxProvisioner.NAME= options."""
+    run(InstallApp, "--user")
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.json").write_text(
+        json.dumps({"SandboxProvisioner": {"max_memory": "1g", "audit_log": "/var/log/central.log"}})
+    )
+    extra = tmp_path / "extra_config.py"
+    extra.write_text("c.SandboxProvisioner.max_exec_timeout = 60\n")
+    run(McpApp, f"--config={extra}", "--SandboxProvisioner.memory=768m")
+    (call,) = served
+    # What the kernels' provisioner makes of it (it adds the server's config files itself).
+    settings = SandboxProvisioner(config=call["config"])
+    assert (settings.max_memory, settings.audit_log) == ("1g", "/var/log/central.log")
+    assert (settings.max_exec_timeout, settings.memory) == (60, "768m")
+
+
+@pytest.mark.parametrize("command", ["mcp", "run"])
+def test_a_kernelspec_that_runs_on_the_host_is_refused_naming_it(
+    served: list[dict[str, Any]], capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    """`--kernel python3` (ipykernel's own kernelspec) ran the assistant's code on the host as root."""
+    notebook = tmp_path / "n.ipynb"
+    notebook.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    with pytest.raises(SystemExit) as info:
+        run(SandboxKernelApp, command, *([str(notebook)] if command == "run" else []), "--kernel", "python3")
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Kernelspec 'python3' (Python 3 (ipykernel)) does not run its kernels in the sandbox" in err
+    assert "would run on this host" in err
+    assert served == []
+    assert not (tmp_path / "n.executed.ipynb").exists()
 
 
 @pytest.mark.parametrize(
@@ -676,7 +725,7 @@ def test_mcp_takes_a_kernelspec_and_a_workspace(served: list[dict[str, Any]], tm
     [
         (
             ["--kernel", "nope"],
-            "error: no kernelspec named 'nope': install it with `jupyter sandbox-kernel install`",
+            "error: No kernelspec named 'nope': install it with `jupyter sandbox-kernel install`",
         ),
         (["--cwd", "/no/such/folder"], "error: --cwd '/no/such/folder' is not a folder"),
         (["--kernal", "x"], "error: unknown option --kernal"),
