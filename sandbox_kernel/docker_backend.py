@@ -41,6 +41,7 @@ from .errors import (
 from .gvisor_checkpoint import IMAGES_FOLDER
 from .sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from .settings import DATASCIENCE_IMAGE
+from .trees import delete_tree, tree_size
 
 T = TypeVar("T")
 
@@ -424,7 +425,7 @@ class DockerBackend(SandboxBackend):
             await self._api("save the kernel's sandbox to disk", save)
             folder = container_folder / "checkpoints" / name
         try:
-            return await asyncio.to_thread(_folder_size, folder)
+            return await asyncio.to_thread(tree_size, folder)
         except OSError:
             return None  # not readable by this process
 
@@ -500,7 +501,7 @@ class DockerBackend(SandboxBackend):
                 stderr=asyncio.subprocess.STDOUT,
             )
         except OSError as exc:
-            await asyncio.to_thread(shutil.rmtree, image, True)
+            await asyncio.to_thread(_discard, image)
             msg = f"cannot run gVisor's runsc to save the kernel's sandbox ({exc})"
             raise PauseError(msg) from exc
         try:
@@ -519,7 +520,7 @@ class DockerBackend(SandboxBackend):
         else:
             await process.wait()
         for folder in (image, checkpoint):
-            await asyncio.to_thread(shutil.rmtree, folder, True)
+            await asyncio.to_thread(_discard, folder)
         said = " / ".join(output.decode("utf-8", "replace").strip().splitlines()[-3:])
         msg = f"gVisor could not save the kernel's sandbox ({said or f'runsc exited {process.returncode}'})"
         raise PauseError(msg)
@@ -544,7 +545,7 @@ class DockerBackend(SandboxBackend):
         await self._api("remove the kernel's checkpoint", delete)
         container_folder = _root_dir(await self._info()) / "containers" / container_id
         image = gvisor_checkpoint.image_folder(container_folder, name)
-        await asyncio.to_thread(shutil.rmtree, image, True)
+        await asyncio.to_thread(_discard, image)
 
     async def checkpoint_usage(self) -> tuple[int, int | None]:
         return await asyncio.to_thread(_checkpoint_usage, _root_dir(await self._info()))
@@ -621,10 +622,12 @@ def _root_dir(info: Mapping[str, Any]) -> Path:
     return Path(str(info.get("DockerRootDir") or "/var/lib/docker"))
 
 
-def _folder_size(folder: Path) -> int:
-    return sum(
-        entry.stat().st_size for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink()
-    )
+def _discard(folder: Path) -> None:
+    """Remove a checkpoint's folder, if there is one; a failure is logged."""
+    try:
+        delete_tree(folder)
+    except OSError as exc:
+        log.warning("Could not remove %s (%s); remove it by hand", folder, exc)
 
 
 def _checkpoint_usage(root: Path) -> tuple[int, int | None]:
@@ -633,7 +636,7 @@ def _checkpoint_usage(root: Path) -> tuple[int, int | None]:
     try:
         containers = root / "containers"
         folders = [*containers.glob("*/checkpoints"), *containers.glob(f"*/{IMAGES_FOLDER}")]
-        used = sum(_folder_size(folder) for folder in folders)
+        used = sum(tree_size(folder) for folder in folders)
         return used, shutil.disk_usage(root).free
     except OSError:
         return 0, None

@@ -11,6 +11,10 @@ fifo, a device or ``..`` is refused, never followed.
 What the host writes belongs to the kernel's uid and gid, with the modes a kernel-made
 file gets (0644, folders 0755), so the kernel can read and overwrite it. An upload is
 written to a temporary name in its folder and renamed into place.
+
+Names are whatever bytes kernel code chose: one that is not UTF-8 is listed with surrogate
+escapes, as ``os.listdir`` gives it, and flagged (``FileInfo.undecodable``); a recursive
+delete removes a tree of any depth (see :mod:`~.trees`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import re
 import secrets
 import stat
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import WorkspaceError
+from .trees import delete_tree
 
 if TYPE_CHECKING:
     from .backend import SandboxBackend
@@ -61,6 +67,39 @@ class FileInfo:
     is_dir: bool
     #: Last modification, seconds since the epoch.
     modified: float
+    #: The name, or a folder's on its path, is not UTF-8 (kernel code may name a file with
+    #: any bytes): ``name`` and ``path`` hold those bytes as surrogate escapes, as
+    #: ``os.listdir`` does, and are accepted back as they are; such a string cannot be
+    #: encoded as UTF-8 (JSON), so show it with :func:`printable`.
+    undecodable: bool = False
+
+
+def printable(name: str) -> str:
+    """``name`` as valid UTF-8: each byte of it that is not UTF-8 (a surrogate escape in
+    ``name``) as ``\\xNN``; :func:`from_printable` undoes it."""
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
+
+
+def from_printable(path: str) -> str:
+    """The path :func:`printable` showed: each ``\\xNN`` escape of a byte from 80 to ff
+    turned back into that byte (a surrogate escape where it is not UTF-8)."""
+    escaped = re.sub(r"\\x([89a-fA-F][0-9a-fA-F])", lambda m: chr(0xDC00 + int(m.group(1), 16)), path)
+    try:
+        return escaped.encode("utf-8", "surrogateescape").decode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # it held a surrogate of its own
+        return path
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _kind(mode: int) -> str:
@@ -219,13 +258,15 @@ class WorkspaceFiles:
                     is_dir = stat.S_ISDIR(st.st_mode)
                     if not (is_dir or stat.S_ISREG(st.st_mode)):
                         continue
+                    shown = self._display((*parts, entry.name))
                     found.append(
                         FileInfo(
                             name=entry.name,
-                            path=self._display((*parts, entry.name)),
+                            path=shown,
                             size=0 if is_dir else st.st_size,
                             is_dir=is_dir,
                             modified=st.st_mtime,
+                            undecodable=not _is_utf8(shown),
                         )
                     )
         return sorted(found, key=lambda info: info.name)
@@ -269,7 +310,7 @@ class WorkspaceFiles:
                     )
                     raise WorkspaceError(msg) from None
                 with self._guard(parts, "delete"):
-                    _remove_tree(parent, name)
+                    delete_tree(name, dir_fd=parent)
 
     # ---------------------------------------------------------------- paths
 
@@ -473,24 +514,6 @@ class WorkspaceFiles:
                 raise WorkspaceError(msg) from None
             msg = f"Cannot {doing} {shown!r} in the workspace: {exc.strerror}."
             raise WorkspaceError(msg) from exc
-
-
-def _remove_tree(parent: int, name: str) -> None:
-    """Remove the folder ``name`` in ``parent`` and all it holds, by descriptors only: a
-    folder swapped for a link meanwhile fails to open (O_NOFOLLOW) instead of being
-    followed, and links inside are unlinked."""
-    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
-    try:
-        with os.scandir(fd) as entries:
-            names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
-        for child, is_dir in names:
-            if is_dir:
-                _remove_tree(fd, child)
-            else:
-                os.unlink(child, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent)
 
 
 async def workspace_files(info: Mapping[str, Any], backend: SandboxBackend | None = None) -> WorkspaceFiles:

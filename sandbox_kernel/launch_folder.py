@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import socket
 import stat
 import tempfile
@@ -39,6 +38,7 @@ from .sandbox_spec import (
     container_connection_info,
     kernel_sockets,
 )
+from .trees import delete_tree
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,6 @@ HOST_FILES = frozenset(
 #: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
 #: (where it hears its claim).
 OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
-#: How many times the folders of an entry being removed are locked again, for the
-#: kernel may be creating subfolders while the host walks them.
-_LOCK_PASSES = 5
 
 
 def seal_launch_dir(launch_dir: Path, owner: tuple[int, int] = (0, 0)) -> list[str]:
@@ -92,7 +89,7 @@ def seal_launch_dir(launch_dir: Path, owner: tuple[int, int] = (0, 0)) -> list[s
             # Still read by the kernel as it starts (connection.json is its own, 0600);
             # a file, even one the kernel rewrote, holds no entries.
             continue
-        _remove(path, mode, owner)
+        _remove(path, owner)
         removed.append(entry)
     if removed:
         log.warning(
@@ -103,30 +100,16 @@ def seal_launch_dir(launch_dir: Path, owner: tuple[int, int] = (0, 0)) -> list[s
     return removed
 
 
-def _remove(path: Path, mode: int, owner: tuple[int, int]) -> None:
-    """Remove an entry the kernel made, even while it still writes into it.
-
-    Every folder in it is handed to ``owner`` (0700) first, top-down and until none is
-    left, so the kernel cannot keep adding entries for the removal to trip over.
+def _remove(path: Path, owner: tuple[int, int]) -> None:
+    """Remove an entry the kernel made, however deep a tree, even while it still writes
+    into it: each folder in it is handed to ``owner`` (0700) as the removal enters it,
+    before its entries are read, so the kernel cannot add any for the removal to trip over.
 
     Raises:
         KernelStartupError: it could not be removed.
     """
     try:
-        if stat.S_ISDIR(mode):
-            for _ in range(_LOCK_PASSES):
-                changed = 0
-                for _root, _dirs, _files, fd in os.fwalk(path):
-                    st = os.fstat(fd)
-                    if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) != (*owner, 0o700):
-                        os.fchown(fd, *owner)
-                        os.fchmod(fd, 0o700)
-                        changed += 1
-                if not changed:
-                    break
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        delete_tree(path, owner=owner)
     except OSError as exc:
         msg = f"Could not remove {str(path)!r}, which the sandboxed kernel made before the seal: {exc}"
         raise KernelStartupError(msg) from exc

@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import functools
 import inspect
 import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -49,9 +51,12 @@ from typing_extensions import TypedDict
 
 from ._version import __version__
 from .errors import SandboxKernelError
+from .files import from_printable, printable
 from .session import AsyncSandboxSession, strip_ansi
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Rich outputs returned to the client as MCP image content (Jupyter keeps them base64).
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
@@ -140,6 +145,9 @@ class FileEntry(TypedDict):
     is_dir: bool
     modified: str
     """ISO 8601."""
+    undecodable: bool
+    """The name (or a folder's on its path) is not UTF-8: name and path show each byte
+    that is not as \\xNN; download_file and list_files take the path as shown."""
 
 
 class ListFilesOutput(TypedDict):
@@ -232,9 +240,24 @@ def run_images(execution: Any) -> list[ImageContent]:
 
 
 def tool_result(structured: Mapping[str, Any], extra: list[ContentBlock] | None = None) -> CallToolResult:
-    """A successful result: ``structured`` as structured content and as JSON text, then ``extra``."""
+    """A successful result: ``structured`` as structured content and as JSON text, then ``extra``.
+
+    Every string in it is made valid UTF-8 first (see :func:`~.files.printable`): one
+    that is not (a file name kernel code chose) cannot be sent, and would end the server.
+    """
+    structured = _printable_strings(structured)
     text = TextContent(type="text", text=json.dumps(structured, indent=2, ensure_ascii=False))
     return CallToolResult(content=[text, *(extra or [])], structured_content=dict(structured))
+
+
+def _printable_strings(value: Any) -> Any:
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, Mapping):
+        return {key: _printable_strings(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_printable_strings(item) for item in value]
+    return value
 
 
 def encode_download(path: str, data: bytes) -> tuple[DownloadOutput, list[ContentBlock]]:
@@ -281,12 +304,14 @@ def file_entry(info: Any) -> FileEntry:
         modified = modified.isoformat()
     elif isinstance(modified, int | float):
         modified = datetime.fromtimestamp(modified).astimezone().isoformat()
+    name, path = printable(str(info.name)), printable(str(info.path))
     return {
-        "name": str(info.name),
-        "path": str(info.path),
+        "name": name,
+        "path": path,
         "size": int(info.size),
         "is_dir": bool(info.is_dir),
         "modified": str(modified),
+        "undecodable": name != info.name or path != info.path,
     }
 
 
@@ -416,7 +441,9 @@ class KernelTools:
         as image content. Files over 10 MiB are refused: read parts of them with run_code.
         """
         _, session = await self._session(kernel_id, start_default=True)
-        data = await self._call(session.files.download(path, max_bytes=MAX_DOWNLOAD))
+        data = await self._in_workspace(
+            lambda where: session.files.download(where, max_bytes=MAX_DOWNLOAD), path
+        )
         output, extra = encode_download(path, data)
         return tool_result(output, extra)
 
@@ -427,9 +454,13 @@ class KernelTools:
             str | None, Field(description="The kernel whose workspace to use; omit for the default kernel.")
         ] = None,
     ) -> Annotated[CallToolResult, ListFilesOutput]:
-        """List a folder of the kernel's workspace: name, path, size, is_dir, modified."""
+        """List a folder of the kernel's workspace: name, path, size, is_dir, modified.
+
+        A name that is not UTF-8 is shown with each such byte as \\xNN and
+        undecodable=true; pass its path as shown to download_file or list_files.
+        """
         _, session = await self._session(kernel_id, start_default=True)
-        infos = await self._call(session.files.list(path))
+        infos = await self._in_workspace(session.files.list, path)
         return tool_result({"path": path, "files": [file_entry(info) for info in infos]})
 
     async def restart_kernel(
@@ -557,7 +588,25 @@ class KernelTools:
         try:
             return await awaitable
         except SandboxKernelError as exc:
-            raise ToolError(str(exc)) from exc
+            raise ToolError(printable(str(exc))) from exc
+
+    @staticmethod
+    async def _in_workspace(call: Callable[[str], Awaitable[T]], path: str) -> T:
+        """``call(path)``; where that fails and ``path`` has ``\\xNN`` escapes (as
+        list_files shows a name that is not UTF-8), ``call`` of the path they stand for.
+        A name that exists as written comes first.
+
+        Raises:
+            ToolError: neither worked; the error of ``path`` as written.
+        """
+        try:
+            return await call(path)
+        except SandboxKernelError as exc:
+            raw = from_printable(path)
+            if raw != path:
+                with contextlib.suppress(SandboxKernelError):
+                    return await call(raw)
+            raise ToolError(printable(str(exc))) from exc
 
     @staticmethod
     async def _quietly(awaitable: Any, what: str, kernel_id: str) -> None:
@@ -634,10 +683,15 @@ async def serve_stdio_async(
             group.cancel_scope.cancel()
 
 
-def serve_stdio(kernel_name: str = "sandboxed-python", cwd: str | None = None) -> None:
+def serve_stdio(
+    kernel_name: str = "sandboxed-python", cwd: str | None = None, config: Mapping[str, Any] | None = None
+) -> None:
     """Run the MCP server on stdin and stdout (``jupyter sandbox-kernel mcp``).
 
-    Kernels use the kernelspec ``kernel_name`` and the workspace ``cwd`` (default: the
-    current folder). Returns when the client closes stdin, after shutting every kernel down.
+    Kernels use the kernelspec ``kernel_name``, the server settings ``config`` (over the
+    server's config files, as :class:`~sandbox_kernel.session.AsyncSandboxSession` takes
+    them) and the workspace ``cwd`` (default: the current folder). Returns when the client
+    closes stdin, after shutting every kernel down.
     """
-    anyio.run(serve_stdio_async, kernel_name, str(Path(cwd or os.getcwd()).resolve()))
+    factory = functools.partial(AsyncSandboxSession, config=config)
+    anyio.run(serve_stdio_async, kernel_name, str(Path(cwd or os.getcwd()).resolve()), factory)

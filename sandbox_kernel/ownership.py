@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import socket
 import stat
 import tempfile
@@ -51,6 +50,7 @@ from .sandbox_spec import (
     LABEL_WORKSPACE,
     POOL_NAME_PREFIX,
 )
+from .trees import delete_tree
 
 log = logging.getLogger(__name__)
 
@@ -415,22 +415,30 @@ def remove_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> No
 
 def remove_tree(path: Path, attempts: int = 20) -> None:
     """Remove a kernel's folder, retrying a while: just after its sandbox stops (after a
-    dockerd restart, say), gVisor's processes may still hold it for a moment.
+    dockerd restart, say), gVisor's processes may still hold it for a moment. Never
+    raises: what cannot be removed is logged.
 
     A pooled kernel's workspace is mounted inside its folder: everything mounted there
     is detached first, and a folder with a mount left in it is never deleted (that
-    would delete the user's files).
+    would delete the user's files). What kernel code left in it (a tree of any depth,
+    links, read-only folders) is removed without following a link out of it.
     """
     left = detach_mounts(path)
     if left:
         log.error("Not removing %s: %s still mounted there; unmount it, then remove it", path, left[0])
         return
+    failure: OSError | None = None
     for _ in range(attempts):
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            delete_tree(path)
+        except OSError as exc:
+            failure = exc
         if not os.path.lexists(path):
             return
         time.sleep(0.25)
-    log.warning("Could not remove %s; remove it by hand (or run `jupyter sandbox-kernel prune`)", path)
+    log.warning(
+        "Could not remove %s (%s); remove it by hand (or run `jupyter sandbox-kernel prune`)", path, failure
+    )
 
 
 async def list_kernels(docker_backend: SandboxBackend) -> list[SandboxedKernel]:

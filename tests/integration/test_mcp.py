@@ -243,3 +243,37 @@ def exited(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.timeout(600)
+async def test_a_file_name_that_is_not_utf8_does_not_end_the_server(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """Kernel code names a file and a folder with bytes that are not UTF-8: listing them
+    once made a result the server could not send, which ended it (and every kernel)."""
+    async with mcp_server(workspace) as session:
+        made = await run(
+            session,
+            "import os\n"
+            "fd = os.open(b'/workspace/bad\\xff.txt', os.O_WRONLY | os.O_CREAT, 0o644)\n"
+            "os.write(fd, b'raw name'); os.close(fd)\n"
+            "os.mkdir(b'/workspace/dir\\xfe'); open(b'/workspace/dir\\xfe/inner.txt', 'w').write('inner')\n"
+            "print(sorted(os.listdir(b'/workspace')))",
+        )
+        assert made["stdout"] == "[b'bad\\xff.txt', b'dir\\xfe']\n"
+        listing = (await call(session, "list_files")).structured_content
+        assert listing is not None
+        entries = {entry["name"]: entry for entry in listing["files"]}
+        assert set(entries) == {"bad\\xff.txt", "dir\\xfe"}
+        assert entries["bad\\xff.txt"]["undecodable"] is True
+        assert entries["bad\\xff.txt"]["size"] == len(b"raw name")
+        inside = (await call(session, "list_files", path=entries["dir\\xfe"]["path"])).structured_content
+        assert inside is not None
+        assert [(entry["path"], entry["undecodable"]) for entry in inside["files"]] == [
+            ("dir\\xfe/inner.txt", True)
+        ]
+        got = (await call(session, "download_file", path=entries["bad\\xff.txt"]["path"])).structured_content
+        assert got is not None
+        assert got["content"] == "raw name"
+        still = await run(session, "print('still serving')")
+        assert still["stdout"] == "still serving\n"

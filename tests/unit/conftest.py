@@ -271,3 +271,31 @@ def _writable_workspaces(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     writable to the kernel, unless the test asks for ``real_workspace_modes``."""
     if "real_workspace_modes" not in request.fixturenames:
         monkeypatch.setattr("sandbox_kernel.plan.can_write", lambda path, uid, gid: True)
+
+
+#: How deep the trees kernel code planted were: deeper than Python's recursion limit.
+DEEP = 3000
+
+
+def deep_tree(top: Path, levels: int = DEEP, owner: tuple[int, int] | None = None) -> None:
+    """Make ``top/d/d/.../d/f`` (``levels`` folders below ``top``, a file and a link to
+    /etc/passwd at the bottom, the bottom folder read-only) as kernel code does: one
+    ``mkdir`` at a time relative to the last folder, so no path ever gets long; owned by
+    ``owner`` (root only) if given."""
+    top.mkdir(exist_ok=True)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            if owner is not None:
+                os.chown("d", *owner, dir_fd=fd, follow_symlinks=False)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        file = os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(file, b"deep")
+        os.close(file)
+        os.symlink("/etc/passwd", "link", dir_fd=fd)
+        os.fchmod(fd, 0o555)
+    finally:
+        os.close(fd)

@@ -14,7 +14,16 @@ import pytest
 
 from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.files import DEFAULT_MAX_BYTES, FileInfo, WorkspaceFiles, workspace_files
+from sandbox_kernel.files import (
+    DEFAULT_MAX_BYTES,
+    FileInfo,
+    WorkspaceFiles,
+    from_printable,
+    printable,
+    workspace_files,
+)
+
+from .conftest import deep_tree
 
 UID, GID = 1234, 1235
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="handing files to another uid needs root")
@@ -309,9 +318,25 @@ def test_a_folder_swapped_for_a_link_during_a_recursive_delete_is_not_followed(
         (root / "tree" / "sub").symlink_to(outside)
 
     swap_before_open(monkeypatch, "sub", swap)
-    with pytest.raises(WorkspaceError):
-        at_root.delete("tree", recursive=True)
+    at_root.delete("tree", recursive=True)  # the link is removed in the folder's place
+    assert not (root / "tree").exists()
     assert (outside / "secret.txt").read_text() == "host secret"
+
+
+def test_a_folder_moved_during_a_recursive_delete_stops_it_inside_the_workspace(
+    at_root: WorkspaceFiles, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernel code moving a folder the delete is in: climbing back through '..' would
+    lead elsewhere, so the delete stops with a WorkspaceError."""
+    (root / "tree" / "a" / "b").mkdir(parents=True)
+    (root / "tree" / "a" / "b" / "f").write_text("f")
+    (root / "elsewhere").mkdir()
+    (root / "elsewhere" / "kept").write_text("kept")
+    swap_before_open(monkeypatch, "b", lambda: (root / "tree" / "a").rename(root / "elsewhere" / "a"))
+    with refused("Cannot delete 'tree' in the workspace: a folder was moved while the host walked it"):
+        at_root.delete("tree", recursive=True)
+    assert (root / "elsewhere" / "kept").read_text() == "kept"
+    assert (root / "elsewhere" / "a").is_dir()
 
 
 def test_the_walk_never_opens_a_path_string_after_the_root(
@@ -478,10 +503,49 @@ def test_a_recursive_delete_unlinks_links_inside_without_following(
     assert (outside / "secret.txt").read_text() == "host secret"
 
 
+def test_a_recursive_delete_of_a_tree_deeper_than_the_recursion_limit(
+    at_root: WorkspaceFiles, root: Path
+) -> None:
+    """Kernel code (or an upload of deep/.../f) made 3000 levels: the delete once raised a
+    raw RecursionError."""
+    deep_tree(root / "deep")
+    at_root.delete("deep", recursive=True)
+    assert not (root / "deep").exists()
+    assert Path("/etc/passwd").exists()
+
+
 @pytest.mark.parametrize("path", [".", "/workspace", "/workspace/team", "/workspace/team/analysis", ""])
 def test_the_working_folder_and_what_holds_it_are_never_deleted(files: WorkspaceFiles, path: str) -> None:
     with refused("is the kernel's working folder or holds it"):
         files.delete(path, recursive=True)
+
+
+def test_names_that_are_not_utf8_are_listed_flagged_and_taken_back(
+    at_root: WorkspaceFiles, root: Path
+) -> None:
+    """Kernel code named a file and a folder with a byte that is not UTF-8
+    (``os.open(b'/workspace/bad\\xff.txt', ...)``)."""
+    raw = os.fsencode(root)
+    os.close(os.open(raw + b"/bad\xff.txt", os.O_WRONLY | os.O_CREAT, 0o644))
+    os.mkdir(raw + b"/dir\xfe")
+    with open(raw + b"/dir\xfe/inner.txt", "wb") as f:
+        f.write(b"inner")
+    (root / "plain.txt").write_text("plain")
+
+    listed = {info.name: info for info in at_root.list()}
+    bad = listed["bad\udcff.txt"]
+    assert (bad.path, bad.undecodable) == ("bad\udcff.txt", True)
+    assert not listed["plain.txt"].undecodable
+    (inner,) = at_root.list(listed["dir\udcfe"].path)
+    assert (inner.name, inner.path, inner.undecodable) == ("inner.txt", "dir\udcfe/inner.txt", True)
+    assert printable(inner.path) == "dir\\xfe/inner.txt"
+    assert from_printable(printable(inner.path)) == inner.path
+    assert printable("caf\u00e9 \\x41") == "caf\u00e9 \\x41", "UTF-8 names are shown as they are"
+
+    assert at_root.download(inner.path) == b"inner"
+    at_root.delete(bad.path)
+    at_root.delete(listed["dir\udcfe"].path, recursive=True)
+    assert sorted(os.listdir(raw)) == [b"plain.txt", b"team"]
 
 
 # ---------------------------------------------------------------- from a kernel's info

@@ -12,6 +12,8 @@ from sandbox_kernel.errors import KernelStartupError
 from sandbox_kernel.launch_folder import seal_launch_dir
 from sandbox_kernel.sandbox_spec import kernel_sockets
 
+from .conftest import deep_tree
+
 #: The server's own uid and gid, so that these tests run as any user.
 ME = (os.getuid(), os.getgid())
 
@@ -86,3 +88,14 @@ def test_a_socket_name_taken_by_something_else_fails_the_start(
     with pytest.raises(KernelStartupError, match=rf"{name} in .* not the socket the kernel binds"):
         seal_launch_dir(launch_dir, ME)
     assert stat.S_IMODE(launch_dir.stat().st_mode) == 0o755, "sealed all the same"
+
+
+def test_a_tree_deeper_than_the_recursion_limit_is_removed(launch_dir: Path) -> None:
+    """A kernelspec's argv (or code racing a pause) planted 3000 levels; the seal once
+    raised RecursionError, failing the start (or the pause) with a raw error."""
+    owner = (1000, 1000) if os.geteuid() == 0 else None  # the sandbox's uid made it
+    deep_tree(launch_dir / "deep", owner=owner)
+    if owner is not None:
+        os.chown(launch_dir / "deep", *owner)
+    assert seal_launch_dir(launch_dir, ME) == ["deep"]
+    assert set(os.listdir(launch_dir)) == expected(launch_dir)

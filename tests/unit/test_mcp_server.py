@@ -64,6 +64,8 @@ class FakeFiles:
         return path
 
     async def download(self, path: str, max_bytes: int | None = None) -> bytes:
+        if path not in self.stored:
+            raise WorkspaceError(f"No such file {path!r} in the workspace.")
         return self.stored[path]
 
     async def list(self, path: str = ".") -> list[FakeFileInfo]:
@@ -226,6 +228,42 @@ async def test_files_round_trip_as_text_or_base64(tools: KernelTools) -> None:
         listing = await client.call_tool("list_files", {})
         assert listing.structured_content is not None
         assert [entry["name"] for entry in listing.structured_content["files"]] == ["a.txt", "b.bin"]
+
+
+async def test_a_file_name_that_is_not_utf8_is_listed_escaped_and_still_downloadable(
+    tools: KernelTools,
+) -> None:
+    """Kernel code made ``bad\\xff.txt`` (a byte that is not UTF-8): listing it once made a
+    result the transport could not serialize, which ended the server."""
+    async with connect(tools) as client:
+        await client.call_tool("run_code", {"code": "a"})
+        stored = FakeSession.started[0].files.stored
+        stored["bad\udcff.txt"] = b"bytes"
+        stored["caf\u00e9.txt"] = b"fine"
+        listing = await client.call_tool("list_files", {})
+        assert not listing.is_error
+        listing.model_dump_json()  # as the stdio transport sends it
+        text(listing).encode("utf-8")
+        assert listing.structured_content is not None
+        entries = {entry["name"]: entry for entry in listing.structured_content["files"]}
+        assert entries["bad\\xff.txt"]["path"] == "bad\\xff.txt"
+        assert entries["bad\\xff.txt"]["undecodable"] is True
+        assert entries["caf\u00e9.txt"]["undecodable"] is False
+        got = await client.call_tool("download_file", {"path": "bad\\xff.txt"})
+        assert got.structured_content == {
+            "path": "bad\\xff.txt",
+            "size": 5,
+            "encoding": "utf-8",
+            "content": "bytes",
+        }
+        stored["bad\\xff.txt"] = b"literal"  # a name that exists as written comes first
+        literal = await client.call_tool("download_file", {"path": "bad\\xff.txt"})
+        assert literal.structured_content is not None
+        assert literal.structured_content["content"] == "literal"
+        missing = await client.call_tool("download_file", {"path": "gone\\xff.txt"})
+        assert missing.is_error
+        assert "No such file" in text(missing)
+        assert (await client.call_tool("run_code", {"code": "still serving"})).structured_content is not None
 
 
 async def test_shutting_the_default_kernel_down_lets_run_code_start_another(tools: KernelTools) -> None:

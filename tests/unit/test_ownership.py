@@ -33,6 +33,8 @@ from sandbox_kernel.ownership import (
     write_state,
 )
 
+from .conftest import deep_tree
+
 
 def test_this_process_owns_its_kernels_and_is_alive() -> None:
     identity = server_identity()
@@ -396,3 +398,73 @@ def test_a_paused_persistent_kernel_waits_for_adoption_and_is_never_pruned(tmp_p
     assert (paused.abandoned, paused.removable, paused.detached) == (False, False, True)
     assert paused.status == "paused, detached"
     assert replace(paused, owner=server_identity()).status == "paused"
+
+
+# --- trees kernel code planted -----------------------------------------------------------
+
+#: The sandbox's uid, who owns what a kernel makes in its launch folder.
+SANDBOX = (1000, 1000)
+
+
+def planted(runtime: Path) -> None:
+    """A 3000-level tree in a runtime folder's launch folder, as a kernelspec's argv or
+    kernel code plants it there (owned by the sandbox's uid where the test is root)."""
+    launch = runtime / "run1"
+    owner = SANDBOX if os.geteuid() == 0 else None
+    if owner is not None:
+        os.chown(launch, *owner)
+    deep_tree(launch / "deep", owner=owner)
+
+
+def test_the_orphan_sweep_survives_a_tree_deeper_than_the_recursion_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once, each such tree made the sweep at every kernel start raise RecursionError (so
+    every start with that runtime parent failed) and ``prune`` crash."""
+    parent = tmp_path / "runtime"
+    host = FakeHost(container("orphan", parent / "sandbox-kernel-orphan", dead_owner()))
+    stray = parent / "sandbox-kernel-stray"
+    (stray / "run1").mkdir(parents=True)
+    (stray / "owner").write_text(dead_owner())
+    stray.chmod(0o700)
+    for runtime in (parent / "sandbox-kernel-orphan", stray):
+        planted(runtime)
+
+    removed = asyncio.run(prune_orphans(host, str(parent)))  # type: ignore[arg-type]
+
+    assert [kernel.container_id for kernel in removed] == ["orphan"]
+    assert os.listdir(parent) == []
+    assert "Could not remove" not in caplog.text
+    # And the next sweep (the next kernel start's, or the reaper's) has nothing to trip on.
+    assert asyncio.run(prune_orphans(FakeHost(), str(parent))) == []  # type: ignore[arg-type]
+
+
+def test_the_reaper_and_a_kernels_own_removal_survive_a_deep_tree(tmp_path: Path) -> None:
+    parent = tmp_path / "runtime"
+    host = FakeHost(container("orphan", parent / "sandbox-kernel-orphan", dead_owner()))
+    planted(parent / "sandbox-kernel-orphan")
+    reaper = OrphanReaper(host)  # type: ignore[arg-type]
+    reaper._runtime_parents.append(parent)
+    assert [kernel.container_id for kernel in asyncio.run(reaper.reap())] == ["orphan"]
+    assert os.listdir(parent) == []
+
+    mine = parent / "sandbox-kernel-mine"
+    (mine / "run1").mkdir(parents=True)
+    planted(mine)
+    remove_runtime_dir(str(mine / "run1"), str(parent))  # as a kernel's shutdown removes its folder
+    assert not mine.exists()
+
+
+def test_a_folder_that_cannot_be_removed_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "sandbox-kernel-x"
+    (folder / "run1").mkdir(parents=True)
+
+    def failing(path: Any, dir_fd: int | None = None, owner: Any = None) -> None:
+        raise OSError(16, "Device or resource busy", str(path))
+
+    monkeypatch.setattr(ownership, "delete_tree", failing)
+    ownership.remove_tree(folder, attempts=2)
+    assert folder.exists()
+    assert f"Could not remove {folder} ([Errno 16] Device or resource busy" in caplog.text
