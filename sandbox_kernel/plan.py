@@ -153,6 +153,8 @@ def resolve_workspace(
         WorkspaceError: the folder is missing, is or lies in a system folder, holds the
             kernels' runtime folders, or is outside the root.
     """
+    if os.getuid() == 0:
+        refuse_foreign_links(cwd)
     start = Path(cwd).resolve()
     if not start.is_dir():
         msg = f"The kernel's folder {str(start)!r} does not exist or is not a folder."
@@ -196,6 +198,47 @@ def resolve_workspace(
             raise WorkspaceError(msg)
     workdir = CONTAINER_WORKSPACE if rel == Path() else f"{CONTAINER_WORKSPACE}/{rel.as_posix()}"
     return mount, workdir
+
+
+def refuse_foreign_links(path: str | os.PathLike[str]) -> None:
+    """Refuse a path that goes through a symbolic link owned by someone other than root
+    or the owner of what it points to (as Linux's ``protected_symlinks`` does in sticky
+    folders): a root server would otherwise mount, and run the kernel as the owner of,
+    a folder that the link's owner chose and may not read (alice's link to bob's folder).
+
+    Raises:
+        WorkspaceError: naming the link, its owner and its target's.
+    """
+    current = Path("/")
+    for part in Path(path).absolute().parts[1:]:
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        try:
+            link = os.lstat(candidate)
+        except OSError:
+            return  # missing: the caller says so
+        if not stat.S_ISLNK(link.st_mode):
+            current = candidate
+            continue
+        try:
+            target = candidate.resolve(strict=True)
+            owner = target.stat().st_uid
+        except (OSError, RuntimeError) as exc:  # RuntimeError: a loop of links
+            msg = (
+                f"The kernel's folder {str(path)!r} goes through the link {str(candidate)!r}, "
+                f"which leads nowhere: {exc}"
+            )
+            raise WorkspaceError(msg) from None
+        if link.st_uid not in (0, owner):
+            msg = (
+                f"Refusing the kernel's folder {str(path)!r}: it goes through the link {str(candidate)!r}, "
+                f"owned by uid {link.st_uid}, to {str(target)!r}, owned by uid {owner}. Only links of root "
+                "or of the target's owner are followed; give the real folder instead."
+            )
+            raise WorkspaceError(msg)
+        current = target
 
 
 def ensure_outside_workspace(path: str | os.PathLike[str], workspace: Path, setting: str) -> None:

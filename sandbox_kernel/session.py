@@ -204,7 +204,8 @@ class AsyncSandboxSession:
         **policy: Any,
     ) -> None:
         self.kernel_name = kernel_name
-        self.cwd = Path(cwd or os.getcwd()).resolve()
+        # Not resolved here: the provisioner refuses links a root program must not follow.
+        self.cwd = Path(cwd or os.getcwd()).absolute()
         self.env = dict(env or {})
         self.restart_on_death = restart_on_death
         self.max_output = max_output

@@ -60,6 +60,28 @@ class TestResolveWorkspace:
         (root / "a" / "b").mkdir(parents=True)
         assert resolve_workspace(root / "a" / "b", root) == (root.resolve(), f"{CONTAINER_WORKSPACE}/a/b")
 
+    @pytest.mark.skipif(os.getuid() != 0, reason="a root server's concern; needs chown")
+    def test_a_root_server_does_not_follow_alices_link_to_bobs_folder(self, tmp_path: Path) -> None:
+        """The attack: a root SandboxSession with cwd = alice's link to bob's 0700 folder
+        ran the kernel as bob with his folder mounted read-write."""
+        alice, bob = 2101, 2102
+        bobs = tmp_path / "bob-private"
+        bobs.mkdir(mode=0o700)
+        os.chown(bobs, bob, bob)
+        link = tmp_path / "alice-project"
+        link.symlink_to(bobs)
+        os.lchown(link, alice, alice)
+        with pytest.raises(WorkspaceError, match="owned by uid 2101") as info:
+            resolve_workspace(link, None)
+        assert str(bobs) in str(info.value)
+        # A link into a folder below it, or bob's own link: followed.
+        with pytest.raises(WorkspaceError, match="through the link"):
+            resolve_workspace(link / "sub" / "..", None)
+        os.lchown(link, bob, bob)
+        assert resolve_workspace(link, None) == (bobs.resolve(), CONTAINER_WORKSPACE)
+        os.lchown(link, 0, 0)
+        assert resolve_workspace(link, None) == (bobs.resolve(), CONTAINER_WORKSPACE)
+
     def test_the_root_itself_maps_to_the_workspace(self, tmp_path: Path) -> None:
         assert resolve_workspace(tmp_path, tmp_path) == (tmp_path.resolve(), CONTAINER_WORKSPACE)
 
