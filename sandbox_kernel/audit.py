@@ -5,17 +5,32 @@ kernel's ``execute_reply``. Each execution gets a line when it arrives and one, 
 on its own, when it finishes (or is abandoned)::
 
     {"event": "started", "time": "...", "kernel_id": "...", "kernelspec": "...",
-     "username": "...", "session": "...", "msg_id": "...", "code": "..."}
+     "username_claimed": "...", "client_uid": 1000, "client_pid": 4242,
+     "server_uid": 1000, "session": "...", "msg_id": "...", "code": "..."}
     {"event": "finished", ...the same..., "status": "ok", "duration": 0.012,
      "execution_count": 3, "egress": [{"method": "CONNECT", "host": "pypi.org",
      "port": 443, "verdict": "allowed", "reason": "..."}]}
 
-and each verdict of the egress proxy (network "allowlist") gets a line as it happens::
+Everything of the request that the kernel runs is there: ``user_expressions`` (each one
+evaluated after the code, also when the code is empty) and ``"silent": true`` when set.
+Long code is logged bounded (its head and tail, with ``code_sha256`` and ``code_bytes``
+of the whole), so a few huge cells cannot rotate earlier lines out of the files.
+``username_claimed`` is the header's user name, which the client writes; ``client_uid``
+and ``client_pid`` are what the host's kernel says about a unix-socket peer (null over
+tcp), ``server_uid`` the uid of the process that writes the log.
+
+Requests the bridge refuses (:func:`~.bridge.refusal`: ``debug_request``, code on the
+control channel) get a ``refused`` line, with what they would have run.
+
+Each verdict of the egress proxy (network "allowlist") gets a line as it happens::
 
     {"event": "egress", "time": "...", "kernel_id": "...", "kernelspec": "...",
      "msg_id": "..." (the execution it served, or null), "method": "CONNECT",
      "host": "evil.example", "port": 443, "verdict": "denied", "reason": "...",
      "address": null}
+
+Allowed requests always do; denials past a rate are counted, and the count is written
+before the next line, within a second, or when the kernel ends, whichever comes first.
 
 The file lives outside every mount of the sandbox. Replies come from the sandbox and are
 untrusted: only small frames are parsed, and anything malformed is recorded as such.
@@ -23,6 +38,7 @@ untrusted: only small frames are parsed, and anything malformed is recorded as s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import logging.handlers
@@ -37,6 +53,7 @@ from typing import Any
 
 import zmq
 
+from .bridge import peer_credentials, refusal
 from .egress.credentials import BoundCredential
 from .wire import find_delimiter, frame_bytes, load_dict
 
@@ -51,6 +68,17 @@ _MAX_EGRESS = 100
 #: are counted and summed up in one "egress_suppressed" line, so it cannot flood the log.
 _EGRESS_RATE = 20.0
 _EGRESS_BURST = 200
+#: Longest a run of suppressed denials waits for its count to be written (seconds).
+_EGRESS_FLUSH = 1.0
+#: Code up to this many characters is logged whole; longer code as its first and last
+#: ``_CODE_KEPT`` characters, with the whole code's size and hash. A client decides how
+#: long its code is: a line must not grow with it, or a few cells rotate the log away.
+_CODE_WHOLE = 16 * 1024
+_CODE_KEPT = 4 * 1024
+#: The same for the other strings a client writes into its request (user name, session,
+#: msg_id, the names of user expressions, a debug command).
+_FIELD_WHOLE = 256
+_FIELD_KEPT = 96
 #: What of an egress decision goes into the execution's "finished" line.
 _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 #: Why an execution the kernel went past has no reply (the audit line, and its client).
@@ -105,8 +133,10 @@ class PendingExecution:
 
     started: float
     wall: str
+    #: The header's user name: the client's claim, bounded like every field it writes.
     username: str
     session: str
+    #: The code as logged (bounded: see :func:`bounded`).
     code: str
     #: The client's routing identities at the bridge, and the request's header: what a
     #: reply on the kernel's behalf needs if the kernel never sends one.
@@ -119,6 +149,70 @@ class PendingExecution:
     #: The egress proxy's verdicts while it ran (the first ``_MAX_EGRESS``), and how many more.
     egress: list[dict[str, Any]] = field(default_factory=list)
     egress_dropped: int = 0
+    #: More of what its audit lines show: who sent it (as the host knows), what else of
+    #: the request the kernel runs (user_expressions, silent), the whole code's hash.
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def bounded(text: str, whole: int = _CODE_WHOLE, kept: int = _CODE_KEPT) -> str:
+    """``text`` if at most ``whole`` characters, else its first and last ``kept`` with a
+    marker between saying how much was left out (code also gets its hash beside it:
+    see :func:`_code_fields`)."""
+    if len(text) <= whole:
+        return text
+    left_out = len(text) - 2 * kept
+    marker = f"\n[sandbox-kernel: {left_out} of {len(text)} characters left out of the audit log here]\n"
+    return f"{text[:kept]}{marker}{text[-kept:]}"
+
+
+def _field(value: object) -> str:
+    """A string the client wrote, as the log shows it (bounded)."""
+    return bounded(str(value), _FIELD_WHOLE, _FIELD_KEPT)
+
+
+def _code_fields(name: str, text: str) -> dict[str, Any]:
+    """``{name: text}``, or its bounded form with ``{name}_sha256`` and ``{name}_bytes`` of
+    the whole (UTF-8, as the kernel received it) when it is long."""
+    shown = bounded(text)
+    if shown is text:
+        return {name: text}
+    raw = text.encode("utf-8", "surrogatepass")
+    return {name: shown, f"{name}_sha256": hashlib.sha256(raw).hexdigest(), f"{name}_bytes": len(raw)}
+
+
+def _expressions(value: object) -> dict[str, Any]:
+    """The ``user_expressions`` fields of a record: the kernel evaluates each value after the
+    code. Logged as given when small, else (as JSON text) bounded like code."""
+    if not value:
+        return {}
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    if len(text) <= _CODE_WHOLE and isinstance(value, dict):
+        return {"user_expressions": {str(name): str(expr) for name, expr in value.items()}}
+    return _code_fields("user_expressions", text)
+
+
+def request_fields(content: Mapping[str, Any]) -> dict[str, Any]:
+    """What an execute_request makes the kernel run, as its audit lines show it: the code
+    and, if any, its user_expressions and ``silent`` (which runs it all the same, unannounced)."""
+    fields = _code_fields("code", str(content.get("code", "")))
+    fields.update(_expressions(content.get("user_expressions")))
+    if content.get("silent"):
+        fields["silent"] = True
+    return fields
+
+
+def _debug_fields(content: Mapping[str, Any]) -> dict[str, Any]:
+    """A debug request's DAP command, and the code it carries (``evaluate``'s expression,
+    ``dumpCell``'s code), as the log shows them."""
+    arguments = content.get("arguments")
+    code = ""
+    if isinstance(arguments, dict):
+        code = next((str(arguments[key]) for key in ("expression", "code") if key in arguments), "")
+    return {"command": _field(content.get("command", "")), **_code_fields("code", code)}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _split(frames: Sequence[zmq.Frame | bytes]) -> tuple[list[bytes], list[bytes]] | None:
@@ -155,10 +249,13 @@ class ExecutionAuditor:
         self._egress_tokens = float(_EGRESS_BURST)
         self._egress_stamp = time.monotonic()
         self._egress_suppressed = 0
+        self._egress_suppressed_since = ""
+        self._egress_timer: threading.Timer | None = None
+        self._server_uid = os.getuid()
 
     def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> bool:
         """Note one message; False for a request refused (answered here, not passed on)."""
-        if channel not in ("shell", "iopub", "stdin"):
+        if channel not in ("shell", "control", "iopub", "stdin"):
             return True
         split = _split(frames)
         if split is None:
@@ -171,10 +268,19 @@ class ExecutionAuditor:
             if not to_kernel:
                 self._started(parts)
         elif to_kernel:
-            return self._request(idents, parts)
-        else:
+            return self._request(channel, idents, parts, self._client(frames))
+        elif channel == "shell":
             self._reply(parts)
         return True
+
+    def _client(self, frames: Sequence[zmq.Frame | bytes]) -> dict[str, Any]:
+        """Who sent a request, as the host knows it (not as its header says)."""
+        peer = peer_credentials(frames)
+        return {
+            "client_uid": peer[0] if peer else None,
+            "client_pid": peer[1] if peer else None,
+            "server_uid": self._server_uid,
+        }
 
     def _started(self, parts: list[bytes]) -> None:
         """The kernel announced it runs a request: its wall-clock starts now, not when queued."""
@@ -217,21 +323,28 @@ class ExecutionAuditor:
             if self.on_lost is not None:
                 self.on_lost(pending)
 
-    def _request(self, idents: list[bytes], parts: list[bytes]) -> bool:
-        """An execute_request on its way to the kernel; False if refused (answered here)."""
+    def _request(self, channel: str, idents: list[bytes], parts: list[bytes], client: dict[str, Any]) -> bool:
+        """A request on its way to the kernel; False if refused (answered here or by the bridge)."""
         header = load_dict(parts[1], limit=None)
-        if header.get("msg_type") != "execute_request":
+        msg_type = str(header.get("msg_type", ""))
+        why = refusal(channel, msg_type)
+        if why is not None:
+            self._write_refused(channel, header, load_dict(parts[4], limit=None), client, why)
+            return False
+        if channel != "shell" or msg_type != "execute_request":
             return True
         content = load_dict(parts[4], limit=None)
+        fields = request_fields(content)
         pending = PendingExecution(
             started=time.monotonic(),
-            wall=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-            username=str(header.get("username", "")),
-            session=str(header.get("session", "")),
-            code=str(content.get("code", "")),
+            wall=_now(),
+            username=_field(header.get("username", "")),
+            session=_field(header.get("session", "")),
+            code=fields.pop("code"),
             idents=idents,
             header=header,
             allow_stdin=content.get("allow_stdin") is True,
+            details={**client, **fields},
         )
         msg_id = str(header.get("msg_id", ""))
         with self._lock:
@@ -278,16 +391,48 @@ class ExecutionAuditor:
         )
 
     def _record(self, event: str, msg_id: str, pending: PendingExecution) -> dict[str, Any]:
+        client = {key: pending.details.get(key) for key in ("client_uid", "client_pid", "server_uid")}
+        extra = {key: value for key, value in pending.details.items() if key not in client}
         return {
             "event": event,
             "time": pending.wall,
             "kernel_id": self._kernel_id,
             "kernelspec": self._kernelspec,
-            "username": pending.username,
+            "username_claimed": pending.username,
+            **client,
             "session": pending.session,
-            "msg_id": msg_id,
+            "msg_id": _field(msg_id),
             "code": pending.code,
+            **extra,
         }
+
+    def _write_refused(
+        self,
+        channel: str,
+        header: Mapping[str, Any],
+        content: Mapping[str, Any],
+        client: dict[str, Any],
+        why: str,
+    ) -> None:
+        """The line of a request the bridge answers itself and never passes on."""
+        msg_type = str(header.get("msg_type", ""))
+        asked = request_fields(content) if msg_type == "execute_request" else _debug_fields(content)
+        self._write(
+            {
+                "event": "refused",
+                "time": _now(),
+                "kernel_id": self._kernel_id,
+                "kernelspec": self._kernelspec,
+                "username_claimed": _field(header.get("username", "")),
+                **client,
+                "session": _field(header.get("session", "")),
+                "msg_id": _field(header.get("msg_id", "")),
+                "channel": channel,
+                "msg_type": _field(msg_type),
+                "reason": why,
+                **asked,
+            }
+        )
 
     def _finish(
         self, msg_id: str, pending: PendingExecution, status: str, execution_count: int | None
@@ -308,24 +453,33 @@ class ExecutionAuditor:
 
         Code runs between executions too (threads it started): such decisions carry no
         msg_id; the attribution is the host's best guess (the running, else the oldest
-        pending execution), as code can act in the background. Each decision gets its
-        own line at once (rate-limited; returns whether it did), and joins its
-        execution's "finished" line.
+        pending execution), as code can act in the background. Each decision joins its
+        execution's "finished" line and gets its own line at once: an allowed one always
+        (something left the sandbox), a denial within the rate. Denials over the rate are
+        counted, and the count is written before the next line, within ``_EGRESS_FLUSH``
+        seconds, or at :meth:`flush_egress`. Returns whether it got its line.
         """
+        allowed = decision.get("verdict") == "allowed"
         with self._lock:
             now = time.monotonic()
             self._egress_tokens = min(
                 float(_EGRESS_BURST), self._egress_tokens + (now - self._egress_stamp) * _EGRESS_RATE
             )
             self._egress_stamp = now
-            suppressed = 0
-            if self._egress_tokens >= 1:
-                self._egress_tokens -= 1
-                suppressed, self._egress_suppressed = self._egress_suppressed, 0
-                write = True
+            suppressed: tuple[int, str] | None = None
+            write = allowed or self._egress_tokens >= 1
+            if write:
+                if not allowed:
+                    self._egress_tokens -= 1
+                suppressed = self._take_suppressed_locked()
             else:
+                if not self._egress_suppressed:
+                    self._egress_suppressed_since = _now()
                 self._egress_suppressed += 1
-                write = False
+                if self._egress_timer is None and self._log is not None:
+                    # Not a daemon: a server that exits meanwhile still writes the count.
+                    self._egress_timer = threading.Timer(_EGRESS_FLUSH, self.flush_egress)
+                    self._egress_timer.start()
             running = self._running_locked()
             msg_id = running[1] if running else next(iter(self._pending), None)
             pending = self._pending.get(msg_id) if msg_id is not None else None
@@ -336,19 +490,42 @@ class ExecutionAuditor:
                     pending.egress_dropped += 1
         if not write:
             return False
-        wall = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-        base = {"time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
-        if suppressed:
-            self._write({"event": "egress_suppressed", **base, "count": suppressed})
+        self._write_suppressed(suppressed)
         self._write(
             {
                 "event": "egress",
-                **base,
-                "msg_id": msg_id,
+                **self._base(),
+                "msg_id": None if msg_id is None else _field(msg_id),
                 **{key: decision.get(key) for key in (*_EGRESS_SUMMARY, "address")},
             }
         )
         return True
+
+    def flush_egress(self) -> None:
+        """Write the count of denials not logged yet, if any (any thread): on a timer, and
+        when the kernel ends."""
+        with self._lock:
+            suppressed = self._take_suppressed_locked()
+        self._write_suppressed(suppressed)
+
+    def _take_suppressed_locked(self) -> tuple[int, str] | None:
+        """(count, since) of the denials not logged yet, now counted as written; hold the lock."""
+        timer, self._egress_timer = self._egress_timer, None
+        if timer is not None:
+            timer.cancel()
+        if not self._egress_suppressed:
+            return None
+        taken = (self._egress_suppressed, self._egress_suppressed_since)
+        self._egress_suppressed = 0
+        return taken
+
+    def _write_suppressed(self, suppressed: tuple[int, str] | None) -> None:
+        if suppressed is not None:
+            count, since = suppressed
+            self._write({"event": "egress_suppressed", **self._base(), "count": count, "since": since})
+
+    def _base(self) -> dict[str, Any]:
+        return {"time": _now(), "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
 
     def approval(self, host: str, port: int, answer: str, by: str, waited: float) -> None:
         """Record what the kernel's holder answered (or why nobody did) to a request that
@@ -357,10 +534,10 @@ class ExecutionAuditor:
         self._write(
             {
                 "event": "approval",
-                "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                "time": _now(),
                 "kernel_id": self._kernel_id,
                 "kernelspec": self._kernelspec,
-                "msg_id": running[0] if running else None,
+                "msg_id": _field(running[0]) if running else None,
                 "host": host,
                 "port": port,
                 "answer": answer,
@@ -372,7 +549,7 @@ class ExecutionAuditor:
     def credential(self, action: str, credential: BoundCredential) -> None:
         """Record that a credential was bound to the kernel or revoked: its name, domains,
         header names, expiry and who bound it; never a value."""
-        wall = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        wall = _now()
         expires = credential.expires_at
         self._write(
             {
@@ -394,7 +571,7 @@ class ExecutionAuditor:
     def lifecycle(self, action: str, **details: Any) -> None:
         """Record a step of the kernel's life the host took: ``pause``, ``resume`` (with
         how long it took, the checkpoint's size, why, or what failed)."""
-        wall = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        wall = _now()
         record = {"event": action, "time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
         self._write({**record, **details})
 
@@ -460,7 +637,8 @@ class ExecutionAuditor:
             self._last_activity = time.monotonic()
 
     def abandon_pending(self, reason: str) -> list[PendingExecution]:
-        """Write every execution still waiting for its reply (the kernel went away).
+        """Write every execution still waiting for its reply, and the count of denials not
+        logged yet (the kernel went away).
 
         Returns them, so their clients can be told.
         """
@@ -469,4 +647,5 @@ class ExecutionAuditor:
             self._head_since = time.monotonic()
         for msg_id, item in pending.items():
             self._finish(msg_id, item, reason, None)
+        self.flush_egress()  # the kernel's end: its last denials are counted now
         return list(pending.values())

@@ -22,6 +22,14 @@ one reply to a request a client actually sent, routed back to that client.
 The client-facing sockets live as long as the bridge, so a restarted kernel (new
 container, same ipc paths) is reached at the same addresses, as with a local kernel.
 
+Some requests never reach the kernel (:func:`refusal`): the bridge answers them itself
+with a signed error reply, and shows them to the tap so they are audited. ``debug_request``
+is one: every shipped kernelspec says ``"debugger": false``, yet ipykernel answers it
+whenever debugpy is installed (the image ships it), and a debugger evaluates code that
+no ``execute_request`` carries. Code on the control channel is the other: ipykernel takes
+every shell request there too, where it would run beside the shell, past the wall-clock
+and output limits that follow the shell's executions.
+
 While the kernel is paused (its sandbox saved to disk and stopped), :meth:`KernelBridge.hold`
 keeps clients' messages on the host, answers their heartbeats, and calls ``on_wake`` at
 the first signed request; :meth:`KernelBridge.release` passes them on, in order, once every
@@ -44,11 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
 from .output import OutputLimiter
 from .sanitize import OutputSanitizer
-from .wire import Signatures, find_delimiter, frame_bytes, load_dict
+from .wire import MAX_SMALL_FRAME, Signatures, find_delimiter, frame_bytes, load_dict
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +93,22 @@ _MAX_HELD_BYTES = 128 * 2**20
 #: a connection to it is complete (held messages may go).
 _MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
+#: Why the bridge answers a request itself instead of passing it on (see :func:`refusal`).
+DEBUGGER_OFF = (
+    'the debugger is turned off for sandboxed kernels (their kernelspecs say "debugger": '
+    "false): it would run code that the audit log does not see. Run code as a cell instead"
+)
+CODE_ON_CONTROL = (
+    "code runs only from the shell channel, where it is audited and limited; "
+    "send this execute_request on the shell channel"
+)
+
 #: Called in the bridge thread for every message that passes the checks: (channel,
 #: to_kernel, frames). It must be quick and must not keep the frames; it cannot change
 #: the message, and stops it only by returning False (it answered it: a request to a
-#: kernel that is not running must never reach the next one).
+#: kernel that is not running must never reach the next one). It also sees each
+#: request the bridge refuses (:func:`refusal`) before the bridge answers it; what it
+#: returns then changes nothing.
 Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], bool | None]
 Frames = Sequence[zmq.Frame | bytes]
 
@@ -120,6 +141,41 @@ class SizeCaps:
 
     def back(self, channel: str) -> int:
         return {"iopub": self.kernel_iopub, "hb": self.kernel_hb}.get(channel, self.kernel_reply)
+
+
+def refusal(channel: str, msg_type: str) -> str | None:
+    """Why a client's ``msg_type`` request on ``channel`` must not reach the kernel, or None.
+
+    Refused: every ``debug_request`` (:data:`DEBUGGER_OFF`; refusing all of them is right
+    while every shipped kernelspec says ``"debugger": false``), and ``execute_request`` on
+    the control channel (:data:`CODE_ON_CONTROL`). Completion and inspection requests run
+    no code in ipykernel under IPython's default ``Completer.evaluation = "limited"``; a
+    cell that changes that is itself audited.
+    """
+    if msg_type == "debug_request":
+        return DEBUGGER_OFF
+    if channel == "control" and msg_type == "execute_request":
+        return CODE_ON_CONTROL
+    return None
+
+
+def peer_credentials(frames: Sequence[zmq.Frame | bytes]) -> tuple[int, int] | None:
+    """(uid, pid) of the process that sent a message received over a unix socket, as the
+    host's kernel told libzmq (``SO_PEERCRED``); None over tcp, or for frames not received
+    from a socket. The sender cannot choose them, unlike anything in its message."""
+    frame = frames[0] if frames else None
+    if not isinstance(frame, zmq.Frame):
+        return None
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    # libzmq writes "<host>:<uid>:<gid>:<pid>" for a unix socket; a tcp peer's host is an
+    # IP address, whose colons (IPv6) never leave three plain numbers after a colon-free host.
+    parts = str(address).rsplit(":", 3)
+    if len(parts) != 4 or ":" in parts[0] or not all(part.isdigit() for part in parts[1:]):
+        return None
+    return int(parts[1]), int(parts[3])
 
 
 def ipc_in_use(path: str, timeout: float | None = None, follow: bool = True) -> bool:
@@ -227,6 +283,8 @@ class KernelBridge:
         self._limiter = output_limiter
         self._sanitizer = sanitizer
         self._signatures = Signatures(key, signature_scheme)
+        #: Signs the bridge's own answers to requests it refuses.
+        self._signer = Session(key=key, signature_scheme=signature_scheme, username="sandbox-kernel")
         self._caps = caps or SizeCaps()
         self._kernel_endpoints = dict(kernel_endpoints)
         self._requested_ports = dict(ports or {})
@@ -261,6 +319,8 @@ class KernelBridge:
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
         #: Messages dropped, by reason ("shell from a client: bad signature", ...).
         self.dropped: Counter[str] = Counter()
+        #: Requests the bridge answered itself (see :func:`refusal`), by channel and type.
+        self.refused: Counter[str] = Counter()
 
     @property
     def running(self) -> bool:
@@ -657,8 +717,14 @@ class KernelBridge:
             return frames
         outstanding = self._outstanding[channel]
         if to_kernel:
-            header = load_dict(frames[index + 2])
-            if not str(header.get("msg_type", "")).endswith("_request"):
+            # Read whole, as the kernel will: a big header must not hide what it asks for.
+            header = load_dict(frames[index + 2], limit=None)
+            msg_type = str(header.get("msg_type", ""))
+            why = refusal(channel, msg_type)
+            if why is not None:
+                self._refuse(channel, frames, index, header, why)
+                return None
+            if len(frames[index + 2]) > MAX_SMALL_FRAME or not msg_type.endswith("_request"):
                 return frames  # comm messages: the kernel answers none of them
             msg_id = str(header.get("msg_id", ""))
             waiting = outstanding.pop(msg_id, [])
@@ -678,6 +744,39 @@ class KernelBridge:
         if not waiting:
             del outstanding[msg_id]
         return [*idents, *frames[index:]]
+
+    def _refuse(self, channel: str, frames: Frames, index: int, header: dict[str, object], why: str) -> None:
+        """Answer a request that must not reach the kernel with a signed error reply (the
+        tap sees the request first, so it is audited)."""
+        self.refused[f"{channel} {header.get('msg_type')}"] += 1
+        if self._tap is not None:
+            try:
+                self._tap(channel, True, frames)
+            except Exception:
+                log.exception("Bridge tap failed on a refused %s request", channel)
+        msg_type = str(header.get("msg_type", ""))
+        content: dict[str, object] = {
+            "status": "error",
+            "ename": "RequestRefused",
+            "evalue": why,
+            "traceback": [f"RequestRefused: {why}"],
+        }
+        if msg_type == "debug_request":
+            # Also a DAP response, as a debugger front end reads it.
+            request = load_dict(frames[index + 5])
+            content.update(
+                type="response",
+                request_seq=request.get("seq"),
+                success=False,
+                command=request.get("command"),
+                message=why,
+            )
+        elif msg_type == "execute_request":
+            content["execution_count"] = None
+        reply_type = msg_type.removesuffix("_request") + "_reply"
+        reply = self._signer.msg(reply_type, content, parent=header)
+        idents = [frame_bytes(frame) for frame in frames[:index]]
+        self._send(self._fronts[channel], channel, self._signer.serialize(reply, ident=idents))
 
     def requests_in_flight(self, max_age: float) -> bool:
         """Whether a client's request younger than ``max_age`` seconds awaits its reply

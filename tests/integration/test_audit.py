@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,12 @@ def test_every_execution_from_every_client_is_audited(start_kernel: KernelStarte
     first, failed, third = records[-3:]
     assert first["status"] == "ok"
     assert failed["status"] == "error"
-    assert third["username"] == "assistant-bot"
+    # The header's user name is the client's claim; the host says who it knows.
+    assert third["username_claimed"] == "assistant-bot"
     assert third["session"] == other.session.session
     for record in (first, failed, third):
+        assert (record["client_uid"], record["client_pid"]) == (os.getuid(), os.getpid())
+        assert record["server_uid"] == os.getuid()
         assert record["kernel_id"] == km.kernel_id
         assert record["kernelspec"] == KERNEL
         assert 0 <= record["duration"] < 30
@@ -93,3 +97,71 @@ def test_an_audit_log_inside_the_workspace_is_refused(
     monkeypatch.setenv("SANDBOX_KERNEL_AUDIT_LOG", str(workspace / "audit.jsonl"))
     with pytest.raises(WorkspaceError, match=r"SandboxProvisioner\.audit_log"):
         KernelManager(kernel_name=KERNEL).start_kernel(cwd=str(workspace))
+
+
+def all_records(path: Path, event: str, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+    """The records of ``event``, once there are ``count`` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        records = [r for r in map(json.loads, lines) if r["event"] == event]
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def test_code_in_user_expressions_is_audited(
+    start_kernel: KernelStarter, workspace: Path, tmp_path: Path
+) -> None:
+    """An execute_request with empty code (silent, too) wrote a file from its user_expressions,
+    and the log said "code": ""."""
+    _, kc = start_kernel()
+    audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
+    write = "open('pwned.txt', 'w').write('from a user expression')"
+    for silent in (False, True):
+        msg_id = kc.execute("", silent=silent, user_expressions={"w": write})
+        reply = shell_reply(kc, timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["user_expressions"]["w"]["status"] == "ok"
+    assert (workspace / "pwned.txt").read_text() == "from a user expression"  # it ran
+    records = audit_lines(audit, 2)
+    assert [(r["code"], r["user_expressions"]) for r in records[-2:]] == [("", {"w": write})] * 2
+    assert [r.get("silent", False) for r in records[-2:]] == [False, True]
+
+
+def test_debug_requests_never_reach_the_kernel(
+    start_kernel: KernelStarter, workspace: Path, tmp_path: Path
+) -> None:
+    """The image ships debugpy and ipykernel answers debug_request on control whatever the
+    kernelspec says; JupyterLab's sequence (initialize, attach, evaluate) ran code with no
+    audit line. Every shipped kernelspec says "debugger": false: the bridge refuses them."""
+    _, kc = start_kernel()
+    audit = tmp_path / "data" / "sandbox-kernel" / "audit.jsonl"
+    write = "open('debugged.txt', 'w').write('from the debugger')"
+    steps = [
+        ("initialize", {"clientID": "attacker", "adapterID": "python", "pathFormat": "path"}),
+        ("attach", {}),
+        ("evaluate", {"expression": write, "context": "repl"}),
+    ]
+    for seq, (command, arguments) in enumerate(steps, 1):
+        msg = kc.session.msg(
+            "debug_request", {"seq": seq, "type": "request", "command": command, "arguments": arguments}
+        )
+        kc.control_channel.send(msg)
+        reply = kc.get_control_msg(timeout=10)
+        assert reply["parent_header"]["msg_id"] == msg["header"]["msg_id"]
+        assert reply["msg_type"] == "debug_reply"
+        assert reply["content"]["status"] == "error", reply["content"]
+        assert reply["content"]["success"] is False
+        assert "debugger" in reply["content"]["message"]
+    # Code on the control channel, which ipykernel would run beside the shell: refused too.
+    execute = kc.session.msg("execute_request", {"code": write.replace("debugged", "controlled")})
+    kc.control_channel.send(execute)
+    assert kc.get_control_msg(timeout=10)["content"]["status"] == "error"
+    assert run_ok(kc, "import os; print(sorted(os.listdir('.')))").strip() == "[]"
+    assert not (workspace / "debugged.txt").exists()
+    refused = all_records(audit, "refused", 4)
+    assert [r.get("command") for r in refused] == ["initialize", "attach", "evaluate", None]
+    assert refused[2]["code"] == write
+    assert refused[3]["msg_type"] == "execute_request"
+    assert refused[3]["channel"] == "control"

@@ -535,3 +535,41 @@ def test_a_kernel_with_allowed_domains_pauses_and_reaches_them_after_the_resume(
         ("plain.test", "allowed"),
         ("denied.test", "denied"),
     ]
+
+
+def test_an_allowed_request_after_a_flood_of_denials_is_always_logged(
+    web_kernel: tuple[KernelManager, BlockingKernelClient, Path], upstreams: Upstreams
+) -> None:
+    """After 260 denied requests from a background thread, an allowed request reached the
+    upstream with no audit line, and the denials' count waited for a later line."""
+    _, kc, audit_log = web_kernel
+    run_ok(
+        kc,
+        "import threading, urllib.request\n"
+        "def flood():\n"
+        "    for _ in range(260):\n"
+        "        try:\n"
+        "            urllib.request.urlopen('http://denied.test/', timeout=20)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "flooding = threading.Thread(target=flood)\n"
+        "flooding.start()\n",
+    )
+    run_ok(kc, "flooding.join()", timeout=240)
+    out = run_ok(kc, _fetch(f"https://allowed.test:{upstreams.https_port}/after-the-flood"))
+    assert out.startswith("OK"), out
+    assert "/after-the-flood" in out, out
+    records = _egress_records(audit_log, 1)
+    assert [(r["host"], r["verdict"]) for r in records if r["host"] == "allowed.test"] == [
+        ("allowed.test", "allowed")
+    ]
+    # No later line comes; the denials are counted all the same.
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in audit_log.read_text().splitlines()]
+        counted = sum(r["count"] for r in lines if r["event"] == "egress_suppressed")
+        logged = sum(1 for r in lines if r["event"] == "egress" and r["host"] == "denied.test")
+        if counted + logged >= 260 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (counted + logged, counted > 0) == (260, True)

@@ -182,3 +182,143 @@ def test_a_subshell_runs_beside_the_main_shell_and_ends_none_of_its_executions()
 def _current_code(auditor: ExecutionAuditor) -> str | None:
     current = auditor.current()
     return None if current is None else current.code
+
+
+# ---------------------------------------------------------------- what the log shows (issue 21)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """Every line of the log and its rotated files, oldest first."""
+    files = sorted(
+        path.parent.glob(f"{path.name}*"), key=lambda f: -int(f.suffix[1:] or 0) if f != path else 0
+    )
+    return [json.loads(line) for f in files for line in f.read_text().splitlines()]
+
+
+def _auditor(tmp_path: Path, max_bytes: int = 10**8, backups: int = 1) -> tuple[ExecutionAuditor, Path]:
+    path = tmp_path / "audit.jsonl"
+    return ExecutionAuditor(AuditLog.open(path, max_bytes=max_bytes, backups=backups), "k1", "py"), path
+
+
+def test_code_in_user_expressions_is_audited(tmp_path: Path) -> None:
+    """An execute_request with empty code wrote files from its user_expressions, and the log
+    said "code": "": ipykernel evaluates each user expression after the code, silent or not."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor, path = _auditor(tmp_path)
+    expressions = {"x": "open('/workspace/pwned', 'w').write('1')"}
+    request = session.msg("execute_request", {"code": "", "silent": True, "user_expressions": expressions})
+    auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, request))
+    started, finished = _records(path)
+    for record in (started, finished):
+        assert record["code"] == ""
+        assert record["user_expressions"] == expressions
+        assert record["silent"] is True
+    plain = session.msg("execute_request", {"code": "1", "user_expressions": {}})
+    auditor("shell", True, list(session.serialize(plain, ident=[b"c"])))
+    assert "user_expressions" not in _records(path)[-1]  # only when there are some
+    assert "silent" not in _records(path)[-1]
+
+
+def test_six_huge_cells_cannot_push_the_first_cell_out_of_the_log(tmp_path: Path) -> None:
+    """Six MCP run_code calls with 48 MiB comments pushed the first cell out of the log and
+    all its backups. Long code is logged as its head, its tail and the whole code's hash."""
+    import hashlib
+
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor, path = _auditor(tmp_path, max_bytes=2**20, backups=2)
+    first = session.msg("execute_request", {"code": "steal_the_data()"})
+    auditor("shell", True, list(session.serialize(first, ident=[b"c"])))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, first))
+    codes = []
+    for i in range(6):
+        code = f"# {'x' * 4 * 2**20}\nprint({i})  # the tail"
+        codes.append(code)
+        huge = session.msg("execute_request", {"code": code})
+        auditor("shell", True, list(session.serialize(huge, ident=[b"c"])))
+        auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, huge))
+    records = _records(path)
+    assert [r["code"] for r in records[:2]] == ["steal_the_data()"] * 2
+    for code, record in zip(codes, records[2::2], strict=True):
+        assert record["code_sha256"] == hashlib.sha256(code.encode()).hexdigest()
+        assert record["code_bytes"] == len(code.encode())
+        assert record["code"].startswith(code[:4096])
+        assert record["code"].endswith(code[-4096:])
+        assert "[sandbox-kernel: " in record["code"]
+        assert len(json.dumps(record)) < 20_000
+    short = [r for r in records if r["code"] == "steal_the_data()"]
+    assert all("code_sha256" not in r for r in short), "short code is logged as it is"
+
+
+def test_header_fields_are_bounded_too(tmp_path: Path) -> None:
+    """The client writes the header as well: a 1 MiB user name or msg_id must not fill the log."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k", username="u" * 2**20)
+    auditor, path = _auditor(tmp_path)
+    expressions = {f"e{i}": "1" * 2**16 for i in range(64)}
+    request = session.msg("execute_request", {"code": "1", "user_expressions": expressions})
+    request["header"]["msg_id"] = "m" * 2**20
+    auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+    (record,) = _records(path)
+    assert len(json.dumps(record)) < 40_000
+    assert record["username_claimed"].startswith("uuu")
+    assert "user_expressions_sha256" in record
+
+
+def test_the_log_names_the_server_and_labels_the_clients_user_name_a_claim(tmp_path: Path) -> None:
+    """``username`` is whatever the client wrote in its header ("ceo@corp.example" was logged
+    as given): the log says it is a claim, beside what the host knows."""
+    import os
+
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k", username="ceo@corp.example")
+    auditor, path = _auditor(tmp_path)
+    auditor("shell", True, _message(session, "execute_request", {"code": "1"}))
+    (record,) = _records(path)
+    assert "username" not in record
+    assert record["username_claimed"] == "ceo@corp.example"
+    assert record["server_uid"] == os.getuid()
+    assert record["client_uid"] is None  # not a unix-socket peer: unknown, never guessed
+
+
+def test_an_allowed_request_after_a_flood_of_denials_is_logged_and_the_flood_counted(tmp_path: Path) -> None:
+    """After 260 denied egress requests from a background thread, an allowed request reached
+    the upstream with no audit line, and the suppressed count waited for a later line."""
+    import threading
+
+    auditor, path = _auditor(tmp_path)
+    denied = {"method": "CONNECT", "host": "evil.example", "port": 443, "verdict": "denied", "reason": "r"}
+    allowed = {"method": "CONNECT", "host": "pypi.org", "port": 443, "verdict": "allowed", "reason": "listed"}
+    flood = threading.Thread(target=lambda: [auditor.egress(denied) for _ in range(260)])
+    flood.start()
+    flood.join()
+    assert auditor.egress(allowed)
+    assert auditor.egress(allowed)
+    egress = [r for r in _records(path) if r["event"] == "egress"]
+    assert [r["host"] for r in egress].count("pypi.org") == 2
+    # No later line comes: the count is written on a timer all the same.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        records = _records(path)
+        counted = sum(r["count"] for r in records if r["event"] == "egress_suppressed")
+        logged = sum(1 for r in records if r["event"] == "egress" and r["host"] == "evil.example")
+        if counted + logged == 260:
+            break
+        time.sleep(0.1)
+    assert counted + logged == 260
+    assert counted > 0
+
+
+def test_denials_suppressed_at_the_kernels_end_are_counted_then(tmp_path: Path) -> None:
+    auditor, path = _auditor(tmp_path)
+    denied = {"method": "GET", "host": "evil.example", "port": 80, "verdict": "denied", "reason": "r"}
+    logged = sum(auditor.egress(denied) for _ in range(300))
+    auditor.abandon_pending("no reply: the kernel stopped")  # the kernel's end
+    records = _records(path)
+    assert sum(r["count"] for r in records if r["event"] == "egress_suppressed") == 300 - logged

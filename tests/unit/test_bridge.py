@@ -19,7 +19,7 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
-from sandbox_kernel.audit import ExecutionAuditor
+from sandbox_kernel.audit import AuditLog, ExecutionAuditor
 from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
 from sandbox_kernel.output import OutputLimiter
 from sandbox_kernel.wire import stderr_notice
@@ -791,3 +791,117 @@ def test_what_was_held_for_a_kernel_that_is_gone_never_reaches_the_next(
     bridge.attach(endpoints)  # a restart: a new kernel at the same paths
     assert not bridge.holding
     assert not kernel["shell"].poll(300)
+
+
+# ---------------------------------------------------------------- requests the bridge refuses
+
+
+@pytest.fixture
+def audited(
+    endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]], tmp_path: Path
+) -> Iterator[tuple[KernelBridge, Path]]:
+    """A bridge whose tap is an auditor writing a log, as the provisioner wires them (ipc)."""
+    path = tmp_path / "audit" / "audit.jsonl"
+    auditor = ExecutionAuditor(AuditLog.open(path, 10**8, 1), "k1", "py")
+    bridge = KernelBridge(endpoints, ip=str(tmp_path / "client"), transport="ipc", key=KEY, tap=auditor)
+    bridge.start()
+    yield bridge, path
+    bridge.stop()
+
+
+def audit_records(path: Path, event: str, timeout: float = 2) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        records = [r for r in map(json.loads, lines) if r["event"] == event]
+        if records or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("command", ["initialize", "attach", "evaluate"])
+@pytest.mark.parametrize("channel", ["control", "shell"])
+def test_a_debug_request_is_answered_by_the_bridge_and_never_reaches_the_kernel(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    audited: tuple[KernelBridge, Path],
+    channel: str,
+    command: str,
+) -> None:
+    """debug_request (initialize, attach, evaluate) ran code through the image's debugpy
+    with no audit line; every shipped kernelspec says "debugger": false."""
+    bridge, path = audited
+    dealer = client(ctx, zmq.DEALER, bridge.endpoint(channel))
+    code = "open('/workspace/pwned', 'w').write('1')"
+    arguments = {"expression": code, "context": "repl"} if command == "evaluate" else {}
+    debug = session.msg(
+        "debug_request", {"seq": 7, "type": "request", "command": command, "arguments": arguments}
+    )
+    dealer.send_multipart(list(session.serialize(debug)))
+    reply = session.deserialize(session.feed_identities(recv(dealer))[1])  # checks the signature
+    assert reply["msg_type"] == "debug_reply"
+    assert reply["parent_header"]["msg_id"] == debug["header"]["msg_id"]
+    content = reply["content"]
+    assert content["status"] == "error"
+    assert content["success"] is False
+    assert (content["command"], content["request_seq"]) == (command, 7)
+    assert "debugger" in content["message"]
+    assert not kernel[channel].poll(300), "the kernel must never see it"
+    assert not bridge.requests_in_flight(60)
+    (record,) = audit_records(path, "refused")
+    assert record["msg_type"] == "debug_request"
+    assert record["command"] == command
+    assert record["code"] == (code if command == "evaluate" else "")
+    assert record["channel"] == channel
+
+
+def test_code_sent_on_the_control_channel_is_refused(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], audited: tuple[KernelBridge, Path]
+) -> None:
+    """ipykernel's control channel takes every shell request, execute_request too: code
+    there would run beside the shell, past the audit and the limits that watch the shell."""
+    bridge, path = audited
+    dealer = client(ctx, zmq.DEALER, bridge.endpoint("control"))
+    execute = session.msg("execute_request", {"code": "", "user_expressions": {"x": "evil()"}})
+    dealer.send_multipart(list(session.serialize(execute)))
+    reply = session.deserialize(session.feed_identities(recv(dealer))[1])
+    assert reply["msg_type"] == "execute_reply"
+    assert reply["content"]["status"] == "error"
+    assert "shell" in reply["content"]["evalue"]
+    assert not kernel["control"].poll(300)
+    (record,) = audit_records(path, "refused")
+    assert record["user_expressions"] == {"x": "evil()"}
+    # What the control channel is for still passes.
+    assert round_trip(ctx, session, kernel["control"], bridge.endpoint("control"))["msg_type"] == (
+        "kernel_info_reply"
+    )
+
+
+def test_the_log_names_the_unix_socket_peer_that_sent_a_request(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], audited: tuple[KernelBridge, Path]
+) -> None:
+    """The header's username is the client's word; over ipc the kernel knows who connected."""
+    bridge, path = audited
+    claimed = Session(key=KEY, username="ceo@corp.example")
+    dealer = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    dealer.send_multipart(list(claimed.serialize(claimed.msg("execute_request", {"code": "1"}))))
+    recv(kernel["shell"])
+    (record,) = audit_records(path, "started")
+    assert record["username_claimed"] == "ceo@corp.example"
+    assert (record["client_uid"], record["client_pid"]) == (os.getuid(), os.getpid())
+    assert record["server_uid"] == os.getuid()
+
+
+def test_a_big_header_does_not_hide_a_debug_request(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    """The kernel reads headers of any size: so does the bridge's check."""
+    debug = session.msg("debug_request", {"seq": 1, "type": "request", "command": "evaluate"})
+    debug["header"]["padding"] = "x" * 2**17
+    dealer = client(ctx, zmq.DEALER, bridge.endpoint("control"))
+    dealer.send_multipart(list(session.serialize(debug)))
+    reply = session.deserialize(session.feed_identities(recv(dealer))[1])
+    assert (reply["msg_type"], reply["content"]["status"]) == ("debug_reply", "error")
+    assert not kernel["control"].poll(300)
+    assert bridge.refused == {"control debug_request": 1}
