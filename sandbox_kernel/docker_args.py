@@ -94,6 +94,8 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
     """
     return {
         "image": spec.image,
+        # Only our command runs: never the image's ENTRYPOINT (a kernelspec may name an image).
+        "entrypoint": [""],
         "command": spec.command,
         "name": spec.container_name,
         "hostname": "sandbox",

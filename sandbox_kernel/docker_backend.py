@@ -582,7 +582,7 @@ class DockerBackend(SandboxBackend):
         try:
             with _translated("remove the kernel container"):
                 client = self._client or self._client_factory()
-                client.api.remove_container(container_id, force=True)
+                client.api.remove_container(container_id, force=True, v=True)
         except NotFound:
             return
 
@@ -596,7 +596,7 @@ class DockerBackend(SandboxBackend):
         await asyncio.to_thread(thaw_container, container_id)
         try:
             await self._api(
-                "remove the kernel container", client.api.remove_container, container_id, force=True
+                "remove the kernel container", client.api.remove_container, container_id, force=True, v=True
             )
         except NotFound:
             return

@@ -8,6 +8,7 @@ kernel may run and as whom. Every administrator's ceiling is checked here, in on
 
 from __future__ import annotations
 
+import fnmatch
 import getpass
 import grp
 import json
@@ -362,7 +363,8 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
     - ``lifetime``: the same, for persistent kernels only;
     - ``names``: only names the ceiling lists, for what the kernelspec itself asks;
     - ``domains``: every domain covered by one of the ceiling's patterns;
-    - ``credentials``: only names the ceiling lists (a kernelspec never defines one).
+    - ``credentials``: only names the ceiling lists (a kernelspec never defines one);
+    - ``images``: a name one of the ceiling's wildcards matches, for what the kernelspec asks.
     """
     found = []
     for name, trait in sorted(settings.traits(bound=lambda bound: bound is not None).items()):
@@ -393,6 +395,13 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
                     f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
                     f"server's ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
                     "set a value in its `env` instead, or have the administrator widen the ceiling."
+                )
+        elif kind == "images":
+            image = kernelspec_config.get(name)
+            if image is not None and not any(fnmatch.fnmatchcase(str(image), p) for p in ceiling):
+                found.append(
+                    f"image={image!r} is not among the images the server allows kernelspecs to name "
+                    f"({setting}={list(ceiling)!r}). Use one of those, or have the administrator add it."
                 )
         elif kind == "credentials":
             named = kernelspec_config.get(name, [])

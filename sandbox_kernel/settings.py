@@ -118,8 +118,18 @@ class SandboxSettings(LoggingConfigurable):
         config=True,
         help=f"""Docker image the kernel runs in. It must already exist on the Docker host:
         images are never pulled. Build the default with `jupyter sandbox-kernel build-image`.
-        Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}.""",
-    ).tag(kernelspec=True)
+        Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}. A kernelspec may name only images
+        `allowed_images` matches.""",
+    ).tag(kernelspec=True, ceiling="allowed_images", bound="images")
+    allowed_images = List(
+        Unicode(),
+        config=True,
+        help=f"""Ceiling for a kernelspec's `image`: the images a kernelspec may name, as names
+        or wildcards (`sandbox-kernel/*`, `registry.example/team/*:2`). Users can write
+        kernelspecs, and every local image would otherwise be theirs to run (its entrypoint is
+        never run either way). Server config only; the server's own `image` is not bounded by
+        it. Default: `sandbox-kernel/*`, and ${IMAGE_ENV} when set.""",
+    )
     docker_runtime = Unicode(
         config=True,
         help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
@@ -262,6 +272,12 @@ class SandboxSettings(LoggingConfigurable):
         help="""CA certificates (a PEM file) the egress proxy verifies a host with when it adds
         a credential to a request for it; unset: the system's. Server config only.""",
     )
+
+    @default("allowed_images")
+    def _allowed_images_default(self) -> list[str]:
+        image = os.environ.get(self.IMAGE_ENV)
+        return ["sandbox-kernel/*", *([image] if image else [])]
+
     max_pass_env = List(
         Unicode(),
         default_value=["LANG", "LC_ALL", "TZ"],
@@ -430,9 +446,12 @@ class SandboxSettings(LoggingConfigurable):
     )
     audit_log = Unicode(
         config=True,
-        help=f"""JSON-lines file on the host recording every execute_request a sandboxed
-        kernel receives (time, kernel id, kernelspec, username, session, code, status,
-        duration). It must lie outside every workspace. Empty string: no audit log.
+        help=f"""JSON-lines file on the host recording every request that makes a sandboxed
+        kernel run code, and the requests the bridge refuses (time, kernel id, kernelspec,
+        the client's claimed user name beside the host-known client and server uids,
+        session, code bounded with its sha256, user_expressions, status, duration), and
+        its egress decisions. It must lie outside every workspace. Empty string: no audit
+        log. Kernels read it from the server's config files whatever starts them.
         Default: ${AUDIT_LOG_ENV}, else JUPYTER_DATA_DIR/sandbox-kernel/audit.jsonl.""",
     )
     audit_log_max_bytes = Int(

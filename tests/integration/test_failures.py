@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
@@ -117,3 +117,47 @@ def test_a_kernelspec_env_template_cannot_read_the_servers_secrets(
     _, kc = start_kernel(name, env=env)
     out = run_ok(kc, "import os; print(os.environ['T']); print(os.environ['L'])")
     assert out.split() == ["${JUPYTERHUB_API_TOKEN}", "C.UTF-8"]
+
+
+def test_a_kernelspec_naming_an_image_the_server_does_not_allow_is_refused(
+    make_kernelspec: Callable[..., str], workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """The attack: a user's kernelspec named any local image; now only allowed_images."""
+    name = make_kernelspec("foreign-image", config={"image": "sandbox-kernel-base:bookworm"})
+    before = HostState(docker_client)
+    km = KernelManager(kernel_name=name)
+    with pytest.raises(ConfigurationError, match=r"image='sandbox-kernel-base:bookworm' is not among"):
+        km.start_kernel(cwd=str(workspace))
+    assert before.new_leftovers() == []
+
+
+@pytest.fixture
+def image_with_entrypoint(docker_client: docker.DockerClient, tmp_path: Path) -> Iterator[str]:
+    """An allowed image whose ENTRYPOINT marks the workspace and which declares a VOLUME."""
+    tag = "sandbox-kernel/test-entrypoint:1"
+    (tmp_path / "Dockerfile").write_text(
+        "FROM sandbox-kernel/python:latest\n"
+        'ENTRYPOINT ["sh", "-c", "touch /workspace/entrypoint-ran; exec \\"$@\\"", "--"]\n'
+        "VOLUME /data\n"
+    )
+    docker_client.images.build(path=str(tmp_path), tag=tag, rm=True)
+    yield tag
+    docker_client.images.remove(tag, force=True)
+
+
+def test_an_images_entrypoint_never_runs_and_its_volumes_go_with_the_kernel(
+    make_kernelspec: Callable[..., str],
+    image_with_entrypoint: str,
+    start_kernel: KernelStarter,
+    workspace: Path,
+    docker_client: docker.DockerClient,
+) -> None:
+    """Each start of such an image used to run its ENTRYPOINT and leave an anonymous volume."""
+    volumes = {v.name for v in docker_client.volumes.list()}
+    km, kc = start_kernel(make_kernelspec("entrypoint-image", config={"image": image_with_entrypoint}))
+    assert run_ok(kc, "import os; print(os.path.exists('/workspace/entrypoint-ran'))") == "False\n"
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    km.shutdown_kernel(now=True)
+    assert not (workspace / "entrypoint-ran").exists()
+    assert {v.name for v in docker_client.volumes.list()} - volumes == set()

@@ -137,8 +137,8 @@ class FakeLowLevelAPI:
         self._state(container_id)
         return self.client.logs.get(container_id, b"")
 
-    def remove_container(self, container_id: str, force: bool = False) -> None:
-        self.client.record("api.remove_container", container_id, force=force)
+    def remove_container(self, container_id: str, force: bool = False, v: bool = False) -> None:
+        self.client.record("api.remove_container", container_id, force=force, v=v)
         self._state(container_id)
         del self.client.states[container_id]
 

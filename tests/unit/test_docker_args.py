@@ -116,6 +116,10 @@ class TestContainerCreateKwargs:
         assert kwargs["user"] == "1234:1235"
         assert not kwargs["user"].startswith("0:")
 
+    def test_never_runs_the_images_entrypoint(self, tmp_path: Path) -> None:
+        kwargs = container_create_kwargs(make_spec(tmp_path))
+        assert kwargs["entrypoint"] == [""]  # as `docker run --entrypoint ""`: our command alone
+
     def test_drops_privileges(self, tmp_path: Path) -> None:
         kwargs = container_create_kwargs(make_spec(tmp_path))
         assert kwargs["cap_drop"] == ["ALL"]

@@ -166,7 +166,7 @@ async def test_a_container_that_fails_to_start_is_removed(
     with pytest.raises(DockerOperationError, match="start the kernel container: OCI runtime create failed"):
         await sandbox_docker.create_and_start({"image": "img:1"})
     (container,) = fake_client.containers_created
-    assert fake_client.called("api.remove_container") == [((container.id,), {"force": True})]
+    assert fake_client.called("api.remove_container") == [((container.id,), {"force": True, "v": True})]
     assert fake_client.states == {}
 
 
@@ -269,13 +269,13 @@ async def test_remove_forces_and_tolerates_a_missing_container(
     await sandbox_docker.remove("c1")
     assert fake_client.states == {}
     await sandbox_docker.remove("c1")
-    assert fake_client.called("api.remove_container") == [(("c1",), {"force": True})] * 2
+    assert fake_client.called("api.remove_container") == [(("c1",), {"force": True, "v": True})] * 2
 
 
 async def test_a_removal_already_in_progress_is_fine(
     sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(container_id: str, force: bool) -> None:
+    def failing(container_id: str, force: bool, v: bool) -> None:
         raise api_error(APIError, 409, "removal of container c1 is already in progress")
 
     monkeypatch.setattr(fake_client.api, "remove_container", failing)
@@ -285,7 +285,7 @@ async def test_a_removal_already_in_progress_is_fine(
 async def test_a_failed_removal_is_raised_not_forgotten(
     sandbox_docker: DockerBackend, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(container_id: str, force: bool) -> None:
+    def failing(container_id: str, force: bool, v: bool) -> None:
         raise api_error(APIError, 500, "driver failed to remove root filesystem")
 
     monkeypatch.setattr(fake_client.api, "remove_container", failing)

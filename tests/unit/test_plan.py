@@ -291,6 +291,23 @@ def test_a_persistent_kernel_beyond_the_ttl_ceiling_is_refused() -> None:
         check_ceilings(SandboxSettings(lifecycle="persistent", max_persistent_ttl=86400), {})
 
 
+def test_a_kernelspec_may_name_only_images_the_server_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attack: a user's kernelspec named any local image (its ENTRYPOINT ran)."""
+    monkeypatch.delenv("SANDBOX_KERNEL_IMAGE", raising=False)
+    check_ceilings(
+        SandboxSettings(image="sandbox-kernel/python-datascience:latest"), {"image": "sandbox-kernel/x:1"}
+    )
+    check_ceilings(SandboxSettings(image="registry.example/own:1"), {})  # the server's own choice
+    with pytest.raises(
+        ConfigurationError, match=r"image='alpine:3' is not among.*allowed_images=\['sandbox-kernel/\*'\]"
+    ):
+        check_ceilings(SandboxSettings(image="alpine:3"), {"image": "alpine:3"})
+    widened = SandboxSettings(image="registry.example/team/py:2", allowed_images=["registry.example/team/*"])
+    check_ceilings(widened, {"image": "registry.example/team/py:2"})
+    monkeypatch.setenv("SANDBOX_KERNEL_IMAGE", "mine:1")
+    assert SandboxSettings().allowed_images == ["sandbox-kernel/*", "mine:1"]
+
+
 def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_path: Path) -> None:
     from sandbox_kernel.plan import Launch, plan_sandbox
 

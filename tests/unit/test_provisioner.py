@@ -292,7 +292,7 @@ async def test_a_kernel_that_exits_at_once_fails_with_its_logs_and_leaves_nothin
     assert "boom" in str(info.value)
     assert info.value.logs == "boom"
     (container,) = fake_client.containers_created
-    assert fake_client.called("api.remove_container") == [((container.id,), {"force": True})]
+    assert fake_client.called("api.remove_container") == [((container.id,), {"force": True, "v": True})]
     assert fake_client.states == {}
     assert list(runtime_parent.iterdir()) == []
     assert prov.has_process is False
