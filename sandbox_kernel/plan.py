@@ -352,6 +352,12 @@ def validate_kernelspec_config(config: Mapping[str, Any], kernelspec: str = "") 
             raise ConfigurationError(msg)
 
 
+def _within_any(folder: str, roots: Sequence[str]) -> bool:
+    """Whether ``folder`` is one of ``roots`` or lies within one (links resolved)."""
+    resolved = Path(folder).expanduser().resolve()
+    return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
+
+
 def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str, Any]) -> list[str]:
     """Every setting beyond the administrator's ceiling, each in words that say how to fix it.
 
@@ -364,7 +370,8 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
     - ``names``: only names the ceiling lists, for what the kernelspec itself asks;
     - ``domains``: every domain covered by one of the ceiling's patterns;
     - ``credentials``: only names the ceiling lists (a kernelspec never defines one);
-    - ``images``: a name one of the ceiling's wildcards matches, for what the kernelspec asks.
+    - ``images``: a name one of the ceiling's wildcards matches, for what the kernelspec asks;
+    - ``roots``: a folder within one the ceiling lists, for what the kernelspec asks.
     """
     found = []
     for name, trait in sorted(settings.traits(bound=lambda bound: bound is not None).items()):
@@ -402,6 +409,14 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
                 found.append(
                     f"image={image!r} is not among the images the server allows kernelspecs to name "
                     f"({setting}={list(ceiling)!r}). Use one of those, or have the administrator add it."
+                )
+        elif kind == "roots":
+            root = kernelspec_config.get(name)
+            if root is not None and not _within_any(str(root), ceiling):
+                found.append(
+                    f"workspace_root={root!r} is not within the folders the server lets kernelspecs "
+                    f"mount ({setting}={list(ceiling)!r}). Remove it from the kernelspec (the notebook's "
+                    "folder is the workspace), or have the administrator allow that folder."
                 )
         elif kind == "credentials":
             named = kernelspec_config.get(name, [])

@@ -143,8 +143,19 @@ class SandboxSettings(LoggingConfigurable):
         help=f"""Host folder mounted read-write at {CONTAINER_WORKSPACE}. The kernel's working
         directory is the notebook's folder mapped into it; a notebook outside it is refused.
         When unset, the folder the kernel is started in is the workspace.
-        Default: ${WORKSPACE_ROOT_ENV}, else unset.""",
-    ).tag(kernelspec=True)
+        Default: ${WORKSPACE_ROOT_ENV}, else unset. A kernelspec may set one only within
+        `allowed_workspace_roots`.""",
+    ).tag(kernelspec=True, ceiling="allowed_workspace_roots", bound="roots")
+    allowed_workspace_roots = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Ceiling for a kernelspec's `workspace_root`: folders it may name, or name a
+        folder within. Default: none, so only the server's config (or
+        $SANDBOX_KERNEL_WORKSPACE_ROOT) chooses a root: users can write kernelspecs, and a
+        root above the notebook's folder would show the kernel the projects beside it.
+        Server config only.""",
+    )
     pass_env = List(
         Unicode(),
         default_value=["LANG", "LC_ALL", "TZ"],

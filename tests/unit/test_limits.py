@@ -287,7 +287,7 @@ def test_every_ceiling_is_declared_on_the_setting_it_bounds() -> None:
     traits = SandboxSettings.class_traits()
     bounded = {trait.metadata["ceiling"] for trait in traits.values() if "ceiling" in trait.metadata}
     ceilings = {name for name in traits if name.startswith("max_") and name != "max_pool_memory"}
-    ceilings.add("allowed_images")
+    ceilings |= {"allowed_images", "allowed_workspace_roots"}
     assert bounded == ceilings
     for name, trait in traits.items():
         if "ceiling" in trait.metadata:
@@ -300,6 +300,7 @@ def test_every_ceiling_is_declared_on_the_setting_it_bounds() -> None:
                 "domains",
                 "credentials",
                 "images",
+                "roots",
             ), name
             assert trait.metadata.get("kernelspec"), (
                 f"{name}: only what a kernelspec may choose needs a ceiling"

@@ -308,6 +308,22 @@ def test_a_kernelspec_may_name_only_images_the_server_allows(monkeypatch: pytest
     assert SandboxSettings().allowed_images == ["sandbox-kernel/*", "mine:1"]
 
 
+def test_a_kernelspec_may_set_a_workspace_root_only_within_the_allowed_ones(tmp_path: Path) -> None:
+    """The attack: a user's kernelspec widened workspace_root to the notebook's parent and
+    saw a neighbouring project."""
+    projects = tmp_path / "projects"
+    (projects / "team").mkdir(parents=True)
+    with pytest.raises(
+        ConfigurationError, match=r"workspace_root=.* is not within .*allowed_workspace_roots=\[\]"
+    ):
+        check_ceilings(SandboxSettings(), {"workspace_root": str(projects)})
+    check_ceilings(SandboxSettings(workspace_root=str(projects)), {})  # the server's own choice
+    allowed = SandboxSettings(allowed_workspace_roots=[str(projects)])
+    check_ceilings(allowed, {"workspace_root": str(projects / "team")})
+    with pytest.raises(ConfigurationError, match="is not within"):
+        check_ceilings(allowed, {"workspace_root": str(tmp_path)})
+
+
 def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_path: Path) -> None:
     from sandbox_kernel.plan import Launch, plan_sandbox
 
