@@ -554,6 +554,8 @@ class CheckApp(_SubApp):
             print(f"FAIL  kernelspec {KERNEL_NAME!r} is not installed: run `jupyter sandbox-kernel install`")
         if failures:
             self.exit(1)
+        if warning := docker_access_warning():
+            print(f"note  {warning}")
         print("This host is ready to run sandboxed kernels.")
 
     async def _check(self) -> int:
@@ -583,6 +585,21 @@ class CheckApp(_SubApp):
         except SandboxKernelError as exc:
             print(f"note  kernels cannot pause to disk here: {exc}")
         return 0
+
+
+def docker_access_warning(uid: int | None = None) -> str | None:
+    """What a server that is not root, reaching Docker through the docker group (or an
+    open socket), should know: that access is root's, for every user of that account."""
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return None
+    return (
+        f"this account (uid {uid}) reaches the Docker daemon, which is root-equivalent: whoever "
+        "runs code as it (not the sandboxed kernels) can read any file on the host, enter any "
+        "kernel's container and stop or replace it, with no audit line. Give it to no one you "
+        "would not give root; on a shared host run the server as root, or keep Docker on a "
+        "machine of its own (see the README's threat model)."
+    )
 
 
 def _human_age(seconds: float) -> str:

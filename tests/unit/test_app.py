@@ -777,3 +777,15 @@ def test_mcp_help_says_what_it_serves(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--kernel" in out
     assert "--cwd" in out
     assert "pip install 'sandbox-kernel[mcp]'" in out
+
+
+def test_docker_access_is_called_root_equivalent_for_a_server_that_is_not_root() -> None:
+    """A docker-group user read root's home folder and entered a root kernel's container:
+    `check` says so plainly to a non-root server."""
+    from sandbox_kernel.app import docker_access_warning
+
+    assert docker_access_warning(uid=0) is None
+    warning = docker_access_warning(uid=1000)
+    assert warning is not None
+    assert "uid 1000" in warning
+    assert "root-equivalent" in warning
