@@ -568,11 +568,12 @@ class ExecutionAuditor:
             }
         )
 
-    def lifecycle(self, action: str, **details: Any) -> None:
-        """Record a step of the kernel's life the host took: ``pause``, ``resume`` (with
-        how long it took, the checkpoint's size, why, or what failed)."""
+    def lifecycle(self, event: str, /, **details: Any) -> None:
+        """Record a step of the kernel's life or what the host did to it: ``start``,
+        ``restart``, ``exit``, ``shutdown``, ``pause``, ``resume`` (with how long it took,
+        the checkpoint's size, why, or what failed), ``files`` (the files API)."""
         wall = _now()
-        record = {"event": action, "time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
+        record = {"event": event, "time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
         self._write({**record, **details})
 
     def _write(self, record: dict[str, Any]) -> None:

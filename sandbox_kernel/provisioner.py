@@ -370,6 +370,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             msg = "launch_kernel() called before pre_launch()"
             raise RuntimeError(msg)
         key, scheme = self._session_key()
+        restart = self.bridge is not None
         pooled = None
         if self._pool_plan is not None and not self.connection_info:
             # Only a first start: a restart keeps the session key clients already use.
@@ -402,6 +403,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._open_egress(launch_dir)
             self._reopen()
             self._start_watchdog(container_id)
+            self._audit_start(container_id, restart)
         except BaseException as exc:
             try:
                 await self._teardown(keep_bridge=False)
@@ -426,6 +428,28 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await asyncio.to_thread(write_owner, self.runtime_dir, self._holder)
         await self._save_state()
         return self.connection_info
+
+    def audit(self, event: str, **details: Any) -> None:
+        """Write a line to the kernel's audit log for what the host did to it (the session
+        API's files, say), with this process's identity."""
+        if self._auditor is not None:
+            self._auditor.lifecycle(event, owner=server_identity(), server_uid=os.getuid(), **details)
+
+    def _audit_start(self, container_id: str, restart: bool) -> None:
+        """The audit log's line for a (re)start: which sandbox, for whom, started by which process."""
+        if self._auditor is None or self._spec is None:
+            return
+        self._auditor.lifecycle(
+            "restart" if restart else "start",
+            container=container_id[:12],
+            image=self._spec.image,
+            runtime=self._spec.runtime,
+            uid=self._spec.uid,
+            workspace=str(self._spec.workspace),
+            pooled=self.from_pool,
+            owner=server_identity(),
+            server_uid=os.getuid(),
+        )
 
     async def _start_cold(self, plan: SandboxSpec, key: bytes, scheme: str) -> tuple[Path, str]:
         """Create and start a container for this kernel: (its launch folder, its id)."""
@@ -1347,6 +1371,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 ename = "KernelDied"
                 reason = f"the kernel stopped (exit code {code}) before this execution finished"
         self._exit_cause = (ename, reason)
+        if self._auditor is not None:
+            self._auditor.lifecycle(
+                "exit", container=container_id[:12], exit_code=code, ename=ename, reason=reason
+            )
         if ename == "KernelDied":
             self.log.info("Sandboxed kernel %s stopped (%s, exit code %d)", self.kernel_id, status, code)
             if code not in (0, 128 + signal.SIGKILL, 128 + signal.SIGTERM):
@@ -1435,6 +1463,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         """Remove the container; unless restarting, also the bridge and runtime folder.
         A kernel another process took over is left to it: only the bridge goes."""
         await asyncio.to_thread(self._held_elsewhere_now)
+        if self._auditor is not None and not restart:
+            self._auditor.lifecycle("shutdown", owner=server_identity(), server_uid=os.getuid())
         await self._teardown(keep_bridge=restart)
         if restart and self._auditor is not None and self.taken_over is None:
             # Requests from now on wait for the next kernel, as with a local one.

@@ -72,12 +72,26 @@ MESSAGE_ALLOWANCE = 8192
 TRUNCATION_NOTICE = "[sandbox-kernel] Output truncated"
 DROPPED_MARKER = "of output dropped: over "
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+#: Terminal control sequences (ECMA-48) in their 7-bit (ESC ...) and 8-bit (C1) forms,
+#: then every control character left but newline, tab and carriage return.
+_ANSI = re.compile(
+    # CSI: colours, cursor moves, screen erases.
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    # OSC (titles, OSC 8 links, OSC 52 clipboard), DCS, SOS, PM, APC: up to BEL or ST,
+    # or, unterminated, to the next ESC or the end (a terminal would swallow it all).
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+    # Any other escape: ESC ( B, ESC 7, ESC c (a full reset)...
+    r"|\x1b[ -/]*[0-~]"
+    # C0 controls but \t \n \r, DEL, and C1 controls (which some terminals obey in UTF-8).
+    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]"
+)
 
 
 def strip_ansi(text: str) -> str:
-    """``text`` without terminal escape sequences (IPython colours its tracebacks, pip its
-    errors)."""
+    """``text`` without terminal control sequences: colours (IPython colours its
+    tracebacks, pip its errors), but also whatever else kernel code prints for a terminal
+    to obey (OSC 52 writes the clipboard, OSC 8 hides a link's target, C1 controls), and
+    every other control character but newline, tab and carriage return."""
     return _ANSI.sub("", text)
 
 
@@ -642,13 +656,18 @@ class AsyncSessionFiles:
     async def upload(self, path: str, data: bytes | str) -> str:
         """Write ``data`` to ``path`` (replacing it at once); the path in the sandbox."""
         files = await self._session._workspace_files()
-        return await asyncio.to_thread(files.upload, path, data)
+        written = await asyncio.to_thread(files.upload, path, data)
+        self._audit("upload", written, len(data))
+        return written
 
     async def download(self, path: str, max_bytes: int | None = None) -> bytes:
         files = await self._session._workspace_files()
         if max_bytes is None:
-            return await asyncio.to_thread(files.download, path)
-        return await asyncio.to_thread(files.download, path, max_bytes)
+            data = await asyncio.to_thread(files.download, path)
+        else:
+            data = await asyncio.to_thread(files.download, path, max_bytes)
+        self._audit("download", path, len(data))
+        return data
 
     async def list(self, path: str = ".") -> list[FileInfo]:
         files = await self._session._workspace_files()
@@ -657,6 +676,13 @@ class AsyncSessionFiles:
     async def delete(self, path: str, recursive: bool = False) -> None:
         files = await self._session._workspace_files()
         await asyncio.to_thread(files.delete, path, recursive)
+        self._audit("delete", path, recursive=recursive)
+
+    def _audit(self, action: str, path: str, size: int | None = None, **details: Any) -> None:
+        """An audit line for what the host did in the kernel's workspace."""
+        provisioner = self._session._manager().provisioner
+        if isinstance(provisioner, SandboxProvisioner):
+            provisioner.audit("files", action=action, path=path, bytes=size, **details)
 
 
 class SandboxSession:

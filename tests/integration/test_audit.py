@@ -165,3 +165,42 @@ def test_debug_requests_never_reach_the_kernel(
     assert refused[2]["code"] == write
     assert refused[3]["msg_type"] == "execute_request"
     assert refused[3]["channel"] == "control"
+
+
+def test_a_kernels_life_and_the_hosts_file_operations_are_audited(
+    jupyter_dirs: Path, workspace: Path, tmp_path: Path
+) -> None:
+    """Start, restart, shutdown and the files API's uploads, downloads and deletes each
+    leave a line saying which process did it (they left none)."""
+    from sandbox_kernel import SandboxSession
+    from sandbox_kernel.ownership import server_identity
+
+    log = tmp_path / "audit.jsonl"
+    with SandboxSession(
+        KERNEL, cwd=workspace, config={"SandboxProvisioner": {"audit_log": str(log)}}
+    ) as sandbox:
+        sandbox.files.upload("in.csv", b"a,b\n1,2\n")
+        assert sandbox.files.download("in.csv") == b"a,b\n1,2\n"
+        sandbox.files.delete("in.csv")
+        sandbox.restart()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [(line["event"], line.get("action")) for line in lines if line["event"] != "execute"]
+    assert events[:6] == [
+        ("start", None),
+        ("files", "upload"),
+        ("files", "download"),
+        ("files", "delete"),
+        ("exit", None),  # the first container, stopped for the restart
+        ("restart", None),
+    ], events
+    # The shutdown's request and the kernel's end, in whichever order they meet.
+    assert sorted(events[6:]) == [("exit", None), ("shutdown", None)], events
+    for line in lines:
+        if line["event"] in ("start", "files", "restart", "shutdown"):
+            assert line["owner"] == server_identity()
+            assert line["server_uid"] == os.getuid()
+    start = lines[0]
+    assert start["image"] == "sandbox-kernel/python:latest"
+    assert start["workspace"] == str(workspace)
+    upload = next(line for line in lines if line.get("action") == "upload")
+    assert (upload["path"], upload["bytes"]) == ("/workspace/in.csv", 8)
