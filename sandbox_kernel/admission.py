@@ -28,6 +28,7 @@ from jupyter_core.application import JupyterApp
 from traitlets.config import Config
 
 from .errors import ConfigurationError
+from .plan import kernelspec_config
 
 #: The provisioner's entry point (pyproject.toml), as a kernelspec names it.
 PROVISIONER_NAME = "sandbox-provisioner"
@@ -119,7 +120,9 @@ def require_sandboxed(
                 "or choose another (see `jupyter kernelspec list`)."
             )
             raise ConfigurationError(msg) from None
-    if not uses_sandbox(kernel_spec):
+    if uses_sandbox(kernel_spec):
+        kernelspec_config(kernel_spec, kernel_name)  # a broken one: a clear error, not jupyter_client's TypeError
+    else:
         msg = (
             f"Kernelspec {kernel_name!r} ({getattr(kernel_spec, 'display_name', '')}) does not run its "
             f"kernels in the sandbox (its metadata.kernel_provisioner is not {PROVISIONER_NAME!r}): "

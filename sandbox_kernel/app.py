@@ -56,7 +56,7 @@ KERNEL_NAME = "sandboxed-python"
 RECIPE_LABEL = "io.sandbox-kernel.recipe"
 DEBIAN_BASE = "sandbox-kernel-base:bookworm"
 #: What jupyter_client accepts as a kernel name (the kernelspec's folder).
-KERNEL_NAME_RE = re.compile(r"^[a-z0-9._-]+$", re.IGNORECASE)
+KERNEL_NAME_RE = re.compile(r"^[a-z0-9_-][a-z0-9._-]*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,8 @@ class _InstallBase(_SubApp):
         if not KERNEL_NAME_RE.match(self.kernel_name):
             self.fail(
                 f"--name {self.kernel_name!r} is not a kernel name: use only ASCII letters, digits, "
-                "'-', '.' and '_' (it names the kernelspec's folder), e.g. --name py-small"
+                "'-', '.' and '_', not starting with '.' (it names the kernelspec's folder), "
+                "e.g. --name py-small"
             )
         source = data_path("kernelspecs") / RECIPES[self.recipe].kernelspec
         spec = json.loads((source / "kernel.json").read_text())

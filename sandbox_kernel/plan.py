@@ -497,10 +497,23 @@ class Plan:
     warnings: tuple[str, ...] = ()
 
 
-def kernelspec_config(kernel_spec: Any) -> dict[str, Any]:
-    """The settings a kernelspec chooses (``metadata.kernel_provisioner.config``)."""
+def kernelspec_config(kernel_spec: Any, kernel_name: str = "") -> dict[str, Any]:
+    """The settings a kernelspec chooses (``metadata.kernel_provisioner.config``).
+
+    Raises:
+        ConfigurationError: that is not an object of settings.
+    """
     metadata = getattr(kernel_spec, "metadata", {}) or {}
-    return dict(metadata.get("kernel_provisioner", {}).get("config", {}))
+    provisioner = metadata.get("kernel_provisioner", {}) if isinstance(metadata, Mapping) else None
+    config = provisioner.get("config", {}) if isinstance(provisioner, Mapping) else None
+    if not isinstance(config, Mapping):
+        name = kernel_name or getattr(kernel_spec, "name", "") or getattr(kernel_spec, "display_name", "")
+        msg = (
+            f"Kernelspec {name!r}: metadata.kernel_provisioner.config must be an object of settings "
+            f'(like {{"memory": "1g"}}), not {config!r}.'
+        )
+        raise ConfigurationError(msg)
+    return dict(config)
 
 
 def check_settings(settings: SandboxSettings, config: Mapping[str, Any], kernel_name: str) -> None:

@@ -114,3 +114,14 @@ def test_in_the_sandbox_the_launcher_argv_is_the_kernel_itself() -> None:
         CONTAINER_CONNECTION_FILE,
         "--debug",
     ]
+
+
+def test_a_kernelspec_whose_provisioner_config_is_not_an_object_is_refused_clearly() -> None:
+    """A list as the provisioner's config made jupyter_client raise a raw TypeError."""
+    folder = Path(os.environ["JUPYTER_DATA_DIR"]) / "kernels" / "listy"
+    folder.mkdir(parents=True)
+    spec = json.loads((data_path("kernelspecs") / "sandboxed-python" / "kernel.json").read_text())
+    spec["metadata"]["kernel_provisioner"]["config"] = ["memory", "1g"]
+    (folder / "kernel.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigurationError, match=r"'listy'.*config must be an object of settings"):
+        sandboxed_manager("listy")

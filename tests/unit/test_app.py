@@ -297,7 +297,7 @@ def test_unknown_options_are_refused_through_the_main_command_too(
     assert not (tmp_path / "share").exists()
 
 
-@pytest.mark.parametrize("name", ["bad/name", "a b", "../up", "naïve", ""])
+@pytest.mark.parametrize("name", ["bad/name", "a b", "../up", "naïve", "", "..", ".", ".hidden"])
 def test_install_refuses_a_bad_name_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
 ) -> None:
@@ -306,8 +306,8 @@ def test_install_refuses_a_bad_name_in_one_line(
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert err == (
-        f"error: --name {name!r} is not a kernel name: use only ASCII letters, digits, '-', '.' and '_' "
-        "(it names the kernelspec's folder), e.g. --name py-small\n"
+        f"error: --name {name!r} is not a kernel name: use only ASCII letters, digits, '-', '.' and '_', "
+        "not starting with '.' (it names the kernelspec's folder), e.g. --name py-small\n"
     )
     assert not (tmp_path / "share").exists()
 
