@@ -121,7 +121,8 @@ def require_sandboxed(
             )
             raise ConfigurationError(msg) from None
     if uses_sandbox(kernel_spec):
-        kernelspec_config(kernel_spec, kernel_name)  # a broken one: a clear error, not jupyter_client's TypeError
+        # A broken config: a clear error here, not jupyter_client's TypeError later.
+        kernelspec_config(kernel_spec, kernel_name)
     else:
         msg = (
             f"Kernelspec {kernel_name!r} ({getattr(kernel_spec, 'display_name', '')}) does not run its "
