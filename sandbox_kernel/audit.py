@@ -154,6 +154,11 @@ class PendingExecution:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+#: The metadata key in which jupyter_server (see :mod:`~.server_audit`) puts the user it
+#: authenticated, over anything the client wrote there.
+AUTHENTICATED_USER = "sandbox_kernel_user"
+
+
 def bounded(text: str, whole: int = _CODE_WHOLE, kept: int = _CODE_KEPT) -> str:
     """``text`` if at most ``whole`` characters, else its first and last ``kept`` with a
     marker between saying how much was left out (code also gets its hash beside it:
@@ -335,6 +340,9 @@ class ExecutionAuditor:
             return True
         content = load_dict(parts[4], limit=None)
         fields = request_fields(content)
+        vouched = load_dict(parts[3]).get(AUTHENTICATED_USER)
+        if isinstance(vouched, str):  # jupyter_server's, over the client's (see server_audit)
+            fields["user_authenticated"] = _field(vouched)
         pending = PendingExecution(
             started=time.monotonic(),
             wall=_now(),

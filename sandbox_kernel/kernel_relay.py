@@ -145,8 +145,14 @@ class Relay:
             if name != "iopub":
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # the bridge reconnects as itself
             _unlink(path)
-            sock.bind(f"ipc://{path}")
-            os.chmod(path, 0o666)  # noqa: S103 - the host's bridge may be another user
+            # Made 0666 by the umask, not by a chmod after the bind: the host's bridge may
+            # be another user, and once every socket exists the host seals the folder,
+            # after which the kernel's uid may change nothing there (a chmod then failed).
+            previous = os.umask(0o111)
+            try:
+                sock.bind(f"ipc://{path}")
+            finally:
+                os.umask(previous)
             self.host_side[name] = sock
 
     def close(self) -> None:

@@ -34,6 +34,7 @@ from .cgroups import memory_usage
 from .errors import SandboxKernelError
 from .limits import size_bytes
 from .provisioner import LimitStop, SandboxProvisioner
+from .server_audit import use_audited_connections
 
 RUNTIME = "gVisor"
 #: Which limit each kind of stop is, in the words the status bar uses ("stopped: memory limit").
@@ -143,3 +144,5 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     handlers = [(pattern, KernelSandboxHandler, {"gauge": MemoryGauge()})]
     web_app.add_handlers(".*$", handlers)  # type: ignore[no-untyped-call]  # untyped upstream
     serverapp.log.info("sandbox-kernel: kernel status at %s", pattern)
+    if use_audited_connections(web_app.settings):
+        serverapp.log.info("sandbox-kernel: the audit log names each kernel connection's authenticated user")

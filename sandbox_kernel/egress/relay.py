@@ -95,14 +95,17 @@ def bind_unix(socket_path: str) -> socket.socket:
     except FileNotFoundError:
         pass
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The host side connects, possibly as another user than the kernel's: 0666 by the
+    # umask, as the file appears (the host may seal the folder as soon as it exists).
+    previous = os.umask(0o111)
     try:
         unix.bind(socket_path)
-        # The host side connects, possibly as another user than the kernel's.
-        os.chmod(socket_path, 0o666)  # noqa: S103
         unix.listen(64)
     except OSError:
         unix.close()
         raise
+    finally:
+        os.umask(previous)
     return unix
 
 

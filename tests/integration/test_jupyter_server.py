@@ -198,6 +198,16 @@ async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Ser
         assert (status, out) == ("ok", "saved\n")
     finally:
         server.api("DELETE", f"/api/sessions/{session['id']}")
+    # The audit log names the user the server authenticated, beside the header's claim.
+    log = Path(os.environ["JUPYTER_DATA_DIR"]) / "sandbox-kernel" / "audit.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    clients = {line["user"] for line in lines if line["event"] == "client"}
+    executions = [line for line in lines if line["event"] == "execute" and line["kernel_id"] == kernel_id]
+    assert clients and executions  # (a token without a cookie: a fresh user per connection)
+    for line in executions:
+        assert line["username_claimed"] == "analyst"
+        assert line["user_authenticated"] in clients
+        assert line["user_authenticated"] != "analyst"
 
 
 @pytest.mark.parametrize("command", SERVER_COMMANDS)
