@@ -19,8 +19,11 @@
 #   Ctrl-C raises ``KeyboardInterrupt``. An allocation gVisor refuses outright (larger
 #   than the limit) raises it as well. Not an address-space limit: that fails the first
 #   allocation past it in whichever thread makes it, and ZeroMQ's threads abort the
-#   kernel when theirs fails. One allocation made in C that fills the rest (a
-#   ``numpy.ones`` of most of the limit) is beyond reach: the watchdog's kill remains.
+#   kernel when theirs fails. Never inside an import (a module half-initialised by it
+#   could not be imported again): the cell is stopped once the import is over. One call
+#   made in C that fills the rest while holding the GIL (a ``numpy.ones`` of most of the
+#   limit, ``list(range(10**9))``, ``dict.fromkeys``, a huge ``str.join``) is beyond reach:
+#   the watch thread cannot run until it returns, and the watchdog's kill remains.
 # - Code that tries a network the kernel does not have learns it in one line: a name that
 #   does not resolve says the kernel's network policy, and errors that carry it (or the
 #   egress proxy's refusal) are shown as that one line instead of the library's traceback.
@@ -126,6 +129,16 @@ def _sandbox_kernel_startup() -> None:
     executing = threading.Event()
     kernel_threads = {thread.ident for thread in threading.enumerate()}
 
+    def importing(ident: int | None) -> bool:
+        # Never into an import: a module left half-initialised by the MemoryError cannot
+        # be imported again in this process ("cannot load module more than once").
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            frame = frame.f_back
+        return False
+
     def watch_memory() -> None:
         me = threading.get_ident()
         stopped_at = 0  # memory in use when cells were last stopped; 0: below the threshold
@@ -141,8 +154,12 @@ def _sandbox_kernel_startup() -> None:
                     if thread.ident not in kernel_threads and thread.ident != me
                 ]
                 if executing.is_set():  # once per cell: not again while its error is shown
-                    executing.clear()
                     targets.append(threading.main_thread().ident)
+                if any(importing(ident) for ident in targets):
+                    stopped_at = 0  # look again in a moment, once the import is done
+                    time.sleep(0.01)
+                    continue
+                executing.clear()
                 for ident in targets:
                     if ident is not None:
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(

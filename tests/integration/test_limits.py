@@ -403,3 +403,28 @@ async def test_an_idle_kernel_is_stopped_and_says_so_until_restarted(
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
+
+
+def test_the_memory_watch_never_stops_a_cell_inside_an_import(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter, workspace: Path
+) -> None:
+    """A MemoryError raised in the middle of `import numpy` left numpy unimportable for the
+    kernel's life ("cannot load module more than once per process"). A module that fills
+    memory as it loads: the cell is stopped once the import is over, and the module works."""
+    (workspace / "heavymod.py").write_text(
+        "import time\nhoard = []\n"
+        "for _ in range(52):\n    hoard.append(bytearray(16 * 2**20))\n    time.sleep(0.05)\n"
+        "done = True\n"
+    )
+    name = make_kernelspec("one-gib", config={"memory": "1g"})
+    km, kc = start_kernel(kernel_name=name)
+    result = run(kc, "import heavymod\nimport time\ntime.sleep(10)", timeout=120)
+    assert result.status == "error"
+    assert result.reply["content"]["ename"] == "MemoryError", result.reply["content"]
+    assert km.is_alive()
+    assert run_ok(
+        kc, "import sys\nprint(heavymod.done, 'heavymod' in sys.modules)\nheavymod.hoard.clear()"
+    ).split() == [
+        "True",
+        "True",
+    ]
