@@ -42,6 +42,7 @@ from .gvisor_checkpoint import IMAGES_FOLDER
 from .sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from .settings import DATASCIENCE_IMAGE
 from .trees import delete_tree, tree_size
+from .untrusted import quoted
 
 T = TypeVar("T")
 
@@ -57,6 +58,12 @@ _TRANSPORT_ERRORS = (DockerException, RequestException)
 REQUIRED_RUNTIME_ARGS = ("--network=none", "--host-uds=create", "--oci-seccomp")
 #: How long Docker may take to save a kernel's sandbox to disk, or start it from there.
 CHECKPOINT_TIMEOUT = 900
+#: Added by :meth:`DockerBackend.managed_containers` to a stopped container's inspect
+#: output: its checkpoints (name: image bytes, None where this process may not measure
+#: them), or None where Docker would not list them.
+CHECKPOINTS_KEY = "SandboxKernelCheckpoints"
+#: Docker's states of a container that does not run (a paused kernel's is one of them).
+STOPPED = ("exited", "dead")
 #: How to let Docker checkpoint containers, for errors and ``check``.
 CHECKPOINT_SETUP_HINT = (
     'Pausing a kernel needs Docker\'s experimental mode: add "experimental": true to '
@@ -371,13 +378,14 @@ class DockerBackend(SandboxBackend):
         return True
 
     async def logs(self, container_id: str, tail: int = 30) -> str:
-        """The container's last ``tail`` output lines, or "" if unavailable."""
+        """The container's last ``tail`` output lines, quoted (see :func:`~.untrusted.quoted`:
+        it is the kernel's text), or "" if unavailable."""
         client = await self.client()
         try:
             raw = await self._call(client.api.logs, container_id, tail=tail)
         except _TRANSPORT_ERRORS:
             return ""
-        return bytes(raw).decode("utf-8", "replace").strip()
+        return quoted(bytes(raw).decode("utf-8", "replace").strip())
 
     # Pausing. Docker 20.10 checkpoints containers only in experimental mode, and docker-py
     # has no call for it: the Engine API's own endpoints, through docker-py's session.
@@ -532,7 +540,28 @@ class DockerBackend(SandboxBackend):
             url = api._url("/containers/{0}/start", container_id)
             api._raise_for_status(api._post(url, params={"checkpoint": name}, timeout=CHECKPOINT_TIMEOUT))
 
-        await self._api("start the kernel's sandbox from its checkpoint", start)
+        try:
+            await self._api("start the kernel's sandbox from its checkpoint", start)
+        finally:
+            await self._discard_restore_copies(container_id, name)
+
+    async def _discard_restore_copies(self, container_id: str, name: str) -> None:
+        """Remove the folder containerd unpacked the checkpoint into to start the container
+        (it never does: each resume would leave one in its temp folder), and only that
+        one. Only root may: containerd's temp folders are root's, private to it."""
+        if os.geteuid() != 0:
+            return
+        try:
+            checkpoint = _root_dir(await self._info()) / "containers" / container_id / "checkpoints" / name
+        except (DockerOperationError, DockerUnavailableError):
+            return
+
+        def discard() -> None:
+            temp_dirs = gvisor_checkpoint.containerd_temp_dirs()
+            for folder in gvisor_checkpoint.restore_copies(temp_dirs, checkpoint):
+                _discard(folder)
+
+        await asyncio.to_thread(discard)
 
     async def remove_checkpoint(self, container_id: str, name: str) -> None:
         api = (await self.client()).api
@@ -556,20 +585,53 @@ class DockerBackend(SandboxBackend):
         return info
 
     async def managed_containers(self) -> list[dict[str, Any]]:
-        """``docker inspect`` of every sandbox-kernel container, running or not."""
+        """``docker inspect`` of every sandbox-kernel container, running or not; a stopped
+        one's with its checkpoints (under ``CHECKPOINTS_KEY``: what a judge of who may be
+        removed needs to know a paused kernel, whoever it is)."""
         client = await self.client()
         found = await self._api(
             "list containers", client.api.containers, all=True, filters={"label": LABEL_MANAGED}
         )
         result = []
+        root: Path | None = None
         for summary in found:
             try:
-                result.append(
-                    await self._api("inspect a container", client.api.inspect_container, summary["Id"])
-                )
+                attrs = await self._api("inspect a container", client.api.inspect_container, summary["Id"])
             except NotFound:
                 continue  # removed meanwhile
+            if (attrs.get("State") or {}).get("Status") in STOPPED:
+                root = root or _root_dir(await self._info())
+                attrs[CHECKPOINTS_KEY] = await self._checkpoints(str(attrs["Id"]), root)
+            result.append(attrs)
         return result
+
+    async def _checkpoints(self, container_id: str, root: Path | None = None) -> dict[str, int | None] | None:
+        """The container's checkpoints, as Docker lists them (to any process that may use
+        Docker) and, where this process may look, the images of them runsc saved in
+        Docker's folder of it (``root``: Docker's data folder): name: the image's bytes,
+        None if not measurable here. None where Docker would not say (not in experimental
+        mode, say): the container may hold a paused kernel.
+
+        Raises:
+            DockerUnavailableError: the daemon cannot be reached.
+        """
+        api = (await self.client()).api
+
+        def listed() -> Any:
+            response = api._get(api._url("/containers/{0}/checkpoints", container_id))
+            api._raise_for_status(response)
+            return response.json()
+
+        try:
+            names = await self._api("list the kernel's checkpoints", listed)
+        except (NotFound, DockerOperationError, ValueError):
+            return None
+        if not isinstance(names, list | None):
+            return None
+        found = {str(entry.get("Name")) for entry in names or [] if isinstance(entry, dict)}
+        if root is None:
+            return dict.fromkeys(found)
+        return await asyncio.to_thread(_checkpoint_sizes, root / "containers" / container_id, found)
 
     def remove_blocking(self, container_id: str) -> None:
         """Force-remove a container from the calling thread (at the process's exit, when
@@ -628,6 +690,31 @@ def _discard(folder: Path) -> None:
         delete_tree(folder)
     except OSError as exc:
         log.warning("Could not remove %s (%s); remove it by hand", folder, exc)
+
+
+def _checkpoint_sizes(container_folder: Path, names: set[str]) -> dict[str, int | None]:
+    """``names`` and the images runsc saved in ``container_folder`` (one not linked for
+    Docker yet still holds the kernel's memory; an empty folder holds none), each with
+    its bytes: runsc's image, else Docker's own checkpoint folder; None where neither is
+    readable."""
+    images = container_folder / IMAGES_FOLDER
+    try:
+        for entry in images.iterdir():
+            if not entry.is_symlink() and entry.is_dir() and any(entry.iterdir()):
+                names = names | {entry.name}
+    except OSError:
+        pass  # none, or not this process's to read
+    sizes: dict[str, int | None] = {}
+    for name in names:
+        sizes[name] = None
+        for folder in (images / name, container_folder / "checkpoints" / name):
+            try:
+                if folder.is_dir() and not folder.is_symlink():
+                    sizes[name] = tree_size(folder)
+                    break
+            except OSError:
+                continue
+    return sizes
 
 
 def _checkpoint_usage(root: Path) -> tuple[int, int | None]:

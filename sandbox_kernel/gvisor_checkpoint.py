@@ -22,8 +22,15 @@ Docker removes with the container. Docker's checkpoint folder then gets only sym
 links to the image's files: ``docker start --checkpoint`` carries the links through
 containerd, and ``runsc restore`` reads the image where it lies.
 
-What is decided here is pure, but for :func:`supports_direct_io` and :func:`link_image`,
-which touch only the folders they are given.
+containerd unpacks a checkpoint into a ``ctrd-checkpoint*`` folder of its temp folder to
+start a container from it, and never removes it (containerd 1.6, ``services/tasks/local.go``):
+each resume would leave one behind, holding links to the image (or, for Docker's own
+checkpoint, a copy of it). :func:`restore_copies` finds that folder of one checkpoint,
+and nothing else, for the backend to remove.
+
+What is decided here is pure, but for :func:`supports_direct_io`, :func:`link_image` and
+:func:`restore_copies`, which touch only the folders they are given, and
+:func:`containerd_temp_dirs`, which reads /proc.
 """
 
 from __future__ import annotations
@@ -31,11 +38,17 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 #: Where the images are kept, inside Docker's folder of the container (removed with it).
 IMAGES_FOLDER = "sandbox-kernel-checkpoints"
+#: How containerd names the folder (in its temp folder) it unpacks a checkpoint into.
+RESTORE_FOLDER_PREFIX = "ctrd-checkpoint"
+#: Files up to this size are compared whole to tell containerd's copy of a checkpoint;
+#: bigger ones (the memory pages) by their size, first and last ``_SAMPLE`` bytes.
+_WHOLE = 16 * 2**20
+_SAMPLE = 2**20
 
 
 def may_run_runsc() -> bool:
@@ -125,3 +138,91 @@ def link_image(image: Path, checkpoint: Path) -> None:
     for entry in sorted(image.iterdir()):
         if entry.is_file() and not entry.is_symlink():
             (checkpoint / entry.name).symlink_to(entry)
+
+
+def containerd_temp_dirs(proc: Path = Path("/proc")) -> list[Path]:
+    """The temp folder of each containerd on this host, as this process reaches it
+    (through ``/proc/PID/root``, so in containerd's own mount namespace): its
+    ``XDG_RUNTIME_DIR``, else ``TMPDIR``, else /tmp, as its ``os.MkdirTemp`` picks.
+    Empty where this process may not read containerd's environment (not root)."""
+    found: list[Path] = []
+    try:
+        entries = [entry for entry in proc.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return found
+    for entry in entries:
+        try:
+            if (entry / "comm").read_bytes().strip() != b"containerd":
+                continue
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.partition(b"=")[::2] for item in environ.split(b"\0") if b"=" in item)
+        base = env.get(b"XDG_RUNTIME_DIR") or env.get(b"TMPDIR") or b"/tmp"
+        found.append(entry / "root" / os.fsdecode(base).lstrip("/"))
+    return found
+
+
+def restore_copies(temp_dirs: Iterable[Path], checkpoint: Path, owner: int = 0) -> list[Path]:
+    """The folders containerd (running as ``owner``: root) unpacked Docker's
+    ``checkpoint`` folder into, in ``temp_dirs``: its ``ctrd-checkpoint*`` folders
+    holding exactly the checkpoint's entries, each the same link (how runsc's images are
+    handed over) or a file of the same bytes. Another program's folder never matches."""
+    try:
+        wanted = {entry.name: _entry(entry) for entry in checkpoint.iterdir()}
+    except OSError:
+        return []
+    if not wanted or None in wanted.values():
+        return []
+    found = []
+    for temp in temp_dirs:
+        try:
+            candidates = [entry for entry in temp.iterdir() if entry.name.startswith(RESTORE_FOLDER_PREFIX)]
+        except OSError:
+            continue
+        for folder in candidates:
+            with contextlib.suppress(OSError):
+                if _is_copy(folder, checkpoint, wanted, owner):
+                    found.append(folder)
+    return found
+
+
+def _entry(path: Path) -> tuple[str, str | int] | None:
+    """A link and its target, or a regular file and its size; None for anything else."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        return "link", os.readlink(path)
+    return ("file", info.st_size) if stat.S_ISREG(info.st_mode) else None
+
+
+def _is_copy(
+    folder: Path, checkpoint: Path, wanted: dict[str, tuple[str, str | int] | None], owner: int
+) -> bool:
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner:
+        return False
+    if {entry.name for entry in folder.iterdir()} != set(wanted):
+        return False
+    for name, kind in wanted.items():
+        if _entry(folder / name) != kind:
+            return False
+        if kind is not None and kind[0] == "file" and not _same_bytes(folder / name, checkpoint / name):
+            return False
+    return True
+
+
+def _same_bytes(copy: Path, original: Path) -> bool:
+    """Whether two files of the same size hold the same bytes (a big one: at both ends)."""
+    size = original.lstat().st_size
+    spans = [(0, size)] if size <= _WHOLE else [(0, _SAMPLE), (size - _SAMPLE, _SAMPLE)]
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(copy, flags), "rb") as a, open(os.open(original, flags), "rb") as b:
+        for offset, length in spans:
+            a.seek(offset)
+            b.seek(offset)
+            while length > 0:
+                chunk = min(length, _SAMPLE)
+                if a.read(chunk) != b.read(chunk):
+                    return False
+                length -= chunk
+    return True

@@ -10,8 +10,11 @@ provisioner start in any server, every live owner of kernels every ``REAP_INTERV
 seconds (``OrphanReaper``), and ``jupyter sandbox-kernel prune`` remove it along with
 its runtime folder. A *persistent* kernel whose owner has died waits to be adopted
 (``provisioner.json`` in its runtime folder says how to reattach) until its time-to-live
-runs out, counted from the owner's last touch. When in doubt (another host, another
-namespace, an unreadable /proc entry) a kernel is never judged orphaned.
+runs out, counted from the owner's last touch; one whose container stopped is removed
+only once Docker shows no memory image of it (a paused kernel's checkpoint: every judge
+with Docker access sees it, whatever its uid or runtime parent). When in doubt (another
+host, another namespace, an unreadable /proc entry, an owner file this process may not
+read, a checkpoint list Docker would not give) a kernel is never judged removable.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any, ClassVar
 from .backend import SandboxBackend
 from .background import BackgroundLoop
 from .cgroups import memory_usage, stat_fields
-from .docker_backend import DockerBackend
+from .docker_backend import CHECKPOINTS_KEY, STOPPED, DockerBackend
 from .errors import SandboxKernelError
 from .mounts import detach_mounts
 from .sandbox_spec import (
@@ -247,14 +250,25 @@ class SandboxedKernel:
     #: checkpoint of this many bytes (None: unknown).
     paused: bool = False
     checkpoint_size: int | None = None
+    #: The memory images Docker keeps of the stopped container (its checkpoints, by name),
+    #: as every process with Docker access sees them; None: not known (it runs, or Docker
+    #: would not say).
+    checkpoints: tuple[str, ...] | None = None
 
     @property
     def persistent(self) -> bool:
         return self.lifecycle == "persistent"
 
     @property
+    def owner_known(self) -> bool:
+        """Whether :attr:`owner` is the kernel's current owner, read from its owner file;
+        else it is only the label's server that started it (another process of its user
+        may have adopted it since), and nobody is judged gone."""
+        return self.owner_seen is not None
+
+    @property
     def owner_gone(self) -> bool:
-        return owner_is_gone(self.owner)
+        return self.owner_known and owner_is_gone(self.owner)
 
     @property
     def orphaned(self) -> bool:
@@ -275,9 +289,16 @@ class SandboxedKernel:
 
     @property
     def abandoned(self) -> bool:
-        """A persistent kernel whose container stopped while no server held it (not one
-        paused to disk: it waits to be adopted and resumed)."""
-        return self.persistent and self.owner_gone and self.state in ("exited", "dead") and not self.paused
+        """A persistent kernel whose container stopped while no server held it, and of
+        which Docker keeps no memory image (a paused one waits to be adopted and resumed;
+        one whose checkpoints are unknown may be paused)."""
+        return (
+            self.persistent
+            and self.owner_gone
+            and self.state in STOPPED
+            and not self.paused
+            and self.checkpoints == ()
+        )
 
     @property
     def removable(self) -> bool:
@@ -298,6 +319,8 @@ class SandboxedKernel:
             return "pooled" if self.pool_ready else "pooled, starting"
         if self.paused:
             return "paused, detached" if self.detached else "paused"
+        if not self.owner_known and owner_is_gone(self.owner):
+            return f"{self.state}, owner unknown"  # its starter is gone; who holds it now, unreadable here
         return self.state
 
     @property
@@ -340,12 +363,21 @@ class SandboxedKernel:
                 pooled, kernel_id = True, ""
                 pool_ready = runtime_dir is not None and (runtime_dir / POOL_READY_FILE).exists()
         paused: dict[str, Any] | None = None
-        if state.get("Status") == "exited":  # paused to disk? Its saved state says so.
+        images = attrs.get(CHECKPOINTS_KEY) if state.get("Status") in STOPPED else None
+        checkpoints: dict[str, int | None] | None = None
+        if isinstance(images, dict):
+            checkpoints = {str(name): n if isinstance(n, int) else None for name, n in images.items()}
+        if state.get("Status") in STOPPED:  # paused to disk? Its saved state says so, to its user...
             runtime_dir = own_runtime_dir(labels.get(LABEL_RUNTIME_DIR, ""))
             saved = (read_state(runtime_dir) or {}) if runtime_dir is not None else {}
             info = saved.get("provisioner_info") or {}
             if info.get("container_id") == attrs.get("Id") and isinstance(info.get("paused"), dict):
-                paused = info["paused"]
+                paused = dict(info["paused"])
+            if paused is None and checkpoints:  # ... and Docker's checkpoints to every judge
+                name = max(checkpoints)  # (named sk-<seconds>-<random>: the newest)
+                paused = {"checkpoint": name, "size": checkpoints[name]}
+            if paused is not None and not isinstance(paused.get("size"), int) and checkpoints:
+                paused["size"] = checkpoints.get(str(paused.get("checkpoint")))
         return cls(
             container_id=str(attrs.get("Id", "")),
             kernel_id=kernel_id,
@@ -366,6 +398,7 @@ class SandboxedKernel:
             pool_ready=pool_ready,
             paused=paused is not None,
             checkpoint_size=paused.get("size") if paused is not None else None,
+            checkpoints=tuple(sorted(checkpoints)) if checkpoints is not None else None,
             pid=pid if isinstance(pid, int) and pid > 0 else None,
         )
 
@@ -493,14 +526,9 @@ async def _prune(
     only_own: bool = False,
 ) -> list[SandboxedKernel]:
     kernels = await list_kernels(docker_backend)
-    doomed = [
-        k
-        for k in kernels
-        # Unattended, judge only kernels of this uid whose owner file could be read: one
-        # in another user's folder may have been adopted by a process the label does
-        # not name.
-        if k.removable and (not only_own or (k.server_uid == os.getuid() and k.owner_seen is not None))
-    ]
+    # Unattended, judge only kernels of this uid (what is removable was judged from the
+    # owner file, which names who holds it now).
+    doomed = [k for k in kernels if k.removable and (not only_own or k.server_uid == os.getuid())]
     for kernel in doomed:
         log.warning(
             "Removing %s %s: its server %s is gone",

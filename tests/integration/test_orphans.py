@@ -17,8 +17,10 @@ import pytest
 from sandbox_kernel import ownership
 from sandbox_kernel.app import SandboxKernelApp
 from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState, KernelStarter, run_ok
+from .test_pause import pause_and_leave
 
 SERVER = """
 import sys, jupyter_client
@@ -195,3 +197,45 @@ def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
     finally:
         cli("stop", lasting_id)
     assert not lasting_dir.exists()
+
+
+def test_prune_still_removes_the_provably_abandoned_with_their_memory(
+    jupyter_dirs: Path,
+    workspace: Path,
+    tmp_path: Path,
+    docker_client: docker.DockerClient,
+    capsys: pytest.CaptureFixture[str],
+    make_kernelspec: Callable[..., str],
+) -> None:
+    """What no judge may take for abandoned (a paused persistent kernel, see test_pause)
+    does not shield what is: an ephemeral kernel paused by a program that then died is an
+    orphan, removed with its memory image; a persistent kernel whose container stopped
+    with no image of it while no server held it is abandoned."""
+    before = HostState(docker_client)
+    persistent = make_kernelspec("py-lasting-stopped", config={"lifecycle": "persistent"})
+    _, stopped_id, stopped_dir = start_doomed_server(workspace, persistent)
+    # (Its first kernel start sweeps too: the persistent kernel is still running then.)
+    paused_id = pause_and_leave(tmp_path, KERNEL, workspace)
+    (paused,) = docker_client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={paused_id}"})
+    assert paused.status == "exited"
+    container_folder = Path("/var/lib/docker/containers", paused.id)
+    (stopped,) = docker_client.containers.list(filters={"label": f"{LABEL_KERNEL_ID}={stopped_id}"})
+    stopped.kill()  # its sandbox ended with no server, and nothing of its memory was saved
+    stopped.wait(timeout=30)
+    cli("list", "--json")
+    listed = {k["kernel_id"]: k for k in json.loads(capsys.readouterr().out)}
+    assert (listed[paused_id]["status"], listed[paused_id]["paused"]) == ("orphaned", True)
+    assert (listed[stopped_id]["status"], listed[stopped_id]["checkpoints"]) == ("exited, abandoned", [])
+
+    cli("prune")
+
+    out = capsys.readouterr().out
+    assert f"Removed kernel {paused_id} (container " in out
+    assert f"Removed kernel {stopped_id} (container " in out
+    for kernel_id in (paused_id, stopped_id):
+        label = {"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        assert docker_client.containers.list(all=True, ignore_removed=True, filters=label) == []
+    if os.getuid() == 0:
+        assert not container_folder.exists(), "the orphan's memory image went with it"
+    assert not stopped_dir.exists()
+    assert before.new_leftovers() == []

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -18,9 +21,11 @@ from jupyter_client import KernelManager
 from jupyter_core.utils import run_sync
 from traitlets.config import Config
 
-from sandbox_kernel import SandboxSession
+from sandbox_kernel import SandboxSession, ownership
 from sandbox_kernel.errors import PauseError
-from sandbox_kernel.reattach import reattach_kernel_blocking
+from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
+from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KernelStarter, run, run_ok
 
@@ -48,6 +53,21 @@ def _audit(jupyter_dirs: Path, kernel_id: str) -> list[dict[str, object]]:
     path = Path(os.environ["JUPYTER_DATA_DIR"]) / "sandbox-kernel" / "audit.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     return [line for line in lines if line.get("kernel_id") == kernel_id]
+
+
+def restore_leftovers(container_id: str) -> list[str]:
+    """The ``ctrd-checkpoint*`` folders in the host's temp folder holding what containerd
+    unpacked of one of this container's checkpoints to start it from there (links to
+    the image, or a copy of it): containerd never removes them."""
+    found = []
+    for folder in Path("/tmp").glob("ctrd-checkpoint*"):
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        if any(entry.is_symlink() and container_id in os.readlink(entry) for entry in entries):
+            found.append(str(folder))
+    return found
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -92,6 +112,7 @@ def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
     assert km.provisioner.paused is None
     assert not image.exists(), "a resumed kernel's image is removed"
     assert not pages.exists()
+    assert restore_leftovers(km.provisioner.container_id) == [], "containerd's copy of the image is removed"
     events = [line for line in _audit(jupyter_dirs, km.kernel_id) if line["event"] in ("pause", "resume")]
     assert [line["event"] for line in events] == ["pause", "resume"]
     assert events[0]["checkpoint_bytes"] == paused.size
@@ -185,7 +206,10 @@ _PAUSE_AND_LEAVE = """
 import os, sys
 from jupyter_client import KernelManager
 from jupyter_core.utils import run_sync
-km = KernelManager(kernel_name=sys.argv[1])
+from traitlets.config import Config
+# argv: kernelspec, workspace, and the server's runtime_parent if it sets one
+config = Config({"SandboxProvisioner": {"runtime_parent": sys.argv[3]}} if len(sys.argv) > 3 else {})
+km = KernelManager(kernel_name=sys.argv[1], config=config)
 km.start_kernel(cwd=sys.argv[2])
 kc = km.client()
 kc.start_channels()
@@ -198,18 +222,27 @@ os._exit(0)  # gone without a word: the paused kernel waits for whoever adopts i
 """
 
 
+def pause_and_leave(
+    tmp_path: Path, kernelspec: str, workspace: Path, runtime_parent: Path | None = None
+) -> str:
+    """The id of a kernel that a program (with the server setting ``runtime_parent``, if
+    given) started, set ``x = 42`` in, paused, and then left by dying."""
+    script = tmp_path / "owner.py"
+    script.write_text(_PAUSE_AND_LEAVE)
+    argv = [sys.executable, str(script), kernelspec, str(workspace)]
+    done = subprocess.run(
+        argv + ([str(runtime_parent)] if runtime_parent else []), capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="restarting dockerd needs root (CI runs as root)")
 def test_a_paused_persistent_kernel_survives_a_dockerd_restart_and_is_adopted(
     make_kernelspec: Callable[..., str], workspace: Path, tmp_path: Path, docker_client: docker.DockerClient
 ) -> None:
     name = make_kernelspec("py-persistent-pausing", config={"lifecycle": "persistent"})
-    script = tmp_path / "owner.py"
-    script.write_text(_PAUSE_AND_LEAVE)
-    done = subprocess.run(
-        [sys.executable, str(script), name, str(workspace)], capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr
-    kernel_id = done.stdout.strip()
+    kernel_id = pause_and_leave(tmp_path, name, workspace)
 
     subprocess.run(["bash", str(ROOT / ".ci/dockerd"), "restart"], check=True, timeout=180)
     _cli("prune")  # what every server start does: a paused kernel is not abandoned
@@ -286,3 +319,133 @@ def test_a_pause_that_fails_once_the_sandbox_stopped_ends_the_kernel_saying_so_a
     km.restart_kernel(now=True)
     kc.wait_for_ready(timeout=60)
     assert run_ok(kc, "print(open('results.txt').read(), 'x' in globals())").strip() == "kept False"
+
+
+#: A process of another local user in the docker group (one not running as root: the
+#: runtime folders of root's kernels are closed to it), judging as its first kernel
+#: start's orphan sweep does, then listing: argv is the docker group's gid. Python's own
+#: files are root's here, so what it needs is imported before it lets go of root.
+_ANOTHER_USERS_SWEEP = """
+import asyncio, concurrent.futures.thread, json, os, sys
+import docker
+from sandbox_kernel.docker_backend import DockerBackend
+from sandbox_kernel.ownership import list_kernels, prune_orphans
+docker.from_env().close()
+os.setgroups([int(sys.argv[1])])
+os.setgid(54321)
+os.setuid(54321)
+removed = asyncio.run(prune_orphans(DockerBackend()))
+kernels = asyncio.run(list_kernels(DockerBackend()))
+status = {k.kernel_id: k.status for k in kernels}
+print(json.dumps({"removed": [k.kernel_id for k in removed], "status": status}))
+"""
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0, reason="judges of other users and runtime parents are set up as root (CI's)"
+)
+def test_no_judge_removes_a_paused_persistent_kernel_and_it_resumes_with_its_memory(
+    make_kernelspec: Callable[..., str],
+    workspace: Path,
+    tmp_path: Path,
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+    start_kernel: KernelStarter,
+) -> None:
+    """Issue #21: a paused persistent kernel was known as paused only from a state file
+    its own uid with the same runtime_parent could read. Root's documented cron `prune`
+    (with the default runtime parent or another), another process's first kernel start,
+    the reaper, and another user's process each took it for "exited, abandoned" and
+    removed it with its memory ("server ... is gone"). Each sees it paused now, from what
+    Docker shows every judge (its stopped container's checkpoint), leaves it and its
+    image alone, and it resumes with its memory."""
+    name = make_kernelspec("py-persistent-judged", config={"lifecycle": "persistent"})
+    # Short paths: the kernels' unix sockets live there.
+    theirs, other = (Path(tempfile.mkdtemp(prefix="sk-rp-")) for _ in range(2))
+    for parent in (theirs, other):
+        parent.chmod(0o755)
+    kernel_id = ""
+    try:
+        kernel_id = pause_and_leave(tmp_path, name, workspace, runtime_parent=theirs)
+        (container,) = docker_client.containers.list(
+            all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+        )
+        (checkpoint,) = _checkpoints(docker_client, container.id)
+        pages = Path("/var/lib/docker/containers", container.id, "sandbox-kernel-checkpoints", checkpoint)
+        image = {entry.name: entry.stat().st_size for entry in pages.iterdir()}
+        assert image.get("pages.img", 0) > 0
+
+        def intact(judge: str) -> None:
+            container.reload()  # (NotFound once removed)
+            assert container.status == "exited", judge
+            assert _checkpoints(docker_client, container.id) == [checkpoint], judge
+            assert {entry.name: entry.stat().st_size for entry in pages.iterdir()} == image, judge
+
+        # (a) Root's prune, as its cron runs it: the default runtime parent, and another.
+        assert kernel_id not in _cli("prune").stdout
+        intact("root's prune")
+        assert kernel_id not in _cli("prune", f"--PruneApp.runtime_parent={other}").stdout
+        intact("root's prune with another runtime parent")
+        # (b) Another process's first kernel start, with its own runtime parent: its sweep;
+        # (c) and its reaper, every interval while it has a kernel.
+        rounds: list[bool] = []
+        prune = ownership._prune
+
+        async def counted(*args: Any, **kwargs: Any) -> list[ownership.SandboxedKernel]:
+            rounds.append(bool(kwargs.get("only_own")))
+            return await prune(*args, **kwargs)
+
+        monkeypatch.setattr(ownership, "_prune", counted)
+        monkeypatch.setattr(ownership, "REAP_INTERVAL", 0.5)
+        monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh process
+        km, _ = start_kernel(config=Config({"SandboxProvisioner": {"runtime_parent": str(other)}}))
+        assert False in rounds, "the start swept orphans"
+        deadline = time.monotonic() + 30
+        while rounds.count(True) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rounds.count(True) >= 2, "the reaper ran"
+        km.shutdown_kernel(now=True)
+        intact("another process's sweep and reaper")
+        # Another local user in the docker group: its sweep, and what its `list` says.
+        group = str(os.stat("/var/run/docker.sock").st_gid)
+        done = subprocess.run(
+            [sys.executable, "-c", _ANOTHER_USERS_SWEEP, group], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        said = json.loads(done.stdout)
+        assert kernel_id not in said["removed"]
+        assert said["status"][kernel_id] == "paused"
+        intact("another user's sweep")
+
+        row = {row["kernel_id"]: row for row in json.loads(_cli("list", "--json").stdout)}[kernel_id]
+        assert (row["status"], row["paused"], row["checkpoint_size"]) == (
+            "paused, detached",
+            True,
+            sum(image.values()),
+        )
+        assert row["checkpoints"] == [checkpoint]
+
+        km = reattach_kernel_blocking(run_sync(saved_state)(kernel_id, runtime_parent=str(theirs)))
+        kc = km.client()
+        kc.start_channels()
+        try:
+            assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
+            assert restore_leftovers(container.id) == []
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    finally:
+        if kernel_id:
+            for left in docker_client.containers.list(
+                all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}
+            ):
+                left.remove(force=True)
+        for parent in (theirs, other):
+            shutil.rmtree(parent, ignore_errors=True)
+
+
+def _checkpoints(client: docker.DockerClient, container_id: str) -> list[str]:
+    """The checkpoints Docker lists for a container (``docker checkpoint ls``)."""
+    api = client.api
+    listed = api._result(api._get(api._url("/containers/{0}/checkpoints", container_id)), json=True)
+    return [entry["Name"] for entry in listed or []]

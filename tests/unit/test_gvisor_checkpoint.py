@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_kernel import gvisor_checkpoint
 from sandbox_kernel.gvisor_checkpoint import (
     checkpoint_command,
+    containerd_temp_dirs,
     image_folder,
     is_state_root,
     link_image,
+    restore_copies,
     runsc_root,
     supports_direct_io,
 )
@@ -118,3 +121,95 @@ def test_only_the_root_flag_of_the_runtime_is_replaced() -> None:
     args = ["--rootless=false", "--root", "/elsewhere", "-root=/x", "--network=none"]
     command = checkpoint_command("runsc", args, "/run/r", Path("/i"), "c1", direct=False)
     assert command[:4] == ["runsc", "--rootless=false", "--network=none", "--root=/run/r"]
+
+
+# ---------------------------------------------------------------- what a resume leaves
+
+
+def test_containerds_temp_folders_are_found_in_its_own_mount_namespace(tmp_path: Path) -> None:
+    """containerd unpacks a checkpoint with Go's os.MkdirTemp(XDG_RUNTIME_DIR, ...):
+    there, else in $TMPDIR, else /tmp; reached through /proc/PID/root."""
+    proc = tmp_path / "proc"
+    for pid, comm, environ in [
+        ("101", b"containerd\n", b"PATH=/bin\0TMPDIR=/var/tmp\0"),
+        ("102", b"containerd\n", b"XDG_RUNTIME_DIR=/run/user/0\0TMPDIR=/var/tmp\0"),
+        ("103", b"containerd\n", b"XDG_RUNTIME_DIR=\0"),
+        ("104", b"containerd-shim\n", b""),
+        ("105", b"dockerd\n", b""),
+    ]:
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "comm").write_bytes(comm)
+        (proc / pid / "environ").write_bytes(environ)
+    (proc / "106").mkdir()  # gone meanwhile: nothing to read
+    (proc / "self").mkdir()
+    assert sorted(containerd_temp_dirs(proc)) == [
+        proc / "101" / "root" / "var" / "tmp",
+        proc / "102" / "root" / "run" / "user" / "0",
+        proc / "103" / "root" / "tmp",
+    ]
+    assert containerd_temp_dirs(tmp_path / "no-proc") == []
+
+
+def _checkpoint_with_links(tmp_path: Path, container: str = "c1") -> Path:
+    """Docker's folder of a checkpoint runsc saved: links to the image's files."""
+    image = tmp_path / "containers" / container / "sandbox-kernel-checkpoints" / "sk-1"
+    image.mkdir(parents=True)
+    (image / "pages.img").write_bytes(b"p" * 4096)
+    (image / "checkpoint.img").write_bytes(b"c")
+    checkpoint = tmp_path / "containers" / container / "checkpoints" / "sk-1"
+    link_image(image, checkpoint)
+    return checkpoint
+
+
+def _unpacked(temp: Path, name: str, checkpoint: Path) -> Path:
+    """What containerd unpacks of ``checkpoint`` (its tar of it: links stay links)."""
+    folder = temp / name
+    folder.mkdir(parents=True)
+    for entry in checkpoint.iterdir():
+        if entry.is_symlink():
+            (folder / entry.name).symlink_to(os.readlink(entry))
+        else:
+            shutil.copyfile(entry, folder / entry.name)
+    return folder
+
+
+def test_only_containerds_copy_of_this_checkpoint_is_found(tmp_path: Path) -> None:
+    """Each resume left a ctrd-checkpoint* folder in the host's temp folder (issue #21);
+    the one holding this checkpoint is found, never another program's."""
+    checkpoint = _checkpoint_with_links(tmp_path)
+    other = _checkpoint_with_links(tmp_path, "c2")
+    temp = tmp_path / "tmp"
+    ours = _unpacked(temp, "ctrd-checkpoint123", checkpoint)
+    theirs = _unpacked(temp, "ctrd-checkpoint456", other)  # another container's resume
+    more = _unpacked(temp, "ctrd-checkpoint789", checkpoint)
+    (more / "notes.txt").write_text("not containerd's")
+    named = _unpacked(temp, "my-checkpoint", checkpoint)  # not containerd's name
+    (temp / "ctrd-checkpoint-link").symlink_to(ours)
+    (temp / "ctrd-checkpoint-file").write_text("x")
+    uid = os.getuid()
+    assert restore_copies([temp, tmp_path / "missing"], checkpoint, owner=uid) == [ours]
+    assert restore_copies([temp], checkpoint, owner=uid + 1) == [], "only containerd's own (root's)"
+    assert restore_copies([temp], tmp_path / "no-checkpoint", owner=uid) == []
+    assert all(path.exists() for path in (ours, theirs, more, named)), "finding removes nothing"
+
+
+def test_a_copy_of_dockers_own_checkpoint_is_told_by_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Docker's own (slower) checkpoint holds the image's files themselves, and so does
+    containerd's copy: same names, sizes and bytes (a big file's at both ends)."""
+    monkeypatch.setattr(gvisor_checkpoint, "_WHOLE", 64)
+    monkeypatch.setattr(gvisor_checkpoint, "_SAMPLE", 16)
+    checkpoint = tmp_path / "checkpoints" / "sk-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "checkpoint.img").write_bytes(b"state")
+    (checkpoint / "pages.img").write_bytes(b"a" * 16 + b"m" * 100 + b"z" * 16)
+    temp = tmp_path / "tmp"
+    ours = _unpacked(temp, "ctrd-checkpoint1", checkpoint)
+    small = _unpacked(temp, "ctrd-checkpoint2", checkpoint)
+    (small / "checkpoint.img").write_bytes(b"State")
+    big = _unpacked(temp, "ctrd-checkpoint3", checkpoint)
+    (big / "pages.img").write_bytes(b"a" * 16 + b"m" * 100 + b"y" * 16)
+    assert restore_copies([temp], checkpoint, owner=os.getuid()) == [ours]
+    (checkpoint / "criu.work").mkdir()  # not a flat folder of files: nothing is told
+    assert restore_copies([temp], checkpoint, owner=os.getuid()) == []

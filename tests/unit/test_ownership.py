@@ -17,6 +17,7 @@ import pytest
 
 from sandbox_kernel import ownership
 from sandbox_kernel.background import BackgroundLoop
+from sandbox_kernel.docker_backend import CHECKPOINTS_KEY
 from sandbox_kernel.ownership import (
     OrphanReaper,
     SandboxedKernel,
@@ -227,13 +228,18 @@ def container(
     idle: float = 0,
     server_uid: int | None = None,
     owner_file: bool = True,
+    status: str = "running",
+    checkpoints: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
-    """A sandbox container as Docker inspects it, with its runtime folder and owner file."""
+    """A sandbox container as Docker inspects it, with its runtime folder and owner file;
+    a stopped one with the checkpoints Docker lists for it (None: Docker would not say)."""
     (runtime / "run1").mkdir(parents=True)
     if owner_file:
         (runtime / "owner").write_text(owner)
         os.utime(runtime / "owner", (time.time() - idle, time.time() - idle))
+    stopped = {CHECKPOINTS_KEY: checkpoints} if status != "running" else {}
     return {
+        **stopped,
         "Id": container_id,
         "Config": {
             "Labels": {
@@ -245,7 +251,7 @@ def container(
                 "io.sandbox-kernel.ttl": f"{ttl:g}",
             }
         },
-        "State": {"Status": "running", "Pid": 0},
+        "State": {"Status": status, "Pid": 0},
     }
 
 
@@ -392,12 +398,148 @@ def test_prune_removes_folders_that_a_dead_process_left_and_no_sandbox_uses(
 def test_a_paused_persistent_kernel_waits_for_adoption_and_is_never_pruned(tmp_path: Path) -> None:
     host, namespace, _, _ = server_identity().split("/")
     gone = f"{host}/{namespace}/999999999/1"
-    stopped = replace(_kernel(tmp_path / "rt", "persistent", 0, gone), state="exited")
-    assert stopped.abandoned, "a persistent kernel that stopped with no server is pruned"
+    stopped = replace(_kernel(tmp_path / "rt", "persistent", 0, gone), state="exited", checkpoints=())
+    assert stopped.abandoned, "a persistent kernel that stopped with no server, and no image of it, is pruned"
     paused = replace(stopped, paused=True, checkpoint_size=13 * 2**20)
     assert (paused.abandoned, paused.removable, paused.detached) == (False, False, True)
     assert paused.status == "paused, detached"
     assert replace(paused, owner=server_identity()).status == "paused"
+
+
+# --- what every judge sees: Docker's checkpoints, the owner file ---------------------------
+
+
+MIB = 2**20
+
+
+def test_docker_shows_every_judge_a_paused_kernel_whatever_its_runtime_parent(tmp_path: Path) -> None:
+    """Issue #21: the pause was known only from the state file of the owner's runtime
+    parent (``provisioner.json``, private to its uid): root's prune with another runtime
+    parent, another user's sweep, took a paused kernel for "exited, abandoned". Docker's
+    checkpoint list of the stopped container, which every judge with Docker access gets,
+    says it is paused."""
+    gone = dead_owner()
+    kernel = SandboxedKernel.from_inspect(
+        container(
+            "c1", tmp_path / "rt", gone, "persistent", status="exited", checkpoints={"sk-2-b": 13 * MIB}
+        )
+    )
+    assert (kernel.paused, kernel.checkpoint_size, kernel.checkpoints) == (True, 13 * MIB, ("sk-2-b",))
+    assert (kernel.abandoned, kernel.removable, kernel.detached) == (False, False, True)
+    assert kernel.status == "paused, detached"
+    newest = SandboxedKernel.from_inspect(
+        container(
+            "c2",
+            tmp_path / "rt2",
+            gone,
+            "persistent",
+            status="dead",
+            checkpoints={"sk-1-a": 1, "sk-2-b": None},
+        )
+    )
+    assert (newest.paused, newest.checkpoint_size, newest.removable) == (True, None, False)
+
+
+def test_a_stopped_persistent_kernel_is_abandoned_only_when_docker_shows_no_image_of_it(
+    tmp_path: Path,
+) -> None:
+    gone = dead_owner()
+    unknown = SandboxedKernel.from_inspect(
+        container("c1", tmp_path / "rt1", gone, "persistent", status="exited", checkpoints=None)
+    )
+    assert (unknown.paused, unknown.abandoned, unknown.removable) == (False, False, False), "it may be paused"
+    assert unknown.status == "exited, detached"
+    none = SandboxedKernel.from_inspect(
+        container("c2", tmp_path / "rt2", gone, "persistent", status="exited", checkpoints={})
+    )
+    assert (none.paused, none.checkpoints, none.abandoned, none.removable) == (False, (), True, True)
+    assert none.status == "exited, abandoned"
+    running = SandboxedKernel.from_inspect(container("c3", tmp_path / "rt3", gone, "persistent"))
+    assert (running.paused, running.checkpoints, running.removable) == (False, None, False)
+    held = SandboxedKernel.from_inspect(
+        container("c4", tmp_path / "rt4", server_identity(), "persistent", status="exited", checkpoints={})
+    )
+    assert (held.abandoned, held.removable) == (False, False), "its owner lives: its own to handle"
+
+
+def test_a_paused_kernel_the_owner_can_read_keeps_its_saved_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ownership.tempfile, "gettempdir", lambda: str(tmp_path))
+    runtime = tmp_path / "sandbox-kernel-x"
+    attrs = container(
+        "c1", runtime, dead_owner(), "persistent", status="exited", checkpoints={"sk-1-a": None}
+    )
+    runtime.chmod(0o700)
+    write_state(
+        runtime,
+        {
+            "kernel_id": "k",
+            "provisioner_info": {"container_id": "c1", "paused": {"checkpoint": "sk-1-a", "size": 7}},
+        },
+    )
+    kernel = SandboxedKernel.from_inspect(attrs)
+    assert (kernel.paused, kernel.checkpoint_size) == (True, 7)
+
+
+def test_a_label_naming_a_dead_server_is_no_proof_without_the_owner_file(tmp_path: Path) -> None:
+    """The label names the server that started the kernel; another process of its user
+    may hold it now, and only the owner file (private to that user) says so. A judge that
+    cannot read it (another user's sweep) leaves the kernel alone, and says why."""
+    kernel = SandboxedKernel.from_inspect(container("c1", tmp_path / "rt", dead_owner(), owner_file=False))
+    assert (kernel.owner_known, kernel.owner_gone, kernel.orphaned, kernel.removable) == (
+        False,
+        False,
+        False,
+        False,
+    )
+    assert kernel.status == "running, owner unknown"
+    live = SandboxedKernel.from_inspect(
+        container("c2", tmp_path / "rt2", server_identity(), owner_file=False)
+    )
+    assert live.status == "running"
+
+
+def test_prune_removes_only_what_it_can_prove_abandoned(tmp_path: Path) -> None:
+    parent = tmp_path / "runtime"
+    gone = dead_owner()
+    host = FakeHost(
+        container(
+            "paused",
+            parent / "sandbox-kernel-paused",
+            gone,
+            "persistent",
+            status="exited",
+            checkpoints={"sk-1-a": 5},
+        ),
+        container(
+            "unknown",
+            parent / "sandbox-kernel-unknown",
+            gone,
+            "persistent",
+            status="exited",
+            checkpoints=None,
+        ),
+        container("unreadable", parent / "sandbox-kernel-unreadable", gone, owner_file=False),
+        # Provably abandoned: an ephemeral kernel paused by a server that died (its image
+        # goes with it), a persistent one that stopped with no image of it.
+        container(
+            "orphan", parent / "sandbox-kernel-orphan", gone, status="exited", checkpoints={"sk-1-b": 5}
+        ),
+        container(
+            "stopped", parent / "sandbox-kernel-stopped", gone, "persistent", status="exited", checkpoints={}
+        ),
+    )
+    for folder in parent.iterdir():
+        folder.chmod(0o700)
+    removed = asyncio.run(prune_orphans(host, str(parent)))  # type: ignore[arg-type]
+    assert sorted(k.container_id for k in removed) == ["orphan", "stopped"]
+    assert sorted(host.removed) == ["orphan", "stopped"]
+    assert sorted(p.name for p in parent.iterdir()) == [
+        "sandbox-kernel-paused",
+        "sandbox-kernel-unknown",
+        "sandbox-kernel-unreadable",
+    ]
 
 
 # --- trees kernel code planted -----------------------------------------------------------

@@ -290,7 +290,7 @@ async def test_a_kernel_that_exits_at_once_fails_with_its_logs_and_leaves_nothin
     with pytest.raises(KernelStartupError, match="exit code 3") as info:
         await launch(prov, workspace)
     assert "boom" in str(info.value)
-    assert info.value.logs == "boom"
+    assert info.value.logs == "  | boom"  # quoted: the kernel's text
     (container,) = fake_client.containers_created
     assert fake_client.called("api.remove_container") == [((container.id,), {"force": True, "v": True})]
     assert fake_client.states == {}
