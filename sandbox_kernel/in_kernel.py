@@ -75,6 +75,7 @@ def _sandbox_kernel_startup() -> None:
     import sysconfig
     import threading
     import time
+    import traceback
     from typing import Any
 
     from IPython import get_ipython
@@ -215,6 +216,15 @@ def _sandbox_kernel_startup() -> None:
         return min(found, key=len) if found else None
 
     # ---------------------------------------------------------------- showing errors
+    # glibc's sem_open makes a semaphore with a hard link, which the sandbox's seccomp
+    # profile refuses (a link in the workspace could point host code at another file).
+    no_process_locks = (
+        "multiprocessing cannot create its locks in this sandbox (they need hard links, which it "
+        "refuses), so process pools (multiprocessing.Pool, ProcessPoolExecutor, joblib's default) "
+        "do not work here: use threads instead (concurrent.futures.ThreadPoolExecutor, "
+        "joblib.Parallel(prefer='threads')); numpy, pandas and scikit-learn release the GIL in "
+        "their heavy parts"
+    )
     def show(self: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
         if isinstance(value, MemoryError):
             message = memory_error_text(value)
@@ -222,6 +232,12 @@ def _sandbox_kernel_startup() -> None:
             # Some errors (numpy's) render from their own fields: show a plain one instead.
             plain = value if str(value) == message else MemoryError(message)
             self.showtraceback((type(plain), plain, tb), tb_offset=tb_offset)
+            return
+        if isinstance(value, PermissionError) and any(
+            frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "synchronize.py"))
+            for frame, _ in traceback.walk_tb(tb)
+        ):
+            self._showtraceback(etype, value, [f"{etype.__name__}: {no_process_locks}"])
             return
         cause = network_cause(value)
         if cause is None:

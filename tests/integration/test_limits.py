@@ -428,3 +428,19 @@ def test_the_memory_watch_never_stops_a_cell_inside_an_import(
         "True",
         "True",
     ]
+
+
+def test_process_pools_fail_in_one_line_that_says_what_to_use(start_kernel: KernelStarter) -> None:
+    """multiprocessing's locks need hard links, which the sandbox refuses: the analyst got a
+    PermissionError deep in SemLock; now one line pointing at threads, which work."""
+    _, kc = start_kernel()
+    result = run(kc, "import multiprocessing\nwith multiprocessing.Pool(2) as pool:\n    pool.map(abs, [-1])")
+    assert result.reply["content"]["ename"] == "PermissionError"
+    (line,) = result.reply["content"]["traceback"]
+    assert line.startswith("PermissionError: multiprocessing cannot create its locks in this sandbox")
+    assert "ThreadPoolExecutor" in line
+    threads = (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "print(list(ThreadPoolExecutor(2).map(abs, [-1, -2])))"
+    )
+    assert run_ok(kc, threads) == "[1, 2]\n"
