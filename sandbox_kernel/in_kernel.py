@@ -216,6 +216,16 @@ def _sandbox_kernel_startup() -> None:
         return min(found, key=len) if found else None
 
     # ---------------------------------------------------------------- showing errors
+    # What the data-science image adds (images/datascience/Dockerfile), by import name.
+    datascience_modules = {
+        "scipy", "sklearn", "statsmodels", "seaborn", "plotly", "nbformat", "polars",
+        "duckdb", "pyarrow", "openpyxl", "altair", "bokeh",
+    }  # fmt: skip
+    install_hint = (
+        "%pip install it (a kernel without network installs only files in its workspace), "
+        "or ask the administrator to add it to the kernel's image "
+        "(`jupyter sandbox-kernel build-image`, see the README's Images)"
+    )
     # glibc's sem_open makes a semaphore with a hard link, which the sandbox's seccomp
     # profile refuses (a link in the workspace could point host code at another file).
     no_process_locks = (
@@ -225,7 +235,17 @@ def _sandbox_kernel_startup() -> None:
         "joblib.Parallel(prefer='threads')); numpy, pandas and scikit-learn release the GIL in "
         "their heavy parts"
     )
+
     def show(self: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
+        if isinstance(value, ModuleNotFoundError) and value.name and not str(value).endswith(install_hint):
+            top = value.name.partition(".")[0]
+            where = (
+                'it is in the "Sandboxed Python (data science)" kernel (Kernel > Change Kernel); '
+                if top in datascience_modules and "datascience" not in str(policy.get("image", ""))
+                else ""
+            )
+            value.msg = f"{value.msg}: {where}{install_hint}"
+            value.args = (value.msg,)
         if isinstance(value, MemoryError):
             message = memory_error_text(value)
             value.args = (message,)
@@ -246,7 +266,7 @@ def _sandbox_kernel_startup() -> None:
         # One line: the library's forty lines of retries say nothing more.
         self._showtraceback(etype, value, [f"{etype.__name__}: {cause}"])
 
-    shell.set_custom_exc((MemoryError, OSError), show)
+    shell.set_custom_exc((MemoryError, OSError, ModuleNotFoundError), show)
     shell.events.register("pre_run_cell", lambda info: executing.set())
     shell.events.register("post_run_cell", lambda result: executing.clear())
     if memory_bytes > 0:
