@@ -111,7 +111,7 @@ REQUEST_CPU_CREDIT = 10.0
 #: says it runs (seconds).
 STATE_CHECK_INTERVAL = 30.0
 #: What a kernel's saved state says of its workspace (see ``SandboxProvisioner._layout``).
-LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid")
+LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid", "workspace_identity")
 #: Seconds in a row without the kernel's CPU time before the watchdog says it cannot
 #: limit computing outside executions.
 CPU_MISSES_TO_WARN = 10
@@ -120,6 +120,14 @@ OWNER_TOUCH_INTERVAL = 60.0
 #: After a pause the watchdog decided failed (say the disk budget is spent), how long
 #: before it tries again (seconds): it is logged, never retried twice a second.
 PAUSE_RETRY_INTERVAL = 300.0
+
+
+def _identity(spec: SandboxSpec) -> list[int] | None:
+    """(device, inode) of the host folder a sandbox mounts as its workspace (None: a volume)."""
+    if spec.volume is not None:
+        return None
+    st = os.stat(spec.workspace)
+    return [st.st_dev, st.st_ino]
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._pause_lock: asyncio.Lock | None = None
         self._wake_due: str | None = None  # what woke the kernel meanwhile
         self._next_auto_pause = 0.0
+        self._workspace_identity: list[int] | None = None
 
     # ------------------------------------------------------------------ launch
 
@@ -393,6 +402,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 BackgroundLoop.instance().submit(self._rename(container_id, self._spec.container_name))
             else:
                 launch_dir, container_id = await self._start_cold(self._spec, key, scheme)
+            self._workspace_identity = await asyncio.to_thread(_identity, self._spec)
             if not self.from_pool:  # a pooled sandbox was ready and sealed before its claim
                 sockets = expected_sockets(launch_dir, self._egress is not None, pooled=False)
                 await wait_until_ready(self.backend, container_id, sockets, self.startup_timeout, self.image)
@@ -1599,6 +1609,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             "volume": spec.volume,
             "uid": spec.uid,
             "gid": spec.gid,
+            # The folder mounted (device, inode): the files API refuses one swapped since.
+            "workspace_identity": self._workspace_identity,
         }
 
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
