@@ -444,3 +444,21 @@ def test_process_pools_fail_in_one_line_that_says_what_to_use(start_kernel: Kern
         "print(list(ThreadPoolExecutor(2).map(abs, [-1, -2])))"
     )
     assert run_ok(kc, threads) == "[1, 2]\n"
+
+
+def test_a_missing_module_says_which_kernel_has_it_and_how_to_add_one(start_kernel: KernelStarter) -> None:
+    """A bare ModuleNotFoundError did not point to the data-science kernel; and the image
+    lacked jinja2, which df.style needs."""
+    _, kc = start_kernel()
+    result = run(kc, "import sklearn")
+    evalue = result.reply["content"]["evalue"]
+    assert evalue.startswith(
+        "No module named 'sklearn': it is in the \"Sandboxed Python (data science)\" kernel"
+    )
+    assert "%pip install it" in evalue
+    result = run(kc, "import no_such_module_anywhere")
+    assert "data science" not in result.reply["content"]["evalue"]
+    assert "ask the administrator to add it to the kernel's image" in result.reply["content"]["evalue"]
+    styled = "import pandas\nprint(type(pandas.DataFrame({'a': [1]}).style.to_html()).__name__)"
+    assert run_ok(kc, styled) == "str\n"
+    assert run(kc, "import debugpy").reply["content"]["ename"] == "ModuleNotFoundError"
