@@ -21,9 +21,11 @@
 #   allocation past it in whichever thread makes it, and ZeroMQ's threads abort the
 #   kernel when theirs fails. Never inside an import (a module half-initialised by it
 #   could not be imported again): the cell is stopped once the import is over. One call
-#   made in C that fills the rest while holding the GIL (a ``numpy.ones`` of most of the
-#   limit, ``list(range(10**9))``, ``dict.fromkeys``, a huge ``str.join``) is beyond reach:
-#   the watch thread cannot run until it returns, and the watchdog's kill remains.
+#   made in C holds the GIL, so this thread cannot run until it returns: the channel relay
+#   (kernel_relay.py's MemoryClamp, another process) makes the allocations of one that
+#   keeps allocating fail (``list(range(10**9))``, a huge ``str.join``). What maps most of
+#   the limit at once and then fills it (``numpy.ones`` of most of it, the table
+#   ``dict.fromkeys`` grows near the limit) is beyond reach: the watchdog's kill remains.
 # - Code that tries a network the kernel does not have learns it in one line: a name that
 #   does not resolve says the kernel's network policy, and errors that carry it (or the
 #   egress proxy's refusal) are shown as that one line instead of the library's traceback.
@@ -65,6 +67,7 @@ def _sandbox_kernel_startup() -> None:
     import math
     import os
     import re
+    import resource
     import selectors
     import shlex
     import signal
@@ -237,6 +240,11 @@ def _sandbox_kernel_startup() -> None:
     )
 
     def show(self: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
+        if isinstance(value, MemoryError):
+            # The channel relay may have lowered the address-space limit to stop a call
+            # made in C (kernel_relay.py's MemoryClamp): lift it before showing anything.
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         if isinstance(value, ModuleNotFoundError) and value.name and not str(value).endswith(install_hint):
             top = value.name.partition(".")[0]
             where = (

@@ -16,6 +16,9 @@ host-facing sockets live in a ZeroMQ context of their own: ``SIGUSR1`` closes th
 to the egress relay, if the kernel has one (its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``),
 which holds host sockets of its own.
 
+It also stops what the kernel's own memory watch cannot (see :class:`MemoryClamp`): one
+call made in C that keeps allocating while it holds the interpreter's lock.
+
 The relay is untrusted (kernel code can kill or replace it) and enforces nothing: the
 host's bridge checks every message's signature and size. It is copied into the launch
 folder and run by the image's Python with its pyzmq (ipykernel's), standard library
@@ -33,11 +36,15 @@ kernel's status.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import zmq
@@ -217,6 +224,102 @@ def _unlink(path: str) -> None:
         pass
 
 
+def memory_bytes(policy: str) -> int:
+    """The memory limit in the kernel's policy (``SANDBOX_KERNEL_POLICY``), in bytes; 0:
+    none known. Read as in the kernel's start-up code (in_kernel.py)."""
+    try:
+        memory = str(json.loads(policy or "{}").get("memory", ""))
+    except (ValueError, AttributeError):
+        return 0
+    size = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", memory, re.IGNORECASE)
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    return int(float(size[1]) * units[size[2].lower()]) if size else 0
+
+
+class MemoryClamp:
+    """Makes the kernel's allocations fail, for a moment, once it keeps allocating past the
+    point where its own memory watch stops cells.
+
+    That watch is a thread of the kernel's interpreter: one call made in C that holds the
+    interpreter's lock while it allocates (``list(range(10**9))``, ``dict.fromkeys``, a
+    huge ``str.join``) keeps it from running until the sandbox is killed at its limit,
+    every variable lost. From this process, the kernel's parent, the clamp watches the
+    kernel's resident memory; once it has grown ``step`` past the watch's threshold (or
+    past where it was when the clamp last let go), it lowers the kernel's address-space
+    limit (RLIMIT_AS, its soft limit) to what it uses now and a little more, so that the
+    call's next allocation fails (``MemoryError``, in the cell). The kernel lifts it as it
+    shows that error (its start-up code), else the clamp does once memory is back below the
+    threshold, or after ``hold`` seconds. Not a permanent address-space limit: ZeroMQ's threads abort the
+    kernel when one of their allocations fails, which here can happen only in that moment,
+    at the edge of a limit that would end the kernel anyway. What one allocation maps at
+    once (``numpy.ones`` of most of the limit) is already mapped: out of its reach.
+    """
+
+    #: Bytes per second: more than a kernel allocates under gVisor.
+    FASTEST_GROWTH = 2 * 2**30
+
+    def __init__(self, pid: int, limit: int, hold: float = 3.0) -> None:
+        self.pid = pid
+        # As the kernel's watch (in_kernel.py): gVisor's own memory, /tmp and this relay.
+        self.threshold = limit - (96 * 2**20 + limit // 16)
+        self.step = 32 * 2**20
+        self.hold = hold
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.clamped_at: float | None = None
+        self.base = 0  # resident memory when the clamp last let go
+        #: How many times the clamp acted (for tests and the curious: the relay logs it).
+        self.clamps = 0
+
+    def usage(self) -> tuple[int, int]:
+        """(address space, resident) of the kernel, in bytes."""
+        with open(f"/proc/{self.pid}/statm", "rb") as statm:
+            size, resident = statm.read().split()[:2]
+        return int(size) * self.page, int(resident) * self.page
+
+    def look(self) -> float:
+        """One look: clamp, keep, or let go; the seconds until the next one (before the
+        fastest allocation could get there: an idle kernel far below costs a wake-up a
+        second, one near it is watched closely)."""
+        vm, rss = self.usage()
+        if self.clamped_at is None:
+            if rss < self.threshold:
+                self.base = 0
+            elif rss >= max(self.threshold, self.base) + self.step:
+                resource.prlimit(self.pid, resource.RLIMIT_AS, (vm + 16 * 2**20, self._hard()))
+                self.clamped_at = time.monotonic()
+                self.clamps += 1
+        elif soft_limit(self.pid) == self._hard():  # the kernel lifted it, showing its error
+            self.clamped_at, self.base = None, rss
+        elif rss < self.threshold or time.monotonic() - self.clamped_at >= self.hold:
+            self.release()
+            self.base = rss
+        return min(1.0, max(0.01, (self.threshold - rss) / self.FASTEST_GROWTH))
+
+    def release(self) -> None:
+        hard = self._hard()
+        resource.prlimit(self.pid, resource.RLIMIT_AS, (hard, hard))
+        self.clamped_at = None
+
+    def _hard(self) -> int:
+        return resource.prlimit(self.pid, resource.RLIMIT_AS)[1]
+
+
+    def run(self) -> None:
+        """Look until the kernel is gone."""
+        try:
+            while True:
+                time.sleep(self.look())
+        except (OSError, ValueError):  # the kernel ended (its /proc entry went)
+            return
+
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="memory-clamp", daemon=True).start()
+
+
+def soft_limit(pid: int) -> int:
+    """The soft address-space limit of process ``pid``."""
+    return resource.prlimit(pid, resource.RLIMIT_AS)[0]
+
 def main(argv: list[str]) -> int:
     try:
         channels, command = parse(argv[1:])
@@ -236,6 +339,9 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"kernel relay: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         return 127
+    limit = memory_bytes(os.environ.get("SANDBOX_KERNEL_POLICY", ""))
+    if limit > 0:
+        MemoryClamp(kernel.pid, limit).start()
     if not wait_for_ports([port for _, port in channels.values()], kernel, STARTUP_TIMEOUT):
         kernel.wait()
         return _status(kernel.returncode)

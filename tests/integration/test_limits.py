@@ -462,3 +462,29 @@ def test_a_missing_module_says_which_kernel_has_it_and_how_to_add_one(start_kern
     styled = "import pandas\nprint(type(pandas.DataFrame({'a': [1]}).style.to_html()).__name__)"
     assert run_ok(kc, styled) == "str\n"
     assert run(kc, "import debugpy").reply["content"]["ename"] == "ModuleNotFoundError"
+
+
+@pytest.mark.parametrize(
+    "bomb",
+    [
+        "x = list(range(10**9))",
+        "x = '-'.join(str(i) for i in range(10**9))",
+    ],
+    ids=["list", "join"],
+)
+def test_one_call_in_c_that_keeps_allocating_gets_a_memory_error_too(
+    bomb: str, make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """The attack: these hold the interpreter's lock, so the kernel's memory watch (a
+    thread) never ran and the sandbox was killed at its limit in ~2 s, every variable
+    lost. The channel relay, outside the interpreter, makes the call's allocations fail.
+    (``dict.fromkeys(range(10**9))`` still gets the kernel killed: near the limit it maps
+    one table larger than what is left, then fills it without allocating again.)"""
+    name = make_kernelspec("one-gib", config={"memory": "1g"})
+    km, kc = start_kernel(kernel_name=name)
+    run_ok(kc, "kept = 'kept'")
+    result = run(kc, bomb, timeout=120)
+    assert result.reply["content"]["ename"] == "MemoryError", result.reply["content"]
+    assert km.is_alive()
+    assert run_ok(kc, "print(kept)") == "kept\n"
+    assert run_ok(kc, "y = list(range(10**6))\nprint(len(y))") == "1000000\n", "allocations work again"
