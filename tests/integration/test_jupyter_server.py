@@ -202,8 +202,9 @@ async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Ser
     log = Path(os.environ["JUPYTER_DATA_DIR"]) / "sandbox-kernel" / "audit.jsonl"
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     clients = {line["user"] for line in lines if line["event"] == "client"}
-    executions = [line for line in lines if line["event"] == "execute" and line["kernel_id"] == kernel_id]
-    assert clients and executions  # (a token without a cookie: a fresh user per connection)
+    executions = [line for line in lines if line["event"] == "finished" and line["kernel_id"] == kernel_id]
+    assert clients  # (a token without a cookie: a fresh user per connection)
+    assert len(executions) == 3
     for line in executions:
         assert line["username_claimed"] == "analyst"
         assert line["user_authenticated"] in clients
