@@ -303,7 +303,6 @@ class MemoryClamp:
     def _hard(self) -> int:
         return resource.prlimit(self.pid, resource.RLIMIT_AS)[1]
 
-
     def run(self) -> None:
         """Look until the kernel is gone."""
         try:
@@ -319,6 +318,7 @@ class MemoryClamp:
 def soft_limit(pid: int) -> int:
     """The soft address-space limit of process ``pid``."""
     return resource.prlimit(pid, resource.RLIMIT_AS)[0]
+
 
 def main(argv: list[str]) -> int:
     try:
