@@ -469,8 +469,10 @@ def test_a_missing_module_says_which_kernel_has_it_and_how_to_add_one(start_kern
     [
         "x = list(range(10**9))",
         "x = '-'.join(str(i) for i in range(10**9))",
+        # (each chunk one C call: in a 1 GiB kernel it was killed instead of stopped)
+        "hoard = []\nwhile True:\n    hoard.append(bytearray(64 * 2**20))",
     ],
-    ids=["list", "join"],
+    ids=["list", "join", "64 MiB chunks"],
 )
 def test_one_call_in_c_that_keeps_allocating_gets_a_memory_error_too(
     bomb: str, make_kernelspec: Callable[..., str], start_kernel: KernelStarter
@@ -487,4 +489,5 @@ def test_one_call_in_c_that_keeps_allocating_gets_a_memory_error_too(
     assert result.reply["content"]["ename"] == "MemoryError", result.reply["content"]
     assert km.is_alive()
     assert run_ok(kc, "print(kept)") == "kept\n"
-    assert run_ok(kc, "y = list(range(10**6))\nprint(len(y))") == "1000000\n", "allocations work again"
+    again = "globals().pop('hoard', None)\ny = list(range(10**6))\nprint(len(y))"
+    assert run_ok(kc, again) == "1000000\n", "allocations work again"
