@@ -239,12 +239,30 @@ def _sandbox_kernel_startup() -> None:
         "their heavy parts"
     )
 
+    def lift_clamp() -> None:
+        # The channel relay may have lowered the address-space limit to stop a call made
+        # in C (kernel_relay.py's MemoryClamp); it lets go once it sees it lifted.
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+    def show_memory_error(self: Any, value: BaseException, tb: Any, tb_offset: int | None) -> None:
+        # The relay may clamp just after this lifts (the watch stopped the cell as the relay
+        # saw it still growing): lift, and try again, a few times.
+        for attempt in range(5):
+            lift_clamp()
+            try:
+                message = memory_error_text(value)
+                value.args = (message,)
+                # Some errors (numpy's) render from their own fields: show a plain one instead.
+                plain = value if str(value) == message else MemoryError(message)
+                self.showtraceback((type(plain), plain, tb), tb_offset=tb_offset)
+                return
+            except MemoryError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.02)
+
     def show(self: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
-        if isinstance(value, MemoryError):
-            # The channel relay may have lowered the address-space limit to stop a call
-            # made in C (kernel_relay.py's MemoryClamp): lift it before showing anything.
-            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         if isinstance(value, ModuleNotFoundError) and value.name and not str(value).endswith(install_hint):
             top = value.name.partition(".")[0]
             where = (
@@ -255,11 +273,7 @@ def _sandbox_kernel_startup() -> None:
             value.msg = f"{value.msg}: {where}{install_hint}"
             value.args = (value.msg,)
         if isinstance(value, MemoryError):
-            message = memory_error_text(value)
-            value.args = (message,)
-            # Some errors (numpy's) render from their own fields: show a plain one instead.
-            plain = value if str(value) == message else MemoryError(message)
-            self.showtraceback((type(plain), plain, tb), tb_offset=tb_offset)
+            show_memory_error(self, value, tb, tb_offset)
             return
         if isinstance(value, PermissionError) and any(
             frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "synchronize.py"))
