@@ -35,10 +35,8 @@ from .sandbox_spec import (
     CONTAINER_KERNEL_RELAY_FILE,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
-    SOCKETS_DIR,
     container_connection_info,
     kernel_sockets,
-    socket_path,
 )
 from .trees import delete_tree
 
@@ -55,34 +53,35 @@ HOST_FILES = frozenset(
         CONTAINER_EGRESS_CA,
     )
 )
+#: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
+#: (where it hears its claim).
+OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
 
 
 def seal_launch_dir(launch_dir: Path, owner: tuple[int, int] = (0, 0)) -> list[str]:
-    """Hand ``launch_dir`` to ``owner`` (0755), then keep only the kernel's sockets folder
-    and the host's own files (as regular files); the names removed.
+    """Hand ``launch_dir`` to ``owner`` (0755), then keep only the kernel's sockets and
+    the host's own files (as regular files); the names removed.
 
     The folder is handed over first, so the kernel can add nothing while the rest is
-    cleared. Only a root server can do this (the kernel has another uid). The sockets
-    folder stays the kernel's: what it holds is as untrusted as the kernel, and the host
-    reads nothing else there.
+    cleared. Only a root server can do this (the kernel has another uid).
 
     Raises:
-        KernelStartupError: the sockets folder is not a folder (something took its name
-            before the kernel bound its sockets there), or an entry could not be removed.
+        KernelStartupError: one of the kernel's sockets is not a socket (something
+            took its name before the kernel bound it), or an entry could not be removed.
     """
     os.chown(launch_dir, *owner)
     launch_dir.chmod(0o755)
+    sockets = {path.name for path in kernel_sockets(launch_dir).values()}
     removed = []
     for entry in sorted(os.listdir(launch_dir)):
         path = launch_dir / entry
         mode = path.lstat().st_mode
-        if entry == SOCKETS_DIR:
-            if not stat.S_ISDIR(mode):
+        if entry in sockets | OPTIONAL_SOCKETS:
+            if not stat.S_ISSOCK(mode):
                 msg = (
                     f"The sandboxed kernel's {entry} in {str(launch_dir)!r} is a {stat.filemode(mode)} "
-                    "entry, not the folder the kernel binds its sockets in: code that ran before the "
-                    "kernel took its name. Check the kernelspec's argv and the workspace, then restart "
-                    "the kernel."
+                    "entry, not the socket the kernel binds: code that ran before the kernel took its "
+                    "name. Check the kernelspec's argv and the workspace, then restart the kernel."
                 )
                 raise KernelStartupError(msg)
             continue
@@ -132,10 +131,7 @@ def new_launch_dir(runtime_dir: Path, number: int, uid: int, gid: int) -> Path:
     """
     launch_dir = runtime_dir / f"run{number}"
     launch_dir.mkdir(mode=0o700)
-    sockets = launch_dir / SOCKETS_DIR
-    sockets.mkdir(mode=0o700)
     if os.getuid() == 0:
-        os.chown(sockets, uid, gid)
         os.chown(launch_dir, uid, gid)
     return launch_dir
 
@@ -169,10 +165,10 @@ def expected_sockets(launch_dir: Path, egress: bool, pooled: bool) -> list[Path]
     """Every socket the kernel binds in ``launch_dir`` once it is ready."""
     sockets = list(kernel_sockets(launch_dir).values())
     if egress:
-        sockets.append(socket_path(launch_dir, CONTAINER_EGRESS_SOCKET))
+        sockets.append(launch_dir / Path(CONTAINER_EGRESS_SOCKET).name)
     if pooled:
         # Bound by the start-up code, so after every import: the kernel is ready.
-        sockets.append(socket_path(launch_dir, CONTAINER_CLAIM_SOCKET))
+        sockets.append(launch_dir / Path(CONTAINER_CLAIM_SOCKET).name)
     return sockets
 
 
@@ -220,7 +216,7 @@ def send_claim(launch_dir: Path, cwd: str, env: Mapping[str, str], timeout: floa
         KernelStartupError: the kernel did not take the claim.
     """
     claim: dict[str, Any] = {"cwd": cwd, "env": dict(env)}
-    path = socket_path(launch_dir, CONTAINER_CLAIM_SOCKET)
+    path = launch_dir / Path(CONTAINER_CLAIM_SOCKET).name
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(timeout)

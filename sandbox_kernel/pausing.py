@@ -8,9 +8,9 @@ pause
     relay closes its host sockets (``SIGUSR1``: gVisor cannot save a sandbox holding
     one); the backend saves the sandbox and stops it.
 resume
+    the launch folder is handed back to the kernel's uid (so the relay can bind there);
     the backend starts the sandbox from its image; the relay binds its sockets again
-    (``SIGUSR2``) in the kernel's own sockets folder (the host lends it nothing: the rest
-    of the launch folder stays sealed); the bridge passes on what it held.
+    (``SIGUSR2``); the folder is sealed again; the bridge passes on what it held.
 
 With network "allowlist" the egress relay in the sandbox holds host sockets too (its
 unix socket, and the connections the host's egress proxy dials in): the proxy lets go of
@@ -37,13 +37,7 @@ from .background import poll_until
 from .bridge import ipc_in_use
 from .errors import PauseError
 from .launch_folder import seal_launch_dir
-from .sandbox_spec import (
-    CONTAINER_EGRESS_SOCKET,
-    CONTAINER_RUNTIME_DIR,
-    kernel_sockets,
-    socket_path,
-    sockets_folder,
-)
+from .sandbox_spec import CONTAINER_EGRESS_SOCKET, CONTAINER_RUNTIME_DIR, kernel_sockets
 
 #: How long the relay may take to close or bind its host sockets.
 CHANNELS_TIMEOUT = 20.0
@@ -125,7 +119,7 @@ async def wait_for_channels(
     async def done() -> bool:
         paths = await held() if not bound and held is not None else None
         if paths is not None:  # known: it alone tells (a connection may outlive its listener)
-            return not any(Path(path).is_relative_to(CONTAINER_RUNTIME_DIR) for path in paths)
+            return all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths)
         return await _all_in_use(sockets, bound)
 
     if not await poll_until(done, timeout, 0.02):
@@ -150,22 +144,16 @@ async def _all_in_use(sockets: list[Path], bound: bool) -> bool:
 
 def egress_socket(launch_dir: Path) -> Path:
     """Where the egress relay's unix socket is in ``launch_dir``."""
-    return socket_path(launch_dir, CONTAINER_EGRESS_SOCKET)
+    return launch_dir / Path(CONTAINER_EGRESS_SOCKET).name
 
 
-def clear_sockets(launch_dir: Path, uid: int, gid: int) -> bool:
-    """Before the resumed relay binds its sockets afresh: remove those of its last run.
-    In the kernel's own sockets folder that is the relay's business, and nothing is lent
-    (True). A kernel started before its sockets had a folder of their own (adopted after
-    an upgrade) binds them in the launch folder: it is handed back to the kernel's uid for
-    the while, and must be sealed again once they are there (False)."""
-    if sockets_folder(launch_dir) != launch_dir:
-        return True
+def lend_launch_dir(launch_dir: Path, uid: int, gid: int) -> None:
+    """Hand the sealed launch folder back to the kernel's uid, without the sockets of its
+    last run, so that the resumed relay binds them afresh (sealed again once it has)."""
     for path in (*kernel_sockets(launch_dir).values(), egress_socket(launch_dir)):
         path.unlink(missing_ok=True)
     if os.getuid() == 0:
         seal_launch_dir(launch_dir, owner=(uid, gid))
-    return False
 
 
 #: In a kernel's private runtime folder: a request to pause or resume it, from another

@@ -76,8 +76,7 @@ from .pausing import (
     PauseRequests,
     check_budget,
     checkpoint_name,
-    clear_sockets,
-    egress_socket,
+    lend_launch_dir,
     wait_for_channels,
     wait_for_egress,
 )
@@ -94,6 +93,7 @@ from .plan import (
 )
 from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sandbox_spec import (
+    CONTAINER_EGRESS_SOCKET,
     SandboxSpec,
     kernel_sockets,
 )
@@ -552,7 +552,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self._egress is None:
             return
         proxy = EgressProxy.instance()
-        socket_path = egress_socket(launch_dir)
+        socket_path = launch_dir / Path(CONTAINER_EGRESS_SOCKET).name
         ca = await self._kernel_ca()
         await asyncio.to_thread(
             proxy.add_kernel,
@@ -1262,10 +1262,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 self.log.warning("Sandboxed kernel %s: %s (it goes with the container)", self.kernel_id, exc)
 
     async def _reopen_channels(self, container_id: str, launch_dir: Path) -> None:
-        """Have the kernel's relay bind its host sockets again, in its own sockets folder
-        (see :func:`~.pausing.clear_sockets` for kernels that have none)."""
+        """Have the kernel's relay bind its host sockets again: in the launch folder lent
+        to the kernel's uid for the while, sealed again once they are there."""
         layout = self._layout()
-        sealed = await asyncio.to_thread(clear_sockets, launch_dir, int(layout["uid"]), int(layout["gid"]))
+        await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
         await self.backend.signal(container_id, signal.SIGUSR2)
         await wait_for_channels(launch_dir, bound=True)
         if self._egress is not None and not await wait_for_egress(launch_dir):
@@ -1274,8 +1274,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 "its requests to the network fail (503) until it does",
                 self.kernel_id,
             )
-        if not sealed:
-            await asyncio.to_thread(self._seal, launch_dir)
+        await asyncio.to_thread(self._seal, launch_dir)
         await self._suspend_egress(False)
 
     async def _suspend_egress(self, suspended: bool) -> None:

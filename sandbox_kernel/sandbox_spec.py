@@ -7,7 +7,6 @@ for every backend; :mod:`~.docker_args` turns it into Docker's create arguments.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,16 +23,8 @@ CONTAINER_RUNTIME_DIR = "/run/sandbox-kernel"
 
 CONTAINER_CONNECTION_FILE = f"{CONTAINER_RUNTIME_DIR}/connection.json"
 
-#: The kernel's own folder in its launch folder, for the sockets it binds (the channel
-#: relay's, the egress relay's, a pooled kernel's claim socket). The host seals the rest of
-#: the launch folder once the kernel is up, and never lends it back: this one stays the
-#: kernel's, so that its relays can close and bind their sockets again (a pause) without
-#: the host handing it any folder of its own. What is in it is as untrusted as the kernel.
-SOCKETS_DIR = "sockets"
-CONTAINER_SOCKETS_DIR = f"{CONTAINER_RUNTIME_DIR}/{SOCKETS_DIR}"
-
-#: The channel relay binds ``ipc://{IPC_PREFIX}-{port}`` for each channel.
-IPC_PREFIX = f"{CONTAINER_SOCKETS_DIR}/kernel"
+#: ipykernel binds ``ipc://{IPC_PREFIX}-{port}`` for each channel.
+IPC_PREFIX = f"{CONTAINER_RUNTIME_DIR}/kernel"
 
 IPC_PORTS: Mapping[str, int] = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
@@ -115,13 +106,13 @@ KERNEL_TCP_PORTS: Mapping[str, int] = {channel: 15000 + number for channel, numb
 #: proxy dials into, and the loopback port programs use as their HTTP(S) proxy.
 CONTAINER_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/egress_relay.py"
 
-CONTAINER_EGRESS_SOCKET = f"{CONTAINER_SOCKETS_DIR}/egress.sock"
+CONTAINER_EGRESS_SOCKET = f"{CONTAINER_RUNTIME_DIR}/egress.sock"
 #: The kernel's egress CA certificate (the host keeps its key), which the relay makes the
 #: kernel's TLS clients trust (see egress/ca.py).
 CONTAINER_EGRESS_CA = f"{CONTAINER_RUNTIME_DIR}/egress-ca.pem"
 
 #: A pooled sandbox's kernel listens here for its claim: working folder and session env.
-CONTAINER_CLAIM_SOCKET = f"{CONTAINER_SOCKETS_DIR}/claim.sock"
+CONTAINER_CLAIM_SOCKET = f"{CONTAINER_RUNTIME_DIR}/claim.sock"
 
 CLAIM_ENV = "SANDBOX_KERNEL_CLAIM"
 
@@ -278,24 +269,9 @@ def proxy_env() -> dict[str, str]:
     }
 
 
-def sockets_folder(launch_dir: Path) -> Path:
-    """Where the kernel binds its sockets in ``launch_dir``: :data:`SOCKETS_DIR`, made with
-    the launch folder. A kernel started before the sockets had a folder of their own (a
-    persistent one, adopted after an upgrade) has them in the launch folder itself."""
-    folder = launch_dir / SOCKETS_DIR
-    old = not os.path.lexists(folder) and os.path.lexists(launch_dir / Path(CONTAINER_CONNECTION_FILE).name)
-    return launch_dir if old else folder
-
-
-def socket_path(launch_dir: Path, container_path: str) -> Path:
-    """The host path of a socket the kernel binds at ``container_path`` (in
-    :data:`CONTAINER_SOCKETS_DIR`), for the launch folder ``launch_dir``."""
-    return sockets_folder(launch_dir) / Path(container_path).name
-
-
 def kernel_sockets(launch_dir: Path) -> dict[str, Path]:
     """Host path of each channel's ipc socket, as the kernel binds them in ``launch_dir``."""
-    return {channel: socket_path(launch_dir, f"{IPC_PREFIX}-{port}") for channel, port in IPC_PORTS.items()}
+    return {channel: launch_dir / f"{Path(IPC_PREFIX).name}-{port}" for channel, port in IPC_PORTS.items()}
 
 
 def container_connection_info(key: bytes, signature_scheme: str, kernel_name: str) -> dict[str, Any]:

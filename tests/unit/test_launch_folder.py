@@ -1,4 +1,4 @@
-"""Sealing a kernel's launch folder: only its sockets folder and the host's own files stay."""
+"""Sealing a kernel's launch folder: only its sockets and the host's own files stay."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from sandbox_kernel.errors import KernelStartupError
-from sandbox_kernel.launch_folder import new_launch_dir, seal_launch_dir
+from sandbox_kernel.launch_folder import seal_launch_dir
 from sandbox_kernel.sandbox_spec import kernel_sockets
-from sandbox_kernel.trees import delete_tree
 
 from .conftest import deep_tree
 
@@ -26,9 +25,9 @@ def make_socket_file(path: Path) -> None:
 
 @pytest.fixture
 def launch_dir(tmp_path: Path) -> Path:
-    """A launch folder as a kernel leaves it once up: its five sockets (in the sockets
-    folder made with it) and the host's files."""
-    folder = new_launch_dir(tmp_path, 1, *ME)
+    """A launch folder as a kernel leaves it once up: its five sockets and the host's files."""
+    folder = tmp_path / "run1"
+    folder.mkdir(mode=0o700)
     for path in kernel_sockets(folder).values():
         make_socket_file(path)
     (folder / "connection.json").write_text("{}")
@@ -37,7 +36,7 @@ def launch_dir(tmp_path: Path) -> Path:
 
 
 def expected(folder: Path) -> set[str]:
-    return {"sockets", "connection.json", "startup.py"}  # the sockets are in the first
+    return {path.name for path in kernel_sockets(folder).values()} | {"connection.json", "startup.py"}
 
 
 def test_a_clean_folder_is_only_handed_over(launch_dir: Path) -> None:
@@ -68,42 +67,27 @@ def test_whatever_the_kernel_made_before_the_seal_is_removed(launch_dir: Path) -
     assert set(os.listdir(launch_dir)) == expected(launch_dir) - {"startup.py"}
 
 
-def test_the_sockets_folder_stays_the_kernels_with_what_it_bound(launch_dir: Path) -> None:
-    """Its relays close and bind their sockets there (a pause); the host reads nothing
-    else in it, and never has to lend the launch folder for them."""
-    sockets = launch_dir / "sockets"
-    make_socket_file(sockets / "egress.sock")
+def test_the_egress_relay_socket_and_file_stay(launch_dir: Path) -> None:
+    make_socket_file(launch_dir / "egress.sock")
     (launch_dir / "egress_relay.py").write_text("pass\n")
     assert seal_launch_dir(launch_dir, ME) == []
-    assert {"sockets", "egress_relay.py"} <= set(os.listdir(launch_dir))
-    assert {"kernel-1", "kernel-5", "egress.sock"} <= set(os.listdir(sockets))
+    assert {"egress.sock", "egress_relay.py"} <= set(os.listdir(launch_dir))
 
 
-@pytest.mark.parametrize("kind", ["file", "socket"])
-def test_a_sockets_folder_that_is_not_a_folder_fails_the_start(launch_dir: Path, kind: str) -> None:
-    """Code that ran before the seal (a kernelspec's argv) took the sockets folder's name."""
-    delete_tree(launch_dir / "sockets")
+@pytest.mark.parametrize("name", ["kernel-1", "kernel-5", "egress.sock"])
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_socket_name_taken_by_something_else_fails_the_start(
+    launch_dir: Path, name: str, kind: str
+) -> None:
+    path = launch_dir / name
+    path.unlink(missing_ok=True)
     if kind == "file":
-        (launch_dir / "sockets").write_text("x")
+        path.write_text("x")
     else:
-        make_socket_file(launch_dir / "sockets")
-    with pytest.raises(
-        KernelStartupError, match=r"sockets in .* not the folder the kernel binds its sockets in"
-    ):
+        path.mkdir(mode=0o777)
+    with pytest.raises(KernelStartupError, match=rf"{name} in .* not the socket the kernel binds"):
         seal_launch_dir(launch_dir, ME)
     assert stat.S_IMODE(launch_dir.stat().st_mode) == 0o755, "sealed all the same"
-
-
-def test_a_kernel_from_before_the_sockets_folder_keeps_its_sockets_where_they_are(tmp_path: Path) -> None:
-    """A persistent kernel adopted after an upgrade bound its sockets in the launch folder."""
-    old = tmp_path / "run1"
-    old.mkdir()
-    (old / "connection.json").write_text("{}")
-    assert kernel_sockets(old)["shell"] == old / "kernel-1"
-    assert (
-        kernel_sockets(new_launch_dir(tmp_path, 2, *ME))["shell"]
-        == tmp_path / "run2" / "sockets" / "kernel-1"
-    )
 
 
 def test_a_tree_deeper_than_the_recursion_limit_is_removed(launch_dir: Path) -> None:

@@ -126,14 +126,14 @@ def test_a_sandbox_that_holds_none_of_its_channel_sockets_has_let_go_though_the_
     """gVisor's gofer accepts connections at the paths for a second or two after the relay
     closed them; what the sandbox itself holds is what a checkpoint needs."""
     launch_dir = tmp_path / "launch"
-    (launch_dir / "sockets").mkdir(parents=True)
+    launch_dir.mkdir()
     listeners = []
     for path in kernel_sockets(launch_dir).values():
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(path))
         listener.listen()
         listeners.append(listener)
-    held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/sockets/kernel-1", "/workspace/own.sock"]
+    held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/kernel-1", "/workspace/own.sock"]
 
     async def sandbox_holds() -> list[str] | None:
         return held

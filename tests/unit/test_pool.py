@@ -128,7 +128,7 @@ def test_a_pooled_sandbox_carries_nothing_of_the_kernel_whose_start_made_the_pla
     planned = replace(SPEC, volume="alice-sales")
     pooled = pooled_spec(planned, tmp_path / "slot", tmp_path / "run1")
     assert "JPY_SESSION_NAME" not in pooled.env
-    assert pooled.env["SANDBOX_KERNEL_CLAIM"] == "/run/sandbox-kernel/sockets/claim.sock"
+    assert pooled.env["SANDBOX_KERNEL_CLAIM"] == "/run/sandbox-kernel/claim.sock"
     assert pooled.env["LANG"] == "C.UTF-8"
     assert (pooled.workspace, pooled.volume, pooled.workdir) == (tmp_path / "slot", None, "/workspace")
     assert pooled.kernel_id != SPEC.kernel_id

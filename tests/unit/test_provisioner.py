@@ -101,7 +101,7 @@ def kernel_binds_its_sockets(container: FakeContainer) -> None:
     """A well-behaved kernel: running, with its five ipc sockets in the runtime dir."""
     container.client.run_container(container)
     for port in IPC_PORTS.values():
-        make_socket_file(container.runtime_dir / "sockets" / f"{Path(IPC_PREFIX).name}-{port}")
+        make_socket_file(container.runtime_dir / f"{Path(IPC_PREFIX).name}-{port}")
 
 
 def make_socket_file(path: Path) -> None:
@@ -565,7 +565,7 @@ async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
 ) -> None:
     def kernel_and_relay_bind(container: FakeContainer) -> None:
         kernel_binds_its_sockets(container)
-        make_socket_file(container.runtime_dir / "sockets" / "egress.sock")
+        make_socket_file(container.runtime_dir / "egress.sock")
 
     fake_client.on_start = kernel_and_relay_bind
     config = {"network": "allowlist", "allowed_domains": ["docs.python.org", "*.readthedocs.io:443"]}
@@ -577,7 +577,7 @@ async def test_an_allowlist_kernel_gets_the_relay_and_proxy_settings(
     create = container.create_kwargs
     assert create["command"][1:7] == [
         f"{CONTAINER_RUNTIME_DIR}/egress_relay.py",
-        f"{CONTAINER_RUNTIME_DIR}/sockets/egress.sock",
+        f"{CONTAINER_RUNTIME_DIR}/egress.sock",
         "3128",
         "--ca",
         f"{CONTAINER_RUNTIME_DIR}/egress-ca.pem",
