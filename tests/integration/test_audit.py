@@ -88,7 +88,7 @@ def test_an_execution_cut_short_by_a_dead_kernel_is_still_audited(
     assert reply["content"]["ename"] == "KernelDied"
     # The request was on record before anything went wrong.
     events = [json.loads(line) for line in audit.read_text().splitlines()]
-    assert [e["event"] for e in events if e["msg_id"] == records[-1]["msg_id"]] == ["started", "finished"]
+    assert [e["event"] for e in events if e.get("msg_id") == records[-1]["msg_id"]] == ["started", "finished"]
 
 
 def test_an_audit_log_inside_the_workspace_is_refused(
