@@ -10,6 +10,9 @@ import errno
 import json
 import os
 import random
+import socket
+import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +25,8 @@ from jupyter_client.session import Session
 from sandbox_kernel.audit import AuditLog, ExecutionAuditor
 from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
 from sandbox_kernel.output import OutputLimiter
-from sandbox_kernel.wire import stderr_notice
+from sandbox_kernel.sanitize import OutputSanitizer
+from sandbox_kernel.wire import find_delimiter, frame_bytes, stderr_notice
 
 TIMEOUT_MS = 1000
 KEY = b"a-session-key"
@@ -531,11 +535,11 @@ def test_with_curve_only_encrypted_clients_get_through(
         bridge.stop()
 
 
-def test_a_kernel_cut_off_for_an_oversized_frame_is_reconnected(
+def test_an_oversized_message_from_the_kernel_is_dropped_and_the_kernel_heard_on(
     ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
 ) -> None:
-    """ZeroMQ never reconnects a peer it cut off for MAXMSGSIZE: the bridge must, or one big
-    display would silence the kernel's output until a restart."""
+    """Once libzmq cut a kernel off for a frame over MAXMSGSIZE and never reconnected it:
+    one big display silenced the kernel's output until a restart."""
     bridge = KernelBridge(endpoints, key=KEY, caps=SizeCaps(kernel_iopub=64 * 1024, kernel_reply=64 * 1024))
     bridge.start()
     try:
@@ -905,3 +909,367 @@ def test_a_big_header_does_not_hide_a_debug_request(
     assert (reply["msg_type"], reply["content"]["status"]) == ("debug_reply", "error")
     assert not kernel["control"].poll(300)
     assert bridge.refused == {"control debug_request": 1}
+
+
+# ---------------------------------------------------------------- messages of many frames
+
+
+class RawPeer:
+    """A ZeroMQ peer written by hand, as the attacker spoke ZMTP 3.0: whatever frames it
+    likes, MORE set as long as it likes (libzmq's own sockets send a message only whole)."""
+
+    GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+
+    def __init__(self, sock: socket.socket, socket_type: bytes, identity: bytes = b"") -> None:
+        self.sock = sock
+        sock.settimeout(10)
+        properties = {b"Socket-Type": socket_type}
+        if identity:
+            properties[b"Identity"] = identity
+        body = b"\x05READY" + b"".join(
+            bytes([len(name)]) + name + struct.pack(">I", len(value)) + value
+            for name, value in properties.items()
+        )
+        sock.sendall(self.GREETING + b"\x04" + bytes([len(body)]) + body)
+        greeting = self._read(64)
+        assert greeting[0] == 0xFF, greeting
+        assert greeting[10] == 3, "ZMTP 3"
+        flags, size = self._read(2)
+        assert flags == 0x04, "the peer's READY, a short command"
+        assert self._read(size).startswith(b"\x05READY")
+
+    @classmethod
+    def listening(cls, path: Path, socket_type: bytes) -> Callable[[], RawPeer]:
+        """Listen at ``path`` (where the bridge connects); the returned call accepts it."""
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(10)
+
+        def accept() -> RawPeer:
+            conn, _ = listener.accept()
+            listener.close()
+            return cls(conn, socket_type)
+
+        return accept
+
+    @classmethod
+    def connecting(cls, address: str, socket_type: bytes, identity: bytes = b"") -> RawPeer:
+        if address.startswith("tcp://"):
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            return cls(socket.create_connection((host, int(port))), socket_type, identity)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(address.removeprefix("ipc://"))
+        return cls(sock, socket_type, identity)
+
+    def _read(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            assert chunk, "the peer closed the connection"
+            data += chunk
+        return data
+
+    def send(self, frames: list[bytes], more: bool = False) -> None:
+        """Send ``frames`` as (part of) one message; with ``more``, the last has MORE set too."""
+        for n, frame in enumerate(frames):
+            flags = 0x01 if more or n < len(frames) - 1 else 0
+            if len(frame) > 255:
+                self.sock.sendall(bytes([flags | 0x02]) + struct.pack(">Q", len(frame)))
+            else:
+                self.sock.sendall(bytes([flags, len(frame)]))
+            self.sock.sendall(frame)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class PeakRss:
+    """The most memory this process held (resident) while in the block, above what it held before."""
+
+    def __init__(self) -> None:
+        self.before = self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> PeakRss:
+        self.before = self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+    @property
+    def grew(self) -> int:
+        return self.peak - self.before
+
+
+FRAME_16_MIB = b"x" * (16 * 2**20)
+
+
+def test_one_message_of_many_frames_from_the_kernel_is_dropped_without_the_server_holding_it(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    endpoints: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Issue #22: a socket the kernel planted at the IOPub path spoke raw ZMTP and sent one
+    message of 16 MiB frames with MORE set, each under the 64 MiB frame cap: the server went
+    from 64 to 3,137 MiB in 6 s. Here 2 GiB of it: the server must stay near its size."""
+    accept = RawPeer.listening(tmp_path / "planted-iopub", b"PUB")
+    bridge = KernelBridge({**endpoints, "iopub": f"ipc://{tmp_path}/planted-iopub"}, key=KEY)
+    bridge.start()
+    try:
+        planted = accept()
+        sub = subscriber(ctx, bridge)
+        time.sleep(0.2)
+        with PeakRss() as rss:
+            planted.send([b"kernel.status", *[FRAME_16_MIB] * 128], more=True)  # 2 GiB
+            planted.send([b"end"])
+            planted.send(status(session, "idle"))  # the connection keeps working
+            got = recv(sub, timeout_ms=30_000)
+        assert session.deserialize(session.feed_identities(got)[1])["content"] == {"execution_state": "idle"}
+        assert rss.grew < 256 * 2**20, f"the server grew by {rss.grew / 2**20:.0f} MiB for one message"
+        assert bridge.dropped == {"iopub message from the kernel: over the size cap": 1}
+        planted.close()
+    finally:
+        bridge.stop()
+
+
+def test_a_message_of_a_million_empty_frames_from_the_kernel_is_dropped(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    endpoints: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Each frame costs the server a Python object however small it is: the frames of a
+    message are counted too."""
+    accept = RawPeer.listening(tmp_path / "planted-shell", b"ROUTER")
+    bridge = KernelBridge({**endpoints, "shell": f"ipc://{tmp_path}/planted-shell"}, key=KEY)
+    bridge.start()
+    try:
+        planted = accept()
+        with PeakRss() as rss:
+            planted.sock.sendall(b"\x01\x00" * 1_000_000 + b"\x00\x00")
+            wait_for(lambda: bool(bridge.dropped), timeout=30)
+        assert bridge.dropped == {"shell message from the kernel: too many frames": 1}
+        assert rss.grew < 64 * 2**20
+        planted.close()
+    finally:
+        bridge.stop()
+
+
+@pytest.mark.parametrize("channel", ["shell", "iopub"])
+def test_one_message_of_many_frames_from_a_client_is_dropped_before_the_server_holds_it(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge, channel: str
+) -> None:
+    """A local user without the key (tcp: any local user can connect) sends one message of
+    many frames, each under the frame cap: dropped as it arrives, before its signature is
+    checked, and the server stays near its size; the channel serves on."""
+    attacker = RawPeer.connecting(bridge.endpoint(channel), b"DEALER" if channel == "shell" else b"XSUB")
+    frame = FRAME_16_MIB if channel == "shell" else b"\x01" + b"x" * 60_000
+    count = 128 if channel == "shell" else 20_000
+    with PeakRss() as rss:
+        attacker.send([b"<IDS|MSG>", *[frame] * count])  # 2 GiB, 1.2 GB on iopub
+        if channel == "shell":
+            reply = round_trip(ctx, session, kernel["shell"], bridge.endpoint("shell"))
+            assert reply["msg_type"] == "kernel_info_reply"
+        else:
+            wait_for(lambda: bool(bridge.dropped), timeout=30)
+    assert rss.grew < 256 * 2**20, f"the server grew by {rss.grew / 2**20:.0f} MiB for one message"
+    assert bridge.dropped == {f"{channel} message from a client: over the size cap": 1}
+    attacker.close()
+
+
+# ---------------------------------------------------------------- prompts on stdin
+
+
+def run_cell(
+    ctx: Ctx,
+    session: Session,
+    kernel: dict[str, zmq.Socket[bytes]],
+    bridge: KernelBridge,
+    allow_stdin: bool,
+    **metadata: Any,
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes], dict[str, Any], list[bytes]]:
+    """A client (shell and stdin with one identity, as jupyter_client connects them) runs a
+    cell; returns its shell and stdin sockets, the request, and its routing frames at the kernel."""
+    shell, stdin = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock, channel in ((shell, "shell"), (stdin, "stdin")):
+        sock.linger = 0
+        sock.setsockopt(zmq.IDENTITY, session.bsession)
+        sock.connect(bridge.endpoint(channel))
+    msg = session.msg("execute_request", {"code": "input()", "allow_stdin": allow_stdin}, metadata=metadata)
+    shell.send_multipart(list(session.serialize(msg)))
+    idents, _ = session.feed_identities(recv(kernel["shell"]))
+    return shell, stdin, msg, idents
+
+
+def prompt(
+    session: Session, kernel: dict[str, zmq.Socket[bytes]], idents: list[bytes], parent: Any, text: str
+) -> None:
+    """The kernel asks, as ipykernel's input() does (or as code in it does, at will)."""
+    msg = session.msg("input_request", {"prompt": text, "password": False}, parent=parent)
+    kernel["stdin"].send_multipart(list(session.serialize(msg, ident=idents)))
+
+
+def prompts_received(session: Session, stdin: zmq.Socket[bytes], wait_ms: int = 300) -> list[str]:
+    got = []
+    while stdin.poll(wait_ms):
+        msg = session.deserialize(session.feed_identities(stdin.recv_multipart())[1])
+        got.append(msg["content"]["prompt"])
+    return got
+
+
+def test_a_cell_run_without_stdin_gets_no_prompt_however_many_the_kernel_sends(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    """Issue #22: signed input_request messages the kernel routes itself were not charged:
+    256 MiB arrived in 1.7 s under a 1 MiB output_limit, from a cell run with allow_stdin=False."""
+    _, stdin, request, idents = run_cell(ctx, session, kernel, limited, allow_stdin=False)
+    for _ in range(256):
+        prompt(session, kernel, idents, request, "A" * 2**20)
+    assert prompts_received(session, stdin, wait_ms=1000) == []
+    assert limited.dropped == {"stdin message from the kernel: its cell was run with allow_stdin false": 256}
+
+
+def test_one_prompt_at_a_time_and_the_next_only_after_the_answer(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    _, stdin, request, idents = run_cell(ctx, session, kernel, limited, allow_stdin=True)
+    for n in range(3):
+        prompt(session, kernel, idents, request, f"name {n}? ")
+    assert prompts_received(session, stdin) == ["name 0? "]
+    stdin.send_multipart(list(session.serialize(session.msg("input_reply", {"value": "ada"}))))
+    assert msg_type(recv(kernel["stdin"])) == "input_reply"
+    prompt(session, kernel, idents, request, "age? ")
+    prompt(session, kernel, idents, request, "again? ")
+    assert prompts_received(session, stdin) == ["age? "]
+    assert limited.dropped == {"stdin message from the kernel: a prompt already waits for its answer": 3}
+
+
+def test_a_prompt_is_size_capped_routed_only_to_the_cell_s_client_and_charged_to_its_budget(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    sub = subscriber(ctx, limited)
+    assert publish_until_received(kernel["iopub"], sub, status(session)) is not None
+    _, stdin, request, idents = run_cell(
+        ctx, session, kernel, limited, allow_stdin=True, sandbox_kernel={"output_limit": 8000}
+    )
+    prompt(session, kernel, idents, request, "x" * (64 * 2**10))
+    prompt(session, kernel, [*idents[:-1], b"another client"], request, "y? ")
+    prompt(session, kernel, idents, request, "name? ")
+    assert prompts_received(session, stdin) == ["name? "]
+    stdin.send_multipart(list(session.serialize(session.msg("input_reply", {"value": "ada"}))))
+    recv(kernel["stdin"])
+    publish(session, kernel, "stream", {"name": "stdout", "text": "A" * 5000}, request)
+    time.sleep(0.3)
+    prompt(session, kernel, idents, request, "z" * 3000)  # 5000 + 3000 bytes and more: over 8000
+    assert prompts_received(session, stdin) == []
+    assert limited.dropped == {
+        "stdin message from the kernel: a prompt over 64 KiB": 1,
+        "stdin message from the kernel: not to the client running the cell": 1,
+        "stdin message from the kernel: over the output limit": 1,
+    }
+
+
+def test_nothing_but_prompts_comes_from_the_kernel_on_stdin_and_none_between_cells(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], limited: KernelBridge
+) -> None:
+    shell, stdin, request, idents = run_cell(ctx, session, kernel, limited, allow_stdin=True)
+    stream = session.msg("stream", {"name": "stdout", "text": "out"}, parent=request)
+    kernel["stdin"].send_multipart(list(session.serialize(stream, ident=idents)))
+    reply = session.msg("execute_reply", {"status": "ok"}, parent=request)
+    kernel["shell"].send_multipart(list(session.serialize(reply, ident=idents)))
+    recv(shell)
+    prompt(session, kernel, idents, request, "after the cell? ")
+    assert prompts_received(session, stdin) == []
+    assert limited.dropped == {
+        "stdin message from the kernel: not an input_request": 1,
+        "stdin message from the kernel: no cell is running": 1,
+    }
+
+
+# ---------------------------------------------------------------- output past the budget
+
+
+class CountingSanitizer(OutputSanitizer):
+    """The output cleaner, counting the displays it was given to read."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session)
+        self.displays = 0
+
+    def clean(self, channel: str, frames: Any) -> Any:
+        index = find_delimiter(frames)
+        if index is not None and b'"display_data"' in frame_bytes(frames[index + 2]):
+            self.displays += 1
+        return super().clean(channel, frames)
+
+
+def test_displays_past_the_budget_are_dropped_unread(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    """Issue #22: the cleaner ran before the limiter, so displays over the budget were
+    parsed and cleaned anyway: 40 s of 16 MiB HTML displays kept the server at 43 % of a
+    core for 331 s. Here 100 HTML displays of 2 MiB under a 1 MiB budget: none is cleaned."""
+    auditor = ExecutionAuditor(None, "k1", "spec")
+
+    def current() -> tuple[str, dict[str, Any]] | None:
+        execution = auditor.current()
+        return None if execution is None else (str(execution.header["msg_id"]), execution.header)
+
+    sanitizer = CountingSanitizer(Session(key=KEY))
+    limiter = OutputLimiter(2**20, Session(key=KEY), current)
+    bridge = KernelBridge(endpoints, key=KEY, tap=auditor, output_limiter=limiter, sanitizer=sanitizer)
+    bridge.start()
+    try:
+        sub, request = start_execution(ctx, session, kernel, bridge)
+        html = "<table>" + "<tr><td onclick='x()'>cell</td></tr>" * 60_000 + "</table>"  # 2 MiB
+        cpu = time.process_time()
+        for _ in range(100):
+            publish(session, kernel, "display_data", {"data": {"text/html": html}, "metadata": {}}, request)
+        publish(session, kernel, "status", {"execution_state": "idle"}, request)
+        messages = []
+        while not messages or messages[-1]["msg_type"] != "status":
+            messages.append(session.deserialize(session.feed_identities(recv(sub, timeout_ms=60_000))[1]))
+        cpu = time.process_time() - cpu
+        assert [m["msg_type"] for m in messages] == ["stream", "status"]  # the notice, idle
+        assert "Output truncated" in messages[0]["content"]["text"]
+        assert sanitizer.displays == 0, "a display over the budget was parsed"
+        assert cpu < 3, f"{cpu:.1f} s of CPU for output that was dropped"
+    finally:
+        bridge.stop()
+
+
+def test_output_within_the_budget_is_still_cleaned(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    auditor = ExecutionAuditor(None, "k1", "spec")
+    limiter = OutputLimiter(2**20, Session(key=KEY), lambda: None)
+    sanitizer = CountingSanitizer(Session(key=KEY))
+    bridge = KernelBridge(endpoints, key=KEY, tap=auditor, output_limiter=limiter, sanitizer=sanitizer)
+    bridge.start()
+    try:
+        sub, request = start_execution(ctx, session, kernel, bridge)
+        bundle = {"text/html": "<b onclick='steal()'>hi</b><script>steal()</script>"}
+        publish(session, kernel, "display_data", {"data": bundle, "metadata": {}}, request)
+        (shown,) = received_until(session, sub, lambda m: m["msg_type"] == "display_data")
+        assert "<script" not in shown["content"]["data"]["text/html"]
+        assert "onclick" not in shown["content"]["data"]["text/html"]
+        assert sanitizer.displays == 1
+    finally:
+        bridge.stop()
