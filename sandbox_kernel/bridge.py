@@ -11,12 +11,6 @@ One thread per kernel polls all ten sockets and forwards whole multipart message
     client REQ     -> ROUTER | bridge | DEALER -> REP    kernel   hb
     client SUB     <- XPUB   | bridge | XSUB   <- PUB    kernel   iopub
 
-The bridge speaks ZeroMQ's protocol itself (:mod:`.zmtp`), not through libzmq, which holds
-a multipart message whole before anyone sees a frame of it: each message is bounded as it
-arrives, in bytes and in frames (:class:`SizeCaps`), and one over the cap is drained and
-dropped, nothing of it kept. Only clients using CurveZMQ reach libzmq sockets (zmtp does
-not speak CURVE): there each frame is bounded, and the message once it is whole.
-
 Clients reach the bridge by ``ipc://`` sockets in the server's private (0700) runtime
 folder by default, so no other local user can connect or listen; ``tcp`` on 127.0.0.1
 is for clients elsewhere (with CurveZMQ). Either way nothing is trusted before it is
@@ -47,7 +41,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import math
 import os
 import socket
 import stat
@@ -57,16 +50,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import zmq
 from jupyter_client.session import Session
+from zmq.utils.monitor import parse_monitor_message
 
-from . import zmtp
 from .output import OutputLimiter
 from .sanitize import OutputSanitizer
 from .wire import MAX_SMALL_FRAME, Signatures, find_delimiter, frame_bytes, load_dict
-from .zmtp import Endpoint, Limits, Received
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +84,14 @@ _KERNEL_SIDE_IDENTITY = b"sandbox-kernel-bridge"
 #: Requests remembered per channel while their replies are due; the oldest go first.
 _MAX_OUTSTANDING = 4096
 #: Messages read from one socket before the others get a turn.
-_BATCH = zmtp.BATCH
+_BATCH = 100
 #: Clients' messages kept on the host while the kernel is paused (count, bytes); beyond,
 #: they are dropped (and counted): a paused kernel must not grow the server's memory.
 _MAX_HELD = 1000
 _MAX_HELD_BYTES = 128 * 2**20
+#: What the kernel-facing sockets' monitors report: the kernel went away (reconnect), or
+#: a connection to it is complete (held messages may go).
+_MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 #: Why the bridge answers a request itself instead of passing it on (see :func:`refusal`).
 DEBUGGER_OFF = (
@@ -109,14 +103,13 @@ CODE_ON_CONTROL = (
     "send this execute_request on the shell channel"
 )
 
-#: Called in the bridge thread for every message that passes the checks, before the
-#: output limit and the cleaner see it: (channel, to_kernel, frames). It must be quick and
-#: must not keep the frames; it cannot change the message, and stops it only by returning
-#: False (it answered it: a request to a kernel that is not running must never reach the
-#: next one) or a reason (drop it: counted in ``dropped``, as stdin messages of the kernel
-#: that are not the prompt of the running cell are). It also sees each request the bridge
-#: refuses (:func:`refusal`) before the bridge answers it; what it returns then changes nothing.
-Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], bool | str | None]
+#: Called in the bridge thread for every message that passes the checks: (channel,
+#: to_kernel, frames). It must be quick and must not keep the frames; it cannot change
+#: the message, and stops it only by returning False (it answered it: a request to a
+#: kernel that is not running must never reach the next one). It also sees each
+#: request the bridge refuses (:func:`refusal`) before the bridge answers it; what it
+#: returns then changes nothing.
+Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], bool | None]
 Frames = Sequence[zmq.Frame | bytes]
 
 
@@ -130,9 +123,7 @@ class CurveKeys:
 
 @dataclass(frozen=True)
 class SizeCaps:
-    """Largest message (all its frames together, each charged ``zmtp.FRAME_COST`` bytes
-    more) each side may send, and most frames in one. A bigger message is drained as it
-    arrives and dropped (counted in :attr:`KernelBridge.dropped`); the connection works on.
+    """Largest ZeroMQ frame each side may send; a peer sending a bigger one is cut off.
 
     Clients send requests (a few KiB; comm messages with buffers may be larger) and
     subscriptions; the kernel sends replies and output, whose total per execution the
@@ -144,15 +135,12 @@ class SizeCaps:
     kernel_reply: int = 32 * 2**20  # shell, control, stdin
     kernel_iopub: int = 64 * 2**20
     kernel_hb: int = 64 * 2**10
-    #: Frames in one message: identities, the delimiter, five parts, and buffers.
-    frames: int = 1024
 
-    def front(self, channel: str) -> Limits:
-        return Limits(self.client_small if channel in ("hb", "iopub") else self.client, self.frames)
+    def front(self, channel: str) -> int:
+        return self.client_small if channel in ("hb", "iopub") else self.client
 
-    def back(self, channel: str) -> Limits:
-        size = {"iopub": self.kernel_iopub, "hb": self.kernel_hb}.get(channel, self.kernel_reply)
-        return Limits(size, self.frames)
+    def back(self, channel: str) -> int:
+        return {"iopub": self.kernel_iopub, "hb": self.kernel_hb}.get(channel, self.kernel_reply)
 
 
 def refusal(channel: str, msg_type: str) -> str | None:
@@ -173,13 +161,11 @@ def refusal(channel: str, msg_type: str) -> str | None:
 
 def peer_credentials(frames: Sequence[zmq.Frame | bytes]) -> tuple[int, int] | None:
     """(uid, pid) of the process that sent a message received over a unix socket, as the
-    host's kernel told the bridge (``SO_PEERCRED``); None over tcp, or for frames not
-    received from a socket. The sender cannot choose them, unlike anything in its message."""
-    return frames.peer if isinstance(frames, Received) else None
-
-
-def _zmq_peer(frame: zmq.Frame) -> tuple[int, int] | None:
-    """:func:`peer_credentials` of a message libzmq received (its first frame)."""
+    host's kernel told libzmq (``SO_PEERCRED``); None over tcp, or for frames not received
+    from a socket. The sender cannot choose them, unlike anything in its message."""
+    frame = frames[0] if frames else None
+    if not isinstance(frame, zmq.Frame):
+        return None
     try:
         address = frame.get("Peer-Address")
     except zmq.ZMQError:
@@ -230,61 +216,33 @@ def _link(address: str) -> None:
     os.replace(tmp, address)
 
 
-class _ZmqEnd(Endpoint):
-    """A libzmq socket as an endpoint, for clients using CurveZMQ (which :mod:`.zmtp` does
-    not speak). libzmq holds a message whole before it is read here, each frame capped by
-    ``MAXMSGSIZE``; only then are its size and frames checked against ``limits``."""
+class _Routes:
+    """What a relay thread polls, and where a message read from each socket goes."""
 
-    def __init__(self, sock: zmq.Socket[bytes], limits: Limits) -> None:
-        super().__init__()
-        self.sock = sock
-        self._limits = limits
+    def __init__(self) -> None:
+        self.poller = zmq.Poller()
+        self.fronts: dict[str, zmq.Socket[bytes]] = {}
+        #: socket -> (channel, whether it comes from a client, the socket to send it to)
+        self.peers: dict[zmq.Socket[bytes], tuple[str, bool, zmq.Socket[bytes]]] = {}
+        #: disconnect monitor -> the channel whose kernel-facing socket it watches
+        self.monitors: dict[zmq.Socket[bytes], str] = {}
 
-    def poll_items(self) -> list[tuple[Any, int]]:
-        return [(self.sock, zmq.POLLIN)]
+    def connect(
+        self, channel: str, front: zmq.Socket[bytes], back: zmq.Socket[bytes], monitor: zmq.Socket[bytes]
+    ) -> None:
+        self.fronts[channel] = front
+        self.peers[front] = (channel, True, back)
+        self.peers[back] = (channel, False, front)
+        self.monitors[monitor] = channel
+        for sock in (front, back, monitor):
+            self.poller.register(sock, zmq.POLLIN)
 
-    def handle(self, sock: Any, events: int) -> None:
-        while len(self.inbox) < _BATCH:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) > self._limits.frames:
-                self._drops.append("too many frames")
-            elif sum(len(frame) + zmtp.FRAME_COST for frame in frames) > self._limits.message:
-                self._drops.append("over the size cap")
-            else:
-                message = Received(frame.bytes for frame in frames)
-                message.peer = _zmq_peer(frames[0])
-                self.inbox.append(message)
-
-    def send(self, frames: Sequence[zmq.Frame | bytes]) -> bool:
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            # A ROUTER cannot deliver to a peer that has gone away.
-            log.debug("Bridge could not send a message: %s", exc)
-        return True
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-def _poll_only(poller: zmq.Poller, registered: dict[Any, int], wanted: Mapping[Any, int]) -> None:
-    """Make ``poller`` poll exactly ``wanted`` (socket: events); ``registered`` is what it
-    polled until now, and becomes ``wanted``."""
-    for sock in [sock for sock in registered if sock not in wanted]:
-        poller.unregister(sock)
-        del registered[sock]
-    for sock, events in wanted.items():
-        if registered.get(sock) != events:
-            if sock in registered:
-                poller.modify(sock, events)
-            else:
-                poller.register(sock, events)
-            registered[sock] = events
+    def disconnect(self, back: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+        """Forget a kernel-facing socket and its monitor (before they are closed)."""
+        for sock in (back, monitor):
+            self.poller.unregister(sock)
+        self.peers.pop(back, None)
+        self.monitors.pop(monitor, None)
 
 
 class KernelBridge:
@@ -332,8 +290,9 @@ class KernelBridge:
         self._requested_ports = dict(ports or {})
         self._curve = curve
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._fronts: dict[str, Endpoint] = {}
-        self._backs: dict[str, zmtp.Dealer] = {}
+        self._fronts: dict[str, zmq.Socket[bytes]] = {}
+        self._backs: dict[str, zmq.Socket[bytes]] = {}
+        self._monitors: dict[str, zmq.Socket[bytes]] = {}
         self._thread: threading.Thread | None = None
         self._stop_tx: zmq.Socket[bytes] | None = None
         self._attachments = itertools.count()
@@ -350,6 +309,8 @@ class KernelBridge:
         self._held: list[tuple[str, list[bytes]]] | None = None
         self._held_bytes = 0
         self._release_due = False
+        # Channels whose kernel-facing socket has completed a connection to the kernel.
+        self._connected: set[str] = set()
         #: Called (bridge thread) with the message type of every signed message that
         #: arrives while held: it must be quick (schedule the resume); it may be called
         #: many times.
@@ -395,72 +356,37 @@ class KernelBridge:
     def _bind_fronts(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            for channel in CHANNELS:
-                if self._curve is None:
-                    self.ports[channel] = self._listen(channel)
+            for channel, (front_type, _) in _SOCKET_TYPES.items():
+                front = ctx.socket(front_type)
+                self._fronts[channel] = front
+                front.linger = 0
+                # Unauthenticated until checked: a peer sending a bigger frame is cut off.
+                front.setsockopt(zmq.MAXMSGSIZE, self._caps.front(channel))
+                if self._curve is not None:
+                    front.curve_secretkey = self._curve.secret
+                    front.curve_publickey = self._curve.public
+                    front.curve_server = True
+                if front_type == zmq.XPUB:
+                    # Forward every subscription, repeats included: ipykernel answers
+                    # each with an iopub_welcome message.
+                    front.setsockopt(zmq.XPUB_VERBOSE, 1)
                 else:
-                    self.ports[channel] = self._bind_curve_front(ctx, channel)
+                    # As ipykernel does: a client reconnecting with its old identity
+                    # (jupyter_server reuses the session id) takes over the route.
+                    front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+                self.ports[channel] = self._bind_front(channel, front)
             self._inject_rx = ctx.socket(zmq.PULL)
             self._inject_rx.bind(f"inproc://inject-{id(self)}")
             self._inject_tx = ctx.socket(zmq.PUSH)
             self._inject_tx.connect(f"inproc://inject-{id(self)}")
         except BaseException:
-            for front in self._fronts.values():
-                front.close()
             ctx.destroy(linger=0)
             self._fronts = {}
             self.ports = {}
             raise
         self._context = ctx
 
-    def _listen(self, channel: str) -> int:
-        """Listen for ``channel``'s clients (speaking ZMTP here: see :mod:`.zmtp`); its port.
-
-        Raises:
-            zmq.ZMQError: the address is taken (as libzmq would raise it).
-        """
-        port = self._requested_ports.get(channel)
-        try:
-            if self.transport == "tcp":
-                listener = zmtp.listen_tcp(self.ip, port or 0)
-            else:
-                port = port or IPC_PORTS[channel]
-                path = self._ipc_path(channel, port)
-                # Never take another live bridge's socket (a second process reattaching).
-                if ipc_in_use(path):
-                    raise zmq.ZMQError(errno.EADDRINUSE, f"{path} is in use by another process")
-                listener = zmtp.listen_unix(_socket_file(path))
-        except OSError as exc:
-            raise zmq.ZMQError(exc.errno or errno.EADDRINUSE, f"{channel}: {exc}") from exc
-        limits = self._caps.front(channel)
-        # As ipykernel does: a client reconnecting with its old identity (jupyter_server
-        # reuses the session id) takes over the route; every subscription is passed on.
-        server = zmtp.XPub(listener, limits) if channel == "iopub" else zmtp.Router(listener, limits)
-        self._fronts[channel] = server
-        if self.transport == "ipc":
-            _link(self._ipc_path(channel, port))
-            return int(port or 0)
-        return int(listener.getsockname()[1])
-
-    def _bind_curve_front(self, ctx: zmq.Context[zmq.Socket[bytes]], channel: str) -> int:
-        """A libzmq socket for ``channel``'s clients, with CurveZMQ; its port."""
-        front = ctx.socket(_SOCKET_TYPES[channel][0])
-        front.linger = 0
-        self._fronts[channel] = _ZmqEnd(front, self._caps.front(channel))
-        # Unauthenticated until checked: a peer sending a bigger frame is cut off.
-        front.setsockopt(zmq.MAXMSGSIZE, self._caps.front(channel).message)
-        curve = self._curve
-        if curve is None:
-            msg = "no CurveZMQ keys"
-            raise RuntimeError(msg)
-        front.curve_secretkey = curve.secret
-        front.curve_publickey = curve.public
-        front.curve_server = True
-        if channel == "iopub":
-            # Forward every subscription, repeats included (see _listen).
-            front.setsockopt(zmq.XPUB_VERBOSE, 1)
-        else:
-            front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    def _bind_front(self, channel: str, front: zmq.Socket[bytes]) -> int:
         port = self._requested_ports.get(channel)
         if self.transport == "tcp":
             if port:
@@ -469,6 +395,8 @@ class KernelBridge:
             return front.bind_to_random_port(f"tcp://{self.ip}")
         port = port or IPC_PORTS[channel]
         path = self._ipc_path(channel, port)
+        # ZeroMQ unlinks whatever is at the path before binding: never another live
+        # bridge's socket (a second process reattaching to the same kernel).
         if ipc_in_use(path):
             raise zmq.ZMQError(errno.EADDRINUSE, f"{path} is in use by another process")
         front.bind(f"ipc://{_socket_file(path)}")
@@ -505,13 +433,12 @@ class KernelBridge:
             # The last kernel's held output tail, before anything of the next one (no
             # relay thread runs now to share the socket with).
             for message in self._limiter.release():
-                self._send("iopub", message)
+                self._send(self._fronts["iopub"], "iopub", message)
         for channel in CHANNELS:
             self._connect_back(channel)
-        routes: list[tuple[str, bool, Endpoint, Endpoint]] = []
+        routes = _Routes()
         for channel in CHANNELS:
-            routes.append((channel, True, self._fronts[channel], self._backs[channel]))
-            routes.append((channel, False, self._backs[channel], self._fronts[channel]))
+            routes.connect(channel, self._fronts[channel], self._backs[channel], self._monitors[channel])
         # A stop channel of its own per relay thread: a stop meant for an earlier thread
         # (one that had already ended) can never end this one.
         name = f"inproc://stop-{id(self)}-{next(self._attachments)}"
@@ -527,26 +454,40 @@ class KernelBridge:
         )
         self._thread.start()
 
-    def _connect_back(self, channel: str) -> zmtp.Dealer:
-        """A new kernel-facing end for ``channel``, connecting to the kernel (and again
-        whenever the connection ends: a kernel that died, a pause)."""
-        endpoint = self._kernel_endpoints[channel]
-        if not endpoint.startswith("ipc://"):
-            msg = f"{channel}: the kernel's channels are ipc sockets, not {endpoint!r}"
-            raise ValueError(msg)
-        # Bytes from the sandbox are untrusted: each message is bounded as it arrives.
-        # The IOPub end subscribes to everything, as clients subscribed through earlier ones.
-        identity = b"" if channel == "iopub" else _KERNEL_SIDE_IDENTITY
-        back = zmtp.Dealer(
-            endpoint.removeprefix("ipc://"), self._caps.back(channel), identity, xsub=channel == "iopub"
-        )
+    def _connect_back(self, channel: str) -> zmq.Socket[bytes]:
+        """A new kernel-facing socket for ``channel``, connected, with a disconnect monitor."""
+        if self._context is None:
+            msg = "the bridge is stopped"
+            raise RuntimeError(msg)
+        back_type = _SOCKET_TYPES[channel][1]
+        back = self._context.socket(back_type)
+        back.linger = 0
+        # Bytes from the sandbox are untrusted: a peer sending a bigger frame is cut off
+        # (ZeroMQ then does not reconnect: the monitor tells the relay to make a new
+        # socket), and few messages wait in the server's memory.
+        back.setsockopt(zmq.MAXMSGSIZE, self._caps.back(channel))
+        back.rcvhwm = 100
+        if back_type == zmq.DEALER:
+            back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
+        self._connected.discard(channel)
+        self._monitors[channel] = back.get_monitor_socket(_MONITORED)
+        back.connect(self._kernel_endpoints[channel])
+        if back_type == zmq.XSUB:
+            # Clients subscribed through the previous socket; subscribe this one to
+            # everything so a restarted kernel's output reaches them.
+            back.send(b"\x01")
         self._backs[channel] = back
         return back
 
     def _close_back(self, channel: str) -> None:
-        back = self._backs.pop(channel, None)
+        self._connected.discard(channel)
+        back, monitor = self._backs.pop(channel, None), self._monitors.pop(channel, None)
         if back is not None:
-            back.close()
+            if monitor is not None:
+                back.disable_monitor()
+            back.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
 
     def inject(self, channel: str, message: Sequence[bytes]) -> None:
         """Send a message to clients on ``channel`` as if the kernel had sent it.
@@ -601,14 +542,14 @@ class KernelBridge:
 
     def _release_if_connected(self) -> None:
         """Send what was held once every channel reaches the kernel again (bridge thread)."""
-        if not self._release_due or self._held is None:
-            return
-        if not all(channel in self._backs and self._backs[channel].ready for channel in CHANNELS):
+        if not self._release_due or self._held is None or not self._connected.issuperset(CHANNELS):
             return
         held, self._held = self._held, None
         self._held_bytes, self._release_due = 0, False
         for channel, message in held:
-            if not self._backs[channel].send(message):
+            try:
+                self._backs[channel].send_multipart(message, zmq.NOBLOCK)
+            except (KeyError, zmq.ZMQError):
                 self._drop(channel, True, "could not reach the resumed kernel")
 
     def detach(self) -> None:
@@ -630,57 +571,38 @@ class KernelBridge:
 
     def _relay(
         self,
-        routes: list[tuple[str, bool, Endpoint, Endpoint]],
+        routes: _Routes,
         stop_rx: zmq.Socket[bytes],
         inject_rx: zmq.Socket[bytes] | None,
     ) -> None:
-        """The bridge thread: poll every end, hand each its events, forward what it read.
-
-        ``routes``: (channel, whether it reads from clients, the end it reads, the end its
-        messages go to).
-        """
-        poller = zmq.Poller()
+        poller = routes.poller
         poller.register(stop_rx, zmq.POLLIN)
         if inject_rx is not None:
             poller.register(inject_rx, zmq.POLLIN)
-        registered: dict[Any, int] = {}
         try:
             while True:
-                now = time.monotonic()
-                # What the poller reports: a zmq socket as itself, any other by its fd.
-                owners: dict[Any, tuple[Endpoint, Any]] = {}
-                wanted: dict[Any, int] = {}
-                timeout: float | None = None
-                for _, _, end, _ in routes:
-                    end.tick(now)
-                    due = end.timeout(now)
-                    if due is not None:
-                        timeout = due if timeout is None else min(timeout, due)
-                    if end.inbox:
-                        timeout = 0.0  # read, not forwarded yet
-                    for sock, events in end.poll_items():
-                        key = sock if isinstance(sock, zmq.Socket) else sock.fileno()
-                        owners[key] = (end, sock)
-                        wanted[key] = events
-                _poll_only(poller, registered, wanted)
-                for sock, events in poller.poll(None if timeout is None else math.ceil(timeout * 1000)):
+                for sock, _ in poller.poll():
                     if sock is stop_rx:
                         return
-                    if sock is inject_rx:
+                    if sock in routes.monitors or sock is inject_rx:
                         try:
-                            self._deliver_injected(inject_rx)
+                            if inject_rx is not None and sock is inject_rx:
+                                self._deliver_injected(inject_rx, routes.fronts)
+                            else:
+                                self._on_monitor(sock, routes)
                         except Exception:
                             log.exception("Bridge could not handle an event; relaying on")
-                    elif sock in owners:
-                        end, polled = owners[sock]
-                        end.handle(polled, events)
-                for channel, to_kernel, end, peer in routes:
-                    for reason in end.take_drops():
-                        self._drop(channel, to_kernel, reason)
-                    # A bounded batch, so one busy channel cannot starve the others (or
-                    # the stop request).
-                    for _ in range(min(_BATCH, len(end.inbox))):
-                        frames = end.inbox.popleft()
+                        continue
+                    if sock not in routes.peers:
+                        continue  # a socket replaced earlier in this round
+                    channel, to_kernel, peer = routes.peers[sock]
+                    # Drain what is queued, but bounded, so one busy channel cannot
+                    # starve the others (or the stop request).
+                    for _ in range(_BATCH):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
                         try:
                             self._forward(channel, to_kernel, frames, peer)
                         except Exception:
@@ -688,81 +610,97 @@ class KernelBridge:
                             # would silence the kernel and stop enforcing its limits.
                             self._drop(channel, to_kernel, "could not be handled")
                             log.debug("Bridge failed on a %s message", channel, exc_info=True)
-                self._release_if_connected()
         except zmq.ContextTerminated:
             return
         finally:
             stop_rx.close(linger=0)
 
-    def _deliver_injected(self, inject_rx: zmq.Socket[bytes]) -> None:
+    def _on_monitor(self, monitor: zmq.Socket[bytes], routes: _Routes) -> None:
+        channel = routes.monitors[monitor]
+        event = parse_monitor_message(monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected.add(channel)
+            self._release_if_connected()
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._reconnect(channel, routes)
+
+    def _reconnect(self, channel: str, routes: _Routes) -> None:
+        """The kernel-facing socket of ``channel`` lost its kernel: connect a new one.
+
+        A kernel that sent an oversized frame was cut off and ZeroMQ would not reconnect;
+        a kernel that died is simply reconnected to (its successor binds the same path).
+        """
+        routes.disconnect(self._backs[channel], self._monitors[channel])
+        self._close_back(channel)
+        back = self._connect_back(channel)
+        routes.connect(channel, routes.fronts[channel], back, self._monitors[channel])
+
+    def _deliver_injected(
+        self,
+        inject_rx: zmq.Socket[bytes],
+        fronts: Mapping[str, zmq.Socket[bytes]],
+    ) -> None:
         target, *message = inject_rx.recv_multipart()
         if not target:  # the bridge's own command
             self._release_due = True
             self._release_if_connected()
             return
         channel = target.decode()
+        front = fronts[channel]
         if channel == "iopub" and self._limiter is not None:
             # The host's notice (the kernel died, a limit stopped it) ends the execution:
             # the tail of its output held back by the limiter comes first.
             for held in self._limiter.release():
-                self._send(channel, held)
-        self._send(channel, message)
+                self._send(front, channel, held)
+        self._send(front, channel, message)
 
-    def _send(self, channel: str, message: Frames) -> None:
+    def _send(self, front: zmq.Socket[bytes], channel: str, message: Frames) -> None:
         """Send a message of the bridge's own (a notice, a held output tail) to clients."""
-        if not self._fronts[channel].send(message):
-            log.debug("Bridge could not deliver a %s notice: the receiver is not keeping up", channel)
+        try:
+            front.send_multipart(message, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("Bridge could not deliver a %s notice: %s", channel, exc)
 
-    def _forward(self, channel: str, to_kernel: bool, frames: Frames, peer: Endpoint) -> None:
-        """Pass one message on if it passes the checks: observed by the tap; from the
-        kernel, capped by the output limiter, then cleaned (only what will be sent)."""
+    def _forward(self, channel: str, to_kernel: bool, frames: Frames, peer: zmq.Socket[bytes]) -> None:
+        """Pass one message on if it passes the checks: observed by the tap, capped by
+        the output limiter."""
         self.messages[channel] += 1
         if to_kernel and channel == "hb" and self._held is not None:
             # The kernel is paused, not dead: its heartbeat is the bridge's to give.
-            self._send(channel, frames)
+            self._send(self._fronts["hb"], channel, frames)
             return
         checked = self._check(channel, to_kernel, frames)
         if checked is None:
             return
         frames = checked
+        if self._sanitizer is not None and not to_kernel:
+            cleaned = self._sanitizer.clean(channel, frames)
+            if cleaned is None:
+                self._drop(channel, to_kernel, "could not be made safe to show")
+                return
+            frames = cleaned
         if self._tap is not None:
             try:
-                verdict = self._tap(channel, to_kernel, frames)
+                if self._tap(channel, to_kernel, frames) is False:
+                    return
             except Exception:
                 log.exception("Bridge tap failed on a %s message", channel)
-                verdict = None
-            if verdict is False:
-                return
-            if isinstance(verdict, str):
-                self._drop(channel, to_kernel, verdict)
-                return
-        if to_kernel:
-            if self._limiter is not None and channel == "shell":
-                self._limiter.request(frames)  # signed: it may narrow its own output limit
-            if self._held is not None:
-                self._hold(channel, frames)
-            elif not peer.send(frames):
-                self._drop(channel, to_kernel, "the receiver is not keeping up")
-            return
         outgoing: list[Frames] = [frames]
-        if self._limiter is not None:
-            # Before the cleaner: output past the budget costs the host no parsing.
-            if channel == "iopub":
-                outgoing = self._limiter.admit(frames)
-            elif channel == "stdin" and not self._limiter.charge(frames):
-                # (The tap took it for the prompt that waits for its answer: the cell waits
-                # until interrupted, as its budget is spent anyway.)
-                self._drop(channel, to_kernel, "over the output limit")
-                return
+        if self._limiter is not None and channel == "iopub" and not to_kernel:
+            outgoing = self._limiter.admit(frames)
+        elif self._limiter is not None and channel == "shell" and to_kernel:
+            self._limiter.request(frames)  # signed: it may narrow its own output limit
+        if to_kernel and self._held is not None:
+            self._hold(channel, frames)
+            return
         for message in outgoing:
-            if self._sanitizer is not None:
-                cleaned = self._sanitizer.clean(channel, message)
-                if cleaned is None:
-                    self._drop(channel, to_kernel, "could not be made safe to show")
-                    continue
-                message = cleaned
-            if not peer.send(message):
+            try:
+                peer.send_multipart(message, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
                 self._drop(channel, to_kernel, "the receiver is not keeping up")
+            except zmq.ZMQError as exc:
+                # A ROUTER cannot deliver to a peer that has gone away.
+                log.debug("Bridge could not forward a %s message: %s", channel, exc)
 
     def _check(self, channel: str, to_kernel: bool, frames: Frames) -> Frames | None:
         """The message to pass on (replies re-routed to their requester), or None to drop it."""
@@ -838,7 +776,7 @@ class KernelBridge:
         reply_type = msg_type.removesuffix("_request") + "_reply"
         reply = self._signer.msg(reply_type, content, parent=header)
         idents = [frame_bytes(frame) for frame in frames[:index]]
-        self._send(channel, self._signer.serialize(reply, ident=idents))
+        self._send(self._fronts[channel], channel, self._signer.serialize(reply, ident=idents))
 
     def requests_in_flight(self, max_age: float) -> bool:
         """Whether a client's request younger than ``max_age`` seconds awaits its reply
@@ -869,10 +807,9 @@ class KernelBridge:
             if self._inject_tx is not None:
                 self._inject_tx.close(linger=0)
             self._inject_tx = None
-        for front in self._fronts.values():
-            front.close()
-        if self._inject_rx is not None:
-            self._inject_rx.close(linger=0)
+        for sock in [*self._fronts.values(), self._inject_rx]:
+            if sock is not None:
+                sock.close(linger=0)
         if self.transport == "ipc":
             for channel in self._fronts:
                 path = self._ipc_path(channel)
