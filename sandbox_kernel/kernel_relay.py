@@ -312,6 +312,9 @@ class MemoryClamp:
             return
 
     def start(self) -> None:
+        """Watch from now on, once the kernel is up: growth past what it uses now counts
+        (a kernel with the least memory allowed starts above its watch's threshold)."""
+        self.base = self.usage()[1]
         threading.Thread(target=self.run, name="memory-clamp", daemon=True).start()
 
 
@@ -339,12 +342,15 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"kernel relay: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         return 127
-    limit = memory_bytes(os.environ.get("SANDBOX_KERNEL_POLICY", ""))
-    if limit > 0:
-        MemoryClamp(kernel.pid, limit).start()
     if not wait_for_ports([port for _, port in channels.values()], kernel, STARTUP_TIMEOUT):
         kernel.wait()
         return _status(kernel.returncode)
+    limit = memory_bytes(os.environ.get("SANDBOX_KERNEL_POLICY", ""))
+    if limit > 0:
+        try:
+            MemoryClamp(kernel.pid, limit).start()
+        except OSError:  # the kernel ended already: its status follows
+            pass
     relay = Relay(channels)
     relay.open()
     poller = relay.poller(wake_read)
