@@ -106,6 +106,16 @@ class BackgroundLoop:
                 task.cancel()
             self._chore_tasks.clear()
 
+    async def _wait_interval(self, name: str) -> None:
+        """One interval of chore ``name``, read again every second: a shorter one set
+        meanwhile (a test's, a setting's) takes effect without waiting out the old one."""
+        started = self._loop.time()
+        while self._work:
+            remaining = self._chores[name][1]() - (self._loop.time() - started)
+            if remaining <= 0:
+                return
+            await asyncio.sleep(min(remaining, 1.0))
+
     def _start_chores(self) -> None:
         for name in self._chores:
             task = self._chore_tasks.get(name)
@@ -114,7 +124,7 @@ class BackgroundLoop:
 
     async def _run_chore(self, name: str) -> None:
         while self._work:
-            await asyncio.sleep(self._chores[name][1]())
+            await self._wait_interval(name)
             if not self._work:
                 return
             job, interval = self._chores[name]
