@@ -93,6 +93,19 @@ def _pid_namespace() -> str:
         return _UNKNOWN
 
 
+def _known_missing(path: str) -> bool:
+    """Whether ``path`` is known not to exist (not merely unreadable to this process)."""
+    if not path:
+        return False
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def server_identity(pid: int | None = None) -> str:
     """``host/pid-namespace/pid/start`` of this process: who owns the kernels it starts."""
     pid = os.getpid() if pid is None else pid
@@ -268,7 +281,11 @@ class SandboxedKernel:
 
     @property
     def owner_gone(self) -> bool:
-        return self.owner_known and owner_is_gone(self.owner)
+        if self.owner_known:
+            return owner_is_gone(self.owner)
+        # No owner file: for an ephemeral kernel whose runtime folder is gone too, nobody
+        # can have adopted it (adopting writes that file), so its label's owner decides.
+        return not self.persistent and _known_missing(self.runtime_dir) and owner_is_gone(self.owner)
 
     @property
     def orphaned(self) -> bool:
