@@ -123,12 +123,35 @@ def docker_client() -> Iterator[docker.DockerClient]:
     client.close()
 
 
+#: Which test module each container or runtime folder first outlived, to name a leak's source.
+FIRST_OUTLIVED: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _note_what_outlives_each_module(request: pytest.FixtureRequest, docker_client: docker.DockerClient) -> Iterator[None]:
+    """Remember the module after which a container or runtime folder still existed.
+
+    A session-wide fixture's kernels outlive their module by design, so this only names
+    suspects; the failure at the end of the run is what counts.
+    """
+    yield
+    containers = {
+        c.name
+        for c in docker_client.containers.list(all=True, ignore_removed=True, filters={"label": LABEL_MANAGED})
+    }
+    for thing in [f"container {c}" for c in containers] + [f"runtime folder {d}" for d in runtime_dirs()]:
+        FIRST_OUTLIVED.setdefault(thing, request.node.name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
     """After the whole run: no sandbox container, runsc process or runtime folder remains."""
     before = HostState(docker_client)
     yield
-    problems = before.new_leftovers()
+    problems = [
+        f"{problem} (first outlived {FIRST_OUTLIVED[problem]})" if problem in FIRST_OUTLIVED else problem
+        for problem in before.new_leftovers()
+    ]
     # Only what this run left: another program's live kernels (a second test run, say) stay.
     mine = {
         kernel.container_id
