@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -199,6 +200,13 @@ def with_kernelspec_flags(cls: type[A], name: str) -> type[A]:
     return type(name, (cls,), namespace)
 
 
+class _WarningsOnly(logging.LoggerAdapter):  # type: ignore[type-arg]  # generic at run time from 3.11
+    """``logger``'s warnings and errors, without its info and debug lines."""
+
+    def isEnabledFor(self, level: int) -> bool:
+        return level >= logging.WARNING and super().isEnabledFor(level)
+
+
 class _InstallBase(_SubApp):
     """Install the Sandboxed Python kernelspec, or the data-science one."""
 
@@ -295,7 +303,8 @@ class _InstallBase(_SubApp):
             chosen["network"] = "allowlist"
         config.update(chosen)
         config.update(self._validate(config, chosen))
-        ksm = KernelSpecManager(parent=self)
+        # Its own "Installed kernelspec" line would repeat ours; its warnings stay.
+        ksm = KernelSpecManager(parent=self, log=_WarningsOnly(self.log))
         dest_dir = self._destination(ksm)
         if dest_dir.exists() and not self.replace:
             self.fail(f"a kernelspec exists at {dest_dir}; add --replace to overwrite it")

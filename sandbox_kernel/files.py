@@ -66,6 +66,28 @@ _QUOTED = 100
 _NEVER_FOLLOWED = "the files API never follows links"
 
 
+class MissingFileError(WorkspaceError, FileNotFoundError):
+    """No such file or folder in the workspace: a :class:`~.errors.WorkspaceError` that
+    ``except FileNotFoundError`` catches too, as for a local file."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+
+
+class FolderNotEmptyError(WorkspaceError):
+    """A folder to delete holds files, and the delete was not recursive."""
+
+
+class FileTooLargeError(WorkspaceError):
+    """A file is longer than a download may be: ``size`` bytes (at least), over ``limit``."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class FileInfo:
     """One entry of a workspace folder."""
@@ -153,7 +175,9 @@ class WorkspaceFiles:
     the sandbox under ``workspace_path``. Every method raises
     :class:`~.errors.WorkspaceError`, saying why, for a path that leaves the workspace,
     contains ``..``, goes through a symbolic link or names a special file, for a missing
-    file, and for any failure of the host's file system.
+    file (:class:`MissingFileError`, a ``FileNotFoundError`` too), a file over a
+    download's limit (:class:`FileTooLargeError`), and for any failure of the host's
+    file system.
     """
 
     def __init__(
@@ -348,7 +372,7 @@ class WorkspaceFiles:
                     msg = (
                         f"{self._named(parts)} is a folder that is not empty: delete it with recursive=True."
                     )
-                    raise WorkspaceError(msg) from None
+                    raise FolderNotEmptyError(msg) from None
                 with self._guard(parts, "delete"):
                     delete_tree(name, dir_fd=parent)
 
@@ -518,7 +542,9 @@ class WorkspaceFiles:
         if exc.errno == errno.ELOOP or (mode is not None and stat.S_ISLNK(mode)):
             return WorkspaceError(self._link_message(here))
         if exc.errno == errno.ENOENT:
-            return WorkspaceError(f"No such folder {_quoted(shown)} in the workspace (for {_quoted(path)}).")
+            return MissingFileError(
+                f"No such folder {_quoted(shown)} in the workspace (for {_quoted(path)})."
+            )
         if exc.errno == errno.ENOTDIR and mode is not None:
             return WorkspaceError(f"{_quoted(shown)} is {_kind(mode)}, not a folder (for {_quoted(path)}).")
         return WorkspaceError(f"Cannot open the folder {_quoted(shown)} in the workspace: {exc.strerror}.")
@@ -569,7 +595,7 @@ class WorkspaceFiles:
                 f"the download limit of {max_bytes} bytes: pass a larger max_bytes, or have the kernel "
                 "split or compress it."
             )
-            raise WorkspaceError(msg)
+            raise FileTooLargeError(msg, size, max_bytes)
 
     def _check_can_give(self) -> None:
         """Refuse to write files the kernel could not overwrite."""
@@ -598,7 +624,7 @@ class WorkspaceFiles:
             raise
         except FileNotFoundError:
             msg = f"No such file {_quoted(shown)} in the workspace."
-            raise WorkspaceError(msg) from None
+            raise MissingFileError(msg) from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise WorkspaceError(self._link_message(parts)) from None

@@ -51,6 +51,7 @@ from .background import BackgroundLoop
 from .cgroups import PeakMemory, cpu_seconds
 from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
 from .files import FileInfo, WorkspaceFiles, workspace_files
+from .output import amount
 from .pausing import Paused
 from .provisioner import SandboxProvisioner
 from .reattach import reattach_kernel
@@ -93,6 +94,76 @@ def strip_ansi(text: str) -> str:
     to obey (OSC 52 writes the clipboard, OSC 8 hides a link's target, C1 controls), and
     every other control character but newline, tab and carriage return."""
     return _ANSI.sub("", text)
+
+
+#: What a terminal acts on in a progress bar's line: cursor up (``ESC [ n A``), erase in
+#: line (``ESC [ n K``), carriage return, backspace.
+_MOVES = re.compile(r"\x1b\[(\d{0,6})([AK])|\r|\x08")
+#: Past this many moves (or this much work per character) output is shown line by line,
+#: each line's last carriage-return redraw kept: hostile code can print anything.
+MAX_MOVES = 100_000
+
+
+def rendered(text: str) -> str:
+    """``text`` as a terminal shows it once it is all printed, without control sequences:
+    a progress bar redrawn with carriage returns (tqdm, pip), erased lines and cursor
+    moves up leave only their last state, and colours are removed (:func:`strip_ansi`).
+    The work is bounded by the text's length."""
+    if _MOVES.search(text) is None:
+        return strip_ansi(text)
+    if text.count("\r") + text.count("\x1b[") + text.count("\x08") > MAX_MOVES:
+        return _last_redraws(text)
+    rows = [""]
+    row = column = 0
+    budget = 4 * len(text) + 65536  # characters copied to draw it
+
+    def write(piece: str) -> None:
+        nonlocal column, budget
+        line = rows[row]
+        if column == len(line):
+            rows[row] = line + piece
+        else:
+            line = line.ljust(column)
+            rows[row] = line[:column] + piece + line[column + len(piece) :]
+        budget -= len(rows[row])
+        column += len(piece)
+
+    for index, line in enumerate(text.split("\n")):
+        if index:
+            row, column = row + 1, 0
+            if row == len(rows):
+                rows.append("")
+        at = 0
+        for move in _MOVES.finditer(line):
+            if move.start() > at:
+                write(strip_ansi(line[at : move.start()]))
+            at = move.end()
+            if move.group(0) == "\r":
+                column = 0
+            elif move.group(0) == "\x08":
+                column = max(0, column - 1)
+            elif move.group(2) == "A":
+                row = max(0, row - int(move.group(1) or 1))
+            else:  # erase in line: 0 from the cursor on, 1 up to it, 2 all of it
+                how, drawn = move.group(1) or "0", rows[row]
+                if how == "0":
+                    rows[row] = drawn[:column]
+                elif how == "1":
+                    rows[row] = " " * min(column + 1, len(drawn)) + drawn[column + 1 :]
+                elif how == "2":
+                    rows[row] = ""
+                budget -= len(drawn)
+            if budget < 0:
+                return _last_redraws(text)
+        if at < len(line) or not at:
+            write(strip_ansi(line[at:]))
+    return "\n".join(rows)
+
+
+def _last_redraws(text: str) -> str:
+    """Each line of ``text`` as its last carriage-return redraw left it, roughly."""
+    lines = (line.rstrip("\r").rpartition("\r")[2] for line in text.split("\n"))
+    return strip_ansi("\n".join(lines))
 
 
 @dataclass(frozen=True)
@@ -145,6 +216,7 @@ class Execution:
 
     #: ``ok``, ``error`` or ``aborted`` (a cell skipped after an earlier one failed).
     status: str = "ok"
+    #: The run's output as a terminal would show it in the end (see :func:`rendered`).
     stdout: str = ""
     stderr: str = ""
     results: list[Result] = field(default_factory=list)
@@ -313,6 +385,29 @@ class AsyncSandboxSession:
         """Resume a paused kernel now, rather than at the next :meth:`run`."""
         await self._provisioner().resume()
 
+    async def current_policy(self) -> dict[str, Any]:
+        """The policy the host holds the kernel to: the kernelspec's, narrowed by this
+        session. ``memory``, ``cpus``, ``pids``, ``tmp_size``, ``file_size``;
+        ``exec_timeout`` and ``idle_timeout`` in seconds (0: none); ``network``
+        (``none`` or ``allowlist``), ``allowed_domains``, ``approval`` (``egress``: a
+        request to another domain the server allows waits for the holder's answer);
+        ``output_limit`` (per run); ``lifecycle``; ``image``; ``workspace``, where the
+        sandbox sees the workspace, and ``working_folder``, the kernel's folder there."""
+        provisioner = self._provisioner()
+        info = await provisioner.get_provisioner_info()
+        online = provisioner.network != "none"
+        return {
+            **provisioner.limits.as_dict(),
+            "network": provisioner.network,
+            "allowed_domains": list(provisioner.allowed_domains) if online else [],
+            "approval": provisioner.approval if online else "off",
+            "output_limit": provisioner.output_limit,
+            "lifecycle": provisioner.lifecycle,
+            "image": provisioner.image,
+            "workspace": info.get("workspace_path"),
+            "working_folder": info.get("workdir"),
+        }
+
     def _provisioner(self) -> SandboxProvisioner:
         provisioner = self._manager().provisioner
         if not isinstance(provisioner, SandboxProvisioner):
@@ -374,8 +469,11 @@ class AsyncSandboxSession:
         ``timeout``: seconds after which the code is interrupted (and, if it ignores the
         interrupt for :data:`INTERRUPT_GRACE` s, the kernel restarted); the kernelspec's
         ``exec_timeout`` applies in any case. ``on_stdout``/``on_stderr`` get each piece
-        of output as it comes, ``on_display`` each displayed :class:`Result`.
-        ``max_output``: bytes of output for this run (see the class).
+        of output as it comes (as the kernel printed it), ``on_display`` each
+        :class:`Result`, the cell's value (``is_main_result``) too.
+        ``max_output``: bytes of output for this run (see the class). The result's
+        ``stdout`` and ``stderr`` are the text as a terminal would show it in the end
+        (:func:`rendered`: no colours, a progress bar's last state only).
 
         Raises:
             KernelTakenOverError: another process took the kernel over.
@@ -421,6 +519,9 @@ class AsyncSandboxSession:
             execution.duration = time.monotonic() - started
             if meter is not None:
                 execution.cpu_time, execution.peak_memory = meter.stop()
+        if limit is not None and execution.truncated:
+            _as_asked(execution, int(limit) + MESSAGE_ALLOWANCE, int(limit))
+        execution.stdout, execution.stderr = rendered(execution.stdout), rendered(execution.stderr)
         if reply is not None:
             body = reply["content"]
             execution.status = str(body.get("status", "error"))
@@ -532,7 +633,14 @@ class AsyncSandboxSession:
             await asyncio.gather(shell, iopub, return_exceptions=True)
         if reply is not None and timed_out is not None:
             # Interrupted for its timeout: the reply says KeyboardInterrupt; say why.
-            content = {**reply["content"], "status": "error", "ename": "TimeoutError", "evalue": timed_out}
+            # Its traceback is the interrupt's, where the code happened to be: not the why.
+            content = {
+                **reply["content"],
+                "status": "error",
+                "ename": "TimeoutError",
+                "evalue": timed_out,
+                "traceback": [],
+            }
             reply = {**reply, "content": content}
         return reply
 
@@ -628,11 +736,36 @@ def _take(
             is_main_result=kind == "execute_result",
         )
         execution.results.append(result)
-        if on_display is not None and kind != "execute_result":
+        if on_display is not None:
             on_display(result)
     elif kind == "error":
         execution.error = ExecutionError.from_content(body)
     return False
+
+
+_DROPPED = re.compile(r"\n\[\.\.\. [^\n]{1,200}? of output dropped: over [^\n]{1,200}? \.\.\.\]\n")
+
+
+def _as_asked(execution: Execution, sent: int, asked: int) -> None:
+    """A run's output cut at the limit it asked for (``sent`` to the host, with the
+    :data:`MESSAGE_ALLOWANCE`): the host's notices name ``asked``, and the text around the
+    host's marker of what was dropped keeps whole lines where its lines are short."""
+    said, meant = amount(sent), amount(asked)
+    for name in ("stdout", "stderr"):
+        text = getattr(execution, name)
+        text = text.replace(f"more than {said} of output", f"more than {meant} of output")
+        text = text.replace(f"output limit of {said} set", f"output limit of {meant} set")
+        marker = _DROPPED.search(text)
+        if marker is not None:
+            head, tail = text[: marker.start()], text[marker.end() :]
+            # Cut at a line break near the marker: whole lines read better (a cut
+            # line is dropped, as the marker says output was).
+            end = head.rfind("\n", len(head) - len(head) // 4)
+            head = head[: end + 1] if end >= 0 else head
+            start = tail.find("\n", 0, len(tail) // 4)
+            tail = tail[start + 1 :] if start >= 0 else tail
+            text = f"{head.removesuffix(chr(10))}{marker.group(0)}{tail}"
+        setattr(execution, name, text)
 
 
 async def _within(task: asyncio.Future[T], seconds: float) -> T | None:
@@ -761,6 +894,10 @@ class SandboxSession:
 
     def interrupt(self) -> None:
         self._call(self._session.interrupt())
+
+    def current_policy(self) -> dict[str, Any]:
+        """See :meth:`AsyncSandboxSession.current_policy`."""
+        return self._call(self._session.current_policy())
 
     def restart(self) -> None:
         self._call(self._session.restart())

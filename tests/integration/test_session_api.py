@@ -505,3 +505,61 @@ def test_a_run_over_its_output_limit_keeps_head_and_tail_and_says_so(session_dir
         assert len(big.stdout) < 40_000
         small = sandbox.run("print('small')")
         assert (small.stdout, small.truncated) == ("small\n", False)
+
+
+def test_a_run_gives_what_a_program_expects(session_dir: Path) -> None:
+    """#23 item 14, as the assistant's developer met it: a timeout carried a
+    KeyboardInterrupt traceback; on_display never got the cell's value; stdout kept colour
+    codes and progress bars; a missing file was no FileNotFoundError; 64 KiB asked was
+    reported as "72 KiB", and the cut fell mid-line."""
+    displayed: list[Any] = []
+    with SandboxSession(cwd=session_dir, memory="512m", exec_timeout="5m") as sandbox:
+        policy = sandbox.current_policy()
+        assert (policy["memory"], policy["exec_timeout"], policy["network"]) == ("512m", 300, "none")
+        assert (policy["workspace"], policy["working_folder"]) == ("/workspace", "/workspace")
+
+        slow = sandbox.run("import time; time.sleep(60)", timeout=2)
+        assert slow.error is not None
+        assert slow.error.ename == "TimeoutError"
+        assert "KeyboardInterrupt" not in slow.error.text
+
+        shown = sandbox.run(
+            "from IPython.display import display\ndisplay('shown')\n6 * 7", on_display=displayed.append
+        )
+        assert [(result.text, result.is_main_result) for result in displayed] == [
+            ("'shown'", False),
+            ("42", True),
+        ]
+        assert shown.text == "42"
+
+        coloured = sandbox.run(
+            "import sys, time\nprint('\\x1b[31mred\\x1b[0m')\n"
+            "for i in range(3):\n    print(f'\\rstep {i}/2', end='', flush=True); time.sleep(0.1)\n"
+            "print()\nprint('downloading 10%', end='', flush=True); time.sleep(0.1)\n"
+            "print('\\x1b[2K\\rdownloaded', flush=True)\n"
+            "from tqdm import tqdm\nfor _ in tqdm(range(3), ascii=True, ncols=60): time.sleep(0.1)"
+        )
+        assert coloured.stdout == "red\nstep 2/2\ndownloaded\n"
+        assert "\r" not in coloured.stderr
+        assert coloured.stderr.count("\n") == 1, coloured.stderr
+        assert "3/3" in coloured.stderr
+
+        with pytest.raises(FileNotFoundError, match=r"No such file 'nope\.txt'"):
+            sandbox.files.download("nope.txt")
+        with pytest.raises(WorkspaceError):
+            sandbox.files.delete("nope/deeper.txt")
+
+        big = sandbox.run("for i in range(20_000):\n    print(f'line {i:05} ' + 'x' * 30)", max_output=65536)
+        assert big.truncated
+        said = big.stdout + big.stderr
+        assert "64 KiB" in said
+        assert "72 KiB" not in said
+        head, _, tail = big.stdout.partition("[... ")
+        assert head.startswith("line 00000 ")
+        for line in head.splitlines():
+            assert len(line) == 41, f"a cut line: {line!r}"
+        marker, _, rest = tail.partition("\n")
+        assert "of output dropped" in marker
+        for line in rest.splitlines():
+            assert len(line) == 41, f"a cut line: {line!r}"
+        assert rest.rstrip().endswith("line 19999 " + "x" * 30)

@@ -89,6 +89,17 @@ def test_install_writes_the_kernelspec_with_the_given_values(
     assert "Installed kernelspec 'x' (X)" in capsys.readouterr().out
 
 
+def test_install_says_once_where_it_installed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """#23 item 14: jupyter_client's own log line said it a second time."""
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "once")
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert said.count("Installed kernelspec") == 1, said
+    assert "which is not in" in captured.err, (
+        "jupyter_client's warning of a folder Jupyter does not search stays"
+    )
+
+
 def test_install_without_an_image_leaves_the_provisioner_default(tmp_path: Path) -> None:
     run(InstallApp, "--prefix", str(tmp_path))
     spec = installed_spec(tmp_path, KERNEL_NAME)

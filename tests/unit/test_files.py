@@ -141,6 +141,17 @@ def test_no_such_file_says_so(files: WorkspaceFiles, call: str) -> None:
         getattr(files, call)("nope/x")
 
 
+@pytest.mark.parametrize("call", ["download", "list", "delete"])
+def test_a_missing_file_is_a_file_not_found_error_too(files: WorkspaceFiles, call: str) -> None:
+    """#23 item 14: code written for local files catches FileNotFoundError."""
+    for path in ("nope", "nope/x"):
+        with pytest.raises(FileNotFoundError, match="No such") as caught:
+            getattr(files, call)(path)
+        assert isinstance(caught.value, WorkspaceError)
+        assert caught.value.errno == errno.ENOENT
+        assert str(caught.value).startswith("No such"), "the message as it was, no [Errno 2]"
+
+
 def test_a_workspace_folder_gone_from_the_host_says_so(tmp_path: Path) -> None:
     files = WorkspaceFiles(tmp_path / "gone", "/workspace", "/workspace", 1, 1)
     with refused("no longer exists on the host"):
