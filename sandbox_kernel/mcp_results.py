@@ -60,6 +60,8 @@ class RunResult(TypedDict):
     """Its ``text/plain`` form ("" when it has none)."""
     mime_types: list[str]
     """Every MIME type it came in; a valid image is also returned as image content."""
+    is_main_result: bool
+    """It is the cell's value (its last expression's), not something it displayed."""
 
 
 class RunError(TypedDict):
@@ -75,6 +77,9 @@ class RunCodeOutput(TypedDict):
     stdout: str
     stderr: str
     results: list[RunResult]
+    text: str | None
+    """The text/plain of the cell's value (its last expression), if it had one: the
+    result with is_main_result."""
     error: RunError | None
     duration: float
     """Seconds from sending the code to its reply."""
@@ -105,7 +110,58 @@ class StartKernelOutput(TypedDict):
 
 class KernelOutput(TypedDict):
     kernel_id: str
-    status: Literal["restarted", "shut down"]
+    status: Literal["restarted", "shut down", "interrupted"]
+
+
+class KernelEntry(TypedDict):
+    kernel_id: str
+    default: bool
+    """run_code and the file tools use this kernel when called without a kernel_id."""
+    busy: bool
+    """A run_code call is running a cell in it now."""
+    policy: dict[str, Any]
+    """The narrowing start_kernel asked for ({} for the kernelspec's own policy)."""
+
+
+class ListKernelsOutput(TypedDict):
+    kernels: list[KernelEntry]
+    kernel_name: str
+    """The kernelspec every kernel of this server runs."""
+    max_kernels: int
+    """Most kernels this server runs at once."""
+
+
+class PolicyOutput(TypedDict):
+    kernel_id: str
+    kernel_name: str
+    memory: str
+    cpus: float
+    pids: int
+    tmp_size: str
+    file_size: str
+    exec_timeout: float
+    """Seconds a cell may run before it is stopped; 0: no limit."""
+    idle_timeout: float
+    """Seconds the kernel may sit idle before it is stopped; 0: no limit."""
+    network: Literal["none", "allowlist"]
+    """'none': no network at all; 'allowlist': HTTP(S) to allowed_domains only."""
+    allowed_domains: list[str]
+    approval: str
+    """'egress': a request to another domain the server allows waits for a person's
+    answer; 'off': such requests are refused."""
+    output_limit: str
+    """The kernel's own limit on one run's output (before max_output_chars)."""
+    lifecycle: str
+    image: str
+    workspace: str
+    """Where the sandbox sees the workspace."""
+    working_folder: str
+    """The kernel's working folder, which relative paths start from."""
+
+
+class DeleteOutput(TypedDict):
+    path: str
+    status: Literal["deleted"]
 
 
 class UploadOutput(TypedDict):
@@ -288,9 +344,14 @@ def run_output(
     notes: list[str] = []
     listed = execution.results[:MAX_RESULTS]
     results: list[RunResult] = [
-        {"text": shown(f"result {index}", "this result's text/plain"), "mime_types": sorted(result.data)}
+        {
+            "text": shown(f"result {index}", "this result's text/plain"),
+            "mime_types": sorted(result.data),
+            "is_main_result": bool(getattr(result, "is_main_result", False)),
+        }
         for index, result in enumerate(listed)
     ]
+    main = [result["text"] for result in results if result["is_main_result"]]
     if len(execution.results) > len(listed):
         notes.append(
             f"{len(execution.results) - len(listed)} more rich results are not listed (at most "
@@ -312,6 +373,7 @@ def run_output(
         "stdout": shown("stdout", "stdout"),
         "stderr": shown("stderr", "stderr"),
         "results": results,
+        "text": main[0] if main else None,
         "error": error,
         "duration": round(float(execution.duration), 3),
         "cpu_time": getattr(execution, "cpu_time", None),

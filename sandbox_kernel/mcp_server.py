@@ -10,10 +10,12 @@ that policy. The tools:
     a new kernel, optionally with a narrower policy; returns its ``kernel_id``.
 ``run_code``
     runs a cell; without ``kernel_id`` in the *default kernel*, started on first use.
-``upload_file``, ``download_file``, ``list_files``
-    the workspace, from the host side.
-``restart_kernel``, ``shutdown_kernel``
+``interrupt_kernel``, ``restart_kernel``, ``shutdown_kernel``
     as in Jupyter.
+``list_kernels``, ``get_policy``
+    the kernels this server runs; what one may do (limits, network), as the host holds it.
+``upload_file``, ``download_file``, ``list_files``, ``delete_file``
+    the workspace, from the host side.
 
 A cell that raises is not a failed tool call: its result has ``status`` ``"error"``
 and the exception's ``ename``, ``evalue`` and ``traceback`` (terminal control sequences
@@ -61,12 +63,16 @@ from traitlets.config import Config, LoggingConfigurable
 from . import mcp_transport
 from ._version import __version__
 from .errors import SandboxKernelError
-from .files import from_printable
+from .files import FileTooLargeError, FolderNotEmptyError, from_printable
 from .limits import size_bytes
 from .mcp_results import (
+    DeleteOutput,
     DownloadOutput,
+    KernelEntry,
     KernelOutput,
     ListFilesOutput,
+    ListKernelsOutput,
+    PolicyOutput,
     RunCodeOutput,
     StartKernelOutput,
     UploadOutput,
@@ -170,6 +176,7 @@ class Session(Protocol):
     async def start(self) -> object: ...
     async def run(self, code: str, *, timeout: float | None = None) -> Any: ...  # noqa: ASYNC109
     async def interrupt(self) -> None: ...
+    async def current_policy(self) -> dict[str, Any]: ...
     async def restart(self) -> None: ...
     async def shutdown(self) -> None: ...
 
@@ -262,6 +269,7 @@ class KernelTools:
         self.limits = limits or McpLimits()
         self._new_session = session_factory
         self._kernels: dict[str, Session] = {}
+        self._policies: dict[str, dict[str, Any]] = {}
         self._run_locks: dict[str, asyncio.Lock] = {}
         self._default_id: str | None = None
         self._default_lock = asyncio.Lock()
@@ -335,12 +343,15 @@ class KernelTools:
 
         Variables, imports and files persist between calls to the same kernel; the
         working folder is the workspace, /workspace in the sandbox. The result holds
-        status ('ok' or 'error'), stdout, stderr, the text/plain form of each rich
-        result (the value of the last expression, displays), and for an exception its
-        ename, evalue and traceback; images (e.g. matplotlib plots) come back as image
-        content. A cell that raises is a normal result with status 'error', not a
-        failed tool call. restarted=true means the kernel died or hit a limit (memory,
-        time) and was restarted: its variables are gone. Long output is cut to
+        status ('ok' or 'error'), stdout, stderr, text (the text/plain of the value of
+        the last expression, as a notebook shows it in Out[]), results (each rich
+        output's text/plain; is_main_result marks that value, the others were
+        displayed), and for an exception its ename, evalue and traceback; images (e.g.
+        matplotlib plots) come back as image content. A cell that raises is a normal
+        result with status 'error', not a failed tool call; past timeout it is
+        interrupted (ename 'TimeoutError'), and interrupt_kernel stops it sooner
+        ('KeyboardInterrupt'). restarted=true means the kernel died or hit a limit
+        (memory, time) and was restarted: its variables are gone. Long output is cut to
         max_output_chars (truncated=true): its head and tail stay around a marker, and
         the whole stdout/stderr is saved to the workspace file in full_output.
         """
@@ -422,11 +433,49 @@ class KernelTools:
         """
         with tool_errors("download_file"):
             _, session = await self._session(kernel_id, start_default=True)
-            data = await self._in_workspace(
-                lambda where: session.files.download(where, max_bytes=MAX_DOWNLOAD), path
-            )
+            try:
+                data = await self._in_workspace(
+                    lambda where: session.files.download(where, max_bytes=MAX_DOWNLOAD), path
+                )
+            except FileTooLargeError as exc:
+                msg = (
+                    f"{path!r} is {exc.size:,} bytes{' or more' if exc.size == exc.limit + 1 else ''}: over "
+                    f"the {exc.limit:,} bytes download_file returns. Read what you need of it with run_code "
+                    "(e.g. pandas, or f.seek() and f.read(n)), or have the kernel summarise, split or "
+                    "compress it into smaller files."
+                )
+                raise ToolError(msg) from exc
             output, extra = encode_download(path, data)
             return tool_result(output, extra)
+
+    async def delete_file(
+        self,
+        path: Annotated[
+            str,
+            Field(
+                description="The file or folder to delete: relative to the workspace, or under /workspace."
+            ),
+        ],
+        recursive: Annotated[
+            bool, Field(description="Delete a folder with everything in it; without it only an empty one.")
+        ] = False,
+        kernel_id: Annotated[
+            str | None, Field(description="The kernel whose workspace to use; omit for the default kernel.")
+        ] = None,
+    ) -> Annotated[CallToolResult, DeleteOutput]:
+        """Delete a file, or a folder, from the kernel's workspace.
+
+        A folder that holds files is refused unless recursive=true. Links are deleted,
+        never followed; the kernel's working folder itself cannot be deleted.
+        """
+        with tool_errors("delete_file"):
+            _, session = await self._session(kernel_id, start_default=True)
+            try:
+                await self._in_workspace(lambda where: session.files.delete(where, recursive), path)
+            except FolderNotEmptyError as exc:
+                msg = f"{path!r} is a folder that is not empty: call delete_file again with recursive=true"
+                raise ToolError(msg) from exc
+            return tool_result({"path": path, "status": "deleted"})
 
     async def list_files(
         self,
@@ -464,6 +513,65 @@ class KernelTools:
                 "next_offset": next_offset,
             }
             return tool_result(listing)
+
+    async def interrupt_kernel(
+        self,
+        kernel_id: Annotated[
+            str | None, Field(description="The kernel to interrupt; omit for the default kernel.")
+        ] = None,
+    ) -> Annotated[CallToolResult, KernelOutput]:
+        """Interrupt the cell a kernel is running, as Ctrl-C would (KeyboardInterrupt).
+
+        The run_code call waiting for that cell then returns, with status 'error' and
+        ename 'KeyboardInterrupt'; variables and imports stay. Use it for a cell that
+        runs too long; list_kernels says which kernels are busy. A kernel that runs
+        nothing is left as it is.
+        """
+        with tool_errors("interrupt_kernel"):
+            kernel_id, session = await self._session(kernel_id, start_default=False)
+            await session.interrupt()
+            return tool_result({"kernel_id": kernel_id, "status": "interrupted"})
+
+    async def list_kernels(self) -> Annotated[CallToolResult, ListKernelsOutput]:
+        """List the kernels this server runs: kernel_id, whether it is the default
+        kernel, whether it is running a cell now (busy), and the narrowing it was
+        started with. get_policy gives a kernel's whole policy.
+        """
+        with tool_errors("list_kernels"):
+            kernels: list[KernelEntry] = [
+                {
+                    "kernel_id": kernel_id,
+                    "default": kernel_id == self._default_id,
+                    "busy": lock.locked() if (lock := self._run_locks.get(kernel_id)) else False,
+                    "policy": dict(self._policies.get(kernel_id, {})),
+                }
+                for kernel_id in self._kernels
+            ]
+            listing: ListKernelsOutput = {
+                "kernels": kernels,
+                "kernel_name": self.kernel_name,
+                "max_kernels": self.limits.max_kernels,
+            }
+            return tool_result(listing)
+
+    async def get_policy(
+        self,
+        kernel_id: Annotated[
+            str | None, Field(description="The kernel whose policy to read; omit for the default kernel.")
+        ] = None,
+    ) -> Annotated[CallToolResult, PolicyOutput]:
+        """Read what a kernel may do: memory, cpus, pids, disk (tmp_size, file_size),
+        how long a cell may run (exec_timeout, seconds; 0: no limit), its network
+        ('none', or 'allowlist' with allowed_domains), and where the workspace is.
+
+        Check it before code that needs the network or much memory: a request to a
+        domain not allowed fails, and a cell past a limit is stopped. The host enforces
+        it; code in the kernel cannot change it. Starts the default kernel if needed.
+        """
+        with tool_errors("get_policy"):
+            kernel_id, session = await self._session(kernel_id, start_default=True)
+            policy = await session.current_policy()
+            return tool_result({"kernel_id": kernel_id, "kernel_name": self.kernel_name, **policy})
 
     async def restart_kernel(
         self,
@@ -545,6 +653,7 @@ class KernelTools:
                 await session.start()
             kernel_id = str(session.kernel_id)
             self._kernels[kernel_id] = session
+            self._policies[kernel_id] = dict(policy)
         finally:
             self._starting.discard(session)
             if not self._starting:
@@ -599,6 +708,7 @@ class KernelTools:
 
     def _forget(self, kernel_id: str) -> None:
         self._kernels.pop(kernel_id, None)
+        self._policies.pop(kernel_id, None)
         self._run_locks.pop(kernel_id, None)
         if self._default_id == kernel_id:
             self._default_id = None
@@ -697,8 +807,11 @@ def instructions(tools: KernelTools) -> str:
         f"Kernels use the kernelspec {tools.kernel_name!r}. Their working folder is the workspace, "
         f"which the code sees at {CONTAINER_WORKSPACE} (the host's path to it does not exist in the "
         f"sandbox): use paths relative to it, or absolute ones under {CONTAINER_WORKSPACE}, in code "
-        "and in the file tools alike. Results are cut to max_output_chars (the whole output is then "
-        "saved to a workspace file, named in full_output); list_files comes in pages."
+        "and in the file tools alike. A run_code result's text is the value of the cell's last "
+        "expression; stdout, stderr, results (displays) and error (status 'error': your code raised) "
+        "hold the rest. A long cell can be stopped with interrupt_kernel; get_policy says what the "
+        "kernel may do (memory, time, network). Results are cut to max_output_chars (the whole output "
+        "is then saved to a workspace file, named in full_output); list_files comes in pages."
     )
 
 
@@ -744,6 +857,10 @@ def build_server(tools: KernelTools) -> MCPServer[Any]:
         (tools.upload_file, destructive),
         (tools.download_file, read_only),
         (tools.list_files, read_only),
+        (tools.delete_file, destructive),
+        (tools.interrupt_kernel, mutating),
+        (tools.list_kernels, read_only),
+        (tools.get_policy, read_only),
         (tools.restart_kernel, destructive),
         (tools.shutdown_kernel, destructive),
     ]

@@ -31,6 +31,10 @@ TOOLS = {
     "upload_file",
     "download_file",
     "list_files",
+    "delete_file",
+    "interrupt_kernel",
+    "list_kernels",
+    "get_policy",
     "restart_kernel",
     "shutdown_kernel",
 }
@@ -406,4 +410,103 @@ async def test_a_hostile_assistant_can_neither_exhaust_nor_trick_the_server(
         assert not (workspace / "big.bin").exists()
         still = await run(session, "print('still serving')")
         assert still["stdout"] == "still serving\n"
+    assert containers(docker_client, kernel_ids) == []
+
+
+async def wait_until_busy(session: ClientSession, kernel_id: str) -> dict[str, Any]:
+    """The list_kernels entry of ``kernel_id`` once it runs a cell."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listing = (await call(session, "list_kernels")).structured_content
+        assert listing is not None
+        (entry,) = [kernel for kernel in listing["kernels"] if kernel["kernel_id"] == kernel_id]
+        if entry["busy"]:
+            return entry
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"kernel {kernel_id} never ran the cell")
+
+
+@pytest.mark.timeout(600)
+async def test_an_assistant_interrupts_lists_deletes_and_reads_the_policy(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """#23 item 11: no interrupt, list-kernels, delete-file or policy tool; results did not
+    say which was the cell's value; download_file's error suggested a max_bytes it does not
+    take; a timeout's error carried the KeyboardInterrupt traceback (item 14)."""
+    kernel_ids: set[str] = set()
+    async with mcp_server(workspace) as session:
+        tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+        assert set(tools) == TOOLS
+
+        shown = await run(session, "from IPython.display import display\ndisplay('shown')\n6 * 7")
+        kernel_id = shown["kernel_id"]
+        kernel_ids.add(kernel_id)
+        assert [(result["text"], result["is_main_result"]) for result in shown["results"]] == [
+            ("'shown'", False),
+            ("42", True),
+        ]
+        assert shown["text"] == "42", "the cell's value, apart from what it displayed"
+
+        started = time.monotonic()
+        running = asyncio.create_task(
+            session.call_tool(
+                "run_code", {"code": "import time\nz = 5\ntime.sleep(300)"}, read_timeout_seconds=180
+            )
+        )
+        entry = await wait_until_busy(session, kernel_id)
+        assert entry["default"] is True
+        interrupted = await call(session, "interrupt_kernel")
+        assert interrupted.structured_content == {"kernel_id": kernel_id, "status": "interrupted"}
+        stopped = await running
+        assert stopped.structured_content is not None
+        assert stopped.structured_content["error"]["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - started < 60
+        assert (await run(session, "z"))["text"] == "5", "an interrupt keeps the variables"
+
+        stuck = await run(session, "import time\ntime.sleep(300)", timeout=2)
+        assert stuck["error"]["ename"] == "TimeoutError"
+        assert "KeyboardInterrupt" not in json.dumps(stuck["error"]), "the timeout says why, alone"
+
+        policy = (await call(session, "get_policy")).structured_content
+        assert policy is not None
+        assert policy["kernel_id"] == kernel_id
+        assert policy["network"] == "none"
+        assert policy["allowed_domains"] == []
+        assert policy["memory"]
+        assert policy["workspace"] == "/workspace"
+        narrow = await call(session, "start_kernel", memory="512m", exec_timeout="5m")
+        assert narrow.structured_content is not None
+        narrow_id = narrow.structured_content["kernel_id"]
+        kernel_ids.add(narrow_id)
+        narrowed = (await call(session, "get_policy", kernel_id=narrow_id)).structured_content
+        assert narrowed is not None
+        assert (narrowed["memory"], narrowed["exec_timeout"]) == ("512m", 300)
+        listing = (await call(session, "list_kernels")).structured_content
+        assert listing is not None
+        assert {kernel["kernel_id"]: kernel["default"] for kernel in listing["kernels"]} == {
+            kernel_id: True,
+            narrow_id: False,
+        }
+        await call(session, "shutdown_kernel", kernel_id=narrow_id)
+
+        await run(
+            session,
+            "import os\nopen('old.txt', 'w').write('x')\nos.makedirs('tree/sub')\n"
+            "open('tree/sub/f.txt', 'w').write('y')\nopen('big.bin', 'wb').write(bytes(11 * 2**20))",
+        )
+        await call(session, "delete_file", path="old.txt")
+        assert not (workspace / "old.txt").exists()
+        folder = await session.call_tool("delete_file", {"path": "tree"})
+        assert folder.is_error
+        assert "recursive=true" in text(folder)
+        await call(session, "delete_file", path="/workspace/tree", recursive=True)
+        assert not (workspace / "tree").exists()
+        missing = await session.call_tool("delete_file", {"path": "old.txt"})
+        assert missing.is_error
+        assert "No such file 'old.txt'" in text(missing)
+
+        big = await session.call_tool("download_file", {"path": "big.bin"})
+        assert big.is_error
+        assert "max_bytes" not in text(big), "download_file takes no max_bytes"
+        assert "run_code" in text(big)
     assert containers(docker_client, kernel_ids) == []

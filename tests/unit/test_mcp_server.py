@@ -22,8 +22,16 @@ from mcp import Client, ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
+from sandbox_kernel.files import FileTooLargeError, FolderNotEmptyError, MissingFileError
 from sandbox_kernel.mcp_results import allot, cut, sniff_image
-from sandbox_kernel.mcp_server import KEPT_OUTPUTS, KernelTools, McpLimits, build_server, strip_ansi
+from sandbox_kernel.mcp_server import (
+    KEPT_OUTPUTS,
+    MAX_DOWNLOAD,
+    KernelTools,
+    McpLimits,
+    build_server,
+    strip_ansi,
+)
 from sandbox_kernel.mcp_transport import OVERSIZED, BoundedLines
 
 
@@ -96,6 +104,8 @@ class FakeFiles:
         return path
 
     async def download(self, path: str, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None and len(self.stored.get(path, b"")) > max_bytes:
+            raise FileTooLargeError("pass a larger max_bytes", len(self.stored[path]), max_bytes)
         if path not in self.stored:
             raise WorkspaceError(f"No such file {path!r} in the workspace.")
         return self.stored[path]
@@ -104,7 +114,35 @@ class FakeFiles:
         return [FakeFileInfo(name, name, len(data), False, 0.0) for name, data in sorted(self.stored.items())]
 
     async def delete(self, path: str, recursive: bool = False) -> None:
+        if path == "folder" and not recursive:
+            raise FolderNotEmptyError(
+                "'folder' is a folder that is not empty: delete it with recursive=True."
+            )
+        if path == "folder":
+            return
+        if path not in self.stored:
+            raise MissingFileError(f"No such file {path!r} in the workspace.")
         del self.stored[path]
+
+
+#: What a session's policy() says (the real one reads the provisioner).
+POLICY: dict[str, Any] = {
+    "memory": "2g",
+    "cpus": 1.0,
+    "pids": 256,
+    "tmp_size": "256m",
+    "file_size": "4g",
+    "exec_timeout": 0.0,
+    "idle_timeout": 0.0,
+    "network": "none",
+    "allowed_domains": [],
+    "approval": "off",
+    "output_limit": "10m",
+    "lifecycle": "ephemeral",
+    "image": "sandbox-kernel/python:latest",
+    "workspace": "/workspace",
+    "working_folder": "/workspace",
+}
 
 
 class FakeSession:
@@ -118,14 +156,15 @@ class FakeSession:
     workspace = FakeFiles()
 
     def __init__(self, kernel_name: str, cwd: str, **policy: Any) -> None:
-        self.kernel_name, self.cwd, self.policy = kernel_name, cwd, policy
+        self.kernel_name, self.cwd, self.policy_asked = kernel_name, cwd, policy
+        self.interrupted: asyncio.Event | None = None
         self.kernel_id = f"kernel-{next(self.ids)}"
         self.files = self.workspace
         self.calls: list[str] = []
 
     async def start(self) -> None:
         await asyncio.sleep(0.01)  # long enough for other starts to come in meanwhile
-        if self.policy.get("memory") == "64g":
+        if self.policy_asked.get("memory") == "64g":
             raise ConfigurationError("memory '64g' is more than the kernelspec's ceiling '2g'")
         self.started.append(self)
 
@@ -133,6 +172,18 @@ class FakeSession:
         self.calls.append(code)
         if code in self.scripted:
             return self.scripted[code]
+        if code == "sleep":
+            self.interrupted = asyncio.Event()
+            await self.interrupted.wait()
+            error = FakeError("KeyboardInterrupt", "", ["KeyboardInterrupt"])
+            return FakeExecution("error", error=error)
+        if code == "value":
+            return FakeExecution(
+                results=[
+                    FakeResult({"text/plain": "'shown'"}),
+                    FakeResult({"text/plain": "42"}, is_main_result=True),
+                ]
+            )
         if code == "crash the host side":
             raise RuntimeError("Kernel didn't respond\nin 30 seconds")
         if code == "plot":
@@ -144,6 +195,11 @@ class FakeSession:
 
     async def interrupt(self) -> None:
         self.calls.append("interrupt")
+        if self.interrupted is not None:
+            self.interrupted.set()
+
+    async def current_policy(self) -> dict[str, Any]:
+        return {**POLICY, "memory": self.policy_asked.get("memory", "2g")}
 
     async def restart(self) -> None:
         self.calls.append("restart")
@@ -196,6 +252,10 @@ async def test_lists_the_tools_with_input_and_output_schemas(tools: KernelTools)
             "upload_file",
             "download_file",
             "list_files",
+            "delete_file",
+            "interrupt_kernel",
+            "list_kernels",
+            "get_policy",
             "restart_kernel",
             "shutdown_kernel",
         }
@@ -228,7 +288,7 @@ async def test_run_code_starts_one_default_kernel_and_reuses_it(tools: KernelToo
         assert first.structured_content["stdout"] == "a\n"
         assert first.structured_content["kernel_id"] == second.structured_content["kernel_id"]
         assert len(FakeSession.started) == 1
-        assert FakeSession.started[0].policy == {}
+        assert FakeSession.started[0].policy_asked == {}
 
 
 async def test_images_come_back_as_image_content(tools: KernelTools) -> None:
@@ -238,8 +298,9 @@ async def test_images_come_back_as_image_content(tools: KernelTools) -> None:
         assert [(image.mime_type, image.data) for image in images] == [("image/png", PNG)]
         assert result.structured_content is not None
         assert result.structured_content["results"] == [
-            {"text": "<Figure>", "mime_types": ["image/png", "text/plain"]}
+            {"text": "<Figure>", "mime_types": ["image/png", "text/plain"], "is_main_result": False}
         ]
+        assert result.structured_content["text"] is None, "a plot is displayed, not the cell's value"
 
 
 async def test_a_failing_cell_is_a_result_with_the_error_not_a_failed_call(tools: KernelTools) -> None:
@@ -260,7 +321,7 @@ async def test_start_kernel_passes_only_the_narrowing_given(tools: KernelTools) 
     async with connect(tools) as client:
         result = await client.call_tool("start_kernel", {"memory": "256m", "network": "none"})
         assert result.structured_content is not None
-        assert FakeSession.started[-1].policy == {"memory": "256m", "network": "none"}
+        assert FakeSession.started[-1].policy_asked == {"memory": "256m", "network": "none"}
         kernel_id = result.structured_content["kernel_id"]
         ran = await client.call_tool("run_code", {"code": "x", "kernel_id": kernel_id})
         assert ran.structured_content is not None
@@ -854,3 +915,88 @@ async def test_arguments_that_do_not_fit_the_schema_are_one_line_too(tools: Kern
             assert (
                 text(result) == f"run_code was called with arguments that do not fit its input schema: {says}"
             )
+
+
+async def test_the_cells_value_is_told_apart_from_what_it_displayed(tools: KernelTools) -> None:
+    """#23 item 11: results did not say which was the cell's value."""
+    async with connect(tools) as client:
+        got = structured(await client.call_tool("run_code", {"code": "value"}))
+        assert [(result["text"], result["is_main_result"]) for result in got["results"]] == [
+            ("'shown'", False),
+            ("42", True),
+        ]
+        assert got["text"] == "42"
+
+
+async def test_interrupt_kernel_stops_a_running_cell(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        await client.call_tool("run_code", {"code": "warm up"})
+        async with asyncio.timeout(10):
+            running = asyncio.ensure_future(client.call_tool("run_code", {"code": "sleep"}))
+            while not structured(await client.call_tool("list_kernels"))["kernels"][0]["busy"]:
+                await asyncio.sleep(0.01)
+            interrupted = structured(await client.call_tool("interrupt_kernel", {}))
+            assert interrupted["status"] == "interrupted"
+            stopped = structured(await running)
+        assert stopped["error"]["ename"] == "KeyboardInterrupt"
+        assert not structured(await client.call_tool("list_kernels"))["kernels"][0]["busy"]
+
+
+async def test_interrupt_without_a_kernel_says_how_to_start_one(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        refused = await client.call_tool("interrupt_kernel", {})
+        assert refused.is_error
+        assert "run_code without a kernel_id starts it" in text(refused)
+
+
+async def test_list_kernels_names_the_default_and_each_narrowing(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        assert structured(await client.call_tool("list_kernels"))["kernels"] == []
+        default = structured(await client.call_tool("run_code", {"code": "a"}))["kernel_id"]
+        other = structured(await client.call_tool("start_kernel", {"memory": "256m"}))["kernel_id"]
+        listing = structured(await client.call_tool("list_kernels"))
+        assert listing["kernels"] == [
+            {"kernel_id": default, "default": True, "busy": False, "policy": {}},
+            {"kernel_id": other, "default": False, "busy": False, "policy": {"memory": "256m"}},
+        ]
+        assert (listing["kernel_name"], listing["max_kernels"]) == ("sandboxed-python", 8)
+        await client.call_tool("shutdown_kernel", {"kernel_id": other})
+        assert [
+            kernel["kernel_id"] for kernel in structured(await client.call_tool("list_kernels"))["kernels"]
+        ] == [default]
+
+
+async def test_get_policy_is_the_sessions_with_the_kernel(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        other = structured(await client.call_tool("start_kernel", {"memory": "256m"}))["kernel_id"]
+        policy = structured(await client.call_tool("get_policy", {"kernel_id": other}))
+        assert policy == {**POLICY, "kernel_id": other, "kernel_name": "sandboxed-python", "memory": "256m"}
+
+
+async def test_delete_file_deletes_and_says_how_to_delete_a_folder(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        await client.call_tool("upload_file", {"path": "old.txt", "content": "x"})
+        assert structured(await client.call_tool("delete_file", {"path": "old.txt"})) == {
+            "path": "old.txt",
+            "status": "deleted",
+        }
+        assert "old.txt" not in FakeSession.workspace.stored
+        missing = await client.call_tool("delete_file", {"path": "old.txt"})
+        assert missing.is_error
+        assert "No such file 'old.txt'" in text(missing)
+        folder = await client.call_tool("delete_file", {"path": "folder"})
+        assert folder.is_error
+        assert "recursive=true" in text(folder)
+        assert not (await client.call_tool("delete_file", {"path": "folder", "recursive": True})).is_error
+
+
+async def test_a_file_too_large_to_download_says_what_to_do_instead(tools: KernelTools) -> None:
+    """#23 item 11: the error suggested a max_bytes that download_file does not take."""
+    FakeSession.workspace.stored["big.bin"] = bytes(MAX_DOWNLOAD + 1)
+    async with connect(tools) as client:
+        await client.call_tool("run_code", {"code": "a"})
+        big = await client.call_tool("download_file", {"path": "big.bin"})
+        assert big.is_error
+        assert "max_bytes" not in text(big)
+        assert f"{MAX_DOWNLOAD + 1:,} bytes" in text(big)
+        assert "run_code" in text(big)
