@@ -5,8 +5,10 @@ domains (but within the administrator's ceiling, ``max_allowed_domains``) waits 
 the holder is asked: a program's callback (``km.provisioner.approval_handler``), else the
 client that runs the current cell, through Jupyter's own stdin channel, as ``input()``
 asks, so JupyterLab shows a prompt and needs no extension. The answer is "once" (this
-request), "kernel" (this domain, for this kernel from now on) or "deny"; no answer within
-``approval_timeout`` is "deny", and so is a client that cannot answer prompts.
+request), "kernel" (this domain, for this kernel from now on) or "deny", and anything else
+is "deny"; no answer within ``approval_timeout`` is "deny", and so is a client that cannot
+answer prompts. (The package's JupyterLab extension closes a question's box once it is
+no longer waited for: Jupyter has no message withdrawing an ``input_request``.)
 
 The prompt is the host's own message (signed with the kernel's key) and the answer is
 taken off the client's stdin before the kernel sees it: the kernel can neither answer for
@@ -32,25 +34,39 @@ from .wire import load_dict
 
 log = logging.getLogger(__name__)
 
-#: What the holder may answer, and what each means.
-ANSWERS = {
-    "o": "once",
-    "once": "once",
-    "y": "once",
-    "yes": "once",
-    "k": "kernel",
-    "kernel": "kernel",
-    "always": "kernel",
-}
+#: What allows a request, as the README documents it; anything else denies.
+ALLOWING = ("once", "kernel")
 #: How long a late answer to a prompt that timed out is still recognised (and swallowed).
 LATE_ANSWERS = 600.0
-#: Who answered, for the audit line and the refusal.
-STDIN = "the kernel's holder (stdin)"
-HANDLER = "the kernel's holder (approval_handler)"
+#: Who answered, for the audit line and the refusal ("denied at the prompt",
+#: "approved by the approval_handler, once").
+STDIN = "at the prompt"
+HANDLER = "by the approval_handler"
 AMBIGUOUS = (
-    "sandbox-kernel: an answer without a parent came while the kernel was asking the same client "
+    "by sandbox-kernel: an answer without a parent came while the kernel was asking the same client "
     "for input, so it could have been meant for the kernel"
 )
+NO_CELL = "by sandbox-kernel: no cell is running whose client could be asked"
+NO_STDIN = (
+    "by sandbox-kernel: the client that ran this cell cannot answer prompts (allow_stdin is false) "
+    "and no approval_handler is set; a program answers through one "
+    "(SandboxSession(approval_handler=...) or km.provisioner.approval_handler)"
+)
+
+
+def meaning(answer: object) -> str:
+    """What an answer means: "once", "kernel", or "deny" for anything else."""
+    word = str(answer).strip().lower()
+    return word if word in ALLOWING else "deny"
+
+
+def question(request: ApprovalRequest) -> str:
+    """The prompt asking about ``request``, in the analyst's words."""
+    return (
+        f"Sandbox: allow {request.what}? It is not among this kernel's allowed domains. "
+        "Type once (this time), kernel (from now on, in this kernel) or deny; "
+        f"no answer within {request.timeout:g} s denies: "
+    )
 
 
 #: The holder's answer: ("once" | "kernel" | "deny", who answered: the holder, or
@@ -108,18 +124,13 @@ class ApprovalBroker:
             return future
         execution = self._auditor.current()
         if execution is None:
-            future.set_result(("deny", "sandbox-kernel: no cell is running whose client could be asked"))
+            future.set_result(("deny", NO_CELL))
             return future
         if not execution.allow_stdin:
-            why = "the client that ran this cell cannot answer prompts (allow_stdin is false)"
-            future.set_result(("deny", f"sandbox-kernel: {why}"))
+            future.set_result(("deny", NO_STDIN))
             return future
-        prompt = (
-            f"sandbox-kernel: allow this kernel {request.what} (not in its allowed domains)? "
-            "[once / kernel / deny]: "
-        )
         msg = self._signer.msg(
-            "input_request", {"prompt": prompt, "password": False}, parent=execution.header
+            "input_request", {"prompt": question(request), "password": False}, parent=execution.header
         )
         msg["header"]["msg_id"] = msg["msg_id"] = secrets.token_hex(16)
         now = time.monotonic()
@@ -134,10 +145,10 @@ class ApprovalBroker:
         self, handler: ApprovalHandler, request: ApprovalRequest, future: concurrent.futures.Future[Answer]
     ) -> None:
         try:
-            answer: Answer = (ANSWERS.get(str(handler(request)).strip().lower(), "deny"), HANDLER)
+            answer: Answer = (meaning(handler(request)), HANDLER)
         except Exception:
             log.exception("Sandboxed kernel %s: the approval handler failed; denied", self.kernel_id)
-            answer = ("deny", "the approval handler failed")
+            answer = ("deny", "because the approval_handler raised an exception (see the log)")
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # timed out meanwhile
             future.set_result(answer)
 
@@ -170,7 +181,7 @@ class ApprovalBroker:
                     self._kernel_asking[client] -= 1
                 return True
         value = str(load_dict(parts[4]).get("value", ""))
-        self._answer(prompt, (ANSWERS.get(value.strip().lower(), "deny"), STDIN))
+        self._answer(prompt, (meaning(value), STDIN))
         return False
 
     def _runs_cells(self, client: bytes) -> bool:

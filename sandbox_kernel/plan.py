@@ -595,6 +595,12 @@ def narrow_settings(settings: SandboxSettings, requested: Mapping[str, Any], ker
         for key, value in before.items():
             setattr(settings, key, value)
         raise
+    # What the start took out stays out, even where approval could have asked about it.
+    settings.withheld_domains = list(
+        EgressRules.parse(before["allowed_domains"], "allowed_domains").uncovered_by(
+            EgressRules.parse(settings.allowed_domains, "allowed_domains")
+        )
+    )
 
 
 def _widens(settings: SandboxSettings, key: str, before: Any, after: Any) -> bool:

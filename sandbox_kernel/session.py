@@ -47,6 +47,7 @@ from jupyter_client.manager import AsyncKernelManager
 from traitlets.config import Config
 
 from .admission import sandboxed_manager
+from .approval import ApprovalHandler
 from .background import BackgroundLoop
 from .cgroups import PeakMemory, cpu_seconds
 from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
@@ -271,9 +272,11 @@ class AsyncSandboxSession:
     output one run may produce (at most the server's ``output_limit``; past it the head
     and tail are kept); ``config``: server settings (a traitlets ``Config`` or a dict such
     as ``{"SandboxProvisioner": {"audit_log": "/var/log/sandbox.log"}}``), over the server's
-    config files, which always apply; ``**policy``: narrow the kernelspec's policy (see
-    the module). A kernelspec whose kernels would not run in the sandbox is refused
-    (``ConfigurationError``).
+    config files, which always apply; ``approval_handler``: with approval ``egress``,
+    called (in a thread of its own) with each request outside the allowed domains, it
+    answers "once", "kernel" or "deny" (see :mod:`~.approval`); ``**policy``: narrow the
+    kernelspec's policy (see the module). A kernelspec whose kernels would not run in the
+    sandbox is refused (``ConfigurationError``).
     """
 
     def __init__(
@@ -287,6 +290,7 @@ class AsyncSandboxSession:
         startup_timeout: float = 60.0,
         config: Config | Mapping[str, Any] | None = None,
         manager_kwargs: Mapping[str, Any] | None = None,
+        approval_handler: ApprovalHandler | None = None,
         **policy: Any,
     ) -> None:
         self.kernel_name = kernel_name
@@ -299,6 +303,7 @@ class AsyncSandboxSession:
         self.policy = policy
         self.config = Config(config or {})
         self._manager_kwargs = dict(manager_kwargs or {})
+        self.approval_handler = approval_handler
         self.km: AsyncKernelManager | None = None
         self.kc: AsyncKernelClient | None = None
         self.files = AsyncSessionFiles(self)
@@ -370,6 +375,8 @@ class AsyncSandboxSession:
             kc.stop_channels()
             msg = f"Sandboxed kernel {km.kernel_id} did not answer within {self.startup_timeout:g} s: {exc}"
             raise KernelStartupError(msg) from exc
+        if isinstance(km.provisioner, SandboxProvisioner):
+            km.provisioner.approval_handler = self.approval_handler
         self.km, self.kc = km, kc
 
     async def interrupt(self) -> None:

@@ -269,6 +269,13 @@ class SandboxSettings(LoggingConfigurable):
         config=True,
         help="Seconds (or e.g. '2m') a request waits for approval before it is denied.",
     ).tag(kernelspec=True)
+    withheld_domains = List(
+        Unicode(),
+        default_value=[],
+        help="""The kernelspec's allowed domains that this kernel's start took out (set by
+        plan.narrow_settings, not configurable): denied, never asked about with approval
+        `egress`.""",
+    )
     max_credentials = List(
         Unicode(),
         default_value=[],
@@ -661,6 +668,7 @@ class SandboxSettings(LoggingConfigurable):
             approvable=EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
             if self.approval == "egress"
             else EgressRules(),
+            withheld=EgressRules.parse(self.withheld_domains, "allowed_domains"),
         )
 
     def credential_catalog(self) -> dict[str, CredentialSpec]:

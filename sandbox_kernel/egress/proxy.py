@@ -144,10 +144,12 @@ class ApprovalRequest:
     host: str
     port: int
     method: str
+    #: Seconds the request waits for an answer (the policy's ``approval_timeout``).
+    timeout: float = 60.0
 
     @property
     def what(self) -> str:
-        return f"egress to {self.host}:{self.port}"
+        return f"a connection to {self.host}:{self.port}"
 
 
 class EgressProxy:
@@ -229,6 +231,12 @@ class EgressProxy:
         """Stop adding the credential ``name`` to ``kernel_id``'s requests, open
         connections included; whether it was bound."""
         return self._call(self._revoke_credential(kernel_id, name))
+
+    def approved_domains(self, kernel_id: str) -> tuple[str, ...]:
+        """The domains ``kernel_id``'s holder allowed for the kernel ("kernel" answers),
+        as patterns; none for a kernel not served. Any thread, the proxy's own too."""
+        kernel = self._kernels.get(kernel_id)
+        return () if kernel is None else kernel.approved.patterns
 
     def remove_kernel(self, kernel_id: str) -> None:
         """Stop serving ``kernel_id``: stop dialing and close all its connections, open
@@ -399,6 +407,10 @@ class _KernelEgress:
             _Refusal: not approvable by policy, denied, or no answer in time.
         """
         policy = self.policy
+        if policy.withheld.allows(host, port):
+            raise _Refusal(
+                403, f"{shown(host)}:{port} is not in this kernel's allowed domains (its start removed it)"
+            )
         if policy.approval != "egress" or self.approver is None or not policy.approvable.allows(host, port):
             raise _Refusal(403, f"{shown(host)}:{port} is not in this kernel's allowed domains")
         key = (host, port)
@@ -406,13 +418,14 @@ class _KernelEgress:
         if asking is None:
             if len(self._asking) >= MAX_QUESTIONS:
                 raise _Refusal(403, f"{host}:{port} needs approval, and {MAX_QUESTIONS} questions are open")
-            asking = asyncio.ensure_future(self._ask(ApprovalRequest(self.kernel_id, host, port, method)))
+            request = ApprovalRequest(self.kernel_id, host, port, method, policy.approval_timeout)
+            asking = asyncio.ensure_future(self._ask(request))
             self._asking[key] = asking
             asking.add_done_callback(lambda _: self._asking.pop(key, None))
         answer, why = await asyncio.shield(asking)
         if answer == "deny":
             raise _Refusal(403, why)
-        return f"approved by {why}, {answer}"
+        return f"approved {why}, {answer}"
 
     async def _ask(self, request: ApprovalRequest) -> tuple[str, str]:
         if self.approver is None:
@@ -437,7 +450,7 @@ class _KernelEgress:
         if answer == "kernel":
             self.approved = EgressRules((*self.approved.rules, DomainRule(request.host, port=request.port)))
         if answer == "deny":
-            return "deny", f"{request.what} needed approval and was denied by {by}"
+            return "deny", f"{request.what} needed approval and was denied {by}"
         return answer, by
 
     def intercepts(self, host: str, port: int) -> bool:

@@ -233,6 +233,9 @@ class EgressPolicy:
     approval: str = "off"
     approval_timeout: float = 60.0
     approvable: EgressRules = field(default_factory=EgressRules)
+    #: What the kernel's start took out of its kernelspec's allowed domains: denied,
+    #: never asked about (a session that narrowed its domains meant them closed).
+    withheld: EgressRules = field(default_factory=EgressRules)
     _networks: tuple[IPNetwork, ...] = field(init=False, repr=False, compare=False, default=())
     _addresses: Mapping[str, IPAddress] = field(init=False, repr=False, compare=False, default_factory=dict)
 

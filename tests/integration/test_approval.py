@@ -17,6 +17,8 @@ import pytest
 from jupyter_client import KernelManager
 from jupyter_client.blocking.client import BlockingKernelClient
 
+from sandbox_kernel import SandboxSession
+
 from .conftest import KernelStarter
 from .test_egress import Upstreams, _fetch, _server_config
 from .test_egress import upstreams as upstreams  # the egress tests' upstreams
@@ -79,13 +81,14 @@ def test_the_holder_is_asked_on_stdin_and_the_answer_decides(
     out, prompts = _run(kc, _fetch(url), "once")
     assert out.startswith("OK"), out
     (prompt,) = prompts
-    assert f"egress to other.test:{upstreams.https_port}" in prompt
-    assert "[once / kernel / deny]" in prompt
+    assert f"Sandbox: allow a connection to other.test:{upstreams.https_port}?" in prompt
+    assert "Type once (this time), kernel (from now on, in this kernel) or deny" in prompt
+    assert prompt.endswith("no answer within 3 s denies: ")
 
     out, prompts = _run(kc, _fetch(url), "deny")
     assert len(prompts) == 1, "'once' approved one request only"
     assert out.startswith("FAILED"), out
-    assert "was denied by the kernel's holder (stdin)" in out
+    assert "was denied at the prompt" in out
 
     started = time.monotonic()
     out, prompts = _run(kc, _fetch(url), None)
@@ -102,11 +105,11 @@ def test_the_holder_is_asked_on_stdin_and_the_answer_decides(
     assert out.startswith("OK"), "approved for the kernel: not asked again"
     assert prompts == []
     assert _approvals(audit_log) == [
-        ("once", "the kernel's holder (stdin)"),
-        ("deny", "the kernel's holder (stdin)"),
+        ("once", "at the prompt"),
+        ("deny", "at the prompt"),
         ("deny", "timeout"),
         ("deny", _approvals(audit_log)[3][1]),
-        ("kernel", "the kernel's holder (stdin)"),
+        ("kernel", "at the prompt"),
     ]
     assert "allow_stdin is false" in _approvals(audit_log)[3][1]
 
@@ -129,4 +132,59 @@ def test_a_program_answers_through_its_callback_and_outside_the_ceiling_nobody_i
     out, _ = _run(kc, _fetch("https://evil.test/"), None)
     assert "evil.test:443 is not in this kernel's allowed domains" in out, out
     assert len(asked) == 1, "beyond the server's ceiling, no approval is possible"
-    assert _approvals(audit_log) == [("once", "the kernel's holder (approval_handler)")]
+    assert _approvals(audit_log) == [("once", "by the approval_handler")]
+
+
+def test_a_session_answers_through_its_handler_and_what_it_narrowed_stays_closed(
+    make_kernelspec: Any, upstreams: Upstreams, workspace: Path, tmp_path: Path
+) -> None:
+    """A session narrows the kernelspec's allowed domains: what it took out is denied,
+    not asked about (it used to become a question); the rest of the ceiling is asked
+    about through ``SandboxSession(approval_handler=...)``."""
+    port = upstreams.https_port
+    (workspace / "ca.pem").write_bytes(upstreams.ca_pem)
+    name = make_kernelspec(
+        "py-asking",
+        config={
+            "network": "allowlist",
+            "allowed_domains": [f"allowed.test:{port}", f"*.allowed.test:{port}"],
+            "approval": "egress",
+            "approval_timeout": "3s",
+        },
+        env={"SSL_CERT_FILE": "/workspace/ca.pem"},
+    )
+    asked: list[str] = []
+
+    def handler(request: Any) -> str:
+        asked.append(f"{request.host}:{request.port}")
+        return "once"
+
+    config = _server_config(upstreams, tmp_path / "audit" / "audit.jsonl")
+    with SandboxSession(
+        name, workspace, config=config, allowed_domains=[f"allowed.test:{port}"], approval_handler=handler
+    ) as sandbox:
+        removed = sandbox.run(_fetch(f"https://api.allowed.test:{port}/asked")).stdout
+        assert removed.startswith("FAILED"), removed
+        assert "not in this kernel's allowed domains (its start removed it)" in removed
+        assert asked == []
+        out = sandbox.run(_fetch(f"https://other.test:{port}/asked")).stdout
+        assert out.startswith("OK"), out
+        assert asked == [f"other.test:{port}"]
+
+
+def test_a_session_without_a_handler_is_told_how_to_answer(
+    make_kernelspec: Any, upstreams: Upstreams, workspace: Path, tmp_path: Path
+) -> None:
+    port = upstreams.https_port
+    (workspace / "ca.pem").write_bytes(upstreams.ca_pem)
+    name = make_kernelspec(
+        "py-asking",
+        config={"network": "allowlist", "allowed_domains": [f"allowed.test:{port}"], "approval": "egress"},
+        env={"SSL_CERT_FILE": "/workspace/ca.pem"},
+    )
+    config = _server_config(upstreams, tmp_path / "audit" / "audit.jsonl")
+    with SandboxSession(name, workspace, config=config) as sandbox:
+        out = sandbox.run(_fetch(f"https://other.test:{port}/asked")).stdout
+    assert out.startswith("FAILED"), out
+    assert "no approval_handler is set" in out, out
+    assert "SandboxSession(approval_handler=...)" in out

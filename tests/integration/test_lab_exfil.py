@@ -270,7 +270,8 @@ def test_kernel_styles_cannot_restyle_the_hosts_question(
     cell = analyst.type_cell(OVERLAY + _fetch(f"https://upload.test:{port}/secret"))
     prompt = cell.locator(".jp-Stdin-prompt")
     expect(prompt).to_contain_text(
-        f"allow this kernel egress to upload.test:{port} (not in its allowed domains)?", timeout=30_000
+        f"Sandbox: allow a connection to upload.test:{port}? It is not among this kernel's allowed domains.",
+        timeout=30_000,
     )
     box = cell.locator(".jp-Stdin-input")
     for element in (prompt, box):

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from sandbox_kernel.approval import AMBIGUOUS, ApprovalBroker
+from sandbox_kernel.approval import AMBIGUOUS, ApprovalBroker, question
 from sandbox_kernel.audit import ExecutionAuditor
 from sandbox_kernel.egress import ApprovalRequest
 from sandbox_kernel.wire import find_delimiter
 
 CLIENT = [b"client-session"]
-REQUEST = ApprovalRequest("k1", "other.test", 443, "CONNECT")
+REQUEST = ApprovalRequest("k1", "other.test", 443, "CONNECT", 20.0)
 
 
 class Setup:
@@ -52,14 +52,33 @@ def test_the_prompt_is_the_host_s_signed_stdin_request_for_the_running_cell() ->
     msg = setup.prompt()  # deserialize checks the signature
     assert msg["msg_type"] == "input_request"
     assert msg["parent_header"]["msg_id"] == setup.execute["header"]["msg_id"]
-    assert "egress to other.test:443" in msg["content"]["prompt"]
+    assert msg["content"]["prompt"] == question(REQUEST)
     assert not future.done()
     assert setup.reply("once", msg["header"]) is False, "the answer never reaches the kernel"
-    assert answer(future) == ("once", "the kernel's holder (stdin)")
+    assert answer(future) == ("once", "at the prompt")
+
+
+def test_the_question_is_in_plain_words_and_says_how_long_it_waits() -> None:
+    assert question(REQUEST) == (
+        "Sandbox: allow a connection to other.test:443? It is not among this kernel's allowed "
+        "domains. Type once (this time), kernel (from now on, in this kernel) or deny; "
+        "no answer within 20 s denies: "
+    )
 
 
 @pytest.mark.parametrize(
-    ("typed", "meaning"), [("k", "kernel"), ("Always", "kernel"), ("yes", "once"), ("", "deny")]
+    ("typed", "meaning"),
+    [
+        ("once", "once"),
+        (" Kernel\n", "kernel"),
+        ("deny", "deny"),
+        # The README: anything else denies.
+        ("yes", "deny"),
+        ("y", "deny"),
+        ("always", "deny"),
+        ("k", "deny"),
+        ("", "deny"),
+    ],
 )
 def test_jupyter_client_s_input_answers_without_a_parent(typed: str, meaning: str) -> None:
     setup = Setup()
@@ -125,15 +144,20 @@ def test_a_client_that_cannot_answer_is_not_asked() -> None:
     setup = Setup(allow_stdin=False)
     verdict, why = answer(setup.broker.ask(REQUEST))
     assert verdict == "deny"
-    assert "cannot answer prompts (allow_stdin is false)" in why
+    assert "cannot answer prompts (allow_stdin is false) and no approval_handler is set" in why
+    assert "SandboxSession(approval_handler=...)" in why
     assert setup.sent == []
 
 
 def test_a_program_s_handler_answers_instead() -> None:
     asked: list[ApprovalRequest] = []
     setup = Setup(handler=lambda request: asked.append(request) or "kernel")
-    assert answer(setup.broker.ask(REQUEST)) == ("kernel", "the kernel's holder (approval_handler)")
+    assert answer(setup.broker.ask(REQUEST)) == ("kernel", "by the approval_handler")
     assert asked == [REQUEST]
     assert setup.sent == []
+    assert answer(Setup(handler=lambda request: "yes").broker.ask(REQUEST))[0] == "deny"
     failing = Setup(handler=lambda request: 1 / 0)
-    assert answer(failing.broker.ask(REQUEST)) == ("deny", "the approval handler failed")
+    assert answer(failing.broker.ask(REQUEST)) == (
+        "deny",
+        "because the approval_handler raised an exception (see the log)",
+    )

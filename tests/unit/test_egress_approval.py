@@ -14,6 +14,8 @@ import pytest
 
 from sandbox_kernel.egress import ApprovalRequest, EgressProxy
 from sandbox_kernel.egress.rules import EgressRules
+from sandbox_kernel.plan import narrow_settings
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 from . import test_egress
 from .test_egress import Relay, Sandbox, Upstreams, policy
@@ -41,7 +43,7 @@ class Holder:
             time.sleep(0.01)
         for future in self.futures:
             if not future.done():
-                future.set_result((answer, "the test"))
+                future.set_result((answer, "by the test"))
 
 
 @pytest.fixture
@@ -85,6 +87,7 @@ def test_concurrent_requests_for_one_destination_share_one_question(asking: tupl
     assert results == ["OK"] * 3
     assert len(holder.asked) == 1
     assert [d["reason"] for d in sandbox.take(3)] == ["approved by the test, once"] * 3
+    assert holder.asked[0].timeout == 1.0, "the question can say how long it waits"
 
 
 def test_once_asks_again_kernel_does_not_deny_says_who(asking: tuple[Sandbox, Holder]) -> None:
@@ -92,12 +95,15 @@ def test_once_asks_again_kernel_does_not_deny_says_who(asking: tuple[Sandbox, Ho
     threading.Timer(0.2, holder.answer, ["once"]).start()
     assert fetch(sandbox) == "OK"
     threading.Timer(0.2, holder.answer, ["deny"]).start()
-    assert fetch(sandbox).startswith("403 sandbox-kernel egress denied: egress to other.test")
+    assert fetch(sandbox).startswith("403 sandbox-kernel egress denied: a connection to other.test")
     assert "needed approval and was denied by the test" in sandbox.take(2)[1]["reason"]
     threading.Timer(0.2, holder.answer, ["kernel"]).start()
     assert fetch(sandbox) == "OK"
     assert fetch(sandbox) == "OK"
     assert len(holder.asked) == 3, "approved for the kernel: not asked again"
+    assert EgressProxy.instance().approved_domains(sandbox.kernel_id) == (
+        f"other.test:{sandbox.upstreams.http}",
+    ), "what the policy dialog shows"
     assert sandbox.take(2)[1]["reason"] == f"allowed by 'other.test:{sandbox.upstreams.http}'"
 
 
@@ -117,6 +123,29 @@ def test_beyond_the_approvable_domains_nobody_is_asked(asking: tuple[Sandbox, Ho
     sandbox.take(1)
 
 
+def test_a_domain_the_start_took_out_is_denied_not_asked_about(relay: Relay, upstreams: Upstreams) -> None:
+    holder = Holder()
+    sandbox = Sandbox(f"test-{uuid.uuid4().hex[:8]}", relay.port, upstreams)
+    EgressProxy.instance().add_kernel(
+        sandbox.kernel_id,
+        relay.socket_path,
+        policy(
+            upstreams,
+            approval="egress",
+            approvable=EgressRules.parse([f"other.test:{upstreams.http}"]),
+            withheld=EgressRules.parse([f"other.test:{upstreams.http}"]),
+        ),
+        sandbox.decisions.append,
+        approver=holder,
+    )
+    try:
+        assert fetch(sandbox).startswith("403")
+        assert holder.asked == []
+        assert "(its start removed it)" in str(sandbox.decision()["reason"])
+    finally:
+        EgressProxy.instance().remove_kernel(sandbox.kernel_id)
+
+
 def test_without_approval_the_policy_alone_decides(relay: Relay, upstreams: Upstreams) -> None:
     sandbox = test_egress.register(
         relay, upstreams, approvable=EgressRules.parse([f"other.test:{upstreams.http}"])
@@ -126,3 +155,21 @@ def test_without_approval_the_policy_alone_decides(relay: Relay, upstreams: Upst
         assert "is not in this kernel's allowed domains" in str(sandbox.decision()["reason"])
     finally:
         EgressProxy.instance().remove_kernel(sandbox.kernel_id)
+
+
+def test_a_start_that_narrows_the_domains_withholds_what_it_took_out() -> None:
+    prov = SandboxProvisioner(
+        kernel_id="k1",
+        parent=None,
+        network="allowlist",
+        allowed_domains=["a.x.test", "*.b.x.test"],
+        max_allowed_domains=["*.x.test"],
+        approval="egress",
+    )
+    narrow_settings(prov, {"allowed_domains": ["a.x.test"]})
+    egress = prov.egress_policy()
+    assert egress is not None
+    assert egress.withheld.patterns == ("*.b.x.test",)
+    assert egress.approvable.allows("c.x.test", 443), "the rest of the ceiling is still asked about"
+    narrow_settings(prov, {})  # the next start, narrowing nothing
+    assert prov.withheld_domains == []
