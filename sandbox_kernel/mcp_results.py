@@ -101,6 +101,22 @@ class RunCodeOutput(TypedDict):
     """What else was left out of this result, and why."""
 
 
+class RunCommandOutput(TypedDict):
+    kernel_id: str
+    exit_code: int | None
+    """The command's exit status (0: success; negative: killed by that signal); None when
+    it did not end by itself (error says why)."""
+    stdout: str
+    stderr: str
+    duration: float
+    timed_out: bool
+    """It ran past its timeout and was killed, with its children."""
+    truncated: bool
+    """stdout or stderr was cut (a marker in the text says where and how much)."""
+    error: str | None
+    """Why it did not run to its end: could not start, timed out, the kernel stopped."""
+
+
 class StartKernelOutput(TypedDict):
     kernel_id: str
     kernel_name: str
@@ -384,6 +400,25 @@ def run_output(
         or bool(getattr(execution, "truncated", False)),
         "full_output": {name: saved[name] for name in STREAMS if name in saved},
         "notes": notes,
+    }
+
+
+def command_output(kernel_id: str, done: Any, max_chars: int) -> RunCommandOutput:
+    """A session ``CommandResult`` as ``run_command``'s structured result, stdout and
+    stderr within ``max_chars`` characters in all (markers aside)."""
+    texts = {"stdout": strip_ansi(done.stdout), "stderr": strip_ansi(done.stderr)}
+    kept = dict(zip(texts, allot([len(text) for text in texts.values()], max_chars), strict=True))
+    hint = "run it again writing its output to a file (> out.txt), then read the part you need"
+    shown = {name: cut(text, kept[name], name, hint) for name, text in texts.items()}
+    return {
+        "kernel_id": kernel_id,
+        "exit_code": done.exit_code,
+        "stdout": shown["stdout"],
+        "stderr": shown["stderr"],
+        "duration": round(float(done.duration), 3),
+        "timed_out": bool(done.timed_out),
+        "truncated": bool(done.truncated) or any(kept[name] < len(text) for name, text in texts.items()),
+        "error": one_line(done.error) if done.error else None,
     }
 
 

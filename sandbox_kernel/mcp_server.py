@@ -10,6 +10,8 @@ that policy. The tools:
     a new kernel, optionally with a narrower policy; returns its ``kernel_id``.
 ``run_code``
     runs a cell; without ``kernel_id`` in the *default kernel*, started on first use.
+``run_command``
+    runs a shell command in the same sandbox, outside the Python namespace.
 ``interrupt_kernel``, ``restart_kernel``, ``shutdown_kernel``
     as in Jupyter.
 ``list_kernels``, ``get_policy``
@@ -62,6 +64,7 @@ from traitlets.config import Config, LoggingConfigurable
 
 from . import mcp_transport
 from ._version import __version__
+from .commands import DEFAULT_TIMEOUT
 from .errors import SandboxKernelError
 from .files import FileTooLargeError, FolderNotEmptyError, from_printable
 from .limits import size_bytes
@@ -74,9 +77,11 @@ from .mcp_results import (
     ListKernelsOutput,
     PolicyOutput,
     RunCodeOutput,
+    RunCommandOutput,
     StartKernelOutput,
     UploadOutput,
     base64_size,
+    command_output,
     encode_download,
     file_entry,
     one_line,
@@ -175,6 +180,15 @@ class Session(Protocol):
     def files(self) -> _Files: ...
     async def start(self) -> object: ...
     async def run(self, code: str, *, timeout: float | None = None) -> Any: ...  # noqa: ASYNC109
+    async def run_command(
+        self,
+        command: str,
+        *,
+        timeout: float | None = ...,  # noqa: ASYNC109
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_output: int = ...,
+    ) -> Any: ...
     async def interrupt(self) -> None: ...
     async def current_policy(self) -> dict[str, Any]: ...
     async def restart(self) -> None: ...
@@ -303,6 +317,10 @@ class KernelTools:
             list[str] | None,
             Field(description="Domains the kernel may reach: a subset of those the kernelspec allows."),
         ] = None,
+        lifetime: Annotated[
+            float | None,
+            Field(gt=0, description="Seconds after which this kernel is shut down, whatever it is doing."),
+        ] = None,
     ) -> Annotated[CallToolResult, StartKernelOutput]:
         """Start a new sandboxed Python (IPython) kernel and return its kernel_id.
 
@@ -311,9 +329,12 @@ class KernelTools:
         may only narrow the kernelspec's policy; a wider one is refused, naming the key.
         The server runs a few kernels at most: shut down those you no longer need. All
         kernels share one workspace, their working folder, at /workspace in the sandbox.
+        With lifetime, the kernel is shut down that many seconds after its start.
         """
         with tool_errors("start_kernel"):
             policy = narrowed_policy(memory, cpus, pids, exec_timeout, network, allowed_domains)
+            if lifetime is not None:
+                policy["lifetime"] = lifetime
             kernel_id = await self._start(policy)
             return tool_result({"kernel_id": kernel_id, "kernel_name": self.kernel_name, "policy": policy})
 
@@ -375,6 +396,64 @@ class KernelTools:
             images, notes = run_images(execution)
             output["notes"].extend(notes)
             return tool_result(output, images)
+
+    async def run_command(
+        self,
+        command: Annotated[
+            str, Field(description="A shell command line, run with /bin/sh -c, e.g. 'ls -la data'.")
+        ],
+        kernel_id: Annotated[
+            str | None,
+            Field(description="The kernel whose sandbox to run it in; omit for the default kernel."),
+        ] = None,
+        timeout: Annotated[  # noqa: ASYNC109 (the command's clock, not this coroutine's)
+            float,
+            Field(
+                gt=0, description="Seconds after which the command and its children are killed (default 60)."
+            ),
+        ] = DEFAULT_TIMEOUT,
+        cwd: Annotated[
+            str | None,
+            Field(description="Folder to run it in: relative to the workspace, or under /workspace."),
+        ] = None,
+        env: Annotated[
+            dict[str, str] | None, Field(description="Environment variables for this command alone.")
+        ] = None,
+        max_output_chars: Annotated[
+            int | None,
+            Field(
+                ge=1,
+                description="Most characters of stdout and stderr in the result (default about 20,000); "
+                "longer output keeps its head and tail.",
+            ),
+        ] = None,
+    ) -> Annotated[CallToolResult, RunCommandOutput]:
+        """Run a shell command in the kernel's sandbox and return exit_code, stdout, stderr.
+
+        For what the shell does better than Python: ls, grep, wc, unzip, git, a
+        program's command line. It runs in the same sandbox as run_code (same files,
+        same policy: no network unless allowed, no root), but outside the Python
+        namespace: no variable changes. A command that fails is a normal result
+        (exit_code not 0, or error saying why it did not finish, e.g. timed_out=true),
+        not a failed tool call. Commands wait for a cell running in the same kernel.
+        """
+        with tool_errors("run_command"):
+            budget = self._output_budget(max_output_chars)
+            kernel_id, session = await self._session(kernel_id, start_default=True)
+            lock = self._run_locks.setdefault(kernel_id, asyncio.Lock())
+            async with lock:
+                try:
+                    done = await session.run_command(
+                        command, timeout=timeout, cwd=cwd, env=env, max_output=budget
+                    )
+                except ValueError as exc:
+                    raise ToolError(str(exc)) from exc
+                except anyio.get_cancelled_exc_class():
+                    with anyio.CancelScope(shield=True):
+                        await self._quietly(session.interrupt(), "interrupt", kernel_id)
+                    raise
+            output = command_output(kernel_id, done, budget)
+            return tool_result(output)
 
     async def upload_file(
         self,
@@ -690,6 +769,13 @@ class KernelTools:
         """
         if kernel_id is not None:
             session = self._kernels.get(kernel_id)
+            if session is not None and session.kernel_id is None:  # it ended: its lifetime ran out
+                self._forget(kernel_id)
+                msg = (
+                    f"kernel {kernel_id!r} is no longer running (its lifetime ran out): start another "
+                    "with start_kernel, or omit kernel_id to use the default kernel"
+                )
+                raise ToolError(msg)
             if session is None:
                 running = ", ".join(sorted(self._kernels)) or "none"
                 msg = (
@@ -854,6 +940,7 @@ def build_server(tools: KernelTools) -> MCPServer[Any]:
     registered: list[tuple[Callable[..., Any], ToolAnnotations]] = [
         (tools.start_kernel, mutating),
         (tools.run_code, destructive),
+        (tools.run_command, destructive),
         (tools.upload_file, destructive),
         (tools.download_file, read_only),
         (tools.list_files, read_only),

@@ -50,6 +50,7 @@ from .admission import sandboxed_manager
 from .approval import ApprovalHandler
 from .background import BackgroundLoop
 from .cgroups import PeakMemory, cpu_seconds
+from .commands import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT, CommandResult, command_cell, command_result
 from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
 from .files import FileInfo, WorkspaceFiles, workspace_files
 from .output import amount
@@ -291,6 +292,7 @@ class AsyncSandboxSession:
         config: Config | Mapping[str, Any] | None = None,
         manager_kwargs: Mapping[str, Any] | None = None,
         approval_handler: ApprovalHandler | None = None,
+        lifetime: float | None = None,
         **policy: Any,
     ) -> None:
         self.kernel_name = kernel_name
@@ -310,6 +312,12 @@ class AsyncSandboxSession:
         self._workspace: WorkspaceFiles | None = None
         # (container, its host pid): what the CPU and peak-memory readings are taken of.
         self._sandbox_pid: tuple[str, int] | None = None
+        self.lifetime = _check_lifetime(lifetime)
+        self._deadline: float | None = None
+        self._lifetime_changed = asyncio.Event()
+        self._ending = asyncio.Event()
+        self._expiry: asyncio.Task[None] | None = None
+        self._expired: str | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -339,7 +347,48 @@ class AsyncSandboxSession:
         except BaseException:
             await km.shutdown_kernel(now=True)
             raise
+        if self.lifetime is not None:
+            await self.set_lifetime(self.lifetime)
         return self
+
+    async def set_lifetime(self, seconds: float | None) -> None:
+        """Shut the kernel down ``seconds`` from now, whatever it is doing (a run then
+        ends with ``LifetimeExceeded``), as E2B's ``set_timeout``; ``None``: never.
+        Called again, it moves the end (sooner or later). Besides the kernelspec's idle
+        and wall-clock limits, which apply as ever.
+
+        Raises:
+            ValueError: ``seconds`` is not a positive number.
+        """
+        self.lifetime = _check_lifetime(seconds)
+        self._deadline = None if seconds is None else time.monotonic() + float(seconds)
+        self._lifetime_changed.set()
+        if self._deadline is not None and self._expiry is None and self.km is not None:
+            self._expiry = asyncio.ensure_future(self._expire_when_due())
+
+    @property
+    def lifetime_left(self) -> float | None:
+        """Seconds until :meth:`set_lifetime`'s end; None without one."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    async def _expire_when_due(self) -> None:
+        while True:
+            self._lifetime_changed.clear()
+            if self._deadline is None:
+                self._expiry = None
+                return
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lifetime_changed.wait(), left)
+        self._expiry = None
+        self._expired = (
+            f"the session's lifetime of {self.lifetime:g} s ran out, and its kernel was shut down: "
+            "start a new session (or give it a longer lifetime, or set_lifetime() before the end)"
+        )
+        self._ending.set()
+        await self.shutdown()
 
     @classmethod
     async def connect(cls, kernel_id: str, *, take_over: bool = False, **kwargs: Any) -> AsyncSandboxSession:
@@ -415,6 +464,53 @@ class AsyncSandboxSession:
             "working_folder": info.get("workdir"),
         }
 
+    async def run_command(  # the timeout is the command's, not this coroutine's
+        self,
+        command: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> CommandResult:
+        """Run the shell command line ``command`` (``/bin/sh -c``) in the sandbox,
+        outside the kernel's Python namespace, and return its exit code, stdout and
+        stderr (as E2B's ``commands.run``). It runs through the kernel like any run,
+        audited and held to the kernel's policy; never on the host (see
+        :mod:`~.commands`).
+
+        ``timeout``: seconds after which its process group is killed (``None``: none;
+        the kernelspec's ``exec_timeout`` applies in any case); ``cwd``: its folder
+        (relative to the kernel's working folder); ``env``: variables set for it alone;
+        ``max_output``: bytes of its stdout, and of its stderr, kept (head and tail).
+        A command that fails is a result (``exit_code``, ``error``), not an exception.
+
+        Raises:
+            ValueError: an empty command or an argument out of range.
+            KernelTakenOverError: another process took the kernel over.
+        """
+        cell = command_cell(command, timeout=timeout, cwd=cwd, env=env, max_output=max_output)
+        # The kernel kills the command at its timeout; this is for a kernel that cannot.
+        backstop = timeout + INTERRUPT_GRACE + 5.0 if timeout is not None else None
+        # What the result may need on the wire: each byte of output may take six as JSON.
+        allowance = 12 * max_output + 65536
+        execution = await self.run(cell, timeout=backstop, max_output=allowance, store_history=False)
+        error = None
+        if execution.error is not None:
+            error = (
+                "the command was interrupted"
+                if execution.error.ename == "KeyboardInterrupt"
+                else f"{execution.error.ename}: {execution.error.evalue}"
+            )
+        elif execution.truncated:
+            error = (
+                "the command's result was over the kernel's output limit, so it was dropped: "
+                "pass a smaller max_output, or have the command write its output to a file"
+            )
+        result = command_result(execution.results, error)
+        result.stdout, result.stderr = rendered(result.stdout), rendered(result.stderr)
+        return result
+
     def _provisioner(self) -> SandboxProvisioner:
         provisioner = self._manager().provisioner
         if not isinstance(provisioner, SandboxProvisioner):
@@ -431,6 +527,7 @@ class AsyncSandboxSession:
 
     async def shutdown(self) -> None:
         """Stop the kernel and remove its sandbox (the workspace stays)."""
+        self._stop_lifetime()
         km, kc = self.km, self.kc
         self.km = self.kc = None
         if kc is not None:
@@ -443,13 +540,19 @@ class AsyncSandboxSession:
     async def detach(self) -> None:
         """Let go of the kernel without stopping it, for :meth:`connect` in this or
         another process (a persistent kernel waits; an ephemeral one is removed once
-        this process has ended)."""
+        this process has ended). The session's lifetime no longer applies to it."""
+        self._stop_lifetime()
         km, kc = self.km, self.kc
         self.km = self.kc = None
         if kc is not None:
             kc.stop_channels()
         if km is not None and isinstance(km.provisioner, SandboxProvisioner):
             await km.provisioner.detach()
+
+    def _stop_lifetime(self) -> None:
+        expiry, self._expiry, self._deadline = self._expiry, None, None
+        if expiry is not None and expiry is not asyncio.current_task():
+            expiry.cancel()
 
     async def __aenter__(self) -> AsyncSandboxSession:
         return await self.start()
@@ -470,6 +573,7 @@ class AsyncSandboxSession:
         on_stderr: OutputCallback | None = None,
         on_display: DisplayCallback | None = None,
         max_output: int | None = None,
+        store_history: bool = True,
     ) -> Execution:
         """Run ``code`` and return what it did.
 
@@ -481,6 +585,8 @@ class AsyncSandboxSession:
         ``max_output``: bytes of output for this run (see the class). The result's
         ``stdout`` and ``stderr`` are the text as a terminal would show it in the end
         (:func:`rendered`: no colours, a progress bar's last state only).
+        ``store_history=False``: the run leaves no entry in the kernel's history
+        (``In``, ``Out``, ``_``) and does not count (``execution_count``).
 
         Raises:
             KernelTakenOverError: another process took the kernel over.
@@ -504,7 +610,7 @@ class AsyncSandboxSession:
         content = {
             "code": code,
             "silent": False,
-            "store_history": True,
+            "store_history": store_history,
             "user_expressions": {},
             "allow_stdin": False,
             # Each run stands alone: one that fails (or is interrupted) aborts no later one.
@@ -529,6 +635,10 @@ class AsyncSandboxSession:
         if limit is not None and execution.truncated:
             _as_asked(execution, int(limit) + MESSAGE_ALLOWANCE, int(limit))
         execution.stdout, execution.stderr = rendered(execution.stdout), rendered(execution.stderr)
+        if self._expired is not None:
+            execution.status = "error"
+            execution.error = ExecutionError("LifetimeExceeded", self._expired)
+            return execution
         if reply is not None:
             body = reply["content"]
             execution.status = str(body.get("status", "error"))
@@ -580,14 +690,17 @@ class AsyncSandboxSession:
         idle = False
         shell = asyncio.ensure_future(kc.get_shell_msg())
         iopub = asyncio.ensure_future(kc.get_iopub_msg())
+        ending = asyncio.ensure_future(self._ending.wait())  # the session's lifetime ran out
         try:
             while reply is None or not idle:
                 wait = ALIVE_CHECK_INTERVAL
                 if deadline is not None:
                     wait = max(0.0, min(wait, deadline - time.monotonic()))
                 done, _ = await asyncio.wait(
-                    {shell, iopub}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                    {shell, iopub, ending}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
+                if ending in done:
+                    return None  # run() says why
                 if shell in done:
                     message = shell.result()
                     shell = asyncio.ensure_future(kc.get_shell_msg())
@@ -635,9 +748,10 @@ class AsyncSandboxSession:
                         execution.restarted = True
                         return None
         finally:
+            ending.cancel()
             for task in (shell, iopub):
                 task.cancel()
-            await asyncio.gather(shell, iopub, return_exceptions=True)
+            await asyncio.gather(shell, iopub, ending, return_exceptions=True)
         if reply is not None and timed_out is not None:
             # Interrupted for its timeout: the reply says KeyboardInterrupt; say why.
             # Its traceback is the interrupt's, where the code happened to be: not the why.
@@ -672,7 +786,7 @@ class AsyncSandboxSession:
     def _manager(self) -> AsyncKernelManager:
         km = self.km
         if km is None:
-            msg = "the session has no kernel: start() it first (or it was shut down)"
+            msg = self._expired or "the session has no kernel: start() it first (or it was shut down)"
             raise RuntimeError(msg)
         provisioner = km.provisioner
         if isinstance(provisioner, SandboxProvisioner) and provisioner.taken_over is not None:
@@ -713,6 +827,20 @@ class _Meter:
         peak = self.peak.read()
         self.peak.close()
         return cpu, peak
+
+
+def _check_lifetime(seconds: float | None) -> float | None:
+    """A session's ``lifetime``, checked.
+
+    Raises:
+        ValueError: not None nor a positive number of seconds.
+    """
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        msg = f"lifetime={seconds!r} must be a positive number of seconds, or None for no lifetime"
+        raise ValueError(msg)
+    return float(seconds)
 
 
 def _take(
@@ -905,6 +1033,28 @@ class SandboxSession:
     def current_policy(self) -> dict[str, Any]:
         """See :meth:`AsyncSandboxSession.current_policy`."""
         return self._call(self._session.current_policy())
+
+    def run_command(
+        self,
+        command: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> CommandResult:
+        """See :meth:`AsyncSandboxSession.run_command`."""
+        return self._call(
+            self._session.run_command(command, timeout=timeout, cwd=cwd, env=env, max_output=max_output)
+        )
+
+    def set_lifetime(self, seconds: float | None) -> None:
+        """See :meth:`AsyncSandboxSession.set_lifetime`."""
+        self._call(self._session.set_lifetime(seconds))
+
+    @property
+    def lifetime_left(self) -> float | None:
+        return self._session.lifetime_left
 
     def restart(self) -> None:
         self._call(self._session.restart())

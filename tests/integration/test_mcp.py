@@ -28,6 +28,7 @@ SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
 TOOLS = {
     "start_kernel",
     "run_code",
+    "run_command",
     "upload_file",
     "download_file",
     "list_files",
@@ -509,4 +510,51 @@ async def test_an_assistant_interrupts_lists_deletes_and_reads_the_policy(
         assert big.is_error
         assert "max_bytes" not in text(big), "download_file takes no max_bytes"
         assert "run_code" in text(big)
+    assert containers(docker_client, kernel_ids) == []
+
+
+@pytest.mark.timeout(600)
+async def test_an_assistant_runs_shell_commands_and_kernels_with_a_lifetime(
+    jupyter_dirs: Path, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """#23 item 12: a shell command in the sandbox (E2B's commands.run) and a kernel's
+    total lifetime (E2B's set_timeout), over MCP."""
+    kernel_ids: set[str] = set()
+    async with mcp_server(workspace) as session:
+        first = await run(session, "x = 1\nopen('data.csv', 'w').write('a\\n1\\n2\\n')")
+        kernel_ids.add(first["kernel_id"])
+        counted = (
+            await call(session, "run_command", command="wc -l < data.csv; id -u; exit 4")
+        ).structured_content
+        assert counted is not None
+        assert (counted["exit_code"], counted["stdout"], counted["error"]) == (4, "3\n1000\n", None)
+        assert counted["kernel_id"] == first["kernel_id"], "in the default kernel's sandbox"
+        offline = (
+            await call(
+                session,
+                "run_command",
+                command="python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)\" "
+                "2>/dev/null && echo online || echo offline",
+            )
+        ).structured_content
+        assert offline is not None
+        assert offline["stdout"] == "offline\n", "the kernel's policy holds for commands"
+        slow = (await call(session, "run_command", command="sleep 100", timeout=2)).structured_content
+        assert slow is not None
+        assert (slow["timed_out"], slow["exit_code"]) == (True, None)
+        assert (await run(session, "x"))["text"] == "1", "commands leave the namespace alone"
+
+        short = (await call(session, "start_kernel", lifetime=5)).structured_content
+        assert short is not None
+        short_id = short["kernel_id"]
+        kernel_ids.add(short_id)
+        cut = await run(session, "import time\ntime.sleep(60)", kernel_id=short_id)
+        assert cut["error"]["ename"] == "LifetimeExceeded"
+        ended = await session.call_tool("run_code", {"code": "1", "kernel_id": short_id})
+        assert ended.is_error
+        assert "lifetime ran out" in text(ended)
+        deadline = time.monotonic() + 30
+        while containers(docker_client, {short_id}) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert containers(docker_client, {short_id}) == []
     assert containers(docker_client, kernel_ids) == []

@@ -563,3 +563,66 @@ def test_a_run_gives_what_a_program_expects(session_dir: Path) -> None:
         for line in rest.splitlines():
             assert len(line) == 41, f"a cut line: {line!r}"
         assert rest.rstrip().endswith("line 19999 " + "x" * 30)
+
+
+def test_a_shell_command_runs_in_the_sandbox_outside_the_namespace(session_dir: Path) -> None:
+    """#23 item 12: E2B's commands.run, here through the same sandboxed, audited kernel."""
+    with SandboxSession(cwd=session_dir) as sandbox:
+        sandbox.run("x = 1")
+        done = sandbox.run_command("echo out; echo err >&2; id -u; pwd; exit 3")
+        assert (done.exit_code, done.ok, done.error) == (3, False, None)
+        assert done.stdout == f"out\n{SANDBOX_UID}\n/workspace\n", "in the sandbox, as the kernel's user"
+        assert done.stderr == "err\n"
+        listed = sandbox.run_command("ls", cwd="data", env={"GREETING": "hi"})
+        assert listed.error is not None
+        assert "could not start" in listed.error, "a missing folder says so"
+        os.makedirs(session_dir / "data", exist_ok=True)
+        greeted = sandbox.run_command("echo $GREETING; pwd", cwd="data", env={"GREETING": "hi"})
+        assert (greeted.ok, greeted.stdout) == (True, "hi\n/workspace/data\n")
+        assert sandbox.run_command("echo ${GREETING:-unset}").stdout == "unset\n", "env is per call"
+
+        started = time.monotonic()
+        slow = sandbox.run_command("sleep 100 & sleep 200; echo never", timeout=2)
+        assert time.monotonic() - started < 15
+        assert (slow.timed_out, slow.exit_code) == (True, None)
+        assert slow.error is not None
+        assert "timeout of 2 s" in slow.error
+        gone = sandbox.run_command("cat /proc/[0-9]*/comm 2>/dev/null | grep -c '^sleep$'")
+        assert gone.stdout == "0\n", "the whole process group is killed"
+
+        loud = sandbox.run_command("yes | head -c 5000000", max_output=10_000)
+        assert loud.truncated
+        assert len(loud.stdout) < 11_000
+        assert "bytes of output dropped" in loud.stdout
+
+        after = sandbox.run("print(x, sorted(k for k in dir() if not k.startswith('_'))[:3])")
+        assert after.stdout.startswith("1 "), "the namespace is as it was"
+        assert after.execution_count == 2, "commands leave no execution count"
+        with pytest.raises(ValueError, match="non-empty"):
+            sandbox.run_command("  ")
+
+    audit = Path(os.environ["JUPYTER_DATA_DIR"]) / "sandbox-kernel" / "audit.jsonl"
+    assert "exit 3" in audit.read_text(), "a command is audited as the cell that ran it"
+
+
+def test_a_session_ends_after_its_lifetime(session_dir: Path, docker_client: docker.DockerClient) -> None:
+    """#23 item 12: E2B's set_timeout, a total lifetime besides the idle limits."""
+    with SandboxSession(cwd=session_dir, lifetime=600) as sandbox:
+        kernel_id = sandbox.kernel_id
+        assert kernel_id is not None
+        left = sandbox.lifetime_left
+        assert left is not None
+        assert 590 < left <= 600
+        sandbox.set_lifetime(4)
+        started = time.monotonic()
+        cut = sandbox.run("import time; time.sleep(60)")
+        assert time.monotonic() - started < 20
+        assert cut.error is not None
+        assert cut.error.ename == "LifetimeExceeded"
+        assert "lifetime of 4 s ran out" in cut.error.evalue
+        with pytest.raises(RuntimeError, match="lifetime of 4 s ran out"):
+            sandbox.run("1")
+        deadline = time.monotonic() + 30
+        while _containers(docker_client, kernel_id) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _containers(docker_client, kernel_id) == []

@@ -21,6 +21,7 @@ import pytest
 from mcp import Client, ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
+from sandbox_kernel.commands import CommandResult
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 from sandbox_kernel.files import FileTooLargeError, FolderNotEmptyError, MissingFileError
 from sandbox_kernel.mcp_results import allot, cut, sniff_image
@@ -193,6 +194,17 @@ class FakeSession:
             return FakeExecution("error", error=FakeError("ZeroDivisionError", "division by zero", traceback))
         return FakeExecution(stdout=code + "\n")
 
+    async def run_command(self, command: str, **options: Any) -> CommandResult:
+        self.calls.append(f"$ {command}")
+        self.command_options = options
+        if not command.strip():
+            raise ValueError("command must be a non-empty shell command line, e.g. 'ls -la'")
+        if command == "loud":
+            return CommandResult(exit_code=0, stdout="o" * 50_000, stderr="e" * 10)
+        return CommandResult(
+            exit_code=3, stdout=f"ran {command}\n", stderr="\x1b[31mwarn\x1b[0m\n", duration=0.5
+        )
+
     async def interrupt(self) -> None:
         self.calls.append("interrupt")
         if self.interrupted is not None:
@@ -249,6 +261,7 @@ async def test_lists_the_tools_with_input_and_output_schemas(tools: KernelTools)
         assert set(tools) == {
             "start_kernel",
             "run_code",
+            "run_command",
             "upload_file",
             "download_file",
             "list_files",
@@ -1000,3 +1013,50 @@ async def test_a_file_too_large_to_download_says_what_to_do_instead(tools: Kerne
         assert "max_bytes" not in text(big)
         assert f"{MAX_DOWNLOAD + 1:,} bytes" in text(big)
         assert "run_code" in text(big)
+
+
+async def test_run_command_returns_exit_code_and_output(tools: KernelTools) -> None:
+    """#23 item 12: a shell command in the sandbox, E2B's commands.run."""
+    async with connect(tools) as client:
+        got = structured(
+            await client.call_tool("run_command", {"command": "ls", "cwd": "data", "env": {"A": "b"}})
+        )
+        assert got == {
+            "kernel_id": FakeSession.started[0].kernel_id,
+            "exit_code": 3,
+            "stdout": "ran ls\n",
+            "stderr": "warn\n",
+            "duration": 0.5,
+            "timed_out": False,
+            "truncated": False,
+            "error": None,
+        }
+        assert FakeSession.started[0].command_options == {
+            "timeout": 60.0,
+            "cwd": "data",
+            "env": {"A": "b"},
+            "max_output": 20_000,
+        }
+        loud = structured(
+            await client.call_tool("run_command", {"command": "loud", "max_output_chars": 1000})
+        )
+        assert loud["truncated"] is True
+        assert len(loud["stdout"]) < 1200
+        assert loud["stderr"] == "e" * 10
+        empty = await client.call_tool("run_command", {"command": " "})
+        assert empty.is_error
+        assert "command must be a non-empty shell command line" in text(empty)
+
+
+async def test_start_kernel_passes_a_lifetime_and_an_ended_kernel_is_said(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        kernel_id = structured(await client.call_tool("start_kernel", {"lifetime": 30}))["kernel_id"]
+        (session,) = FakeSession.started
+        assert session.policy_asked == {"lifetime": 30}
+        session.kernel_id = None  # its lifetime ran out: the session shut itself down
+        ended = await client.call_tool("run_code", {"code": "a", "kernel_id": kernel_id})
+        assert ended.is_error
+        assert "is no longer running (its lifetime ran out)" in text(ended)
+        assert structured(await client.call_tool("list_kernels"))["kernels"] == []
+        refused = await client.call_tool("start_kernel", {"lifetime": 0})
+        assert refused.is_error

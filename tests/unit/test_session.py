@@ -45,6 +45,11 @@ def test_rendering_costs_no_more_than_the_texts_length(hostile: str) -> None:
     assert "\x1b" not in shown
 
 
+def limit_of(size: int) -> str:
+    """How the host's marker names a run's own limit."""
+    return f"the output limit of {amount(size)} set for this execution"
+
+
 def test_a_cut_run_names_the_limit_asked_and_keeps_whole_lines() -> None:
     """#23 item 14: 64 KiB asked was "72 KiB" (the allowance for message headers), and
     the cut fell mid-line."""
@@ -53,7 +58,7 @@ def test_a_cut_run_names_the_limit_asked_and_keeps_whole_lines() -> None:
     lines = [f"line {i:05} " + "x" * 30 for i in range(2000)]
     head = "\n".join(lines[:1000])[:-7]  # cut inside a line
     tail = "\n".join(lines[1500:])[5:] + "\n"
-    marker = f"\n[... 20 KiB of output dropped: over the output limit of {amount(sent)} set for this execution ...]\n"
+    marker = f"\n[... 20 KiB of output dropped: over {limit_of(sent)} ...]\n"
     notice = (
         f"[sandbox-kernel] Output truncated: this execution produced more than {amount(sent)} of output; ..."
     )
@@ -70,7 +75,7 @@ def test_a_cut_run_names_the_limit_asked_and_keeps_whole_lines() -> None:
 def test_one_long_line_cut_keeps_its_head_and_tail() -> None:
     """No line break near the cut: nothing more is dropped."""
     sent, asked = 20_000 + MESSAGE_ALLOWANCE, 20_000
-    marker = f"\n[... 180 KiB of output dropped: over the output limit of {amount(sent)} set for this execution ...]\n"
+    marker = f"\n[... 180 KiB of output dropped: over {limit_of(sent)} ...]\n"
     execution = Execution(stdout="HEAD" + "x" * 10_000 + marker + "x" * 5000 + "TAIL\n")
     _as_asked(execution, sent, asked)
     assert execution.stdout.startswith("HEAD")
