@@ -22,6 +22,17 @@ tcp), ``server_uid`` the uid of the process that writes the log.
 Requests the bridge refuses (:func:`~.bridge.refusal`: ``debug_request``, code on the
 control channel) get a ``refused`` line, with what they would have run.
 
+The auditor also decides which of the kernel's stdin messages reach a client (see
+:meth:`ExecutionAuditor.prompt`): at most one ``input_request`` at a time, of at most
+:data:`MAX_PROMPT` bytes, for the running execution if its request allowed stdin, to the
+client that sent it. Refused ones get a line, the first per execution (and the first
+between executions), the kernel deciding how many it sends::
+
+    {"event": "prompt_refused", "time": "...", "kernel_id": "...", "kernelspec": "...",
+     "msg_id": "..." (the running execution, or null), "reason": "...", "bytes": 1048790}
+
+and the execution's "finished" line counts them all (``"prompts_refused": 256``).
+
 Each verdict of the egress proxy (network "allowlist") gets a line as it happens::
 
     {"event": "egress", "time": "...", "kernel_id": "...", "kernelspec": "...",
@@ -79,6 +90,16 @@ _CODE_KEPT = 4 * 1024
 #: msg_id, the names of user expressions, a debug command).
 _FIELD_WHOLE = 256
 _FIELD_KEPT = 96
+#: Largest stdin message (all its frames) the kernel may send a client: a prompt, not a
+#: way around the output limit.
+MAX_PROMPT = 64 * 2**10
+#: Why a stdin message from the kernel does not reach clients (see ExecutionAuditor.prompt).
+NOT_A_PROMPT = "not an input_request"
+PROMPT_TOO_BIG = "a prompt over 64 KiB"
+NO_CELL = "no cell is running"
+NO_STDIN = "its cell was run with allow_stdin false"
+NOT_ITS_CLIENT = "not to the client running the cell"
+PROMPT_WAITING = "a prompt already waits for its answer"
 #: What of an egress decision goes into the execution's "finished" line.
 _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 #: Why an execution the kernel went past has no reply (the audit line, and its client).
@@ -149,6 +170,8 @@ class PendingExecution:
     #: The egress proxy's verdicts while it ran (the first ``_MAX_EGRESS``), and how many more.
     egress: list[dict[str, Any]] = field(default_factory=list)
     egress_dropped: int = 0
+    #: The kernel's stdin messages refused while it ran (see ExecutionAuditor.prompt).
+    prompts_refused: int = 0
     #: More of what its audit lines show: who sent it (as the host knows), what else of
     #: the request the kernel runs (user_expressions, silent), the whole code's hash.
     details: dict[str, Any] = field(default_factory=dict)
@@ -257,9 +280,14 @@ class ExecutionAuditor:
         self._egress_suppressed_since = ""
         self._egress_timer: threading.Timer | None = None
         self._server_uid = os.getuid()
+        #: The execution whose prompt waits for its client's answer, if any.
+        self._prompting: str | None = None
+        #: A refused prompt got its line since the last execution ended.
+        self._refused_between = False
 
-    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> bool:
-        """Note one message; False for a request refused (answered here, not passed on)."""
+    def __call__(self, channel: str, to_kernel: bool, frames: Sequence[zmq.Frame | bytes]) -> bool | str:
+        """Note one message; False for a request refused (answered here, not passed on),
+        or why a stdin message from the kernel must not reach clients (see :meth:`prompt`)."""
         if channel not in ("shell", "control", "iopub", "stdin"):
             return True
         split = _split(frames)
@@ -267,8 +295,16 @@ class ExecutionAuditor:
             return True
         idents, parts = split
         if channel == "stdin":
+            if not to_kernel:
+                why = self.prompt(idents, parts, sum(len(frame) for frame in frames))
+                if why is not None:
+                    return why
             on_stdin = self.on_stdin
-            return True if on_stdin is None else on_stdin(to_kernel, idents, parts)
+            passes = True if on_stdin is None else on_stdin(to_kernel, idents, parts)
+            if passes and to_kernel and load_dict(parts[1]).get("msg_type") == "input_reply":
+                with self._lock:
+                    self._prompting = None  # answered: the kernel may ask again
+            return passes
         if channel == "iopub":
             if not to_kernel:
                 self._started(parts)
@@ -277,6 +313,48 @@ class ExecutionAuditor:
         elif channel == "shell":
             self._reply(parts)
         return True
+
+    def prompt(self, idents: list[bytes], parts: list[bytes], size: int) -> str | None:
+        """Why a stdin message from the kernel (``size`` bytes in all) must not reach
+        clients, or None to let it pass (it is then the prompt that waits for its answer).
+
+        stdin is a way out to clients that the output limit does not watch, and the kernel
+        can send to it at will: only an ``input_request`` passes, of at most
+        :data:`MAX_PROMPT` bytes, while an execution runs whose request allowed stdin, to
+        the client that sent it, and only when no earlier prompt of it waits for the
+        client's ``input_reply``. Refusals are counted on the execution and logged (see
+        the module's docstring). The host's own prompts (:mod:`~.approval`) never pass here.
+        """
+        header = load_dict(parts[1])
+        with self._lock:
+            running = self._running_locked()
+            msg_id = running[1] if running else None
+            pending = self._pending.get(msg_id) if msg_id is not None else None
+            if header.get("msg_type") != "input_request":
+                why = NOT_A_PROMPT
+            elif pending is None:
+                why = NO_CELL
+            elif not pending.allow_stdin:
+                why = NO_STDIN
+            elif idents[:1] != pending.idents[:1]:  # (the client-facing ROUTER routes by the first)
+                why = NOT_ITS_CLIENT
+            elif size > MAX_PROMPT:
+                why = PROMPT_TOO_BIG
+            elif self._prompting == msg_id:
+                why = PROMPT_WAITING
+            else:
+                self._prompting = msg_id
+                return None
+            if pending is not None:
+                pending.prompts_refused += 1
+                first = pending.prompts_refused == 1
+            else:
+                first, self._refused_between = not self._refused_between, True
+        if first:  # one line per execution, or between two: the kernel decides how many come
+            shown = None if msg_id is None else _field(msg_id)
+            line = {"event": "prompt_refused", **self._base(), "msg_id": shown, "reason": why, "bytes": size}
+            self._write(line)
+        return why
 
     def _client(self, frames: Sequence[zmq.Frame | bytes]) -> dict[str, Any]:
         """Who sent a request, as the host knows it (not as its header says)."""
@@ -363,6 +441,9 @@ class ExecutionAuditor:
                 if superseded is not None:
                     self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
                 self._pending[msg_id] = pending
+                if self._prompting == msg_id:
+                    self._prompting = None  # (a msg_id used again)
+                self._refused_between = False
                 # Written now too, so a server that dies mid-cell still leaves a trace.
                 self._write(self._record("started", msg_id, pending))
                 while len(self._pending) > _MAX_PENDING:
@@ -454,6 +535,8 @@ class ExecutionAuditor:
         )
         if pending.egress_dropped:
             record["egress_dropped"] = pending.egress_dropped
+        if pending.prompts_refused:
+            record["prompts_refused"] = pending.prompts_refused
         self._write(record)
 
     def egress(self, decision: Mapping[str, Any]) -> bool:

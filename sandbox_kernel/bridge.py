@@ -17,7 +17,11 @@ is for clients elsewhere (with CurveZMQ). Either way nothing is trusted before i
 checked: a client's message acts on nothing (the kernel, the audit log, the output
 budget, the idle clock) unless its HMAC signature is valid, and the kernel's messages
 reach clients only if signed, within the size caps, and (on shell and control) as the
-one reply to a request a client actually sent, routed back to that client.
+one reply to a request a client actually sent, routed back to that client. On stdin
+the kernel may only prompt: the tap (the auditor) lets one ``input_request`` through at a
+time, to the client running a cell that allowed stdin, and the output limiter charges it
+to that cell's budget. The limiter sees the kernel's output before the cleaner does, so
+output past the budget is dropped unparsed.
 
 The client-facing sockets live as long as the bridge, so a restarted kernel (new
 container, same ipc paths) is reached at the same addresses, as with a local kernel.
@@ -103,13 +107,14 @@ CODE_ON_CONTROL = (
     "send this execute_request on the shell channel"
 )
 
-#: Called in the bridge thread for every message that passes the checks: (channel,
-#: to_kernel, frames). It must be quick and must not keep the frames; it cannot change
-#: the message, and stops it only by returning False (it answered it: a request to a
-#: kernel that is not running must never reach the next one). It also sees each
-#: request the bridge refuses (:func:`refusal`) before the bridge answers it; what it
-#: returns then changes nothing.
-Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], bool | None]
+#: Called in the bridge thread for every message that passes the checks, before the
+#: output limit and the cleaner see it: (channel, to_kernel, frames). It must be quick and
+#: must not keep the frames; it cannot change the message, and stops it only by returning
+#: False (it answered it: a request to a kernel that is not running must never reach the
+#: next one) or a reason (drop it: counted in ``dropped``, as stdin messages of the kernel
+#: that are not the prompt of the running cell are). It also sees each request the bridge
+#: refuses (:func:`refusal`) before the bridge answers it; what it returns then changes nothing.
+Tap = Callable[[str, bool, Sequence[zmq.Frame | bytes]], bool | str | None]
 Frames = Sequence[zmq.Frame | bytes]
 
 
@@ -662,8 +667,8 @@ class KernelBridge:
             log.debug("Bridge could not deliver a %s notice: %s", channel, exc)
 
     def _forward(self, channel: str, to_kernel: bool, frames: Frames, peer: zmq.Socket[bytes]) -> None:
-        """Pass one message on if it passes the checks: observed by the tap, capped by
-        the output limiter."""
+        """Pass one message on if it passes the checks: observed by the tap; from the
+        kernel, capped by the output limiter, then cleaned (only what will be sent)."""
         self.messages[channel] += 1
         if to_kernel and channel == "hb" and self._held is not None:
             # The kernel is paused, not dead: its heartbeat is the bridge's to give.
@@ -673,34 +678,54 @@ class KernelBridge:
         if checked is None:
             return
         frames = checked
-        if self._sanitizer is not None and not to_kernel:
-            cleaned = self._sanitizer.clean(channel, frames)
-            if cleaned is None:
-                self._drop(channel, to_kernel, "could not be made safe to show")
-                return
-            frames = cleaned
         if self._tap is not None:
             try:
-                if self._tap(channel, to_kernel, frames) is False:
-                    return
+                verdict = self._tap(channel, to_kernel, frames)
             except Exception:
                 log.exception("Bridge tap failed on a %s message", channel)
-        outgoing: list[Frames] = [frames]
-        if self._limiter is not None and channel == "iopub" and not to_kernel:
-            outgoing = self._limiter.admit(frames)
-        elif self._limiter is not None and channel == "shell" and to_kernel:
-            self._limiter.request(frames)  # signed: it may narrow its own output limit
-        if to_kernel and self._held is not None:
-            self._hold(channel, frames)
+                # The kernel's stdin is a way out only the tap lets through: closed, not open.
+                verdict = "could not be checked" if channel == "stdin" and not to_kernel else None
+            if verdict is False:
+                return
+            if isinstance(verdict, str):
+                self._drop(channel, to_kernel, verdict)
+                return
+        if to_kernel:
+            if self._limiter is not None and channel == "shell":
+                self._limiter.request(frames)  # signed: it may narrow its own output limit
+            if self._held is not None:
+                self._hold(channel, frames)
+            else:
+                self._pass(peer, channel, to_kernel, frames)
             return
+        outgoing: list[Frames] = [frames]
+        if self._limiter is not None:
+            # Before the cleaner: output past the budget costs the host no parsing.
+            if channel == "iopub":
+                outgoing = self._limiter.admit(frames)
+            elif channel == "stdin" and not self._limiter.charge(frames):
+                # (The tap took it for the prompt that waits for its answer: the cell waits
+                # until interrupted, as its budget is spent anyway.)
+                self._drop(channel, to_kernel, "over the output limit")
+                return
         for message in outgoing:
-            try:
-                peer.send_multipart(message, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self._drop(channel, to_kernel, "the receiver is not keeping up")
-            except zmq.ZMQError as exc:
-                # A ROUTER cannot deliver to a peer that has gone away.
-                log.debug("Bridge could not forward a %s message: %s", channel, exc)
+            if self._sanitizer is not None:
+                cleaned = self._sanitizer.clean(channel, message)
+                if cleaned is None:
+                    self._drop(channel, to_kernel, "could not be made safe to show")
+                    continue
+                message = cleaned
+            self._pass(peer, channel, to_kernel, message)
+
+    def _pass(self, peer: zmq.Socket[bytes], channel: str, to_kernel: bool, message: Frames) -> None:
+        """Send one checked message on to ``peer``, never waiting for it."""
+        try:
+            peer.send_multipart(message, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._drop(channel, to_kernel, "the receiver is not keeping up")
+        except zmq.ZMQError as exc:
+            # A ROUTER cannot deliver to a peer that has gone away.
+            log.debug("Bridge could not forward a %s message: %s", channel, exc)
 
     def _check(self, channel: str, to_kernel: bool, frames: Frames) -> Frames | None:
         """The message to pass on (replies re-routed to their requester), or None to drop it."""

@@ -20,6 +20,11 @@ Of an execution past its budget, the beginning and the end reach clients:
   the next execution's first output, or before the host's own notices (the kernel died,
   a limit stopped it; see :meth:`OutputLimiter.release`).
 
+The kernel's prompts on stdin (``input_request``, the few the auditor lets through) are
+charged to the same budget (:meth:`OutputLimiter.charge`): one that does not fit is dropped.
+The bridge asks the limiter before the output cleaner reads a message, so output past the
+budget is dropped unparsed (only stdout/stderr text past it is read, for the tail).
+
 Text is cut on UTF-8 character boundaries; every message the limiter writes is signed
 with the session key.
 """
@@ -198,20 +203,36 @@ class OutputLimiter:
             while len(self._requested) > _MAX_REQUESTED:
                 self._requested.popitem(last=False)
 
-    def admit(self, frames: Message) -> list[Message]:
-        """The messages to send in place of ``frames``: itself, parts of it, a notice,
-        a held tail, or nothing."""
+    def charge(self, frames: Message) -> bool:
+        """Whether a prompt of the kernel (a stdin message) fits the budget of the execution
+        it is charged to (as :meth:`admit` charges output); if so, it is charged."""
+        key, parent = self._charged()
+        budget = self._budget(key, parent)
+        held = budget.tail.held if budget.tail is not None else 0
         size = _size(frames)
-        index = find_delimiter(frames)
-        if index is None:
-            return []  # not a Jupyter message: no client could use it
+        if budget.over or budget.passed + held + size > budget.limit:
+            return False
+        budget.passed += size
+        return True
+
+    def _charged(self) -> tuple[str, dict[str, Any]]:
+        """(key, parent) of the execution output is charged to now."""
         # Between requests, output is charged to the last one: its reply may overtake the
         # tail of its output in the bridge (or all of it, the bridge reading shell first),
         # and idle output opens no budget of its own.
         current = self._current() or self._latest
         if current is not None:
             self._last = current
-        key, parent = self._last
+        return self._last
+
+    def admit(self, frames: Message) -> list[Message]:
+        """The messages to send in place of ``frames``: itself, parts of it, a notice,
+        a held tail, or nothing. Only stdout/stderr content past the budget is read."""
+        size = _size(frames)
+        index = find_delimiter(frames)
+        if index is None:
+            return []  # not a Jupyter message: no client could use it
+        key, parent = self._charged()
         out: list[Message] = []
         if self._held is not None and self._held != key:
             out += self.release()  # the execution it belongs to is over

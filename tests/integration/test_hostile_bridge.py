@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import stat
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 import zmq
 from jupyter_client import KernelManager
+from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.session import Session
 from traitlets.config import Config
 
@@ -220,3 +223,80 @@ def test_malformed_and_oversized_frames_from_the_kernel_leave_the_bridge_working
     km.restart_kernel(now=True)
     kc.wait_for_ready(timeout=60)
     assert run_ok(kc, "print('restarted')").strip() == "restarted"
+
+
+#: In a cell: send prompts on stdin ourselves, routed to the cell's client, signed.
+PROMPT_FLOOD = (
+    "k = get_ipython().kernel\n"
+    "for _ in range({count}):\n"
+    "    k.session.send(k.stdin_socket, 'input_request', {{'prompt': 'A' * {size}, 'password': False}},\n"
+    "                   parent=k.get_parent('shell'), ident=k._parent_ident['shell'])\n"
+)
+
+
+def stdin_dropped(counter: Counter[str], expected: int, timeout: float = 30) -> dict[str, int]:
+    """The kernel's stdin messages the bridge dropped, by reason, once there are
+    ``expected`` (or at the timeout). stdin is a channel of its own: the bridge may read
+    some of them after the cell's reply, and find no cell running then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        prefix = "stdin message from the kernel: "
+        found = {key.removeprefix(prefix): n for key, n in counter.items() if key.startswith(prefix)}
+        if sum(found.values()) >= expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def stdin_received(kc: BlockingKernelClient, wait: float = 2) -> list[dict[str, Any]]:
+    got = []
+    while True:
+        try:
+            got.append(kc.stdin_channel.get_msg(timeout=wait))
+        except queue.Empty:
+            return got
+
+
+def test_stdin_is_no_way_around_the_output_limit(start_sandboxed: KernelStarter) -> None:
+    """Issue #22: signed input_request messages the kernel routes itself were not charged:
+    256 MiB arrived in 1.7 s under a 1 MiB output_limit, from a cell run with
+    allow_stdin=False. Now none arrive; a cell that allows stdin gets one prompt at a time."""
+    config = Config({"SandboxProvisioner": {"output_limit": "1m"}})
+    km, kc = start_sandboxed(config=config)
+    reply = kc.execute_interactive(PROMPT_FLOOD.format(count=256, size=2**20), allow_stdin=False, timeout=120)
+    assert reply["content"]["status"] == "ok"
+    got = stdin_received(kc)
+    print(  # the measurement, for whoever reads the log
+        f"256 prompts of 1 MiB from a cell run with allow_stdin=False under a 1 MiB output_limit: "
+        f"{len(got)} reached the client ({sum(len(m['content']['prompt']) for m in got) / 2**20:.0f} MiB)"
+    )
+    assert got == [], "prompts to a cell run with allow_stdin=False"
+    dropped = km.provisioner.bridge.dropped  # type: ignore[union-attr]
+    refused = stdin_dropped(dropped, 256)
+    assert set(refused) <= {"its cell was run with allow_stdin false", "no cell is running"}, refused
+    assert sum(refused.values()) == 256
+
+    dropped.clear()
+    asked: list[str] = []
+    reply = kc.execute_interactive(
+        # (the cell waits on: its prompts reach the bridge on stdin, its reply on shell)
+        PROMPT_FLOOD.format(count=50, size=1000) + "import time; time.sleep(2)\n",
+        allow_stdin=True,
+        stdin_hook=lambda msg: asked.append(msg["content"]["prompt"]),
+        timeout=120,
+    )
+    assert reply["content"]["status"] == "ok"
+    refused = stdin_dropped(dropped, 49)
+    assert set(refused) <= {"a prompt already waits for its answer", "no cell is running"}, refused
+    assert sum(refused.values()) == 49
+    assert len(asked + stdin_received(kc)) == 1, "one prompt until its answer"
+    # input() itself works as before.
+    out: list[str] = []
+    reply = kc.execute_interactive(
+        "print('hello', input('name? '))",
+        allow_stdin=True,
+        stdin_hook=lambda msg: kc.input("Ada"),
+        output_hook=lambda msg: out.append(msg["content"].get("text", "")),
+        timeout=60,
+    )
+    assert reply["content"]["status"] == "ok"
+    assert "".join(out) == "hello Ada\n"

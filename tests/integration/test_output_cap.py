@@ -3,6 +3,9 @@ printed, with a marker between, as an AI assistant driving jupyter_client reads 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +107,72 @@ async def test_the_tail_reaches_the_client_when_the_kernel_dies_mid_run(
         last_stdout = max(i for i, (name, _) in enumerate(texts) if name == "stdout")
         died = next(i for i, (_, text) in enumerate(texts) if "[sandbox-kernel] the kernel stopped" in text)
         assert last_stdout < died
+
+
+#: In a cell: 16 MiB HTML displays, one after another (each needing the cleaner's work).
+HTML_FLOOD = (
+    "from IPython.display import HTML, display\n"
+    "html = '<table>' + '<tr><td onclick=\"x()\">x</td></tr>' * 520_000 + '</table>'\n"
+    "for _ in range({count}):\n"
+    "    display(HTML(html))\n"
+)
+
+
+def thread_cpu(thread: threading.Thread | None) -> float:
+    """Seconds of CPU ``thread`` (of this process) has used."""
+    assert thread is not None
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_plus_one(kc: BlockingKernelClient, times: int) -> list[float]:
+    """Seconds each ``1+1`` took, sorted."""
+    took = []
+    for _ in range(times):
+        started = time.perf_counter()
+        assert run(kc, "1+1").status == "ok"
+        took.append(time.perf_counter() - started)
+    return sorted(took)
+
+
+def test_displays_past_the_cap_are_dropped_unparsed_and_other_kernels_do_not_wait(
+    start_kernel: KernelStarter,
+) -> None:
+    """Issue #22: the cleaner ran before the limiter, so output past the cap was parsed
+    anyway: 40 s of 16 MiB HTML displays kept the server at 43 % of a core for 331 s, and
+    another kernel's 1+1 went from 33 to 60 ms (p50), 432 ms worst. The limiter decides
+    first now: what is dropped is never parsed."""
+    _, other = start_kernel(config=ONE_MIB)
+    km, flooder = start_kernel(config=ONE_MIB)
+    before = one_plus_one(other, 20)
+    bridge = km.provisioner.bridge  # type: ignore[union-attr]
+    cpu = thread_cpu(bridge._thread)
+    started = time.monotonic()
+    msg_id = flooder.execute(HTML_FLOOD.format(count=40))
+    during: list[float] = []
+    idle = False
+    while not idle:  # its idle comes after all its output
+        during += one_plus_one(other, 1)
+        while flooder.iopub_channel.msg_ready():
+            msg = flooder.get_iopub_msg()
+            if msg["parent_header"].get("msg_id") == msg_id:
+                idle |= msg["content"] == {"execution_state": "idle"}
+        assert time.monotonic() - started < 300, "the flood did not end"
+    reply = flooder.get_shell_msg(timeout=10)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok"
+    cpu = thread_cpu(bridge._thread) - cpu
+    flood = time.monotonic() - started
+    during.sort()
+    p50_before, p50_during = before[len(before) // 2], during[len(during) // 2]
+    print(  # the measurements, for whoever reads the log
+        f"flood of 40 x 16 MiB HTML displays: {flood:.1f} s; its bridge's CPU meanwhile {cpu:.1f} s; "
+        f"another kernel's 1+1: p50 {p50_before * 1000:.0f} ms before, {p50_during * 1000:.0f} ms during "
+        f"({len(during)} runs, worst {during[-1] * 1000:.0f} ms)"
+    )
+    assert cpu < 0.1 * flood + 2, f"the server spent {cpu:.1f} s of CPU in {flood:.1f} s on dropped output"
+    assert p50_during < 2 * p50_before + 0.03, (p50_before, p50_during)
+    sanitizer = bridge._sanitizer
+    assert sanitizer is not None
+    assert "display_data" not in sanitizer.cleaned, "a display past the cap was cleaned"

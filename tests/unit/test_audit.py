@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sandbox_kernel.audit import AuditLog, ExecutionAuditor
+from sandbox_kernel.audit import NO_CELL, NO_STDIN, AuditLog, ExecutionAuditor
 
 
 def test_rotation_keeps_every_file_private_and_each_line_json(tmp_path: Path) -> None:
@@ -322,3 +322,30 @@ def test_denials_suppressed_at_the_kernels_end_are_counted_then(tmp_path: Path) 
     auditor.abandon_pending("no reply: the kernel stopped")  # the kernel's end
     records = _records(path)
     assert sum(r["count"] for r in records if r["event"] == "egress_suppressed") == 300 - logged
+
+
+def test_refused_prompts_get_one_line_per_execution_and_a_count_in_its_finished_line(
+    tmp_path: Path,
+) -> None:
+    """The kernel decides how many stdin messages it sends: refusing them must not let it
+    write a line for each (a flood would rotate the log away)."""
+    from jupyter_client.session import Session
+
+    path = tmp_path / "prompts.jsonl"
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(AuditLog.open(path, max_bytes=10**8, backups=1), "k1", "py")
+    execute = session.msg("execute_request", {"code": "flood()", "allow_stdin": False})
+    auditor("shell", True, list(session.serialize(execute, ident=[b"client"])))
+    ask = _message(session, "input_request", {"prompt": "A" * 2**20, "password": False}, execute)
+    assert [auditor("stdin", False, ask) for _ in range(1000)] == [NO_STDIN] * 1000
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, execute))
+    assert [auditor("stdin", False, ask) for _ in range(1000)] == [NO_CELL] * 1000
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    refused = [r for r in records if r["event"] == "prompt_refused"]
+    assert [(r["msg_id"], r["reason"]) for r in refused] == [
+        (execute["header"]["msg_id"], NO_STDIN),
+        (None, NO_CELL),
+    ]
+    assert refused[0]["bytes"] > 2**20
+    (finished,) = [r for r in records if r["event"] == "finished"]
+    assert finished["prompts_refused"] == 1000

@@ -412,3 +412,16 @@ def test_a_kernel_that_never_goes_idle_still_gets_its_tail_delivered_on_release(
 )
 def test_amounts_read_well(size: int, text: str) -> None:
     assert amount(size) == text
+
+
+def test_the_kernel_s_prompts_are_charged_to_the_running_execution_s_budget() -> None:
+    kernel = Session(key=KEY)
+    running = Running()
+    prompt = kernel_message(kernel, "input_request", {"prompt": "x" * 1000, "password": False}, "cell-1")
+    size = sum(len(frame) for frame in prompt)
+    limiter = OutputLimiter(3 * size + 10, Session(key=KEY), running)
+    assert [limiter.charge(prompt) for _ in range(4)] == [True, True, True, False]
+    (notice,) = read(limiter.admit(status(kernel, "busy", padding="x" * 100)))  # the budget is spent
+    assert "Output truncated" in notice["content"]["text"]
+    running.msg_id = "cell-2"
+    assert limiter.charge(prompt), "a new execution, a new budget"
