@@ -1,14 +1,20 @@
 """What JupyterLab shows an analyst about a sandboxed kernel: a jupyter_server extension.
 
 ``GET /api/sandbox-kernel/kernels/<kernel_id>`` answers, for a kernel of this server,
-which sandbox it runs in, its policy and limits, the memory it uses now, and whether a
-limit stopped it::
+which sandbox it runs in, its policy and limits, the memory it uses now, whether it is
+paused, and whether a limit stopped it::
 
     {"sandboxed": true, "runtime": "gVisor", "docker_runtime": "runsc-sandbox-kernel",
      "image": "sandbox-kernel/python:latest", "network": "none", "allowed_domains": [],
+     "approved_domains": [], "approval": null,
      "limits": {"memory": "2g", "cpus": 1.0, "pids": 256, "tmp_size": "256m", ...},
      "memory": {"used": 157286400, "limit": 2147483648},
-     "stopped": null}
+     "state": "running", "stopped": null}
+
+``approved_domains`` are those the analyst allowed at an approval question ("kernel"),
+``approval`` is ``{"timeout": seconds}`` for a kernel that asks (approval ``egress``).
+``state`` is "running", "pausing", "paused" (saved to disk, its container stopped) or
+"resuming" (a client's message is waking it).
 
 ``stopped`` is the last time a limit stopped the kernel (``{"ename":
 "MemoryLimitExceeded", "limit": "memory", "reason": ..., "time": ..., "age": seconds,
@@ -31,6 +37,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .cgroups import memory_usage
+from .egress import EgressProxy
 from .errors import SandboxKernelError
 from .limits import size_bytes
 from .provisioner import LimitStop, SandboxProvisioner
@@ -45,20 +52,53 @@ STOPPED_BY = {
 }
 
 
-def describe(provisioner: SandboxProvisioner, memory_used: int | None, now: float) -> dict[str, Any]:
-    """The endpoint's answer for a sandboxed kernel (``now``: ``time.time()``)."""
+def describe(
+    provisioner: SandboxProvisioner,
+    memory_used: int | None,
+    now: float,
+    approved: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Build the endpoint's answer for a sandboxed kernel (``now``: ``time.time()``;
+    ``approved``: the domains its holder allowed at a question, see :func:`approved_domains`)."""
     network = str(provisioner.network)
+    allowlist = network == "allowlist"
+    asks = allowlist and provisioner.approval == "egress"
     return {
         "sandboxed": True,
         "runtime": RUNTIME,
         "docker_runtime": provisioner.docker_runtime,
         "image": provisioner.image,
         "network": network,
-        "allowed_domains": list(provisioner.allowed_domains) if network == "allowlist" else [],
+        "allowed_domains": list(provisioner.allowed_domains) if allowlist else [],
+        "approved_domains": list(approved) if allowlist else [],
+        "approval": {"timeout": provisioner.approval_timeout} if asks else None,
         "limits": {**provisioner.limits.as_dict(), "output_limit": provisioner.output_limit},
         "memory": {"used": memory_used, "limit": size_bytes("memory", provisioner.memory)},
+        "state": sleep_state(
+            provisioner.paused is not None,
+            # No public word for these yet (provisioner.py): a pause or resume under way,
+            # and a client's message waiting for the kernel to wake.
+            provisioner._pausing,
+            provisioner._wake_due is not None,
+        ),
         "stopped": _stopped(provisioner.limit_stop, provisioner.container_id, now),
     }
+
+
+def sleep_state(paused: bool, switching: bool, woken: bool) -> str:
+    """Say whether a kernel runs, pauses, is paused or resumes: ``paused``, it has a
+    checkpoint; ``switching``, a pause or resume is under way; ``woken``, a client's
+    message waits for it to resume."""
+    if paused:
+        return "resuming" if switching or woken else "paused"
+    return "pausing" if switching else "running"
+
+
+def approved_domains(provisioner: SandboxProvisioner) -> tuple[str, ...]:
+    """Return the domains the holder of an allow-list kernel allowed at a question."""
+    if str(provisioner.network) != "allowlist" or provisioner.kernel_id is None:
+        return ()
+    return EgressProxy.instance().approved_domains(str(provisioner.kernel_id))
 
 
 def _stopped(stop: LimitStop | None, container_id: str | None, now: float) -> dict[str, Any] | None:
@@ -89,21 +129,29 @@ class MemoryGauge:
         self._pids: dict[str, int] = {}
 
     async def used(self, provisioner: SandboxProvisioner) -> int | None:
-        """Bytes charged to the kernel's container; None while it does not run, or if unknown."""
+        """Bytes charged to the kernel's container; None while it does not run (or is
+        paused), or if unknown."""
         container_id = provisioner.container_id
         if container_id is None or provisioner.exit_code is not None:
             return None
+        if provisioner.paused is not None:  # resumed, it runs as another process
+            self._pids.pop(container_id, None)
+            return None
         pid = self._pids.get(container_id)
+        if pid is not None:
+            used = memory_usage(pid)
+            if used is not None:
+                return used
+            del self._pids[container_id]  # gone (resumed meanwhile, say): ask again
+        try:
+            pid = await provisioner.backend.main_pid(container_id)
+        except SandboxKernelError:
+            return None
         if pid is None:
-            try:
-                pid = await provisioner.backend.main_pid(container_id)
-            except SandboxKernelError:
-                return None
-            if pid is None:
-                return None
-            if len(self._pids) >= self.MAX_CONTAINERS:
-                self._pids.clear()
-            self._pids[container_id] = pid
+            return None
+        if len(self._pids) >= self.MAX_CONTAINERS:
+            self._pids.clear()
+        self._pids[container_id] = pid
         return memory_usage(pid)
 
 
@@ -131,7 +179,7 @@ class KernelSandboxHandler(APIHandler):
             self.finish({"sandboxed": False})
             return
         used = await self.gauge.used(provisioner)
-        self.finish(describe(provisioner, used, time.time()))
+        self.finish(describe(provisioner, used, time.time(), approved_domains(provisioner)))
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:

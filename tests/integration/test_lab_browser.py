@@ -15,10 +15,12 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
@@ -31,6 +33,7 @@ from .test_egress import Upstreams, _fetch
 from .test_egress import upstreams as upstreams  # the egress tests' local HTTPS upstream
 from .test_jupyter_server import Server, start_server, stop_server
 
+SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(
     os.environ.get("SANDBOX_KERNEL_TEST_ARTIFACTS") or Path(__file__).parents[2] / ".ci" / "artifacts"
@@ -264,15 +267,21 @@ def test_a_limit_that_stops_the_kernel_is_announced(labs: Labs, make_kernelspec:
     assert "NameError" in analyst.run("x")
 
 
-def test_the_analyst_is_asked_before_the_kernel_leaves_its_allow_list(
-    labs: Labs, make_kernelspec: Callable[..., str], upstreams: Upstreams
-) -> None:
-    """Approval through JupyterLab's own input box, as for input(): no extension."""
+def _asking_lab(
+    labs: Labs, make_kernelspec: Callable[..., str], upstreams: Upstreams, **config: Any
+) -> tuple[Lab, str]:
+    """A notebook on a kernel that asks before it leaves its allow-list (allowed.test;
+    other.test is within the server's ceiling); the URL of a request it asks about."""
     port = upstreams.https_port
     (labs.root / "ca.pem").write_bytes(upstreams.ca_pem)
     make_kernelspec(
         "py-asking",
-        config={"network": "allowlist", "allowed_domains": [f"allowed.test:{port}"], "approval": "egress"},
+        config={
+            "network": "allowlist",
+            "allowed_domains": [f"allowed.test:{port}"],
+            "approval": "egress",
+            **config,
+        },
         env={"SSL_CERT_FILE": "/workspace/ca.pem"},
         display_name="Asking Python",
     )
@@ -285,15 +294,88 @@ def test_the_analyst_is_asked_before_the_kernel_leaves_its_allow_list(
         )
     )
     analyst.new_notebook("Asking Python")
-    cell = analyst.type_cell(_fetch(f"https://other.test:{port}/asked"))
-    expect(cell.locator(".jp-Stdin-prompt")).to_contain_text(
-        f"allow this kernel egress to other.test:{port} (not in its allowed domains)?", timeout=30_000
+    return analyst, f"https://other.test:{port}/asked"
+
+
+def _answer(analyst: Lab, url: str, answer: str) -> str:
+    """Run a cell fetching ``url``, type ``answer`` at the question; the cell's output."""
+    cell = analyst.type_cell(_fetch(url))
+    box = cell.locator(".jp-Stdin-input")
+    box.fill(answer)
+    box.press("Enter")
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=30_000)
+    return cell.locator(".jp-OutputArea").inner_text()
+
+
+def test_the_analyst_is_asked_before_the_kernel_leaves_its_allow_list(
+    labs: Labs, make_kernelspec: Callable[..., str], upstreams: Upstreams
+) -> None:
+    """Approval through JupyterLab's own input box, as for input(), in plain words."""
+    analyst, url = _asking_lab(labs, make_kernelspec, upstreams)
+    cell = analyst.type_cell(_fetch(url))
+    prompt = cell.locator(".jp-Stdin-prompt")
+    expect(prompt).to_contain_text(
+        f"Sandbox: allow a connection to other.test:{upstreams.https_port}? It is not among this kernel's "
+        "allowed domains. Type once (this time), kernel (from now on, in this kernel) or deny; "
+        "no answer within 60 s denies:",
+        timeout=30_000,
     )
+    assert "egress" not in prompt.inner_text()
     box = cell.locator(".jp-Stdin-input")
     box.fill("once")
     box.press("Enter")
     expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=30_000)
     assert "OK" in cell.locator(".jp-OutputArea").inner_text()
+
+
+def test_an_unanswered_question_goes_away_and_the_notebook_runs_on(
+    labs: Labs, make_kernelspec: Callable[..., str], upstreams: Upstreams
+) -> None:
+    """Unanswered within approval_timeout, the question's box closes and the next cell
+    runs (the box used to stay, and every later cell got "Cell not executed due to pending
+    input" until the analyst typed into it); only the documented answers allow; a domain
+    allowed for the kernel shows in the status bar and its policy."""
+    analyst, url = _asking_lab(labs, make_kernelspec, upstreams, approval_timeout="3s")
+    cell = analyst.type_cell(_fetch(url))
+    expect(cell.locator(".jp-Stdin-input")).to_be_visible(timeout=30_000)
+    expect(cell.locator(".jp-Stdin")).to_have_count(0, timeout=15_000)
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=30_000)
+    shown = cell.locator(".jp-OutputArea").inner_text()
+    assert "FAILED" in shown
+    assert "no answer within 3 s" in shown, shown
+    assert analyst.run("print('next')") == "next"
+    assert analyst.dialogs() == []
+
+    shown = _answer(analyst, url, "yes")
+    assert "FAILED" in shown, "the README: once, kernel or deny; anything else denies"
+    assert "denied at the prompt" in shown, shown
+    assert "OK" in _answer(analyst, url, "kernel")
+
+    status = analyst.page.locator("#sandbox-kernel-status")
+    expect(status).to_have_text(re.compile(r"^gVisor · 2 domains · "), timeout=15_000)
+    status.click()
+    policy = analyst.page.locator(".jp-Dialog .sandbox-kernel-policy")
+    expect(policy).to_contain_text(f"other.test:{upstreams.https_port} (allowed at the prompt)")
+    analyst.page.locator(".jp-Dialog button", has_text="Close").click()
+
+
+def test_a_paused_kernel_says_so_and_so_does_its_waking(labs: Labs) -> None:
+    """Paused, the status bar used to read "-/2.0 GiB" (no memory) beside JupyterLab's
+    "Idle", and a cell waking the kernel showed [*] and "Idle" for 1-3 s, nothing saying why."""
+    analyst = labs.start()
+    analyst.new_notebook("Sandboxed Python")
+    assert analyst.run("x = 42\nprint('set')") == "set"
+    status = analyst.page.locator("#sandbox-kernel-status")
+    expect(status).to_have_text(re.compile(r"GiB$"), timeout=15_000)
+    (session,) = analyst.server.api("GET", "/api/sessions").json()
+    subprocess.run([str(SK), "pause", session["kernel"]["id"]], check=True, timeout=120, capture_output=True)
+    expect(status).to_have_text("gVisor · no network · paused", timeout=15_000)
+    assert "memory is saved to disk" in (status.get_attribute("title") or "")
+    cell = analyst.type_cell("print(x)")
+    expect(status).to_have_text("gVisor · no network · resuming…", timeout=2_000)
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=60_000)
+    assert cell.locator(".jp-OutputArea").inner_text().strip() == "42"
+    expect(status).to_have_text(re.compile(r"^gVisor · no network · \d+\.\d/2\.0 GiB$"), timeout=15_000)
 
 
 def test_a_persistent_kernel_survives_a_sigkill_of_jupyter_lab(

@@ -10,6 +10,7 @@ import pytest
 
 from sandbox_kernel import lab
 from sandbox_kernel.docker_backend import DockerBackend
+from sandbox_kernel.pausing import Paused
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 from .conftest import RUNNING, CountingFactory, FakeDockerClient
@@ -33,6 +34,8 @@ def test_a_sandboxed_kernel_is_described_by_its_policy_and_memory(provisioner: S
         "image": "sandbox-kernel/python:latest",
         "network": "none",
         "allowed_domains": [],
+        "approved_domains": [],
+        "approval": None,
         "limits": {
             "memory": "512m",
             "cpus": 0.5,
@@ -44,6 +47,7 @@ def test_a_sandboxed_kernel_is_described_by_its_policy_and_memory(provisioner: S
             "output_limit": "10m",
         },
         "memory": {"used": 100 * 1024**2, "limit": 512 * 1024**2},
+        "state": "running",
         "stopped": None,
     }
 
@@ -54,6 +58,36 @@ def test_an_allow_list_names_its_domains(provisioner: SandboxProvisioner) -> Non
     described = lab.describe(provisioner, None, NOW)
     assert described["network"] == "allowlist"
     assert described["allowed_domains"] == ["docs.python.org", "*.pythonhosted.org"]
+    assert described["approval"] is None
+
+
+def test_a_kernel_that_asks_says_how_long_and_what_was_allowed_at_its_questions(
+    provisioner: SandboxProvisioner,
+) -> None:
+    provisioner.network = "allowlist"
+    provisioner.approval = "egress"
+    provisioner.approval_timeout = 20
+    described = lab.describe(provisioner, None, NOW, ("other.test:443",))
+    assert described["approval"] == {"timeout": 20.0}
+    assert described["approved_domains"] == ["other.test:443"]
+    assert lab.approved_domains(provisioner) == (), "a kernel the egress proxy does not serve"
+
+
+@pytest.mark.parametrize(
+    ("paused", "switching", "woken", "state"),
+    [
+        (False, False, False, "running"),
+        (False, True, False, "pausing"),
+        (False, True, True, "pausing"),  # a message came during the pause: it resumes next
+        (True, False, False, "paused"),
+        (True, False, True, "resuming"),  # a client's message is waking it
+        (True, True, False, "resuming"),
+    ],
+)
+def test_a_kernel_says_whether_it_is_paused_or_on_its_way(
+    paused: bool, switching: bool, woken: bool, state: str
+) -> None:
+    assert lab.sleep_state(paused, switching, woken) == state
 
 
 async def test_a_limit_stop_stays_on_record_across_a_restart(
@@ -109,6 +143,27 @@ async def test_memory_is_read_from_the_cgroup_of_the_containers_process(
     provisioner.container_id = None
     assert await gauge.used(provisioner) is None
     assert read == [4242] * 3
+
+
+async def test_a_paused_kernel_uses_no_memory_and_once_resumed_its_new_process_is_read(
+    provisioner: SandboxProvisioner, fake_client: FakeDockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alive = {4242: 4096}
+    monkeypatch.setattr(lab, "memory_usage", alive.get)
+    fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4242}
+    provisioner.container_id = CONTAINER
+    gauge = lab.MemoryGauge()
+    assert await gauge.used(provisioner) == 4096
+    provisioner._paused = Paused("sk-1", None, NOW)
+    assert await gauge.used(provisioner) is None
+    provisioner._paused = None
+    alive = {4343: 8192}  # restored from its checkpoint: another process
+    monkeypatch.setattr(lab, "memory_usage", alive.get)
+    fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4343}
+    assert await gauge.used(provisioner) == 8192
+    alive[4444] = alive.pop(4343)  # gone without the gauge seeing a pause: asked again
+    fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4444}
+    assert await gauge.used(provisioner) == 8192
 
 
 async def test_memory_of_a_container_docker_cannot_tell_about_is_unknown(

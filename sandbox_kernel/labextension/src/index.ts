@@ -1,8 +1,9 @@
 /**
  * sandbox-kernel in JupyterLab's status bar: which sandbox the current notebook's or
  * console's kernel runs in and how close it is to its limits ("gVisor · no network ·
- * 1.2/2.0 GiB"). A click shows the kernel's policy; a limit that stops the kernel gets
- * a notice. The server side is sandbox_kernel/lab.py.
+ * 1.2/2.0 GiB"), or that it is paused or resuming. A click shows the kernel's policy; a
+ * limit that stops the kernel gets a notice. And the sandbox's approval questions close
+ * once nobody waits for their answer. The server side is sandbox_kernel/lab.py.
  */
 import {
   JupyterFrontEnd,
@@ -14,10 +15,16 @@ import {
   Notification,
   showDialog
 } from '@jupyterlab/apputils';
+import type { CodeCell } from '@jupyterlab/cells';
 import { ConsolePanel, IConsoleTracker } from '@jupyterlab/console';
 import { URLExt } from '@jupyterlab/coreutils';
-import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
-import { ServerConnection } from '@jupyterlab/services';
+import {
+  INotebookTracker,
+  NotebookActions,
+  NotebookPanel
+} from '@jupyterlab/notebook';
+import type { IStdin, OutputArea } from '@jupyterlab/outputarea';
+import { Kernel, ServerConnection } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
@@ -25,6 +32,17 @@ import { Widget } from '@lumino/widgets';
 
 /** How often the current sandboxed kernel is asked about (ms). */
 const INTERVAL = 3000;
+/** ... while it pauses or resumes, which takes seconds. */
+const SWITCHING_INTERVAL = 500;
+/**
+ * How long a kernel this page woke is shown resuming although the server still says
+ * paused (its message may not have reached the kernel's bridge yet), in ms.
+ */
+const WAKING = 3000;
+/** A question of the sandbox's (sandbox_kernel/approval.py), and its wait in seconds. */
+const QUESTION = /^Sandbox: allow .*no answer within ([\d.]+) s denies:\s*$/s;
+/** How long past its wait a question's box stays, for an answer on its way (ms). */
+const QUESTION_GRACE = 1000;
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
 
@@ -36,6 +54,10 @@ interface ISandbox {
   image: string;
   network: 'none' | 'allowlist';
   allowed_domains: string[];
+  /** Domains allowed at an approval question, for this kernel from now on. */
+  approved_domains: string[];
+  /** For a kernel that asks before it leaves its allow-list. */
+  approval: { timeout: number } | null;
   limits: {
     memory: string;
     cpus: number;
@@ -47,6 +69,7 @@ interface ISandbox {
     output_limit: string;
   };
   memory: { used: number | null; limit: number };
+  state: 'running' | 'pausing' | 'paused' | 'resuming';
   stopped: IStop | null;
 }
 
@@ -91,11 +114,19 @@ function memoryText({ used, limit }: ISandbox['memory']): string {
 }
 
 function networkText(sandbox: ISandbox): string {
-  const n = sandbox.allowed_domains.length;
+  const n = sandbox.allowed_domains.length + sandbox.approved_domains.length;
   return sandbox.network === 'none'
     ? 'no network'
     : `${n} ${n === 1 ? 'domain' : 'domains'}`;
 }
+
+/** What a kernel that does not run says instead of its memory. */
+const STATE_TEXT: Record<ISandbox['state'], string> = {
+  running: '',
+  pausing: 'pausing…',
+  paused: 'paused',
+  resuming: 'resuming…'
+};
 
 /** The status bar's text, e.g. "gVisor · no network · 1.2/2.0 GiB". */
 function statusText(sandbox: ISandbox): string {
@@ -105,8 +136,39 @@ function statusText(sandbox: ISandbox): string {
   return [
     sandbox.runtime,
     networkText(sandbox),
-    memoryText(sandbox.memory)
+    STATE_TEXT[sandbox.state] || memoryText(sandbox.memory)
   ].join(' · ');
+}
+
+/** The status bar's tooltip. */
+function statusTitle(sandbox: ISandbox): string {
+  switch (sandbox.state) {
+    case 'paused':
+      return (
+        'This sandboxed kernel is paused: its memory is saved to disk and its container ' +
+        'stopped, every variable kept. The next cell resumes it, which takes a few seconds.'
+      );
+    case 'resuming':
+      return 'This sandboxed kernel is resuming from disk: the cell runs once it is back.';
+    case 'pausing':
+      return 'This sandboxed kernel is being paused: its memory is saved to disk.';
+  }
+  const network =
+    sandbox.network === 'none'
+      ? 'no network'
+      : `HTTP(S) to ${allDomains(sandbox).join(', ')} only`;
+  return (
+    `Sandboxed kernel (${sandbox.runtime}, image ${sandbox.image}): ${network}` +
+    `; memory ${memoryText(sandbox.memory)} in use. Click for its policy.`
+  );
+}
+
+/** The domains the kernel may reach: its own, then those allowed at a question. */
+function allDomains(sandbox: ISandbox): string[] {
+  return [
+    ...sandbox.allowed_domains,
+    ...sandbox.approved_domains.map(domain => `${domain} (allowed at the prompt)`)
+  ];
 }
 
 function seconds(value: number): string {
@@ -134,7 +196,7 @@ function policyRows(sandbox: ISandbox): [string, string][] {
   const network =
     sandbox.network === 'none'
       ? 'none: no network at all'
-      : `allow-list: HTTP(S) to ${sandbox.allowed_domains.join(', ')} only, through the host's proxy`;
+      : `allow-list: HTTP(S) to ${allDomains(sandbox).join(', ')} only, through the host's proxy`;
   const rows: [string, string][] = [
     [
       'Runtime',
@@ -142,6 +204,15 @@ function policyRows(sandbox: ISandbox): [string, string][] {
     ],
     ['Image', sandbox.image],
     ['Network', network],
+    ...(sandbox.approval
+      ? ([
+          [
+            'Other domains',
+            'asked about at a prompt (those the server allows); no answer within ' +
+              `${sandbox.approval.timeout} s denies`
+          ]
+        ] as [string, string][])
+      : []),
     [
       'Memory',
       `${limits.memory}` +
@@ -239,7 +310,24 @@ class SandboxStatus extends Widget {
   }
 
   private _kernelChanged(): void {
+    const kernel = this._context?.session?.kernel ?? null;
+    if (kernel !== this._kernel) {
+      this._kernel?.anyMessage.disconnect(this._onMessage, this);
+      this._kernel = kernel;
+      kernel?.anyMessage.connect(this._onMessage, this);
+      this._wokenAt = 0;
+    }
     this._show(null);
+    void this._poll.refresh();
+  }
+
+  /** A message to a paused kernel wakes it: say so at once, then follow it closely. */
+  private _onMessage(_: Kernel.IKernelConnection, args: Kernel.IAnyMessageArgs): void {
+    if (args.direction !== 'send' || this._sandbox?.state !== 'paused') {
+      return;
+    }
+    this._wokenAt = Date.now();
+    this._show({ ...this._sandbox, state: 'resuming' });
     void this._poll.refresh();
   }
 
@@ -255,7 +343,16 @@ class SandboxStatus extends Widget {
     if (kernelId !== this._kernelId) {
       return; // another kernel meanwhile: its own check follows
     }
+    if (sandbox?.state === 'paused' && Date.now() - this._wokenAt < WAKING) {
+      sandbox.state = 'resuming'; // our message is on its way to the kernel
+    }
     this._show(sandbox);
+    const switching =
+      sandbox?.state === 'pausing' || sandbox?.state === 'resuming';
+    const interval = switching ? SWITCHING_INTERVAL : INTERVAL;
+    if (this._poll.frequency.interval !== interval) {
+      this._poll.frequency = { ...this._poll.frequency, interval };
+    }
     if (kernelId === null || sandbox === null) {
       void this._poll.stop();
       return;
@@ -293,15 +390,15 @@ class SandboxStatus extends Widget {
       this.node.textContent = statusText(sandbox);
       this.node.title = stopped
         ? `This sandboxed kernel was stopped: ${sandbox.stopped?.reason}`
-        : `Sandboxed kernel (${sandbox.runtime}, image ${sandbox.image}): ` +
-          (sandbox.network === 'none'
-            ? 'no network'
-            : `HTTP(S) to ${sandbox.allowed_domains.join(', ')} only`) +
-          `; memory ${memoryText(sandbox.memory)} in use. Click for its policy.`;
+        : statusTitle(sandbox);
       this.toggleClass('sandbox-kernel-mod-stopped', stopped);
       this.toggleClass(
         'sandbox-kernel-mod-near-limit',
         !stopped && used !== null && used >= 0.8 * limit
+      );
+      this.toggleClass(
+        'sandbox-kernel-mod-asleep',
+        !stopped && sandbox.state !== 'running'
       );
     }
     if (this.active !== wasActive) {
@@ -316,11 +413,69 @@ class SandboxStatus extends Widget {
   }
 
   private _context: ISessionContext | null = null;
+  private _kernel: Kernel.IKernelConnection | null = null;
+  /** When this page last sent a message to the kernel while it was paused (ms). */
+  private _wokenAt = 0;
   private _sandbox: ISandbox | null = null;
   private _poll: Poll;
   private _noticed = new Set<string>();
   private _since = Date.now();
   private _activeChanged = new Signal<this, void>(this);
+}
+
+/**
+ * Closes the box of a sandbox's approval question once nobody waits for its answer:
+ * its wait is over (the request was denied) or the cell has ended. Jupyter has no
+ * message that withdraws an input request, and JupyterLab keeps the box, and its guard
+ * against running any other cell ("Cell not executed due to pending input"), until
+ * something is typed into it.
+ */
+class QuestionCloser {
+  /** Follow the input requests of ``area``, whose kernel is ``context``'s. */
+  watch(area: OutputArea, context: ISessionContext): void {
+    if (this._watched.has(area)) {
+      return;
+    }
+    this._watched.add(area);
+    area.inputRequested.connect((_, stdin) => this._asked(area, stdin, context));
+  }
+
+  private _asked(
+    area: OutputArea,
+    stdin: IStdin,
+    context: ISessionContext
+  ): void {
+    const prompt =
+      stdin.node.querySelector('.jp-Stdin-prompt')?.textContent ?? '';
+    const question = QUESTION.exec(prompt);
+    if (!question) {
+      return; // the kernel's own input(): the kernel decides how long it waits
+    }
+    let open = true;
+    const close = () => {
+      if (!open) {
+        return;
+      }
+      open = false;
+      window.clearTimeout(timer);
+      const panel = area.node.closest('.jp-NotebookPanel, .jp-ConsolePanel');
+      (stdin.parent ?? stdin).dispose(); // the box and its prompt
+      if (!panel?.querySelector('.jp-Stdin')) {
+        context.session?.kernel?.removeInputGuard();
+      }
+    };
+    const timer = window.setTimeout(
+      close,
+      Number(question[1]) * 1000 + QUESTION_GRACE
+    );
+    void stdin.value.then(() => {
+      open = false; // answered: JupyterLab takes the box away itself
+      window.clearTimeout(timer);
+    });
+    area.future?.done.then(close, close);
+  }
+
+  private _watched = new WeakSet<OutputArea>();
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {
@@ -357,6 +512,25 @@ const plugin: JupyterFrontEndPlugin<void> = {
     app.shell.currentChanged?.connect(() => {
       status.sessionContext = current();
     });
+    const closer = new QuestionCloser();
+    NotebookActions.executionScheduled.connect((_, { notebook, cell }) => {
+      const panel = notebooks?.find(widget => widget.content === notebook);
+      if (panel && cell.model.type === 'code') {
+        closer.watch((cell as CodeCell).outputArea, panel.sessionContext);
+      }
+    });
+    const watchConsole = (panel: ConsolePanel) => {
+      const watch = () => {
+        const cell = panel.console.promptCell;
+        if (cell) {
+          closer.watch(cell.outputArea, panel.sessionContext);
+        }
+      };
+      panel.console.promptCellCreated.connect(watch);
+      watch();
+    };
+    consoles?.forEach(watchConsole);
+    consoles?.widgetAdded.connect((_, panel) => watchConsole(panel));
     void app.restored.then(() => {
       status.sessionContext = current();
     });
