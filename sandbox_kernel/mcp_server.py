@@ -895,7 +895,8 @@ def instructions(tools: KernelTools) -> str:
         f"sandbox): use paths relative to it, or absolute ones under {CONTAINER_WORKSPACE}, in code "
         "and in the file tools alike. A run_code result's text is the value of the cell's last "
         "expression; stdout, stderr, results (displays) and error (status 'error': your code raised) "
-        "hold the rest. A long cell can be stopped with interrupt_kernel; get_policy says what the "
+        "hold the rest. run_command runs a shell command in the same sandbox (files, policy), outside "
+        "the Python namespace. A long cell can be stopped with interrupt_kernel; get_policy says what the "
         "kernel may do (memory, time, network). Results are cut to max_output_chars (the whole output "
         "is then saved to a workspace file, named in full_output); list_files comes in pages."
     )

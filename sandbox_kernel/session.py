@@ -318,6 +318,7 @@ class AsyncSandboxSession:
         self._ending = asyncio.Event()
         self._expiry: asyncio.Task[None] | None = None
         self._expired: str | None = None
+        self._closing: asyncio.Future[None] | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -413,6 +414,8 @@ class AsyncSandboxSession:
             if isinstance(km.provisioner, SandboxProvisioner):
                 await km.provisioner.detach()  # the kernel runs on, for another try
             raise
+        if session.lifetime is not None:
+            await session.set_lifetime(session.lifetime)  # from now: this session's lifetime
         return session
 
     async def _connect(self, km: AsyncKernelManager) -> None:
@@ -526,8 +529,19 @@ class AsyncSandboxSession:
             await self.kc.wait_for_ready(timeout=self.startup_timeout)
 
     async def shutdown(self) -> None:
-        """Stop the kernel and remove its sandbox (the workspace stays)."""
+        """Stop the kernel and remove its sandbox (the workspace stays). A shutdown
+        under way (the lifetime's end) is waited for, not cut short."""
         self._stop_lifetime()
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        closing = self._closing
+        try:
+            await asyncio.shield(closing)
+        finally:
+            if closing.done() and self._closing is closing:
+                self._closing = None
+
+    async def _close(self) -> None:
         km, kc = self.km, self.kc
         self.km = self.kc = None
         if kc is not None:

@@ -626,3 +626,17 @@ def test_a_session_ends_after_its_lifetime(session_dir: Path, docker_client: doc
         while _containers(docker_client, kernel_id) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _containers(docker_client, kernel_id) == []
+
+    held = SandboxSession(cwd=session_dir, lifetime=600).start()
+    kernel_id = held.kernel_id
+    assert kernel_id is not None
+    held.detach()
+    assert held.lifetime_left is None, "a detached kernel is no longer timed by that session"
+    again = SandboxSession.connect(kernel_id, lifetime=3)
+    try:
+        assert again.run("print('connected')").stdout == "connected\n"
+        ended = again.run("import time; time.sleep(60)")
+        assert ended.error is not None
+        assert ended.error.ename == "LifetimeExceeded", "a connected session's lifetime counts from then"
+    finally:
+        again.shutdown()

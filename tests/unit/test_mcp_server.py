@@ -289,6 +289,8 @@ async def test_the_instructions_name_the_workspace_as_the_kernel_sees_it(tools: 
         assert client.instructions is not None
         assert "/workspace" in client.instructions
         assert "/work/space" not in client.instructions
+        for tool in ("run_command", "interrupt_kernel", "get_policy"):
+            assert tool in client.instructions
 
 
 async def test_run_code_starts_one_default_kernel_and_reuses_it(tools: KernelTools) -> None:
