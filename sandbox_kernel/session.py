@@ -337,6 +337,8 @@ class AsyncSandboxSession:
         """
         if self.km is not None:
             return self
+        self._expired = None  # a new kernel, a new lifetime
+        self._ending.clear()
         kwargs = dict(self._manager_kwargs)
         config = Config(kwargs.pop("config", None) or {})
         config.merge(self.config)

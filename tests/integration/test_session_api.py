@@ -626,6 +626,10 @@ def test_a_session_ends_after_its_lifetime(session_dir: Path, docker_client: doc
         while _containers(docker_client, kernel_id) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _containers(docker_client, kernel_id) == []
+        sandbox.start()
+        fresh = sandbox.run("print('a new kernel, a new lifetime')")
+        assert fresh.stdout == "a new kernel, a new lifetime\n"
+        assert 0 < (sandbox.lifetime_left or 0) <= 4
 
     held = SandboxSession(cwd=session_dir, lifetime=600).start()
     kernel_id = held.kernel_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
@@ -80,3 +81,18 @@ def test_one_long_line_cut_keeps_its_head_and_tail() -> None:
     _as_asked(execution, sent, asked)
     assert execution.stdout.startswith("HEAD")
     assert execution.stdout.endswith("TAIL\n")
+
+
+def test_a_rich_progress_bar_as_pip_draws_it_is_its_last_state() -> None:
+    """pip draws its download bars with rich: each redraw erases the line and starts over."""
+    rich = pytest.importorskip("pip._vendor.rich.console")
+    progress = pytest.importorskip("pip._vendor.rich.progress")
+    drawn = io.StringIO()
+    console = rich.Console(file=drawn, force_terminal=True, width=80)
+    with progress.Progress(progress.BarColumn(), progress.DownloadColumn(), console=console) as bar:
+        task = bar.add_task("download", total=1000)
+        for _ in range(10):
+            bar.update(task, advance=100)
+            bar.refresh()
+    assert drawn.getvalue().count("\r") > 5
+    assert rendered(drawn.getvalue()) == "━" * 40 + " 1.0/1.0 kB\n"
