@@ -648,8 +648,8 @@ class AsyncSandboxSession:
             execution.duration = time.monotonic() - started
             if meter is not None:
                 execution.cpu_time, execution.peak_memory = meter.stop()
-        if limit is not None and execution.truncated:
-            _as_asked(execution, int(limit) + MESSAGE_ALLOWANCE, int(limit))
+        if execution.truncated:
+            _as_asked(execution, None if limit is None else int(limit))
         execution.stdout, execution.stderr = rendered(execution.stdout), rendered(execution.stderr)
         if self._expired is not None:
             execution.status = "error"
@@ -897,15 +897,17 @@ def _take(
 _DROPPED = re.compile(r"\n\[\.\.\. [^\n]{1,200}? of output dropped: over [^\n]{1,200}? \.\.\.\]\n")
 
 
-def _as_asked(execution: Execution, sent: int, asked: int) -> None:
-    """A run's output cut at the limit it asked for (``sent`` to the host, with the
-    :data:`MESSAGE_ALLOWANCE`): the host's notices name ``asked``, and the text around the
-    host's marker of what was dropped keeps whole lines where its lines are short."""
-    said, meant = amount(sent), amount(asked)
+def _as_asked(execution: Execution, asked: int | None) -> None:
+    """A run's output cut by the host: the text around the host's marker of what was
+    dropped keeps whole lines where its lines are short, and when the run asked for a
+    limit (sent to the host with the :data:`MESSAGE_ALLOWANCE` added) the host's notices
+    name the limit asked."""
     for name in ("stdout", "stderr"):
         text = getattr(execution, name)
-        text = text.replace(f"more than {said} of output", f"more than {meant} of output")
-        text = text.replace(f"output limit of {said} set", f"output limit of {meant} set")
+        if asked is not None:
+            said, meant = amount(asked + MESSAGE_ALLOWANCE), amount(asked)
+            text = text.replace(f"more than {said} of output", f"more than {meant} of output")
+            text = text.replace(f"output limit of {said} set", f"output limit of {meant} set")
         marker = _DROPPED.search(text)
         if marker is not None:
             head, tail = text[: marker.start()], text[marker.end() :]

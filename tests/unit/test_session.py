@@ -64,7 +64,7 @@ def test_a_cut_run_names_the_limit_asked_and_keeps_whole_lines() -> None:
         f"[sandbox-kernel] Output truncated: this execution produced more than {amount(sent)} of output; ..."
     )
     execution = Execution(stdout=head + marker + tail, stderr=notice)
-    _as_asked(execution, sent, asked)
+    _as_asked(execution, asked)
     assert "more than 64 KiB of output" in execution.stderr
     assert "output limit of 64 KiB set" in execution.stdout
     assert "72 KiB" not in execution.stdout + execution.stderr
@@ -78,7 +78,7 @@ def test_one_long_line_cut_keeps_its_head_and_tail() -> None:
     sent, asked = 20_000 + MESSAGE_ALLOWANCE, 20_000
     marker = f"\n[... 180 KiB of output dropped: over {limit_of(sent)} ...]\n"
     execution = Execution(stdout="HEAD" + "x" * 10_000 + marker + "x" * 5000 + "TAIL\n")
-    _as_asked(execution, sent, asked)
+    _as_asked(execution, asked)
     assert execution.stdout.startswith("HEAD")
     assert execution.stdout.endswith("TAIL\n")
 
@@ -96,3 +96,14 @@ def test_a_rich_progress_bar_as_pip_draws_it_is_its_last_state() -> None:
             bar.refresh()
     assert drawn.getvalue().count("\r") > 5
     assert rendered(drawn.getvalue()) == "━" * 40 + " 1.0/1.0 kB\n"
+
+
+def test_a_run_cut_at_the_servers_limit_keeps_whole_lines_too() -> None:
+    lines = [f"line {i:05} " + "x" * 30 for i in range(2000)]
+    marker = "\n[... 2 MiB of output dropped: over this kernel's output limit of 10 MiB per execution ...]\n"
+    execution = Execution(stdout="\n".join(lines[:1000])[:-7] + marker + "\n".join(lines[1500:])[5:] + "\n")
+    _as_asked(execution, None)
+    before, _, after = execution.stdout.partition("\n[... ")
+    assert before.splitlines() == lines[:999]
+    assert after.splitlines()[1:] == lines[1501:]
+    assert "of 10 MiB per execution" in execution.stdout
