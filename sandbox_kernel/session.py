@@ -23,8 +23,10 @@ wider value is a :class:`~sandbox_kernel.errors.ConfigurationError` naming the k
 A run never hangs on a kernel that is gone: a kernel that died or was stopped by a limit
 gives an :class:`Execution` with the error (``KernelDied``, ``MemoryLimitExceeded``,
 ``WallClockLimitExceeded``...), and the kernel is restarted for the next run
-(``restart_on_death``; ``Execution.restarted`` says so). :class:`AsyncSandboxSession` is
-the same for asyncio code.
+(``restart_on_death``; ``Execution.restarted`` says so). ``run_command`` runs a shell
+command in the sandbox, through the kernel (see :mod:`~sandbox_kernel.commands`), and
+``lifetime`` shuts the kernel down so many seconds after its start, as E2B's sandbox
+timeout. :class:`AsyncSandboxSession` is the same for asyncio code.
 """
 
 from __future__ import annotations
@@ -275,9 +277,10 @@ class AsyncSandboxSession:
     as ``{"SandboxProvisioner": {"audit_log": "/var/log/sandbox.log"}}``), over the server's
     config files, which always apply; ``approval_handler``: with approval ``egress``,
     called (in a thread of its own) with each request outside the allowed domains, it
-    answers "once", "kernel" or "deny" (see :mod:`~.approval`); ``**policy``: narrow the
-    kernelspec's policy (see the module). A kernelspec whose kernels would not run in the
-    sandbox is refused (``ConfigurationError``).
+    answers "once", "kernel" or "deny" (see :mod:`~.approval`); ``lifetime``: seconds
+    after the start at which the kernel is shut down (see :meth:`set_lifetime`);
+    ``**policy``: narrow the kernelspec's policy (see the module). A kernelspec whose
+    kernels would not run in the sandbox is refused (``ConfigurationError``).
     """
 
     def __init__(
