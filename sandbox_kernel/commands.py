@@ -85,6 +85,30 @@ _run(_json.loads(SPEC))
 """
 
 
+# Run before a cell given env=: shows what the variables were, then sets them.
+_ENV_SET = r"""
+import json as _json, os as _os
+from IPython.display import publish_display_data as _publish
+
+_wanted = _json.loads(SPEC)
+_saved = {name: _os.environ.get(name) for name in _wanted}
+_publish({"application/json": {"sandbox-kernel/env": _saved}, "text/plain": "<saved environment>"})
+_os.environ.update(_wanted)
+"""
+# Run after it: puts them back as they were (None: unset).
+_ENV_RESTORE = r"""
+import json as _json, os as _os
+
+for _name, _value in _json.loads(SPEC).items():
+    if _value is None:
+        _os.environ.pop(_name, None)
+    else:
+        _os.environ[_name] = _value
+"""
+#: The key of the display the env cell shows the variables' earlier values under.
+ENV_KEY = "sandbox-kernel/env"
+
+
 @dataclass
 class CommandResult:
     """What one shell command did in the sandbox."""
@@ -136,6 +160,17 @@ def command_cell(
     if max_output < 0:
         msg = f"max_output={max_output!r} must be a number of bytes, 0 or more"
         raise ValueError(msg)
+    variables = checked_env(env)
+    spec = {"command": command, "timeout": timeout, "cwd": cwd, "env": variables, "max_output": max_output}
+    return _cell(_RUNNER, spec)
+
+
+def checked_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``env`` as variables to set, checked.
+
+    Raises:
+        ValueError: a name or a value that is no environment variable's.
+    """
     variables = dict(env or {})
     for name, value in variables.items():
         if not isinstance(name, str) or not name or "=" in name or "\0" in name:
@@ -144,10 +179,41 @@ def command_cell(
         if not isinstance(value, str) or "\0" in value:
             msg = f"env[{name!r}] must be a string without NUL characters"
             raise ValueError(msg)
-    spec = {"command": command, "timeout": timeout, "cwd": cwd, "env": variables, "max_output": max_output}
-    source = _RUNNER.replace("SPEC", repr(json.dumps(spec)))
-    # exec in a fresh namespace: the kernel's own names stay as they were.
-    return f"exec({source!r}, {{'__name__': '__sandbox_command__'}})"
+    return variables
+
+
+def env_cell(env: Mapping[str, str]) -> str:
+    """The cell that sets ``env`` in the kernel for the next cell, showing the variables'
+    earlier values (see :func:`saved_env`).
+
+    Raises:
+        ValueError: as :func:`checked_env`.
+    """
+    return _cell(_ENV_SET, checked_env(env))
+
+
+def saved_env(results: Sequence[Any], env: Mapping[str, str]) -> dict[str, str | None]:
+    """What :func:`env_cell`' cell showed the variables of ``env`` were (None: unset);
+    {} (nothing to put back) where it showed nothing: it may not have run, and unsetting
+    a variable it did not set (PATH, say) would break the kernel."""
+    for result in results:
+        bundle = getattr(result, "data", {}).get("application/json")
+        saved = bundle.get(ENV_KEY) if isinstance(bundle, Mapping) else None
+        if isinstance(saved, Mapping):
+            return {name: value if isinstance(value := saved.get(name), str) else None for name in env}
+    return {}
+
+
+def restore_cell(saved: Mapping[str, str | None]) -> str:
+    """The cell that puts the variables back as ``saved`` says they were."""
+    return _cell(_ENV_RESTORE, dict(saved))
+
+
+def _cell(source: str, spec: Any) -> str:
+    """``source`` with ``spec`` as its SPEC, as a cell that execs it in a namespace of its
+    own: the kernel's names stay as they were."""
+    body = source.replace("SPEC", repr(json.dumps(spec)))
+    return f"exec({body!r}, {{'__name__': '__sandbox_kernel__'}})"
 
 
 def command_result(results: Sequence[Any], error: str | None) -> CommandResult:

@@ -179,7 +179,13 @@ class Session(Protocol):
     @property
     def files(self) -> _Files: ...
     async def start(self) -> object: ...
-    async def run(self, code: str, *, timeout: float | None = None) -> Any: ...  # noqa: ASYNC109
+    async def run(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+        env: Mapping[str, str] | None = None,
+    ) -> Any: ...
     async def run_command(
         self,
         command: str,
@@ -359,6 +365,10 @@ class KernelTools:
                 "longer output keeps its head and tail.",
             ),
         ] = None,
+        env: Annotated[
+            dict[str, str] | None,
+            Field(description="Environment variables for this cell alone (os.environ), put back after it."),
+        ] = None,
     ) -> Annotated[CallToolResult, RunCodeOutput]:
         """Run Python code in a sandboxed kernel and return what it produced.
 
@@ -382,7 +392,9 @@ class KernelTools:
             lock = self._run_locks.setdefault(kernel_id, asyncio.Lock())
             async with lock:
                 try:
-                    execution = await session.run(code, timeout=timeout)
+                    execution = await session.run(code, timeout=timeout, env=env)
+                except ValueError as exc:  # env holds what is no environment variable
+                    raise ToolError(str(exc)) from exc
                 except anyio.get_cancelled_exc_class():
                     # The client gave up on the call: stop the cell, or the kernel stays busy.
                     with anyio.CancelScope(shield=True):

@@ -52,7 +52,16 @@ from .admission import sandboxed_manager
 from .approval import ApprovalHandler
 from .background import BackgroundLoop
 from .cgroups import PeakMemory, cpu_seconds
-from .commands import DEFAULT_MAX_OUTPUT, DEFAULT_TIMEOUT, CommandResult, command_cell, command_result
+from .commands import (
+    DEFAULT_MAX_OUTPUT,
+    DEFAULT_TIMEOUT,
+    CommandResult,
+    command_cell,
+    command_result,
+    env_cell,
+    restore_cell,
+    saved_env,
+)
 from .errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
 from .files import FileInfo, WorkspaceFiles, workspace_files
 from .output import amount
@@ -593,6 +602,7 @@ class AsyncSandboxSession:
         on_display: DisplayCallback | None = None,
         max_output: int | None = None,
         store_history: bool = True,
+        env: Mapping[str, str] | None = None,
     ) -> Execution:
         """Run ``code`` and return what it did.
 
@@ -605,12 +615,35 @@ class AsyncSandboxSession:
         ``stdout`` and ``stderr`` are the text as a terminal would show it in the end
         (:func:`rendered`: no colours, a progress bar's last state only).
         ``store_history=False``: the run leaves no entry in the kernel's history
-        (``In``, ``Out``, ``_``) and does not count (``execution_count``).
+        (``In``, ``Out``, ``_``) and does not count (``execution_count``). ``env``:
+        environment variables for this run alone (``os.environ`` and what it starts),
+        set before it and put back as they were after it.
 
         Raises:
+            ValueError: ``env`` holds what is no environment variable.
             KernelTakenOverError: another process took the kernel over.
             SandboxKernelError: the kernel had to be restarted and could not be.
         """
+        if env:
+            setting = env_cell(env)
+            before = await self.run(setting, store_history=False)
+            saved = saved_env(before.results, env)
+            try:
+                return await self.run(
+                    code,
+                    timeout=timeout,
+                    on_stdout=on_stdout,
+                    on_stderr=on_stderr,
+                    on_display=on_display,
+                    max_output=max_output,
+                    store_history=store_history,
+                )
+            finally:
+                # Put back even after a failed or cancelled run; a kernel gone meanwhile
+                # (restarted, shut down) has its own environment anyway.
+                if saved:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(self.run(restore_cell(saved), store_history=False))
         km, kc = self._manager(), self._client()
         execution = Execution()
         if not await km.is_alive():
@@ -1028,6 +1061,8 @@ class SandboxSession:
         on_stderr: OutputCallback | None = None,
         on_display: DisplayCallback | None = None,
         max_output: int | None = None,
+        store_history: bool = True,
+        env: Mapping[str, str] | None = None,
     ) -> Execution:
         """See :meth:`AsyncSandboxSession.run`. Ctrl-C interrupts the kernel too."""
         run = self._session.run(
@@ -1037,6 +1072,8 @@ class SandboxSession:
             on_stderr=on_stderr,
             on_display=on_display,
             max_output=max_output,
+            store_history=store_history,
+            env=env,
         )
         future = self._submit(run)
         try:

@@ -543,6 +543,9 @@ async def test_an_assistant_runs_shell_commands_and_kernels_with_a_lifetime(
         assert slow is not None
         assert (slow["timed_out"], slow["exit_code"]) == (True, None)
         assert (await run(session, "x"))["text"] == "1", "commands leave the namespace alone"
+        given = await run(session, "import os\nos.environ['TOKEN']", env={"TOKEN": "t-1"})
+        assert given["text"] == "'t-1'"
+        assert (await run(session, "os.environ.get('TOKEN')"))["text"] is None, "env is for that cell alone"
 
         short = (await call(session, "start_kernel", lifetime=5)).structured_content
         assert short is not None

@@ -644,3 +644,28 @@ def test_a_session_ends_after_its_lifetime(session_dir: Path, docker_client: doc
         assert ended.error.ename == "LifetimeExceeded", "a connected session's lifetime counts from then"
     finally:
         again.shutdown()
+
+
+def test_environment_variables_for_one_run(session_dir: Path) -> None:
+    """#23 item 12: E2B's per-call envs; set for the run and what it starts, then put back."""
+    with SandboxSession(cwd=session_dir) as sandbox:
+        sandbox.run("import os; os.environ['KEPT'] = 'before'")
+        given = sandbox.run(
+            "import os, subprocess\n"
+            "print(os.environ['TOKEN'], subprocess.run('echo $TOKEN $KEPT', shell=True, capture_output=True,"
+            " text=True).stdout.strip())",
+            env={"TOKEN": "t-1", "KEPT": "during"},
+        )
+        assert given.stdout == "t-1 t-1 during\n"
+        after = sandbox.run("import os; print(os.environ.get('TOKEN'), os.environ['KEPT'])")
+        assert after.stdout == "None before\n"
+        failed = sandbox.run("raise ValueError('x')", env={"TOKEN": "t-2"})
+        assert failed.error is not None
+        assert failed.error.ename == "ValueError"
+        assert sandbox.run("import os; print(os.environ.get('TOKEN'))").stdout == "None\n", (
+            "put back after an error"
+        )
+        assert after.execution_count is not None
+        assert sandbox.run("1").execution_count == after.execution_count + 3, "the env cells do not count"
+        with pytest.raises(ValueError, match="environment variable's name"):
+            sandbox.run("1", env={"A=B": "x"})

@@ -3,6 +3,7 @@ cell in the sandbox), and the reading of its result."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,15 @@ from typing import Any
 import pytest
 from IPython import display
 
-from sandbox_kernel.commands import RESULT_KEY, CommandResult, command_cell, command_result
+from sandbox_kernel.commands import (
+    RESULT_KEY,
+    CommandResult,
+    command_cell,
+    command_result,
+    env_cell,
+    restore_cell,
+    saved_env,
+)
 
 
 @dataclass
@@ -85,3 +94,21 @@ def test_a_result_is_read_for_its_shape_only() -> None:
     missing = command_result([], "KernelDied: the kernel stopped")
     assert missing.error == "KernelDied: the kernel stopped"
     assert command_result([], None).error == "the sandbox returned no result for the command"
+
+
+def test_env_cells_set_variables_and_put_them_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    shown: list[Shown] = []
+    monkeypatch.setattr(display, "publish_display_data", lambda data, **_: shown.append(Shown(data)))
+    monkeypatch.setenv("KEPT", "before")
+    monkeypatch.delenv("FRESH", raising=False)
+    wanted = {"KEPT": "during", "FRESH": "new"}
+    namespace: dict[str, Any] = {}
+    exec(env_cell(wanted), namespace)  # noqa: S102 (what the kernel runs)
+    assert (os.environ["KEPT"], os.environ["FRESH"]) == ("during", "new")
+    saved = saved_env(shown, wanted)
+    assert saved == {"KEPT": "before", "FRESH": None}
+    exec(restore_cell(saved), namespace)  # noqa: S102
+    assert os.environ["KEPT"] == "before"
+    assert "FRESH" not in os.environ
+    assert set(namespace) == {"__builtins__"}
+    assert saved_env([], wanted) == {}, "nothing shown: nothing is put back (nor unset)"

@@ -169,8 +169,14 @@ class FakeSession:
             raise ConfigurationError("memory '64g' is more than the kernelspec's ceiling '2g'")
         self.started.append(self)
 
-    async def run(self, code: str, timeout: float | None = None) -> FakeExecution:
+    async def run(
+        self, code: str, timeout: float | None = None, env: dict[str, str] | None = None
+    ) -> FakeExecution:
         self.calls.append(code)
+        if env:
+            if "A=B" in env:
+                raise ValueError("env name 'A=B' is not an environment variable's name")
+            return FakeExecution(stdout=f"{env}\n")
         if code in self.scripted:
             return self.scripted[code]
         if code == "sleep":
@@ -1062,3 +1068,12 @@ async def test_start_kernel_passes_a_lifetime_and_an_ended_kernel_is_said(tools:
         assert structured(await client.call_tool("list_kernels"))["kernels"] == []
         refused = await client.call_tool("start_kernel", {"lifetime": 0})
         assert refused.is_error
+
+
+async def test_run_code_passes_environment_variables_for_the_cell(tools: KernelTools) -> None:
+    async with connect(tools) as client:
+        got = structured(await client.call_tool("run_code", {"code": "x", "env": {"TOKEN": "t"}}))
+        assert got["stdout"] == "{'TOKEN': 't'}\n"
+        bad = await client.call_tool("run_code", {"code": "x", "env": {"A=B": "x"}})
+        assert bad.is_error
+        assert "is not an environment variable's name" in text(bad)
