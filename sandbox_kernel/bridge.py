@@ -498,10 +498,19 @@ class KernelBridge:
         """Send a message to clients on ``channel`` as if the kernel had sent it.
 
         For the provisioner's own signed notices (a kernel killed by a limit); any thread.
+        From the bridge's own thread (the tap answering a request whose reply the kernel
+        went past), it goes out before the message being relayed, which caused it.
         """
         with self._inject_lock:
             if self._inject_tx is not None:
                 self._inject_tx.send_multipart([channel.encode(), *message])
+        inject_rx = self._inject_rx
+        if inject_rx is not None and threading.current_thread() is self._thread:
+            try:
+                while inject_rx.poll(0):  # (in order: with what other threads sent before)
+                    self._deliver_injected(inject_rx, self._fronts)
+            except Exception:
+                log.exception("Bridge could not deliver a message of the host's; relaying on")
 
     # ------------------------------------------------------------------ pausing
 

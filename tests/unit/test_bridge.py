@@ -908,6 +908,42 @@ def test_a_big_header_does_not_hide_a_debug_request(
     assert bridge.refused == {"control debug_request": 1}
 
 
+def test_the_hosts_answer_for_a_lost_reply_comes_before_the_reply_that_passed_it(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    """A shell answers its requests in order: once the kernel answers a later one, the
+    host answers the earlier one for it (ReplyLost). That answer reached the client after
+    the later reply (test_hostile_bridge saw it so in 5 runs of 8), as if out of order."""
+    auditor = ExecutionAuditor(None, "k1", "spec")
+    bridge = KernelBridge(endpoints, key=KEY, tap=auditor)
+    signer = Session(key=KEY)
+
+    def answer_lost(execution: Any) -> None:
+        reply = signer.msg(
+            "execute_reply", {"status": "error", "ename": "ReplyLost"}, parent=execution.header
+        )
+        bridge.inject("shell", signer.serialize(reply, ident=execution.idents))
+
+    auditor.on_lost = answer_lost
+    bridge.start()
+    try:
+        dealer = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+        first, second = (session.msg("execute_request", {"code": code}) for code in ("lost()", "next()"))
+        for msg in (first, second):
+            dealer.send_multipart(list(session.serialize(msg)))
+        idents, _ = session.feed_identities(recv(kernel["shell"]))
+        recv(kernel["shell"])
+        reply = session.msg("execute_reply", {"status": "ok"}, parent=second)
+        kernel["shell"].send_multipart(list(session.serialize(reply, ident=idents)))
+        got = [session.deserialize(session.feed_identities(recv(dealer))[1]) for _ in range(2)]
+        assert [(m["parent_header"]["msg_id"], m["content"]["status"]) for m in got] == [
+            (first["header"]["msg_id"], "error"),
+            (second["header"]["msg_id"], "ok"),
+        ]
+    finally:
+        bridge.stop()
+
+
 # ---------------------------------------------------------------- prompts on stdin
 
 
