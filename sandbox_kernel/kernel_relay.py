@@ -16,13 +16,19 @@ host-facing sockets live in a ZeroMQ context of their own: ``SIGUSR1`` closes th
 to the egress relay, if the kernel has one (its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``),
 which holds host sockets of its own.
 
+While the host lends the launch folder back for the sockets to be bound again (after a
+pause, failed or not), nothing else in the sandbox runs (see :class:`Holding`): on
+``SIGUSR1`` this relay stops every other process of the sandbox (the egress relay
+excepted), which stay stopped through the checkpoint, and lets them go on only once the
+host has sealed the folder again. Kernel code never sees the folder its own.
+
 It also stops what the kernel's own memory watch cannot (see :class:`MemoryClamp`): one
 call made in C that keeps allocating while it holds the interpreter's lock.
 
-The relay is untrusted (kernel code can kill or replace it) and enforces nothing: the
-host's bridge checks every message's signature and size. It is copied into the launch
-folder and run by the image's Python with its pyzmq (ipykernel's), standard library
-otherwise, Python 3.9 and newer.
+The relay is not a boundary (kernel code, its uid, can kill it, which ends the sandbox)
+and checks no message: the host's bridge checks every message's signature and size. It
+is copied into the launch folder and run by the image's Python with its pyzmq
+(ipykernel's), standard library otherwise, Python 3.9 and newer.
 
 Usage::
 
@@ -36,6 +42,7 @@ kernel's status.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -46,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -60,9 +68,12 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 STARTUP_TIMEOUT = 300.0
 #: The egress relay's pid, when one runs (see sandbox_kernel.egress.relay).
 EGRESS_RELAY_PID = "SANDBOX_KERNEL_EGRESS_RELAY_PID"
+#: How long the rest of the sandbox stays stopped for the host to seal the launch folder
+#: again (the host gives up on the sockets after 20 s, and then seals it anyway).
+SEAL_TIMEOUT = 30.0
 
 
-def pass_on(pid: int | None, signum: int) -> None:
+def pass_on(pid: int | None, signum: int, kill: Callable[[int, int], None] = os.kill) -> None:
     """Send ``signum`` to the egress relay ``pid``, if that process is still it (kernel
     code may have ended it, and its pid gone to another process, which the signal would
     kill)."""
@@ -72,7 +83,7 @@ def pass_on(pid: int | None, signum: int) -> None:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"egress_relay" not in f.read():
                 return
-        os.kill(pid, signum)
+        kill(pid, signum)
     except OSError:
         pass
 
@@ -214,6 +225,107 @@ class Relay:
                     pass
 
 
+class Holding:
+    """Every other process of the sandbox stopped while the launch folder is lent.
+
+    A root host seals the launch folder once the kernel is up (it hands it to root; see
+    launch_folder.seal_launch_dir) and lends it back to the kernel's uid only for these
+    sockets to be bound again after a pause. Kernel code shares that uid: in that moment
+    it could plant a tree or a socket of its own where the host's bridge connects. So the
+    relay stops the rest of the sandbox first (``kill(-1, SIGSTOP)``: every process but
+    init and this one, atomically, so none can start meanwhile), on ``SIGUSR1``, before it
+    closes its sockets (the host lends the folder only once they are gone): the sandbox is
+    saved and restored stopped. After binding again on ``SIGUSR2`` it waits until the
+    folder is no longer its uid's (sealed), then lets go on what it stopped. The egress
+    relay goes on throughout (it binds a socket there too). What was stopped before stays
+    stopped.
+
+    Only where the host seals (the folder is not this uid's when the pause begins: a host
+    that is not root never seals, and its kernel shares its uid anyway), and only inside
+    the sandbox (init's command line runs this relay), never on a host, where ``kill(-1)``
+    would stop every process of the user.
+    """
+
+    def __init__(
+        self, folder: str, egress_pid: int | None, kill: Callable[[int, int], None] = os.kill
+    ) -> None:
+        self.folder = folder
+        self.egress_pid = egress_pid
+        self.kill = kill
+        self.stopped = False
+        self.already_stopped: set[int] = set()
+        self.sealing_since: float | None = None
+
+    def sealed(self) -> bool:
+        try:
+            return os.stat(self.folder).st_uid != os.getuid()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop every other process (once per pause), if the host seals the folder."""
+        if self.stopped:
+            return
+        if not (in_sandbox() and self.sealed()):
+            return
+        self.already_stopped = {pid for pid, state in processes() if state == "T"}
+        try:
+            self.kill(-1, signal.SIGSTOP)
+        except OSError:
+            return  # nothing else runs
+        self.stopped = True
+        pass_on(self.egress_pid, signal.SIGCONT, self.kill)
+
+    def bound(self) -> None:
+        """The sockets are bound again: wait for the seal (see :meth:`poll`)."""
+        if self.stopped:
+            self.sealing_since = time.monotonic()
+
+    def poll(self) -> float | None:
+        """Let go once the folder is sealed again, or after SEAL_TIMEOUT; the seconds until
+        the next look (None: nothing to wait for)."""
+        if self.sealing_since is None:
+            return None
+        late = time.monotonic() - self.sealing_since > SEAL_TIMEOUT
+        if not (self.sealed() or late):
+            return 0.005
+        if late:
+            print("kernel relay: the host did not seal the launch folder again; going on", file=sys.stderr)
+        self.go_on()
+        return None
+
+    def go_on(self) -> None:
+        for pid, _ in processes():
+            if pid not in self.already_stopped:
+                with contextlib.suppress(OSError):
+                    self.kill(pid, signal.SIGCONT)
+        self.stopped, self.sealing_since, self.already_stopped = False, None, set()
+
+
+def in_sandbox() -> bool:
+    """This relay is the sandbox's one command (its init runs it), not a process on a host."""
+    try:
+        with open("/proc/1/cmdline", "rb") as f:
+            return os.path.basename(__file__).encode() in f.read()
+    except OSError:
+        return False
+
+
+def processes() -> list[tuple[int, str]]:
+    """(pid, state letter) of every other process but init."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in (1, os.getpid()):
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rpartition(b")")[2].split()[0].decode()
+        except (OSError, IndexError):
+            continue
+        found.append((int(entry), state))
+    return found
+
+
 def _unlink(path: str) -> None:
     """Remove a socket's file, if this process may: once the kernel is up, the host takes
     the launch folder back and removes what is left (binding again after a pause, the
@@ -353,9 +465,11 @@ def main(argv: list[str]) -> int:
             pass
     relay = Relay(channels)
     relay.open()
+    holding = Holding(os.path.dirname(channels["shell"][0]), egress_pid)
     poller = relay.poller(wake_read)
     while True:
-        ready = dict(poller.poll())
+        wait = holding.poll()
+        ready = dict(poller.poll(None if wait is None else int(wait * 1000) or 1))
         if wake_read in ready:
             os.read(wake_read, 256)
             while received:
@@ -363,6 +477,7 @@ def main(argv: list[str]) -> int:
                 if number in FORWARDED and kernel.poll() is None:
                     kernel.send_signal(number)
                 elif number == signal.SIGUSR1:
+                    holding.stop()  # before the host sees the sockets go, and lends the folder
                     relay.close()
                     pass_on(egress_pid, number)
                 elif number == signal.SIGUSR2:
@@ -376,6 +491,7 @@ def main(argv: list[str]) -> int:
                             f"kernel relay: cannot bind the host-facing sockets again: {exc}", file=sys.stderr
                         )
                         relay.close()
+                    holding.bound()
             poller = relay.poller(wake_read)
             if kernel.poll() is not None:
                 try:

@@ -1143,10 +1143,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             # Said before it is done: a server killed meanwhile must leave a kernel its
             # successor knows to resume (or to reopen, if it never stopped), not one to prune.
             self._pending_pause = Paused(name, None, time.time())
+            signalled = False
             try:
                 await self._save_state()
                 await self._suspend_egress(True)
-                await self.backend.signal(container_id, signal.SIGUSR1)  # to the relays, via init
+                # To the relays, via init: the channel relay stops the rest of the sandbox
+                # first (kernel_relay.Holding), then closes its sockets.
+                signalled = True
+                await self.backend.signal(container_id, signal.SIGUSR1)
                 await wait_for_channels(
                     launch_dir,
                     bound=False,
@@ -1156,7 +1160,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 size = await self.backend.checkpoint(container_id, name)
             except (SandboxKernelError, OSError) as exc:
                 self._pending_pause = None
-                raise await self._pause_failed(container_id, launch_dir, bridge, exc) from exc
+                raise await self._pause_failed(container_id, launch_dir, bridge, exc, signalled) from exc
             finally:
                 self._pausing = False
             self._pending_pause = None
@@ -1192,11 +1196,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         )
 
     async def _pause_failed(
-        self, container_id: str, launch_dir: Path, bridge: KernelBridge, exc: BaseException
+        self, container_id: str, launch_dir: Path, bridge: KernelBridge, exc: BaseException, signalled: bool
     ) -> PauseError:
-        """The sandbox could not be saved: it runs on (bind its channels again, pass on
-        what came meanwhile), or, where the failure stopped it, the kernel has ended. The
-        error that says why."""
+        """The sandbox could not be saved: it runs on (bind its channels again if the
+        relays were told to close them, pass on what came meanwhile), or, where the
+        failure stopped it, the kernel has ended. The error that says why."""
         detail = str(exc)
         try:
             _, code = await self.backend.state(container_id)
@@ -1211,7 +1215,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._note_exit(container_id, code or 1, "pause failed")
             return PauseError(f"Kernel {self.kernel_id}: {reason}. Restart it to start fresh.")
         try:
-            await self._reopen_channels(container_id, launch_dir)
+            if signalled:
+                await self._reopen_channels(container_id, launch_dir)
+            else:  # its relays still hold their sockets: the folder is never lent
+                await self._suspend_egress(False)
         except (SandboxKernelError, OSError) as again:
             detail += f"; and its channels could not be opened again ({again})"
             await self._suspend_egress(False)
@@ -1263,18 +1270,22 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     async def _reopen_channels(self, container_id: str, launch_dir: Path) -> None:
         """Have the kernel's relay bind its host sockets again: in the launch folder lent
-        to the kernel's uid for the while, sealed again once they are there."""
+        to the kernel's uid for the while (every other process of the sandbox stopped
+        since the pause began: see kernel_relay.Holding), sealed again once they are
+        there, or once they did not come."""
         layout = self._layout()
         await asyncio.to_thread(lend_launch_dir, launch_dir, int(layout["uid"]), int(layout["gid"]))
-        await self.backend.signal(container_id, signal.SIGUSR2)
-        await wait_for_channels(launch_dir, bound=True)
-        if self._egress is not None and not await wait_for_egress(launch_dir):
-            self.log.warning(
-                "Sandboxed kernel %s: its egress relay did not bind its socket again after the pause; "
-                "its requests to the network fail (503) until it does",
-                self.kernel_id,
-            )
-        await asyncio.to_thread(self._seal, launch_dir)
+        try:
+            await self.backend.signal(container_id, signal.SIGUSR2)
+            await wait_for_channels(launch_dir, bound=True)
+            if self._egress is not None and not await wait_for_egress(launch_dir):
+                self.log.warning(
+                    "Sandboxed kernel %s: its egress relay did not bind its socket again after the pause; "
+                    "its requests to the network fail (503) until it does",
+                    self.kernel_id,
+                )
+        finally:
+            await asyncio.to_thread(self._seal, launch_dir)
         await self._suspend_egress(False)
 
     async def _suspend_egress(self, suspended: bool) -> None:

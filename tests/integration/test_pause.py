@@ -449,3 +449,61 @@ def _checkpoints(client: docker.DockerClient, container_id: str) -> list[str]:
     api = client.api
     listed = api._result(api._get(api._url("/containers/{0}/checkpoints", container_id)), json=True)
     return [entry["Name"] for entry in listed or []]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
+def test_no_pause_lends_the_launch_folder_to_the_kernel(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """The attack: a background thread polling os.stat('/run/sandbox-kernel').st_uid ==
+    os.getuid() found the folder its own for 50-570 ms of every pause (even a failed one),
+    and planted a 1,200-level tree and its own IOPub socket there. Now the launch folder
+    is lent only while every other process of the sandbox is stopped (the channel relay
+    stops them as the pause begins, and lets them go on once the host has sealed it
+    again), through failed and successful pauses."""
+    km, kc = start_kernel()
+    watch = (
+        "import os, threading, time\n"
+        "seen, planted = [], []\n"
+        "def watch():\n"
+        "    while not stop:\n"
+        "        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():\n"
+        "            seen.append(time.time())\n"
+        "            try:\n"
+        "                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "stop = False\n"
+        "threading.Thread(target=watch, daemon=True).start()\n"
+        "import socket\nlistener = socket.socket(socket.AF_UNIX)\nlistener.bind('held.sock')"
+    )
+    run_ok(kc, watch)
+    for _ in range(3):  # pauses the kernel makes fail at will
+        with pytest.raises(PauseError):
+            run_sync(km.provisioner.pause)()
+    run_ok(kc, "listener.close()")
+    run_sync(km.provisioner.pause)()
+    assert run_ok(kc, "stop = True\nprint(len(seen), len(planted))", timeout=120).split() == ["0", "0"]
+    # What kernel code had stopped itself stays stopped; the rest goes on.
+    assert (
+        run_ok(
+            kc,
+            "import subprocess, signal\n"
+            "p = subprocess.Popen(['sleep', '600'])\n"
+            "os.kill(p.pid, signal.SIGSTOP)\n"
+            "print('ok')",
+        )
+        == "ok\n"
+    )
+    run_sync(km.provisioner.pause)()
+    state = run_ok(
+        kc,
+        "import time\n"
+        "time.sleep(0.2)\n"
+        "print(open(f'/proc/{p.pid}/stat').read().rpartition(')')[2].split()[0])",
+    )
+    assert state.strip() == "T"
+    launch_dir = km.provisioner.launch_dir
+    assert launch_dir is not None
+    assert not (launch_dir / "planted").exists()
+    assert launch_dir.stat().st_uid == 0

@@ -260,3 +260,74 @@ def test_heartbeats_are_answered_while_the_kernel_lives(
             assert ping.recv() == beat
     finally:
         context.destroy(linger=0)
+
+
+class _Sandbox:
+    """What Holding sees of a sandbox: its processes' states, the folder's seal, the
+    signals it sends."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, inside: bool = True, sealed: bool = True) -> None:
+        self.sealed = sealed
+        self.states = {3: "S", 21: "T", 40: "R"}  # the kernel, a job kernel code stopped, a child
+        self.sent: list[tuple[int, int]] = []
+        monkeypatch.setattr(kernel_relay, "in_sandbox", lambda: inside)
+        monkeypatch.setattr(kernel_relay, "processes", lambda: sorted(self.states.items()))
+        monkeypatch.setattr(kernel_relay.Holding, "sealed", lambda _self: self.sealed)
+        monkeypatch.setattr(kernel_relay, "pass_on", lambda pid, signum, kill: pid and kill(pid, signum))
+
+    def kill(self, pid: int, signum: int) -> None:
+        self.sent.append((pid, signum))
+
+
+def test_the_rest_of_the_sandbox_is_stopped_from_the_pause_until_the_folder_is_sealed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGUSR1 stops every other process (the egress relay goes on); once bound again on
+    SIGUSR2 the relay waits for the host's seal, then lets go on all it stopped, and not
+    what was stopped before."""
+    sandbox = _Sandbox(monkeypatch)
+    holding = kernel_relay.Holding("/run/sandbox-kernel", egress_pid=7, kill=sandbox.kill)
+    holding.stop()
+    assert sandbox.sent == [(-1, signal.SIGSTOP), (7, signal.SIGCONT)]
+    holding.stop()  # a second SIGUSR1 changes nothing
+    assert len(sandbox.sent) == 2
+    sandbox.sealed = False  # the host lends the folder; the relay binds again
+    holding.bound()
+    assert holding.poll() == pytest.approx(0.005)
+    assert len(sandbox.sent) == 2, "nothing goes on while the folder is lent"
+    sandbox.sealed = True
+    assert holding.poll() is None
+    assert sandbox.sent[2:] == [(3, signal.SIGCONT), (40, signal.SIGCONT)]
+    assert holding.poll() is None
+
+
+def test_the_sandbox_is_not_stopped_where_the_host_never_seals_nor_outside_a_sandbox(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that is not root never seals (its kernel shares its uid): nothing to wait
+    for. And on a host (the relay run by hand, or by these tests), kill(-1) would stop
+    every process of the user: the relay never sends it there."""
+    for inside, sealed in ((True, False), (False, True)):
+        sandbox = _Sandbox(monkeypatch, inside=inside, sealed=sealed)
+        holding = kernel_relay.Holding("/run/sandbox-kernel", egress_pid=None, kill=sandbox.kill)
+        holding.stop()
+        holding.bound()
+        assert holding.poll() is None
+        assert sandbox.sent == []
+
+
+def test_the_relay_knows_it_is_not_in_a_sandbox_here() -> None:
+    assert kernel_relay.in_sandbox() is False
+
+
+def test_without_the_seal_the_sandbox_goes_on_after_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that died before sealing: the kernel does not stay stopped for ever."""
+    sandbox = _Sandbox(monkeypatch)
+    holding = kernel_relay.Holding("/run/sandbox-kernel", egress_pid=None, kill=sandbox.kill)
+    holding.stop()
+    sandbox.sealed = False
+    holding.bound()
+    monkeypatch.setattr(kernel_relay, "SEAL_TIMEOUT", 0.0)
+    time.sleep(0.01)
+    assert holding.poll() is None
+    assert (3, signal.SIGCONT) in sandbox.sent
