@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any, ClassVar, NoReturn, TypeVar
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
+from jupyter_core.utils import run_sync
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Unicode, default
 from traitlets.config import Application
 from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
@@ -831,9 +833,10 @@ class RunApp(_KernelStarter):
         output = Path(self.output).resolve() if self.output else path.with_suffix(".executed.ipynb")
         self.require_sandboxed(self.kernel_name)
         nb = nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
+        km = sandboxed_manager(self.kernel_name, config=self.config)
         client = NotebookClient(
             nb,
-            km=sandboxed_manager(self.kernel_name, config=self.config),
+            km=km,
             kernel_name=self.kernel_name,
             timeout=int(self.timeout),
             resources={"metadata": {"path": str(path.parent)}},
@@ -846,6 +849,8 @@ class RunApp(_KernelStarter):
             failed = exc
         finally:
             nbformat.write(nb, output)  # type: ignore[no-untyped-call]
+            # nbclient shuts down only a kernel manager it made itself.
+            run_sync(_shut_down)(km, client.kc)
         for cell in nb.cells:
             for out in cell.get("outputs", []):
                 if out.get("output_type") == "stream":
@@ -855,6 +860,17 @@ class RunApp(_KernelStarter):
         print(f"==> executed notebook: {output}")
         if failed is not None:
             self.fail(f"the notebook failed: {failed}")
+
+
+async def _shut_down(km: AsyncKernelManager, kc: Any) -> None:
+    """End ``km``'s kernel (its container removed), and ``kc``'s channels, if any."""
+    if kc is not None:
+        kc.stop_channels()
+    try:
+        if km.has_kernel:
+            await km.shutdown_kernel(now=True)
+    finally:
+        await km.cleanup_resources()
 
 
 class McpApp(_KernelStarter):

@@ -128,7 +128,9 @@ FIRST_OUTLIVED: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _note_what_outlives_each_module(request: pytest.FixtureRequest, docker_client: docker.DockerClient) -> Iterator[None]:
+def _note_what_outlives_each_module(
+    request: pytest.FixtureRequest, docker_client: docker.DockerClient
+) -> Iterator[None]:
     """Remember the module after which a container or runtime folder still existed.
 
     A session-wide fixture's kernels outlive their module by design, so this only names
@@ -137,7 +139,9 @@ def _note_what_outlives_each_module(request: pytest.FixtureRequest, docker_clien
     yield
     containers = {
         c.name
-        for c in docker_client.containers.list(all=True, ignore_removed=True, filters={"label": LABEL_MANAGED})
+        for c in docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"label": LABEL_MANAGED}
+        )
     }
     for thing in [f"container {c}" for c in containers] + [f"runtime folder {d}" for d in runtime_dirs()]:
         FIRST_OUTLIVED.setdefault(thing, request.node.name)

@@ -7,11 +7,13 @@ import os
 import shutil
 from pathlib import Path
 
+import docker
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
 from sandbox_kernel.app import SandboxKernelApp
+from sandbox_kernel.sandbox_spec import LABEL_MANAGED
 
 from .conftest import KERNEL, SANDBOX_UID, make_workspace
 
@@ -50,15 +52,33 @@ def test_demo_notebook_runs_in_gvisor_and_keeps_results(jupyter_dirs: Path, note
     assert (notebook_folder / "results" / "revenue_by_region.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_run_command_executes_a_notebook(
-    jupyter_dirs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def _kernel_containers(client: docker.DockerClient) -> set[str]:
+    return {c.id for c in client.containers.list(all=True, filters={"label": LABEL_MANAGED})}
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["ok", "failing"])
+def test_run_command_executes_a_notebook_and_leaves_no_kernel(
+    jupyter_dirs: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    docker_client: docker.DockerClient,
+    fails: bool,
 ) -> None:
+    """`jupyter sandbox-kernel run` once left every kernel it started running (nbclient
+    shuts down only a kernel manager it made itself): none may stay, failed run or not."""
     folder = make_workspace(tmp_path / "nb")
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('sum is', sum(range(10)))")])
+    code = "print('sum is', sum(range(10)))" + ("\n1/0" if fails else "")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
     nbformat.write(nb, folder / "tiny.ipynb")
+    before = _kernel_containers(docker_client)
     app = SandboxKernelApp()
     app.initialize(["run", str(folder / "tiny.ipynb")])
-    app.start()
+    if fails:
+        with pytest.raises(SystemExit):
+            app.start()
+    else:
+        app.start()
+    assert _kernel_containers(docker_client) - before == set()
     out = capsys.readouterr().out
     assert "sum is 45" in out
     executed = nbformat.read(folder / "tiny.executed.ipynb", as_version=4)
