@@ -74,24 +74,9 @@ def describe(
         "approval": {"timeout": provisioner.approval_timeout} if asks else None,
         "limits": {**provisioner.limits.as_dict(), "output_limit": provisioner.output_limit},
         "memory": {"used": memory_used, "limit": size_bytes("memory", provisioner.memory)},
-        "state": sleep_state(
-            provisioner.paused is not None,
-            # No public word for these yet (provisioner.py): a pause or resume under way,
-            # and a client's message waiting for the kernel to wake.
-            provisioner._pausing,
-            provisioner._wake_due is not None,
-        ),
+        "state": provisioner.sleep_state,
         "stopped": _stopped(provisioner.limit_stop, provisioner.container_id, now),
     }
-
-
-def sleep_state(paused: bool, switching: bool, woken: bool) -> str:
-    """Say whether a kernel runs, pauses, is paused or resumes: ``paused``, it has a
-    checkpoint; ``switching``, a pause or resume is under way; ``woken``, a client's
-    message waits for it to resume."""
-    if paused:
-        return "resuming" if switching or woken else "paused"
-    return "pausing" if switching else "running"
 
 
 def approved_domains(provisioner: SandboxProvisioner) -> tuple[str, ...]:

@@ -1069,6 +1069,14 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         return self._paused
 
     @property
+    def sleep_state(self) -> str:
+        """ "running", "pausing", "paused" or "resuming" (a pause or resume under way, or
+        a client's message waiting for the paused kernel to wake)."""
+        if self._paused is not None:
+            return "resuming" if self._pausing or self._wake_due is not None else "paused"
+        return "pausing" if self._pausing else "running"
+
+    @property
     def _suspended(self) -> bool:
         """Paused, or a pause or resume under way: the container's stop is not its end."""
         return self._paused is not None or self._pausing

@@ -85,9 +85,13 @@ def test_a_kernel_that_asks_says_how_long_and_what_was_allowed_at_its_questions(
     ],
 )
 def test_a_kernel_says_whether_it_is_paused_or_on_its_way(
-    paused: bool, switching: bool, woken: bool, state: str
+    provisioner: SandboxProvisioner, paused: bool, switching: bool, woken: bool, state: str
 ) -> None:
-    assert lab.sleep_state(paused, switching, woken) == state
+    provisioner._paused = Paused("checkpoint", None, NOW) if paused else None
+    provisioner._pausing = switching
+    provisioner._wake_due = "shell execute_request" if woken else None
+    assert provisioner.sleep_state == state
+    assert lab.describe(provisioner, None, NOW)["state"] == state
 
 
 async def test_a_limit_stop_stays_on_record_across_a_restart(
