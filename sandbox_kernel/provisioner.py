@@ -1070,8 +1070,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     @property
     def sleep_state(self) -> str:
-        """ "running", "pausing", "paused" or "resuming" (a pause or resume under way, or
-        a client's message waiting for the paused kernel to wake)."""
+        """One of running, pausing, paused or resuming (a pause or resume under way, or a
+        client's message waiting for the paused kernel to wake)."""
         if self._paused is not None:
             return "resuming" if self._pausing or self._wake_due is not None else "paused"
         return "pausing" if self._pausing else "running"
