@@ -3,18 +3,28 @@
 Exception tree::
 
     SandboxKernelError
-    ├── ConfigurationError (ValueError)     a kernelspec or server setting is invalid
-    │   └── WorkspaceError                  the workspace cannot be mounted
-    ├── DockerUnavailableError              the Docker daemon cannot be reached
-    ├── RuntimeMissingError                 Docker has no usable gVisor runtime
-    ├── ImageNotFoundError (LookupError)    the kernel image is not on the Docker host
-    ├── DockerOperationError                a Docker call failed unexpectedly
-    ├── KernelStartupError                  the container started but the kernel died
-    ├── KernelNotFoundError (LookupError)   no such sandboxed kernel to reattach to
-    └── PauseError                          a kernel could not be paused or resumed
+    ├── ConfigurationError (ValueError)       a kernelspec or server setting is invalid
+    │   └── WorkspaceError                    the workspace cannot be mounted, or a
+    │       │                                 files-API path is refused
+    │       ├── MissingFileError              no such file in the workspace
+    │       │   (FileNotFoundError)
+    │       ├── FolderNotEmptyError           a folder to delete holds files
+    │       └── FileTooLargeError             a file is over a download's limit
+    ├── DockerUnavailableError                the Docker daemon cannot be reached
+    ├── RuntimeMissingError                   Docker has no usable gVisor runtime
+    ├── ImageNotFoundError (LookupError)      the kernel image is not on the Docker host
+    ├── ImageBuildError                       a kernel image could not be built
+    ├── DockerOperationError                  a Docker call failed unexpectedly
+    ├── KernelStartupError                    the container started but the kernel died
+    ├── KernelNotFoundError (LookupError)     no such sandboxed kernel to reattach to
+    ├── KernelHeldError                       another live process drives the kernel
+    ├── KernelTakenOverError                  another process took the kernel over
+    └── PauseError                            a kernel could not be paused or resumed
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class SandboxKernelError(Exception):
@@ -29,6 +39,28 @@ class WorkspaceError(ConfigurationError):
     """The workspace folder cannot be mounted into the sandbox."""
 
 
+class MissingFileError(WorkspaceError, FileNotFoundError):
+    """No such file or folder in the workspace: a :class:`WorkspaceError` that
+    ``except FileNotFoundError`` catches too, as for a local file."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOENT
+
+
+class FolderNotEmptyError(WorkspaceError):
+    """A folder to delete holds files, and the delete was not recursive."""
+
+
+class FileTooLargeError(WorkspaceError):
+    """A file is longer than a download may be: ``size`` bytes (at least), over ``limit``."""
+
+    def __init__(self, message: str, size: int, limit: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
 class DockerUnavailableError(SandboxKernelError):
     """The Docker daemon cannot be reached."""
 
@@ -39,6 +71,10 @@ class RuntimeMissingError(SandboxKernelError):
 
 class ImageNotFoundError(SandboxKernelError, LookupError):
     """The kernel image does not exist on the Docker host (it is never pulled)."""
+
+
+class ImageBuildError(SandboxKernelError):
+    """A kernel image could not be built; the message is Docker's."""
 
 
 class DockerOperationError(SandboxKernelError):

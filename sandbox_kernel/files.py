@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import WorkspaceError
+# The files API's errors live in errors.py with the rest; imported from here too, as before.
+from .errors import FileTooLargeError, FolderNotEmptyError, MissingFileError, WorkspaceError
 from .trees import delete_tree
 
 if TYPE_CHECKING:
@@ -64,28 +65,6 @@ MAX_PATH_BYTES = 4095
 _QUOTED = 100
 
 _NEVER_FOLLOWED = "the files API never follows links"
-
-
-class MissingFileError(WorkspaceError, FileNotFoundError):
-    """No such file or folder in the workspace: a :class:`~.errors.WorkspaceError` that
-    ``except FileNotFoundError`` catches too, as for a local file."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.errno = errno.ENOENT
-
-
-class FolderNotEmptyError(WorkspaceError):
-    """A folder to delete holds files, and the delete was not recursive."""
-
-
-class FileTooLargeError(WorkspaceError):
-    """A file is longer than a download may be: ``size`` bytes (at least), over ``limit``."""
-
-    def __init__(self, message: str, size: int, limit: int) -> None:
-        super().__init__(message)
-        self.size = size
-        self.limit = limit
 
 
 @dataclass(frozen=True)
