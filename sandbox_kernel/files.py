@@ -35,8 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# The files API's errors live in errors.py with the rest; imported from here too, as before.
-from .errors import FileTooLargeError, FolderNotEmptyError, MissingFileError, WorkspaceError
+# The files API's errors live in errors.py with the rest; importable from here too, as before.
+from .errors import FileTooLargeError as FileTooLargeError
+from .errors import FolderNotEmptyError as FolderNotEmptyError
+from .errors import MissingFileError as MissingFileError
+from .errors import WorkspaceError
 from .trees import delete_tree
 
 if TYPE_CHECKING:
