@@ -86,8 +86,16 @@ def configuration_reference() -> str:
         doc = inspect.getdoc(cls)
         if doc:
             lines += [doc.split("\n\n")[0].replace("\n", " "), ""]
-        for name, trait in traits.items():
-            lines += _trait_entry(section, cls, name, trait)
+        kernelspec = {n: t for n, t in traits.items() if t.metadata.get("kernelspec")}
+        groups = [("", traits)]
+        if kernelspec:
+            server = {n: t for n, t in traits.items() if n not in kernelspec}
+            groups = [("Settings a kernelspec may set too", kernelspec), ("Server-only settings", server)]
+        for title, group in groups:
+            if title:
+                lines += [f"### {title}", ""]
+            for name, trait in group.items():
+                lines += _trait_entry(section, cls, name, trait)
     return "\n".join(lines)
 
 

@@ -261,3 +261,17 @@ def test_the_exception_tree_in_errors_py_is_the_code_s() -> None:
     for name, (parent, builtins) in drawn.items():
         bases = {base.__name__ for base in classes[name].__bases__}
         assert bases == ({parent} if parent else {"Exception"}) | builtins, name
+
+
+def test_the_configuration_page_has_a_row_for_every_key_a_kernelspec_may_set() -> None:
+    """Its first table says it lists them all; the settings' tags say which they are."""
+    page = (DOCS / "administrators/configuration.md").read_text()
+    table = page[page.index("| key (kernelspec)") : page.index("## Server-only settings")]
+    rows = {
+        name
+        for line in table.splitlines()
+        if line.startswith("| {configtrait}")
+        for name in re.findall(r"`(\w+) <SandboxProvisioner\.\w+>`", line.split(" | ")[0])
+    }
+    traits = SandboxProvisioner.class_traits(config=True)
+    assert rows == {name for name, trait in traits.items() if trait.metadata.get("kernelspec")}
