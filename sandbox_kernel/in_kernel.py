@@ -29,6 +29,9 @@
 # - Code that tries a network the kernel does not have learns it in one line: a name that
 #   does not resolve says the kernel's network policy, and errors that carry it (or the
 #   egress proxy's refusal) are shown as that one line instead of the library's traceback.
+# - A ``FileNotFoundError`` for a path outside /workspace (a host path, ``../data`` above a
+#   workspace that is the notebook's folder) says that the workspace is the only host
+#   folder the kernel sees, its traceback kept.
 # - BLAS, OpenMP and polars start one thread per CPU the kernel may use, not per host core
 #   (``os.cpu_count()`` shows the host's), unless the kernelspec's ``env`` says otherwise.
 # - ``%pip install``, ``!pip install`` and pip run by a child process install into
@@ -262,6 +265,27 @@ def _sandbox_kernel_startup() -> None:
                     raise
                 time.sleep(0.02)
 
+    # Only the workspace of the host's files is in the sandbox: a path elsewhere (a host
+    # path, ../data above a workspace that is the notebook's folder) is missing for a reason.
+    sandbox_own = ("/workspace", "/tmp", "/proc", "/sys", "/dev")  # noqa: S108
+
+    def outside_workspace(value: BaseException) -> str | None:
+        if not isinstance(value, FileNotFoundError) or value.filename is None:
+            return None
+        if not os.path.isdir("/workspace"):  # not in a sandbox's layout: nothing to explain
+            return None
+        try:
+            path = os.path.abspath(os.fsdecode(value.filename))
+        except (TypeError, ValueError, OSError):
+            return None
+        if any(path == top or path.startswith(top + "/") for top in sandbox_own):
+            return None
+        named = "" if path == os.fsdecode(value.filename) else f"{path!r}: "
+        return (
+            f"{named}outside /workspace, the only host folder this sandboxed kernel sees; "
+            "copy the file into the workspace"
+        )
+
     def show(self: Any, etype: type, value: BaseException, tb: Any, tb_offset: int | None = None) -> None:
         if isinstance(value, ModuleNotFoundError) and value.name and not str(value).endswith(install_hint):
             top = value.name.partition(".")[0]
@@ -274,6 +298,10 @@ def _sandbox_kernel_startup() -> None:
             value.args = (value.msg,)
         if isinstance(value, MemoryError):
             show_memory_error(self, value, tb, tb_offset)
+            return
+        elsewhere = outside_workspace(value)
+        if elsewhere is not None:
+            self.showtraceback((etype, FileNotFoundError(f"{value} ({elsewhere})"), tb), tb_offset=tb_offset)
             return
         if isinstance(value, PermissionError) and any(
             frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "synchronize.py"))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jupyter_core.paths import jupyter_config_dir, jupyter_data_dir, jupyter_runtime_dir
 from traitlets import TraitError
 
 from .egress import EgressPolicy, EgressRules
@@ -179,26 +180,84 @@ def resolve_workspace(
                 "notebook under the workspace root, or change the root."
             )
             raise WorkspaceError(msg) from None
+    refusal = _mount_refusal(mount, runtime_parent)
+    if refusal is not None:
+        raise WorkspaceError(refusal)
+    workdir = CONTAINER_WORKSPACE if rel == Path() else f"{CONTAINER_WORKSPACE}/{rel.as_posix()}"
+    return mount, workdir
+
+
+def _mount_refusal(mount: Path, runtime_parent: str | os.PathLike[str] | None) -> str | None:
+    """Why ``mount`` (resolved) may not be a workspace, or None: a system or home folder,
+    or one holding the kernels' runtime folders."""
     if (
         mount in _SYSTEM_DIRS
         or mount in _home_folders()
         or any(mount.is_relative_to(tree) for tree in _SYSTEM_TREES)
     ):
-        msg = (
+        return (
             f"Refusing to mount {str(mount)!r} (a system or home folder) as the kernel's workspace. "
             "Start the kernel from a project folder, or set SandboxProvisioner.workspace_root."
         )
-        raise WorkspaceError(msg)
     if runtime_parent is not None:
         private = Path(runtime_parent).resolve()
         if private.is_relative_to(mount):
-            msg = (
+            return (
                 f"Refusing to mount {str(mount)!r} as the kernel's workspace: it contains "
                 f"{str(private)!r}, where other kernels keep their private sockets and keys."
             )
-            raise WorkspaceError(msg)
-    workdir = CONTAINER_WORKSPACE if rel == Path() else f"{CONTAINER_WORKSPACE}/{rel.as_posix()}"
-    return mount, workdir
+    return None
+
+
+def shared_root(
+    cwd: str | os.PathLike[str],
+    server_root: str | os.PathLike[str],
+    runtime_parent: str | os.PathLike[str] | None = None,
+    keep_out: Iterable[str | os.PathLike[str]] = (),
+) -> Path | None:
+    """Choose the folder to mount for a kernel started in ``cwd`` under a Jupyter server
+    whose root folder is ``server_root``, so that ``../data`` beside ``notebooks/`` is
+    there: the highest folder from the server's root down to ``cwd`` that may be
+    mounted (not a system or home folder: `jupyter lab` started in ~ gives the folder in
+    it that holds the notebook), or None for ``cwd`` alone.
+
+    Only a tree of one owner: every folder from the one chosen down to ``cwd`` belongs
+    to ``cwd``'s owner (and to the server's user, when that is not root), so a root
+    server runs the kernel as the same user as for ``cwd`` alone, and never shows it a
+    folder of someone else's above or around alice's. A server root reached through a
+    link that :func:`refuse_foreign_links` refuses is not used, nor a folder holding
+    Jupyter's own (its runtime folder's connection files and server tokens, its config)
+    or anything in ``keep_out`` (the audit log).
+    """
+    if os.getuid() == 0:
+        try:
+            refuse_foreign_links(server_root)
+        except WorkspaceError:
+            return None
+    start = Path(cwd).resolve()
+    top = Path(server_root).expanduser().resolve()
+    try:
+        below = start.relative_to(top).parts
+        owner = start.stat().st_uid
+    except (ValueError, OSError):
+        return None
+    if os.getuid() not in (0, owner):
+        return None
+    chain = [top.joinpath(*below[:depth]) for depth in range(len(below) + 1)]
+    jupyter_own = (jupyter_runtime_dir(), jupyter_data_dir(), jupyter_config_dir())
+    kept_out = [Path(path).expanduser().resolve() for path in (*jupyter_own, *keep_out) if path]
+    for index, folder in enumerate(chain[:-1]):
+        try:
+            owners = {path.stat().st_uid for path in chain[index:]}
+        except OSError:
+            return None
+        if (
+            owners == {owner}
+            and _mount_refusal(folder, runtime_parent) is None
+            and not any(private.is_relative_to(folder) for private in kept_out)
+        ):
+            return folder
+    return None
 
 
 def refuse_foreign_links(path: str | os.PathLike[str]) -> None:
@@ -331,6 +390,38 @@ def can_write(path: Path, uid: int, gid: int) -> bool:
     if st.st_gid == gid:
         return bool(st.st_mode & stat.S_IWGRP)
     return bool(st.st_mode & stat.S_IWOTH)
+
+
+def unwritable_workspace(workspace: Path, uid: int, gid: int, configured_uid: int | None) -> str:
+    """The one line that says what to run so that the kernel can write ``workspace``, and why.
+
+    What to run comes first: JupyterLab shows the line in a box about 110 characters
+    wide that cuts what is longer. A root server's root-owned folder (no kernel_uid set)
+    is given to the account that works there: the owner of the nearest folder above it
+    that is not root's, when there is one. Never to 65533: files stay their user's, and
+    what Lab or a local kernel makes there later (root's) would be read-only to the kernel.
+    """
+    st = workspace.stat()
+    if os.getuid() == 0 and st.st_uid == 0 and configured_uid is None:
+        name, why = "USER", "USER: who works there"
+        for above in workspace.parents:
+            owner = above.stat().st_uid
+            if owner != 0:
+                try:
+                    name = pwd.getpwuid(owner).pw_name
+                except KeyError:
+                    name = str(owner)
+                why = f"{name} owns {above}"
+                break
+        return (
+            f"Run `chown -R {name}: {workspace}` first ({why}): the folder is root's, and a "
+            "sandboxed kernel never runs as root."
+        )
+    return (
+        f"Run `chown -R {uid}:{gid} {workspace}` first, or start the kernel in a folder of yours: "
+        f"the sandboxed kernel (uid {uid}) cannot write it "
+        f"(owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})."
+    )
 
 
 def validate_kernelspec_config(config: Mapping[str, Any], kernelspec: str = "") -> None:
@@ -483,6 +574,8 @@ class Launch:
     owner: str = ""
     #: Which server may adopt it again (see sandbox_kernel.server).
     scope: str = ""
+    #: The Jupyter server's root folder (its ``root_dir``), when a server starts the kernel.
+    server_root: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -681,7 +774,10 @@ def plan_sandbox(
         workspace, workdir = cwd, CONTAINER_WORKSPACE
         uid, gid = volume_user(settings.kernel_uid)
     else:
-        workspace, workdir = resolve_workspace(cwd, settings.workspace_root, settings.runtime_parent)
+        root: str | Path | None = settings.workspace_root
+        if root is None and settings.workspace_scope == "server_root" and launch.server_root is not None:
+            root = shared_root(cwd, launch.server_root, settings.runtime_parent, [settings.audit_log])
+        workspace, workdir = resolve_workspace(cwd, root, settings.runtime_parent)
         if settings.audit_log:
             ensure_outside_workspace(settings.audit_log, workspace, "SandboxProvisioner.audit_log")
         uid, gid = kernel_user(workspace, settings.kernel_uid)
@@ -692,15 +788,7 @@ def plan_sandbox(
         )
         raise ConfigurationError(msg)
     if volume is None and not can_write(workspace, uid, gid):
-        st = workspace.stat()
-        msg = (
-            f"The sandboxed kernel would run as uid {uid}, which cannot write its workspace {workspace} "
-            f"(owner uid {st.st_uid}, group {st.st_gid}, mode {stat.filemode(st.st_mode)}): results "
-            f"could not be saved. Give uid {uid} the folder (`chown -R {uid}:{gid} {workspace}`) or "
-            "write access to it, set SandboxProvisioner.kernel_uid to a uid that may write there, "
-            "or start the kernel in a folder it may write."
-        )
-        raise WorkspaceError(msg)
+        raise WorkspaceError(unwritable_workspace(workspace, uid, gid, settings.kernel_uid))
     workspace_path = CONTAINER_WORKSPACE
     if settings.pool_size > 0:
         # Pooled or not, every kernel of a pooled kernelspec sees the same layout.

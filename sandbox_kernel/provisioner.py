@@ -268,6 +268,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             extra_arguments=kwargs.pop("extra_arguments", []),
             owner=server_identity(),
             scope=str(getattr(getattr(self.parent, "parent", None), "adoption_scope", "")),
+            server_root=self._server_root(),
         )
         self._launch_env = {k: v for k, v in launch.env.items() if k in RELAUNCH_ENV}
         self._sandbox_env = check_sandbox_env(kwargs.pop("sandbox_env", None))
@@ -299,6 +300,13 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             await self._check_host()
         await self._sweep_orphans_once()
         return kwargs
+
+    def _server_root(self) -> Path | None:
+        """The Jupyter server's root folder (its kernel manager's ``root_dir``), or None
+        for a kernel that no server starts (a KernelManager of its own, the session API)."""
+        server = getattr(self.parent, "parent", None)
+        root = getattr(server, "root_dir", None) if hasattr(server, "cwd_for_path") else None
+        return Path(root) if isinstance(root, str) and root else None
 
     async def _check_host(self) -> None:
         """The gVisor runtime (with our flags) and the image are there; once per launch."""

@@ -142,10 +142,24 @@ class SandboxSettings(LoggingConfigurable):
         config=True,
         help=f"""Host folder mounted read-write at {CONTAINER_WORKSPACE}. The kernel's working
         directory is the notebook's folder mapped into it; a notebook outside it is refused.
-        When unset, the folder the kernel is started in is the workspace.
-        Default: ${WORKSPACE_ROOT_ENV}, else unset. A kernelspec may set one only within
-        `allowed_workspace_roots`.""",
+        When unset, `workspace_scope` chooses. Default: ${WORKSPACE_ROOT_ENV}, else unset.
+        A kernelspec may set one only within `allowed_workspace_roots`.""",
     ).tag(kernelspec=True, ceiling="allowed_workspace_roots", bound="roots")
+    workspace_scope = CaselessStrEnum(
+        ["server_root", "start_folder"],
+        default_value="server_root",
+        config=True,
+        help=f"""What the workspace is when `workspace_root` is unset. "server_root" (default):
+        under a Jupyter server, its root folder (what the file browser shows), mounted at
+        {CONTAINER_WORKSPACE} with the notebook's folder as the working folder, so that
+        `../data/x.csv` beside `notebooks/` is there; when the root is a home or system
+        folder, the folder in it that holds the notebook. Only folders of the notebook
+        folder's owner (and of the server's user, unless it is root) are mounted, none
+        reached through another user's link: elsewhere the notebook's folder alone is.
+        Without a server (a KernelManager, the session API) the folder the kernel is
+        started in is the workspace. "start_folder": always that folder alone.
+        Server config only.""",
+    )
     allowed_workspace_roots = List(
         Unicode(),
         default_value=[],

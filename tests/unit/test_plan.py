@@ -447,9 +447,10 @@ def test_a_workspace_the_kernel_cannot_write_is_refused(real_workspace_modes: No
     launch = Launch(kernel_id="k1", kernel_name="ks", argv=["python"], cwd=folder, env={})
     with pytest.raises(WorkspaceError) as info:
         plan_sandbox(_settings(kernel_uid=4321), launch, {}, [])
-    message = str(info.value)
-    assert f"uid 4321, which cannot write its workspace {folder} (owner uid {os.getuid()}" in message
-    assert f"chown -R 4321:4321 {folder}" in message
+    assert str(info.value) == (
+        f"Run `chown -R 4321:4321 {folder}` first, or start the kernel in a folder of yours: the sandboxed "
+        f"kernel (uid 4321) cannot write it (owner uid {os.getuid()}, mode drwxr-xr-x)."
+    )
 
 
 # ---------------------------------------------------------------- credentials
@@ -519,3 +520,177 @@ def test_a_kernelspec_may_only_name_credentials_within_the_ceiling() -> None:
     defining = SandboxSettings(credentials=WAREHOUSE, max_credentials=["warehouse"])
     with pytest.raises(ConfigurationError, match="it may only name the server's"):
         check_ceilings(defining, {"credentials": WAREHOUSE})
+
+
+# ---------------------------------------------------------------- the Jupyter server's root as the workspace
+
+
+def _tree(top: Path, *folders: str, owner: int | None = None) -> Path:
+    """Make each folder below ``top`` (and ``top``), all owned by ``owner`` (root only)."""
+    for folder in ("", *folders):
+        (top / folder).mkdir(parents=True, exist_ok=True)
+        for depth in range(len(Path(folder).parts) + 1):
+            if owner is not None:
+                os.chown(top.joinpath(*Path(folder).parts[:depth]), owner, owner)
+    return top
+
+
+def _start(cwd: Path, server_root: Path | None, **config: Any) -> Any:
+    launch = Launch(
+        kernel_id="k1", kernel_name="ks", argv=["python"], cwd=cwd, env={}, server_root=server_root
+    )
+    return plan_sandbox(SandboxSettings(**config), launch, {}, []).spec
+
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="a root server's concern; needs chown")
+
+
+class TestServerRootWorkspace:
+    """A notebooks/ + data/ layout: read_csv('../data/x.csv') must find the file."""
+
+    def test_the_server_root_is_the_workspace_and_the_notebook_folder_the_working_one(
+        self, tmp_path: Path
+    ) -> None:
+        lab = _tree(tmp_path / "lab", "project/notebooks", "project/data")
+        spec = _start(lab / "project" / "notebooks", lab, kernel_uid=4321)
+        assert (spec.workspace, spec.workdir) == (lab.resolve(), "/workspace/project/notebooks")
+
+    def test_a_start_in_the_server_root_itself_mounts_it(self, tmp_path: Path) -> None:
+        lab = _tree(tmp_path / "lab")
+        spec = _start(lab, lab, kernel_uid=4321)
+        assert (spec.workspace, spec.workdir) == (lab.resolve(), "/workspace")
+
+    def test_a_server_root_that_is_a_home_folder_mounts_the_project_in_it(
+        self, jupyter_dirs: dict[str, Path]
+    ) -> None:
+        """`jupyter lab` started in ~: the home folder (dotfiles, keys) is never mounted,
+        the folder in it that holds the notebook is."""
+        home = jupyter_dirs["HOME"]
+        _tree(home, "analysis/notebooks", "analysis/data")
+        spec = _start(home / "analysis" / "notebooks", home, kernel_uid=4321)
+        assert (spec.workspace, spec.workdir) == ((home / "analysis").resolve(), "/workspace/notebooks")
+
+    def test_without_a_server_the_start_folder_alone_is_the_workspace(self, tmp_path: Path) -> None:
+        lab = _tree(tmp_path / "lab", "project/notebooks")
+        spec = _start(lab / "project" / "notebooks", None, kernel_uid=4321)
+        assert (spec.workspace, spec.workdir) == ((lab / "project" / "notebooks").resolve(), "/workspace")
+
+    def test_the_administrator_may_keep_the_start_folder_alone(self, tmp_path: Path) -> None:
+        lab = _tree(tmp_path / "lab", "project/notebooks")
+        spec = _start(lab / "project" / "notebooks", lab, kernel_uid=4321, workspace_scope="start_folder")
+        assert spec.workspace == (lab / "project" / "notebooks").resolve()
+
+    def test_a_workspace_root_set_by_the_administrator_wins(self, tmp_path: Path) -> None:
+        lab = _tree(tmp_path / "lab", "project/notebooks")
+        spec = _start(
+            lab / "project" / "notebooks", lab, kernel_uid=4321, workspace_root=str(lab / "project")
+        )
+        assert (spec.workspace, spec.workdir) == ((lab / "project").resolve(), "/workspace/notebooks")
+
+    def test_workspace_scope_is_the_server_s_alone(self) -> None:
+        assert "workspace_scope" not in kernelspec_keys()
+        with pytest.raises(ConfigurationError, match="workspace_scope"):
+            validate_kernelspec_config({"workspace_scope": "server_root"}, "mine")
+
+    def test_a_server_root_holding_the_runtime_folders_is_not_mounted(self, tmp_path: Path) -> None:
+        lab = _tree(tmp_path / "lab", "runtime", "project")
+        spec = _start(lab / "project", lab, kernel_uid=4321, runtime_parent=str(lab / "runtime"))
+        assert spec.workspace == (lab / "project").resolve()
+
+    def test_a_server_root_holding_jupyter_s_own_folders_or_the_audit_log_is_not_mounted(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The runtime folder holds local kernels' keys and the server's token."""
+        lab = _tree(tmp_path / "lab", "jupyter-runtime", "project")
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(lab / "jupyter-runtime"))
+        assert _start(lab / "project", lab, kernel_uid=4321).workspace == (lab / "project").resolve()
+        monkeypatch.delenv("JUPYTER_RUNTIME_DIR")
+        audit = str(lab / "audit" / "audit.jsonl")
+        assert (
+            _start(lab / "project", lab, kernel_uid=4321, audit_log=audit).workspace
+            == (lab / "project").resolve()
+        )
+
+    @needs_root
+    def test_a_root_server_runs_the_kernel_as_the_owner_of_the_tree(self, tmp_path: Path) -> None:
+        lab = _tree(tmp_path / "lab", "project/notebooks", owner=2201)
+        spec = _start(lab / "project" / "notebooks", lab)
+        assert (spec.workspace, spec.uid, spec.gid) == (lab.resolve(), 2201, 2201)
+
+    @needs_root
+    def test_attack_another_user_s_server_root_is_not_mounted_with_alice_s_folder(
+        self, tmp_path: Path
+    ) -> None:
+        """A root server whose root is bob's: alice's folder in it is mounted alone, and her
+        kernel (run as alice) sees nothing of bob's."""
+        alice, bob = 2201, 2202
+        lab = _tree(tmp_path / "lab", "bob-private", owner=bob)
+        _tree(lab / "alice", owner=alice)
+        spec = _start(lab / "alice", lab)
+        assert (spec.workspace, spec.uid) == ((lab / "alice").resolve(), alice)
+
+    @needs_root
+    def test_attack_a_folder_of_another_user_on_the_way_stops_the_climb(self, tmp_path: Path) -> None:
+        """alice's lab holds bob's folder, which holds alice's: mounting her lab would show
+        bob's folder (as its modes allow) to her kernel; only what lies below bob's is hers."""
+        alice, bob = 2201, 2202
+        lab = _tree(tmp_path / "lab", owner=alice)
+        _tree(lab / "shared", owner=bob)
+        _tree(lab / "shared" / "alice-nb", owner=alice)
+        spec = _start(lab / "shared" / "alice-nb", lab)
+        assert spec.workspace == (lab / "shared" / "alice-nb").resolve()
+
+    @needs_root
+    def test_attack_a_server_root_through_another_user_s_link_is_not_followed(self, tmp_path: Path) -> None:
+        alice, bob = 2201, 2202
+        lab = _tree(tmp_path / "alice-lab", "project", owner=alice)
+        link = tmp_path / "bobs-link"
+        link.symlink_to(lab)
+        os.lchown(link, bob, bob)
+        spec = _start(lab / "project", link)
+        assert spec.workspace == (lab / "project").resolve()
+
+    def test_a_non_root_server_mounts_only_a_root_of_its_own(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        lab = _tree(tmp_path / "lab", "project")
+        monkeypatch.setattr(os, "getuid", lambda: os.stat(lab).st_uid + 1)
+        spec = _start(lab / "project", lab, kernel_uid=os.stat(lab).st_uid + 1)
+        assert spec.workspace == (lab / "project").resolve()
+
+
+# ---------------------------------------------------------------- a root-owned folder with a root server
+
+
+@needs_root
+def test_a_root_owned_folder_is_refused_in_one_short_line_that_says_what_to_run(
+    real_workspace_modes: None, tmp_path: Path
+) -> None:
+    """JupyterLab shows the message in a <pre> about 110 characters wide: it was cut at
+    'mode drwxr', before the fix; what to run now comes first."""
+    home = _tree(tmp_path / "alice-home", owner=2201)
+    project = home / "project"
+    project.mkdir(mode=0o755)  # root made it (a `git clone` as root, say)
+    with pytest.raises(WorkspaceError) as info:
+        _start(project, None)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message == (
+        f"Run `chown -R 2201: {project}` first (2201 owns {home}): the folder is root's, and a "
+        "sandboxed kernel never runs as root."
+    )
+    assert "65533" not in message
+
+
+@needs_root
+def test_a_root_owned_folder_with_no_other_owner_above_names_the_account_to_give_it_to(
+    real_workspace_modes: None, tmp_path: Path
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir(mode=0o755)
+    with pytest.raises(WorkspaceError) as info:
+        _start(project, None)
+    assert str(info.value) == (
+        f"Run `chown -R USER: {project}` first (USER: who works there): the folder is root's, and a "
+        "sandboxed kernel never runs as root."
+    )
