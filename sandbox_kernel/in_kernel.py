@@ -498,6 +498,33 @@ def _sandbox_kernel_startup() -> None:
     threading.Thread(target=await_claim, name="sandbox-kernel-claim", daemon=True).start()
 
 
+def _sandbox_kernel_run() -> None:
+    # IPython carries on without a start-up file it could not run (a warning at most), and
+    # such a kernel must not be handed to a user: the mark beside this file (see
+    # startup_mark.py) tells the host whether the code above ran to its end, or how it failed.
+    import os
+    import traceback
+
+    try:
+        _sandbox_kernel_startup()
+        outcome = "ok\n"
+    except BaseException:
+        outcome = "failed\n" + traceback.format_exc()[-6000:] + "\n"
+        raise
+    finally:
+        startup = os.environ.get("PYTHONSTARTUP")
+        if startup:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            try:
+                fd = os.open(os.path.join(os.path.dirname(startup), "started"), flags, 0o644)
+                with os.fdopen(fd, "w") as mark:
+                    mark.write(outcome)
+            except OSError:
+                pass  # the host waits in vain, and says so
+
+
 if __name__ == "__main__":  # as the kernel's PYTHONSTARTUP
-    _sandbox_kernel_startup()
-    del _sandbox_kernel_startup
+    try:
+        _sandbox_kernel_run()
+    finally:
+        del _sandbox_kernel_startup, _sandbox_kernel_run

@@ -67,6 +67,7 @@ from .sandbox_spec import (
     PER_KERNEL_ENV,
     SandboxSpec,
 )
+from .startup_mark import wait_for_startup_code
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class PoolPlan:
     #: With network "allowlist", the kernel's allowed domains (its egress CA signs for no others).
     egress: EgressRules | None
     startup_timeout: float
+    #: Whether its kernel runs the start-up code (the shipped launcher's argv; see startup_mark).
+    startup_code: bool
     runtime_parent: str
     #: Most bytes of memory limits all waiting sandboxes of the process may reserve.
     budget: int
@@ -371,6 +374,9 @@ class SandboxPool:
             container_id = await backend.create(pooled)
             sockets = expected_sockets(launch_dir, plan.egress is not None, pooled=True)
             await wait_until_ready(backend, container_id, sockets, plan.startup_timeout, spec.image)
+            await wait_for_startup_code(
+                backend, container_id, launch_dir, plan.startup_timeout, spec.image, plan.startup_code
+            )
             if os.getuid() == 0:
                 await asyncio.to_thread(seal_launch_dir, launch_dir)
             await asyncio.to_thread((runtime_dir / POOL_READY_FILE).touch)

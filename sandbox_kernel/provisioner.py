@@ -95,10 +95,12 @@ from .pool import PooledSandbox, PoolPlan, SandboxPool
 from .sandbox_spec import (
     CONTAINER_EGRESS_SOCKET,
     SandboxSpec,
+    is_launcher,
     kernel_sockets,
 )
 from .sanitize import OutputSanitizer
 from .settings import SandboxSettings
+from .startup_mark import wait_for_startup_code
 from .watchdog import Act, Look, Verdict, Watch, WatchLimits, judge, memory_reason
 from .wire import stderr_notice
 
@@ -339,6 +341,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             scheme=km.session.signature_scheme if km is not None else "hmac-sha256",
             egress=None if self._egress is None else self._egress.rules,
             startup_timeout=self.startup_timeout,
+            startup_code=is_launcher(self.kernel_spec.argv),
             runtime_parent=self.runtime_parent,
             budget=size_bytes("max_pool_memory", self.max_pool_memory),
             backend=self.backend,
@@ -414,6 +417,15 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             if not self.from_pool:  # a pooled sandbox was ready and sealed before its claim
                 sockets = expected_sockets(launch_dir, self._egress is not None, pooled=False)
                 await wait_until_ready(self.backend, container_id, sockets, self.startup_timeout, self.image)
+                # Sealing only then: the folder is never out of its reach while IPython reads the code.
+                await wait_for_startup_code(
+                    self.backend,
+                    container_id,
+                    launch_dir,
+                    self.startup_timeout,
+                    self.image,
+                    required=is_launcher(self.kernel_spec.argv),
+                )
                 await asyncio.to_thread(self._seal, launch_dir)
             # Clients' ports open once the kernel answers on them: a client that connects as
             # soon as they do (as front ends that start kernels themselves do) is answered.

@@ -22,6 +22,8 @@ import pytest
 from ipykernel import iostream
 
 from sandbox_kernel import in_kernel
+from sandbox_kernel.errors import KernelStartupError
+from sandbox_kernel.startup_mark import STARTED_MARK, read_mark, wait_for_startup_code
 
 THREAD_ENV = (
     "OMP_NUM_THREADS",
@@ -403,3 +405,74 @@ def test_other_errors_keep_their_traceback(started: Any) -> None:
     shell, _ = started()
     error = FileNotFoundError(2, "No such file or directory", "data.csv")
     assert shell.show(error) == ("traceback", error)
+
+
+# ---------------------------------------------------------------- the start-up code's mark
+
+
+def test_the_start_up_code_leaves_its_mark_beside_itself(
+    started: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The host hands over no kernel before this mark says the code ran to its end."""
+    monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
+    started()
+    assert (tmp_path / STARTED_MARK).read_text() == "ok\n"
+    assert read_mark(tmp_path) == "ok\n"
+    assert not (tmp_path / STARTED_MARK).exists(), "read and removed: the seal finds only the host's files"
+
+
+def test_start_up_code_that_fails_says_how_in_its_mark(
+    started: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """IPython logs an exception in a PYTHONSTARTUP file and starts the kernel anyway."""
+    monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
+
+    def broken(self: Shell, types: tuple[type, ...], handler: Any) -> None:
+        raise RuntimeError("no custom exceptions here")
+
+    monkeypatch.setattr(Shell, "set_custom_exc", broken)
+    with pytest.raises(RuntimeError):
+        started()
+    status, _, detail = (read_mark(tmp_path) or "").partition("\n")
+    assert status == "failed"
+    assert "RuntimeError: no custom exceptions here" in detail
+
+
+class Sandbox:
+    """What wait_for_startup_code asks of a backend: its state and its output."""
+
+    def __init__(self, output: str = "", code: int | None = None) -> None:
+        self.output, self.code = output, code
+
+    async def state(self, sandbox_id: str) -> tuple[str, int | None]:
+        return ("exited" if self.code is not None else "running"), self.code
+
+    async def logs(self, sandbox_id: str, tail: int = 30) -> str:
+        return self.output
+
+
+async def test_a_kernel_whose_start_up_code_ran_is_handed_over(tmp_path: Path) -> None:
+    (tmp_path / STARTED_MARK).write_text("ok\n")
+    await wait_for_startup_code(Sandbox(), "c1", tmp_path, 5, "img")  # type: ignore[arg-type]
+
+
+async def test_a_kernel_whose_start_up_code_failed_is_not_handed_over(tmp_path: Path) -> None:
+    (tmp_path / STARTED_MARK).write_text("failed\nTraceback ...\nRuntimeError: boom\n")
+    with pytest.raises(KernelStartupError, match=r"(?s)start-up code failed.*RuntimeError: boom"):
+        await wait_for_startup_code(Sandbox(), "c1", tmp_path, 5, "img")  # type: ignore[arg-type]
+
+
+async def test_a_kernel_ipython_ran_without_its_start_up_code_fails_at_once(tmp_path: Path) -> None:
+    """What IPython says when it cannot see the file: a warning, and the kernel runs on."""
+    output = "[IPKernelApp] WARNING | File not found: '/run/sandbox-kernel/startup.py'\n"
+    began = time.monotonic()
+    with pytest.raises(KernelStartupError, match=r"did not run its start-up code \(.*File not found"):
+        await wait_for_startup_code(Sandbox(output), "c1", tmp_path, 30, "img")  # type: ignore[arg-type]
+    assert time.monotonic() - began < 2
+
+
+async def test_a_kernel_that_leaves_no_mark_fails_when_its_time_is_up(tmp_path: Path) -> None:
+    with pytest.raises(KernelStartupError, match=r"did not finish its start-up code within 0.3 s"):
+        await wait_for_startup_code(Sandbox(), "c1", tmp_path, 0.3, "img")  # type: ignore[arg-type]
+    with pytest.raises(KernelStartupError, match=r"exited \(exit code 1\)"):
+        await wait_for_startup_code(Sandbox(code=1), "c1", tmp_path, 30, "img")  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ from sandbox_kernel.sandbox_spec import (
     relay_command,
 )
 from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from sandbox_kernel.startup_mark import STARTED_MARK
 
 from .conftest import CountingFactory, FakeContainer, FakeDockerClient
 
@@ -98,10 +99,12 @@ def make_provisioner(runtime_parent: Path, client_factory: CountingFactory) -> A
 
 
 def kernel_binds_its_sockets(container: FakeContainer) -> None:
-    """A well-behaved kernel: running, with its five ipc sockets in the runtime dir."""
+    """A well-behaved kernel: running, with its five ipc sockets in the runtime dir, and
+    the mark of its start-up code."""
     container.client.run_container(container)
     for port in IPC_PORTS.values():
         make_socket_file(container.runtime_dir / f"{Path(IPC_PREFIX).name}-{port}")
+    (container.runtime_dir / STARTED_MARK).write_text("ok\n")
 
 
 def make_socket_file(path: Path) -> None:
