@@ -50,10 +50,13 @@ class KernelBinding:
         )
 
 
-async def bind(backend: SandboxBackend, sandbox: PooledSandbox, spec: SandboxSpec) -> KernelBinding:
+async def bind(
+    backend: SandboxBackend, sandbox: PooledSandbox, spec: SandboxSpec, key: bytes | None = None
+) -> KernelBinding:
     """Make the claimed ``sandbox`` the kernel of ``spec``'s: thawed, its workspace
     attached (a volume prepared first), its kernel told where to work and its session
-    variables. The container's name follows in the background (:func:`rename`).
+    variables, and on a restart (``key``) the session key the kernel's clients hold. The
+    container's name follows in the background (:func:`rename`).
 
     Raises:
         SandboxKernelError, OSError: it could not be bound; remove the sandbox.
@@ -62,5 +65,5 @@ async def bind(backend: SandboxBackend, sandbox: PooledSandbox, spec: SandboxSpe
     await asyncio.to_thread(sandbox.thaw)
     source = await backend.prepare_workspace(spec) or spec.workspace
     await backend.attach_workspace(sandbox.slot, binding.workspace_path, source)
-    await asyncio.to_thread(send_claim, sandbox.launch_dir, binding.workdir, binding.env)
+    await asyncio.to_thread(send_claim, sandbox.launch_dir, binding.workdir, binding.env, key=key)
     return binding

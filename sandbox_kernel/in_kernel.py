@@ -493,6 +493,8 @@ def _sandbox_kernel_startup() -> None:
             shell.user_ns["_dh"] = [cwd]
             if "JPY_SESSION_NAME" in claim.get("env", {}):
                 shell.user_ns["__session__"] = os.environ["JPY_SESSION_NAME"]
+            if claim.get("key"):  # a restart: the session key the kernel's clients hold
+                shell.kernel.session.key = str(claim["key"]).encode()
             conn.sendall(b"ok\n")
 
     threading.Thread(target=await_claim, name="sandbox-kernel-claim", daemon=True).start()

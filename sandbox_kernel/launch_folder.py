@@ -207,8 +207,11 @@ async def wait_until_ready(
         await asyncio.sleep(0.05)
 
 
-def send_claim(launch_dir: Path, cwd: str, env: Mapping[str, str], timeout: float = 10.0) -> None:
-    """Hand a pooled sandbox's kernel its working folder and session env; wait for its "ok".
+def send_claim(
+    launch_dir: Path, cwd: str, env: Mapping[str, str], timeout: float = 10.0, key: bytes | None = None
+) -> None:
+    """Hand a pooled sandbox's kernel its working folder and session env, and on a restart
+    (``key``) the session key its clients hold; wait for its "ok".
 
     The kernel's answer is untrusted: only a bounded read, compared with b"ok".
 
@@ -216,6 +219,8 @@ def send_claim(launch_dir: Path, cwd: str, env: Mapping[str, str], timeout: floa
         KernelStartupError: the kernel did not take the claim.
     """
     claim: dict[str, Any] = {"cwd": cwd, "env": dict(env)}
+    if key is not None:
+        claim["key"] = key.decode()
     path = launch_dir / Path(CONTAINER_CLAIM_SOCKET).name
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

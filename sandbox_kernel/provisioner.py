@@ -164,6 +164,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.runtime_dir: Path | None = None
         self.launch_dir: Path | None = None
         self._launches = 0
+        # The runtime folder the bridge was made in, once a restart from the pool moved the
+        # kernel into its sandbox's (see _bind_pooled): removed when the bridge goes.
+        self._bridge_dir: Path | None = None
         self.bridge: KernelBridge | None = None
         self.backend: SandboxBackend = self.backend_class()
         self._spec: SandboxSpec | None = None
@@ -392,8 +395,11 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         key, scheme = self._session_key()
         restart = self.bridge is not None
         pooled = None
-        if self._pool_plan is not None and not self.connection_info:
-            # Only a first start: a restart keeps the session key clients already use.
+        # A restart keeps the session key clients already use: its kernel is handed it.
+        handed_key = key if self.connection_info else None
+        if self._pool_plan is not None and (handed_key is None or self._egress is None):
+            # A restart claims too, but for network "allowlist": the egress proxy keeps the
+            # kernel's own CA, which its sandbox must trust.
             pooled = SandboxPool.instance().claim(self._pool_plan.fingerprint)
             if pooled is None:
                 self.log.info(
@@ -404,11 +410,12 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.exit_code = None
         self._exit_cause = None
         try:
-            if pooled is not None and await self._bind_pooled(self._spec, pooled):
-                # The manager adopts the sandbox's key (fresh, and nobody else's), as
-                # when reattaching: jupyter_client loads it from the connection info.
-                key, scheme = pooled.key, pooled.scheme
-                self.connection_info = {"key": key, "signature_scheme": scheme}  # type: ignore[typeddict-item]
+            if pooled is not None and await self._bind_pooled(self._spec, pooled, handed_key):
+                if handed_key is None:
+                    # The manager adopts the sandbox's key (fresh, and nobody else's), as
+                    # when reattaching: jupyter_client loads it from the connection info.
+                    key, scheme = pooled.key, pooled.scheme
+                    self.connection_info = {"key": key, "signature_scheme": scheme}  # type: ignore[typeddict-item]
                 launch_dir, container_id = pooled.launch_dir, pooled.container_id
                 BackgroundLoop.instance().submit(self._rename(container_id, self._spec.container_name))
             else:
@@ -516,13 +523,17 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         )
         return launch_dir, self.container_id
 
-    async def _bind_pooled(self, spec: SandboxSpec, sandbox: PooledSandbox) -> bool:
-        """Make a claimed pooled sandbox this kernel's (see :mod:`~.binding`). False (and
-        the sandbox removed) if that fails: the kernel then starts cold."""
-        self.runtime_dir, self.launch_dir, self._launches = sandbox.runtime_dir, sandbox.launch_dir, 1
-        self.container_id = sandbox.container_id
+    async def _bind_pooled(self, spec: SandboxSpec, sandbox: PooledSandbox, key: bytes | None = None) -> bool:
+        """Make a claimed pooled sandbox this kernel's (see :mod:`~.binding`), its runtime
+        folder the kernel's; on a restart (``key``: the session key its clients hold) the
+        kernel is handed that key. False (and the sandbox removed) if that fails: the kernel
+        then starts cold."""
+        restart = key is not None and self.runtime_dir is not None
+        if not restart:
+            self.runtime_dir, self._launches = sandbox.runtime_dir, 1
+        self.launch_dir, self.container_id = sandbox.launch_dir, sandbox.container_id
         try:
-            await bind(self.backend, sandbox, spec)
+            await bind(self.backend, sandbox, spec, key)
         except (SandboxKernelError, OSError) as exc:
             self.log.warning(
                 "Sandboxed kernel %s: could not bind pooled sandbox %s (%s); starting one cold",
@@ -530,11 +541,18 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 sandbox.container_id[:12],
                 exc,
             )
-            self.container_id = None
-            self.runtime_dir = self.launch_dir = None
-            self._launches = 0
+            self.container_id = self.launch_dir = None
+            if not restart:
+                self.runtime_dir, self._launches = None, 0
             await SandboxPool.instance().discard(sandbox)
             return False
+        if restart:
+            # The sandbox's runtime folder becomes the kernel's (its container's labels name
+            # it); the bridge's stays until the bridge goes, one a previous restart claimed now.
+            previous, self.runtime_dir, self._launches = self.runtime_dir, sandbox.runtime_dir, 1
+            self._bridge_dir = self._bridge_dir or previous
+            if previous is not None and previous != self._bridge_dir:
+                await asyncio.to_thread(remove_tree, previous)
         self._spec = replace(spec, runtime_dir=sandbox.launch_dir)
         self.from_pool = True
         self.log.info(
@@ -1557,6 +1575,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         # kernel's clocks.
         self._answer_pending(ename, reason)
         doomed = self.launch_dir if keep_bridge else self.runtime_dir
+        if not keep_bridge and self._bridge_dir is not None:
+            await asyncio.to_thread(remove_tree, self._bridge_dir)
+            self._bridge_dir = None
         if keep_bridge and self.runtime_dir is not None:
             # A pooled sandbox's workspace mount goes with it; the restart starts cold.
             await asyncio.to_thread(detach_mounts, self.runtime_dir / "slot")
@@ -1601,6 +1622,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         if self.bridge is not None:
             await asyncio.to_thread(self.bridge.stop)
             self.bridge = None
+        if self._bridge_dir is not None:  # the kernel's sockets and state are in runtime_dir
+            await asyncio.to_thread(remove_tree, self._bridge_dir)
+            self._bridge_dir = None
         if self.runtime_dir is not None and not await asyncio.to_thread(self._held_elsewhere_now):
             # Nobody holds it now: whoever reattaches next need not take it over.
             await asyncio.to_thread(write_owner, self.runtime_dir, NO_HOLDER)

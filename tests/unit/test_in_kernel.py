@@ -13,6 +13,7 @@ import sys
 import sysconfig
 import threading
 import time
+import types
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,11 @@ from ipykernel import iostream
 
 from sandbox_kernel import in_kernel
 from sandbox_kernel.errors import KernelStartupError
+from sandbox_kernel.launch_folder import send_claim
 from sandbox_kernel.startup_mark import STARTED_MARK, read_mark, wait_for_startup_code
 
+#: The start-up code's threads are recorded, not started (``started``): this one runs them.
+REAL_THREAD = threading.Thread
 THREAD_ENV = (
     "OMP_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
@@ -476,3 +480,23 @@ async def test_a_kernel_that_leaves_no_mark_fails_when_its_time_is_up(tmp_path: 
         await wait_for_startup_code(Sandbox(), "c1", tmp_path, 0.3, "img")  # type: ignore[arg-type]
     with pytest.raises(KernelStartupError, match=r"exited \(exit code 1\)"):
         await wait_for_startup_code(Sandbox(code=1), "c1", tmp_path, 30, "img")  # type: ignore[arg-type]
+
+
+def test_a_restart_s_claim_hands_the_kernel_the_key_its_clients_hold(
+    started: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A restart that claims a pooled sandbox keeps its clients' session key: the kernel
+    takes it with its working folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SANDBOX_KERNEL_CLAIM", str(tmp_path / "claim.sock"))
+    shell, recorded = started()
+    shell.kernel = types.SimpleNamespace(session=types.SimpleNamespace(key=b"the pooled sandbox's own"))
+    claim = REAL_THREAD(target=recorded["targets"]["sandbox-kernel-claim"])
+    claim.start()
+    work = tmp_path / "notebooks"
+    work.mkdir()
+    send_claim(tmp_path, str(work), {"JPY_SESSION_NAME": "a.ipynb"}, key=b"the clients' key")
+    claim.join(5)
+    assert shell.kernel.session.key == b"the clients' key"
+    assert os.getcwd() == str(work)
+    assert shell.user_ns["__session__"] == "a.ipynb"
