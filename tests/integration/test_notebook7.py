@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,3 +123,38 @@ def test_the_launcher_shows_each_kernel_its_own_logo(notebook7: Notebook7) -> No
     for name in SHIPPED:
         resources = notebook7.server.api("GET", f"/api/kernelspecs/{name}").json()["resources"]
         assert {"logo-svg", "logo-32x32", "logo-64x64"} <= set(resources), resources
+
+
+def new_notebook_from_the_tree(tree: Page, display_name: str) -> Page:
+    """New > ``display_name`` on the file browser's page: the new notebook's tab."""
+    tree.locator(".jp-DropdownMenu .lm-MenuBar-item", has_text="New").click()
+    with tree.context.expect_page() as opened:
+        tree.locator(
+            ".lm-Menu-item .lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(display_name)}$")
+        ).click()
+    return opened.value
+
+
+def test_a_new_sandboxed_notebook_opens_with_its_kernel(notebook7: Notebook7) -> None:
+    """New > Sandboxed Python opened "No Kernel" and a Select Kernel dialog in 4 of 6 tries,
+    the kernel idle on the server: the file browser's page starts the kernel and opens the
+    notebook's tab at once, which looks for the notebook's session as it opens, while a
+    sandboxed kernel still starts (a local one is up by then)."""
+    tree = notebook7.page()
+    tree.goto(f"{notebook7.url}/tree?token={notebook7.server.token}")
+    for attempt in range(4):
+        page = new_notebook_from_the_tree(tree, SHIPPED["sandboxed-python"])
+        notebook7.pages.append(page)
+        expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status=idle]")).to_be_visible(
+            timeout=60_000
+        )
+        expect(page.locator(".jp-KernelName").first).to_have_text(SHIPPED["sandboxed-python"])
+        assert page.locator(".jp-Dialog").count() == 0, (
+            attempt,
+            page.locator(".jp-Dialog").all_inner_texts(),
+        )
+        name = page.url.split("?")[0].rsplit("/", 1)[-1]
+        sessions = [s for s in notebook7.server.api("GET", "/api/sessions").json() if s["path"] == name]
+        assert [s["kernel"]["name"] for s in sessions] == ["sandboxed-python"], (attempt, sessions)
+        page.close()
+        notebook7.pages.remove(page)

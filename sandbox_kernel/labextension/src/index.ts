@@ -30,6 +30,8 @@ import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
+import { lateSession } from './latesession';
+
 /** How often the current sandboxed kernel is asked about (ms). */
 const INTERVAL = 3000;
 /** ... while it pauses or resumes, which takes seconds. */
@@ -537,4 +539,4 @@ const plugin: JupyterFrontEndPlugin<void> = {
   }
 };
 
-export default plugin;
+export default [plugin, lateSession];
