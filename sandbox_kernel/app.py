@@ -34,8 +34,8 @@ from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
 from . import gvisor_checkpoint
 from ._version import __version__
 from .admission import CONFIG_FILE_NAME, require_sandboxed, sandboxed_manager
-from .docker_backend import DockerBackend, ImageBuildError, ImageStore
-from .errors import ConfigurationError, DockerUnavailableError, SandboxKernelError
+from .docker_backend import DockerBackend, ImageStore
+from .errors import ConfigurationError, DockerUnavailableError, ImageBuildError, SandboxKernelError
 from .ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from .plan import ceiling_violations, validate_kernelspec_config, volume_name
 from .provisioner import SandboxProvisioner
@@ -610,7 +610,7 @@ def docker_access_warning(uid: int | None = None) -> str | None:
         "runs code as it (not the sandboxed kernels) can read any file on the host, enter any "
         "kernel's container and stop or replace it, with no audit line. Give it to no one you "
         "would not give root; on a shared host run the server as root, or keep Docker on a "
-        "machine of its own (see the README's threat model)."
+        "machine of its own (see docs/security/threat-model.md)."
     )
 
 

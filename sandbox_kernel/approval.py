@@ -34,7 +34,7 @@ from .wire import load_dict
 
 log = logging.getLogger(__name__)
 
-#: What allows a request, as the README documents it; anything else denies.
+#: What allows a request, as docs/administrators/approval.md documents it; anything else denies.
 ALLOWING = ("once", "kernel")
 #: How long a late answer to a prompt that timed out is still recognised (and swallowed).
 LATE_ANSWERS = 600.0

@@ -32,6 +32,7 @@ from .docker_args import container_create_kwargs, volume_setup_kwargs
 from .errors import (
     DockerOperationError,
     DockerUnavailableError,
+    ImageBuildError,
     ImageNotFoundError,
     KernelStartupError,
     PauseError,
@@ -811,10 +812,6 @@ class ContainerExits:
                     self._thread = None
                     return
             time.sleep(1.0)
-
-
-class ImageBuildError(Exception):
-    """A kernel image could not be built; the message is Docker's."""
 
 
 class ImageStore:

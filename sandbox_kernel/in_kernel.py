@@ -230,7 +230,7 @@ def _sandbox_kernel_startup() -> None:
     install_hint = (
         "%pip install it (a kernel without network installs only files in its workspace), "
         "or ask the administrator to add it to the kernel's image "
-        "(`jupyter sandbox-kernel build-image`, see the README's Images)"
+        "(`jupyter sandbox-kernel build-image`, see docs/administrators/images.md)"
     )
     # glibc's sem_open makes a semaphore with a hard link, which the sandbox's seccomp
     # profile refuses (a link in the workspace could point host code at another file).

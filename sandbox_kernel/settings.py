@@ -102,7 +102,7 @@ class Credentials(TraitType[Any, Any]):
 
 
 class SandboxSettings(LoggingConfigurable):
-    """What a sandboxed kernel may use, and how it runs; see the README's Configuration.
+    """What a sandboxed kernel may use, and how it runs; see docs/administrators/configuration.md.
 
     Every duration (a :class:`Duration`) takes seconds or a string such as ``"5m"``, and
     reads back as float seconds; every size (a :class:`Size`) takes bytes or a string
@@ -200,7 +200,7 @@ class SandboxSettings(LoggingConfigurable):
         config=True,
         help="""Largest file the kernel may write, in the workspace or /tmp (RLIMIT_FSIZE):
         a write past it fails with "File too large" (EFBIG). A bind-mounted workspace has no
-        quota of its own; see the README on bounding its total size.""",
+        quota of its own; see docs/administrators/workspace.md on bounding its total size.""",
     ).tag(kernelspec=True, ceiling="max_file_size", bound="size")
     idle_timeout = Duration(
         0.0,
@@ -215,7 +215,7 @@ class SandboxSettings(LoggingConfigurable):
         help="""Time without any execution after which the kernel is paused: its whole
         sandbox, memory included, is saved to disk and stopped (in seconds or e.g. '30m';
         0: never). The next message from any client resumes it and is then delivered; the
-        variables are all there. Needs Docker's experimental mode (see README).""",
+        variables are all there. Needs Docker's experimental mode (see docs/administrators/pausing.md).""",
     ).tag(kernelspec=True, ceiling="max_pause_after", bound="timeout")
     network = CaselessStrEnum(
         ["none", "allowlist"],
