@@ -188,7 +188,8 @@ async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Ser
             "open('from-lab.txt', 'w').write('saved')",
         )
         assert status == "ok"
-        assert out.split() == ["4.4.0", "/workspace", "1,2"]
+        # The server's root is the workspace, the notebook's folder the working folder.
+        assert out.split() == ["4.4.0", "/workspace/project", "1,2"]
         assert (folder / "from-lab.txt").read_text() == "saved"
 
         server.api("POST", f"/api/kernels/{kernel_id}/restart")

@@ -344,7 +344,8 @@ async def test_pooled_kernels_under_jupyter_server(
         status, out = await execute_over_websocket(
             server, kernel_id, "import os; print(os.getcwd()); open('from-lab.txt', 'w').write('saved')"
         )
-        assert (status, out) == ("ok", "/workspace/project\n")
+        # The server's root is the workspace (a pooled one under /workspace/<its name>).
+        assert (status, out) == ("ok", f"/workspace/{root.name}/project\n")
         assert (folder / "from-lab.txt").read_text() == "saved"
         claimed = docker_client.containers.get(f"sandbox-kernel-{kernel_id}")
         assert claimed.id in ready
