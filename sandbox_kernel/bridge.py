@@ -59,6 +59,7 @@ import zmq
 from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
+from .meter import Meter
 from .output import OutputLimiter
 from .sanitize import OutputSanitizer
 from .wire import MAX_SMALL_FRAME, Signatures, find_delimiter, frame_bytes, load_dict
@@ -278,6 +279,7 @@ class KernelBridge:
         key: bytes = b"",
         signature_scheme: str = "hmac-sha256",
         caps: SizeCaps | None = None,
+        meter_folder: Path | None = None,
     ) -> None:
         if transport not in ("tcp", "ipc"):
             msg = f"transport={transport!r}: use 'ipc' or 'tcp'"
@@ -292,6 +294,12 @@ class KernelBridge:
         self._signer = Session(key=key, signature_scheme=signature_scheme, username="sandbox-kernel")
         self._caps = caps or SizeCaps()
         self._kernel_endpoints = dict(kernel_endpoints)
+        #: Where the meter of the kernel's ipc sockets listens (see :mod:`.meter`): a
+        #: folder of this process alone; None: the bridge connects to them itself, each
+        #: frame capped but not a message (for tests).
+        self._meter_folder = meter_folder
+        self._meter: Meter | None = None
+        self._back_endpoints: dict[str, str] = {}
         self._requested_ports = dict(ports or {})
         self._curve = curve
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -301,6 +309,7 @@ class KernelBridge:
         self._thread: threading.Thread | None = None
         self._stop_tx: zmq.Socket[bytes] | None = None
         self._attachments = itertools.count()
+        self._monitor_numbers = itertools.count()
         self._inject_tx: zmq.Socket[bytes] | None = None
         self._inject_rx: zmq.Socket[bytes] | None = None
         # zmq sockets are not thread-safe; injections come from the loop and the bridge thread.
@@ -431,6 +440,7 @@ class KernelBridge:
         self.detach()
         self._restore_ipc_links()
         self._kernel_endpoints = dict(kernel_endpoints)
+        self._back_endpoints = self._metered(self._kernel_endpoints)
         for pending in self._outstanding.values():
             pending.clear()  # the next kernel answers none of the last one's requests
         self._held, self._held_bytes, self._release_due = None, 0, False
@@ -459,6 +469,23 @@ class KernelBridge:
         )
         self._thread.start()
 
+    def _metered(self, endpoints: Mapping[str, str]) -> dict[str, str]:
+        """Where the kernel-facing sockets connect: a meter in front of each ipc socket of
+        the kernel's, which bounds whole messages (see :mod:`.meter`)."""
+        if self._meter_folder is None:
+            return dict(endpoints)
+        self._meter = Meter(self._meter_folder, self._on_cut)
+        return {
+            channel: self._meter.endpoint(channel, endpoint.removeprefix("ipc://"), self._caps.back(channel))
+            if endpoint.startswith("ipc://")
+            else endpoint
+            for channel, endpoint in endpoints.items()
+        }
+
+    def _on_cut(self, channel: str, why: str) -> None:
+        """The meter cut the kernel's ``channel`` off (ZeroMQ connects again)."""
+        self._drop(channel, False, why)
+
     def _connect_back(self, channel: str) -> zmq.Socket[bytes]:
         """A new kernel-facing socket for ``channel``, connected, with a disconnect monitor."""
         if self._context is None:
@@ -467,20 +494,33 @@ class KernelBridge:
         back_type = _SOCKET_TYPES[channel][1]
         back = self._context.socket(back_type)
         back.linger = 0
-        # Bytes from the sandbox are untrusted: a peer sending a bigger frame is cut off
-        # (ZeroMQ then does not reconnect: the monitor tells the relay to make a new
-        # socket), and few messages wait in the server's memory.
-        back.setsockopt(zmq.MAXMSGSIZE, self._caps.back(channel))
-        back.rcvhwm = 100
-        if back_type == zmq.DEALER:
-            back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
-        self._connected.discard(channel)
-        self._monitors[channel] = back.get_monitor_socket(_MONITORED)
-        back.connect(self._kernel_endpoints[channel])
-        if back_type == zmq.XSUB:
-            # Clients subscribed through the previous socket; subscribe this one to
-            # everything so a restarted kernel's output reaches them.
-            back.send(b"\x01")
+        try:
+            # Bytes from the sandbox are untrusted: a peer sending a bigger frame is cut
+            # off (ZeroMQ then does not reconnect: the monitor tells the relay to make a
+            # new socket), and few messages wait in the server's memory.
+            back.setsockopt(zmq.MAXMSGSIZE, self._caps.back(channel))
+            back.rcvhwm = 100
+            # The meter holds a connection while the kernel has no socket (paused): no
+            # handshake deadline, so no reconnecting meanwhile.
+            back.setsockopt(zmq.HANDSHAKE_IVL, 0)
+            if back_type == zmq.DEALER:
+                back.setsockopt(zmq.IDENTITY, _KERNEL_SIDE_IDENTITY)
+            self._connected.discard(channel)
+            # An address of its own: pyzmq's default names the socket's descriptor, which
+            # the next socket may reuse before the last monitor's address is free.
+            address = f"inproc://monitor-{id(self):x}-{next(self._monitor_numbers)}"
+            self._monitors[channel] = back.get_monitor_socket(_MONITORED, addr=address)
+            back.connect(self._back_endpoints[channel])
+            if back_type == zmq.XSUB:
+                # Clients subscribed through the previous socket; subscribe this one to
+                # everything so a restarted kernel's output reaches them.
+                back.send(b"\x01")
+        except BaseException:
+            back.close(linger=0)  # (an open socket would keep the context from ending)
+            monitor = self._monitors.pop(channel, None)
+            if monitor is not None:
+                monitor.close(linger=0)
+            raise
         self._backs[channel] = back
         return back
 
@@ -581,6 +621,9 @@ class KernelBridge:
             self._stop_tx = None
         for channel in list(self._backs):
             self._close_back(channel)
+        if self._meter is not None:
+            self._meter.close()
+            self._meter = None
         self.drop_held()  # meant for a kernel that is gone
 
     def _relay(

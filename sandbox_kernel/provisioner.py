@@ -799,6 +799,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
                 transport=self.client_transport,
                 key=key,
                 signature_scheme=scheme,
+                meter_folder=self.runtime_dir,
             )
             self.bridge.on_wake = self._wake
             return self.bridge.start()

@@ -13,6 +13,7 @@ import os
 import queue
 import stat
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -300,3 +301,68 @@ def test_stdin_is_no_way_around_the_output_limit(start_sandboxed: KernelStarter)
     )
     assert reply["content"]["status"] == "ok"
     assert "".join(out) == "hello Ada\n"
+
+
+class PeakRss:
+    """How much more memory this process (the server: the bridge runs in it) held at its
+    peak while in the block than before."""
+
+    def __init__(self) -> None:
+        self.before = self.peak = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> PeakRss:
+        self.before = self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def grew(self) -> int:
+        return self.peak - self.before
+
+
+def test_one_message_of_many_frames_from_kernel_code_does_not_grow_the_server(
+    start_sandboxed: KernelStarter,
+) -> None:
+    """Issue #22: one message of many frames, each under ZeroMQ's 64 MiB frame cap, cost
+    the server about the container's memory per message (ZeroMQ hands a message over only
+    once whole, and holds its frames meanwhile). Kernel code sends 1 GiB as one IOPub
+    message (a display whose buffers are 64 frames of 16 MiB): the meter in front of the
+    bridge cuts the link at the channel's cap, and the server does not grow by it; the
+    kernel answers on."""
+    km, kc = start_sandboxed()
+    bridge = km.provisioner.bridge  # type: ignore[attr-defined]
+    with PeakRss() as rss:
+        sent = kc.execute(
+            "k = get_ipython().kernel\n"
+            "chunk = b'x' * (16 * 2**20)\n"
+            "content = {'data': {'text/plain': 'big'}, 'metadata': {}}\n"
+            "k.session.send(k.iopub_socket, 'display_data', content, parent=k.get_parent('shell'),\n"
+            "               buffers=[chunk] * 64)\n"
+            "del chunk\n"
+        )
+        # Its reply comes on shell; IOPub was cut off, and what the kernel published
+        # until the bridge had subscribed again (this cell's idle status) is lost with it.
+        reply = kc.get_shell_msg(timeout=120)
+        assert (reply["parent_header"]["msg_id"], reply["content"]["status"]) == (sent, "ok")
+        deadline = time.monotonic() + 60
+        while not bridge.dropped["iopub message from the kernel: a message over 64 MiB"]:
+            assert time.monotonic() < deadline, f"not cut off: {bridge.dropped}"
+            time.sleep(0.1)
+        time.sleep(1)
+        assert run_ok(kc, "print('alive')", timeout=120) == "alive\n"
+    print(f"1 GiB as one message through the relay: the server grew by {rss.grew / 2**20:.0f} MiB")
+    assert rss.grew < 192 * 2**20, f"the server grew by {rss.grew / 2**20:.0f} MiB for one message"
