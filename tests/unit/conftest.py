@@ -1,4 +1,5 @@
-"""Unit-tier fixtures: a fake docker-py client, and a guard that no test reaches a daemon.
+"""Unit-tier fixtures: a fake docker-py client, a guard that no test reaches a daemon, and a
+ZeroMQ context for the tests with real sockets (the bridge's, the meter's).
 
 The fake mimics the small part of docker-py that ``DockerBackend`` uses
 (``info``, ``images.get``, ``containers.create``, ``api.inspect_container/kill/logs/
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import docker
 import pytest
+import zmq
 from docker.errors import APIError, ImageNotFound, NotFound
 
 from sandbox_kernel.docker_backend import REQUIRED_RUNTIME_ARGS, DockerBackend
@@ -30,6 +32,16 @@ from sandbox_kernel.sandbox_spec import (
 from sandbox_kernel.settings import DEFAULT_RUNTIME
 
 RUNNING = {"Status": "running", "ExitCode": 0, "OOMKilled": False}
+
+Ctx = zmq.Context[zmq.Socket[bytes]]
+
+
+@pytest.fixture
+def ctx() -> Iterator[Ctx]:
+    """A ZeroMQ context of the test's own, destroyed with whatever sockets are left open."""
+    context: Ctx = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
 from sandbox_kernel.output import OutputLimiter
 from sandbox_kernel.sanitize import OutputSanitizer
 from sandbox_kernel.wire import find_delimiter, frame_bytes, stderr_notice
+from tests.unit.conftest import Ctx
 
 TIMEOUT_MS = 1000
 KEY = b"a-session-key"
@@ -36,15 +37,6 @@ KERNEL_SOCKET_TYPES = {
     "control": zmq.ROUTER,
     "hb": zmq.ROUTER,
 }
-
-Ctx = zmq.Context[zmq.Socket[bytes]]
-
-
-@pytest.fixture
-def ctx() -> Iterator[Ctx]:
-    context: Ctx = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture

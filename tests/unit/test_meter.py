@@ -17,15 +17,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from sandbox_kernel.meter import GREETING, MessageMeter, Meter
-
-Ctx = zmq.Context[zmq.Socket[bytes]]
-
-
-@pytest.fixture
-def ctx() -> Iterator[Ctx]:
-    context: Ctx = zmq.Context()
-    yield context
-    context.destroy(linger=0)
+from tests.unit.conftest import Ctx
 
 
 @pytest.fixture
