@@ -467,73 +467,98 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
     found = []
     for name, trait in sorted(settings.traits(bound=lambda bound: bound is not None).items()):
         kind, ceiling_name = trait.metadata["bound"], trait.metadata["ceiling"]
-        asked, ceiling = getattr(settings, name), getattr(settings, ceiling_name)
-        setting = f"SandboxProvisioner.{ceiling_name}"
-        fix = "Ask for at most that in the kernelspec, or have the server's administrator raise the ceiling."
-        if kind in ("amount", "size"):
-            if exceeds(kind, name, asked, ceiling):
-                found.append(
-                    f"{name}={asked!r} exceeds the server's ceiling of {ceiling!r} ({setting}). "
-                    f"Ask for at most {ceiling!r} in the kernelspec, or have the server's administrator "
-                    "raise the ceiling."
-                )
-        elif kind in ("timeout", "lifetime"):
-            if kind == "lifetime" and settings.lifecycle != "persistent":
-                continue
-            if exceeds(kind, name, asked, ceiling):
-                what = "no limit" if asked <= 0 else f"{asked:g} s"
-                found.append(
-                    f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s "
-                    f"({setting}). {fix}"
-                )
-        elif kind == "names":
-            beyond = sorted(set(kernelspec_config.get(name, [])) - set(ceiling))
-            if beyond:
-                found.append(
-                    f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
-                    f"server's ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
-                    "set a value in its `env` instead, or have the administrator widen the ceiling."
-                )
-        elif kind == "images":
-            image = kernelspec_config.get(name)
-            if image is not None and not any(fnmatch.fnmatchcase(str(image), p) for p in ceiling):
-                found.append(
-                    f"image={image!r} is not among the images the server allows kernelspecs to name "
-                    f"({setting}={list(ceiling)!r}). Use one of those, or have the administrator add it."
-                )
-        elif kind == "roots":
-            root = kernelspec_config.get(name)
-            if root is not None and not _within_any(str(root), ceiling):
-                found.append(
-                    f"workspace_root={root!r} is not within the folders the server lets kernelspecs "
-                    f"mount ({setting}={list(ceiling)!r}). Remove it from the kernelspec (the notebook's "
-                    "folder is the workspace), or have the administrator allow that folder."
-                )
-        elif kind == "credentials":
-            named = kernelspec_config.get(name, [])
-            if isinstance(named, Mapping):
-                found.append(
-                    "The kernelspec defines credentials; it may only name the server's "
-                    '(credentials: ["warehouse"]), whose values only the server\'s config holds '
-                    "(SandboxProvisioner.credentials)."
-                )
-            elif beyond := sorted(set(named) - set(ceiling)):
-                found.append(
-                    f"credentials names {beyond}, beyond the server's ceiling "
-                    f"({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, or have the "
-                    "administrator add them to the ceiling."
-                )
+        ceiling, setting = getattr(settings, ceiling_name), f"SandboxProvisioner.{ceiling_name}"
+        if kind in ("amount", "size", "timeout", "lifetime"):
+            violation = _setting_beyond(settings, kind, name, ceiling, setting)
+        elif kind in ("names", "images", "roots", "credentials"):
+            violation = _request_beyond(kernelspec_config, kind, name, ceiling, setting)
         elif kind == "domains":
-            rules = settings.egress_rules()
-            try:
-                if rules is not None:
-                    settings.check_domains(rules)
-            except ConfigurationError as exc:
-                found.append(str(exc))
+            violation = _domains_beyond(settings)
         else:  # a tag this function does not know: a programming error, never a pass
             msg = f"{name}: unknown ceiling bound {kind!r}"
             raise ValueError(msg)
+        if violation is not None:
+            found.append(violation)
     return found
+
+
+def _setting_beyond(
+    settings: SandboxSettings, kind: str, name: str, ceiling: Any, setting: str
+) -> str | None:
+    """The setting ``name`` (an amount, a size or a limit in seconds) beyond its ceiling."""
+    if kind == "lifetime" and settings.lifecycle != "persistent":
+        return None
+    asked = getattr(settings, name)
+    if not exceeds(kind, name, asked, ceiling):
+        return None
+    if kind in ("amount", "size"):
+        return (
+            f"{name}={asked!r} exceeds the server's ceiling of {ceiling!r} ({setting}). "
+            f"Ask for at most {ceiling!r} in the kernelspec, or have the server's administrator "
+            "raise the ceiling."
+        )
+    what = "no limit" if asked <= 0 else f"{asked:g} s"
+    return (
+        f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s ({setting}). "
+        "Ask for at most that in the kernelspec, or have the server's administrator raise the ceiling."
+    )
+
+
+def _request_beyond(
+    kernelspec_config: Mapping[str, Any], kind: str, name: str, ceiling: Any, setting: str
+) -> str | None:
+    """What the kernelspec itself asks of ``name`` (names, an image, a root, credentials)
+    beyond its ceiling."""
+    if kind == "names":
+        beyond = sorted(set(kernelspec_config.get(name, [])) - set(ceiling))
+        if beyond:
+            return (
+                f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
+                f"server's ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
+                "set a value in its `env` instead, or have the administrator widen the ceiling."
+            )
+    elif kind == "images":
+        image = kernelspec_config.get(name)
+        if image is not None and not any(fnmatch.fnmatchcase(str(image), p) for p in ceiling):
+            return (
+                f"image={image!r} is not among the images the server allows kernelspecs to name "
+                f"({setting}={list(ceiling)!r}). Use one of those, or have the administrator add it."
+            )
+    elif kind == "roots":
+        root = kernelspec_config.get(name)
+        if root is not None and not _within_any(str(root), ceiling):
+            return (
+                f"workspace_root={root!r} is not within the folders the server lets kernelspecs "
+                f"mount ({setting}={list(ceiling)!r}). Remove it from the kernelspec (the notebook's "
+                "folder is the workspace), or have the administrator allow that folder."
+            )
+    else:  # credentials
+        named = kernelspec_config.get(name, [])
+        if isinstance(named, Mapping):
+            return (
+                "The kernelspec defines credentials; it may only name the server's "
+                '(credentials: ["warehouse"]), whose values only the server\'s config holds '
+                "(SandboxProvisioner.credentials)."
+            )
+        beyond = sorted(set(named) - set(ceiling))
+        if beyond:
+            return (
+                f"credentials names {beyond}, beyond the server's ceiling "
+                f"({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, or have the "
+                "administrator add them to the ceiling."
+            )
+    return None
+
+
+def _domains_beyond(settings: SandboxSettings) -> str | None:
+    """The allowed domains beyond their ceiling's patterns."""
+    rules = settings.egress_rules()
+    try:
+        if rules is not None:
+            settings.check_domains(rules)
+    except ConfigurationError as exc:
+        return str(exc)
+    return None
 
 
 def exceeds(kind: str, name: str, value: Any, bound: Any) -> bool:
@@ -746,23 +771,30 @@ def visible_env(settings: SandboxSettings, launch_env: Mapping[str, str]) -> dic
     return {name: launch_env[name] for name in settings.pass_env if name in launch_env}
 
 
-def plan_sandbox(
-    settings: SandboxSettings, launch: Launch, kernel_env: Mapping[str, str], kernelspec_env: Iterable[str]
-) -> Plan:
-    """The kernel's sandbox: where its workspace is and how it appears inside, its uid,
-    command, environment, limits and labels.
+@dataclass(frozen=True)
+class Placement:
+    """Where a kernel's workspace is, how it appears inside the sandbox, and whose it is."""
 
-    ``kernel_env``: :func:`visible_env` with the kernelspec's ``env`` applied (by
-    jupyter_client); ``kernelspec_env``: the names the kernelspec's ``env`` sets.
+    #: The host folder mounted as the workspace (with a volume: the notebook's folder).
+    workspace: Path
+    #: The kernel's working folder inside the sandbox.
+    workdir: str
+    #: Where the workspace appears inside the sandbox.
+    workspace_path: str
+    uid: int
+    gid: int
+    #: The Docker volume that is the workspace, if the settings name one.
+    volume: str | None
+
+
+def place_workspace(settings: SandboxSettings, launch: Launch) -> Placement:
+    """The kernel's workspace, working folder and uid (see :func:`plan_sandbox`).
 
     Raises:
         ConfigurationError, WorkspaceError: the start cannot go ahead as asked.
     """
-    egress = settings.egress_policy()
-    credentials = settings.credential_specs(egress)
     cwd, env = launch.cwd, launch.env
     volume = None
-    warnings: list[str] = []
     if settings.workspace_volume:
         volume = volume_name(
             settings.workspace_volume,
@@ -794,15 +826,42 @@ def plan_sandbox(
         # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
         workspace_path = pooled_workspace_path(workspace, volume)
         workdir = workspace_path + workdir.removeprefix(CONTAINER_WORKSPACE)
-    command = relay_command(kernel_command(launch.argv, launch.extra_arguments))
+    return Placement(workspace, workdir, workspace_path, uid, gid, volume)
+
+
+def kernel_policy(
+    settings: SandboxSettings, egress: EgressPolicy | None, credentials: Sequence[CredentialSpec]
+) -> dict[str, Any]:
+    """The policy the kernel reads inside the sandbox (``POLICY_ENV``): its limits, network
+    and image, its allowed domains, and which domains get a credential (never its value:
+    code may know why a request works)."""
     policy: dict[str, Any] = {
         **settings.limits.as_dict(),
         "network": settings.network,
         "image": settings.image,
     }
     policy["allowed_domains"] = list(egress.rules.patterns) if egress is not None else []
-    # Which domains get a credential (never its value): code may know why a request works.
     policy["credentials"] = {spec.name: list(spec.rules.patterns) for spec in credentials}
+    return policy
+
+
+def plan_sandbox(
+    settings: SandboxSettings, launch: Launch, kernel_env: Mapping[str, str], kernelspec_env: Iterable[str]
+) -> Plan:
+    """The kernel's sandbox: where its workspace is and how it appears inside, its uid,
+    command, environment, limits and labels.
+
+    ``kernel_env``: :func:`visible_env` with the kernelspec's ``env`` applied (by
+    jupyter_client); ``kernelspec_env``: the names the kernelspec's ``env`` sets.
+
+    Raises:
+        ConfigurationError, WorkspaceError: the start cannot go ahead as asked.
+    """
+    egress = settings.egress_policy()
+    credentials = settings.credential_specs(egress)
+    place = place_workspace(settings, launch)
+    command = relay_command(kernel_command(launch.argv, launch.extra_arguments))
+    policy = kernel_policy(settings, egress, credentials)
     if egress is not None:
         command = egress_command(command)
     spec = SandboxSpec(
@@ -817,18 +876,18 @@ def plan_sandbox(
             "PYTHONSTARTUP": CONTAINER_STARTUP_FILE,
             **(proxy_env() if egress is not None else {}),
         },
-        workspace=workspace,
-        workdir=workdir,
+        workspace=place.workspace,
+        workdir=place.workdir,
         runtime_dir=Path(),
-        uid=uid,
-        gid=gid,
+        uid=place.uid,
+        gid=place.gid,
         memory=settings.memory,
         cpus=settings.cpus,
         pids=settings.pids,
         tmp_size=settings.tmp_size,
         file_size=settings.file_size,
-        volume=volume,
-        workspace_path=workspace_path,
+        volume=place.volume,
+        workspace_path=place.workspace_path,
         extra_labels={
             LABEL_OWNER: launch.owner,
             LABEL_LIFECYCLE: settings.lifecycle,
@@ -837,4 +896,4 @@ def plan_sandbox(
             LABEL_SCOPE: launch.scope,
         },
     )
-    return Plan(spec, egress, credentials, tuple(warnings))
+    return Plan(spec, egress, credentials)
