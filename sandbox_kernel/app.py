@@ -883,7 +883,8 @@ class McpApp(_KernelStarter):
     to stderr. The assistant gets the tools start_kernel, run_code, upload_file,
     download_file, list_files, restart_kernel and shutdown_kernel. Every kernel starts
     from the kernelspec --kernel, with its policy, limits and audit log, in gVisor, and
-    its workspace is --cwd: the only host folder the assistant's code can read or write.
+    its workspace is --cwd, the only host folder the assistant's code can read or write (without
+    it, a fresh folder of its own, removed at the end unless --keep-workspace).
 
     Needs the mcp package: pip install 'sandbox-kernel[mcp]'"""
     examples = inspect.cleandoc(
@@ -895,9 +896,25 @@ class McpApp(_KernelStarter):
 
     kernel_name = Unicode(KERNEL_NAME, config=True, help="Kernelspec the assistant's kernels start from.")
     cwd = Unicode(
-        "", config=True, help="The kernels' workspace: a host folder (default: the current folder)."
+        "",
+        config=True,
+        help="""The kernels' workspace: a host folder. Default: a fresh, empty folder of this
+        server's own under JUPYTER_DATA_DIR/sandbox-kernel/workspaces, removed when it
+        ends (unless --keep-workspace).""",
+    )
+    keep_workspace = Bool(
+        False,
+        config=True,
+        help="Without --cwd, keep the fresh workspace when the server ends (its path is logged).",
     )
     aliases = {**base_aliases, "kernel": "McpApp.kernel_name", "cwd": "McpApp.cwd"}
+    flags = {
+        **base_flags,
+        "keep-workspace": (
+            {"McpApp": {"keep_workspace": True}},
+            "Without --cwd, keep the fresh workspace when the server ends.",
+        ),
+    }
 
     def start(self) -> None:
         try:
@@ -912,11 +929,19 @@ class McpApp(_KernelStarter):
                 "pip install 'sandbox-kernel[mcp]'"
             )
             return
-        cwd = Path(self.cwd or os.getcwd()).expanduser().resolve()
-        if not cwd.is_dir():
-            self.fail(f"--cwd {self.cwd!r} is not a folder; give the folder the kernels should work in")
+        cwd = None
+        if self.cwd:
+            folder = Path(self.cwd).expanduser().resolve()
+            if not folder.is_dir():
+                self.fail(f"--cwd {self.cwd!r} is not a folder; give the folder the kernels should work in")
+            cwd = str(folder)
         self.require_sandboxed(self.kernel_name)
-        serve_stdio(kernel_name=self.kernel_name, cwd=str(cwd), config=self.config)
+        try:
+            serve_stdio(
+                kernel_name=self.kernel_name, cwd=cwd, config=self.config, keep_workspace=self.keep_workspace
+            )
+        except SandboxKernelError as exc:
+            self.fail(str(exc))
 
 
 class SandboxKernelApp(JupyterApp):

@@ -62,7 +62,7 @@ from pydantic import Field
 from traitlets import Int, TraitError, Unicode, validate
 from traitlets.config import Config, LoggingConfigurable
 
-from . import mcp_transport
+from . import mcp_transport, workspaces
 from ._version import __version__
 from .commands import DEFAULT_TIMEOUT
 from .errors import SandboxKernelError
@@ -283,9 +283,13 @@ class KernelTools:
         cwd: str,
         session_factory: SessionFactory,
         limits: McpLimits | None = None,
+        remove_workspace: bool = False,
     ) -> None:
         self.kernel_name = kernel_name
         self.cwd = cwd
+        #: Whether ``cwd`` is a fresh workspace this server made, to remove once its
+        #: kernels are shut down.
+        self.remove_workspace = remove_workspace
         self.limits = limits or McpLimits()
         self._new_session = session_factory
         self._kernels: dict[str, Session] = {}
@@ -720,6 +724,8 @@ class KernelTools:
                     for kernel_id, session in sessions.items()
                 )
             )
+            if self.remove_workspace:
+                await asyncio.to_thread(workspaces.remove_workspace, Path(self.cwd))
         finally:
             self._all_shut_down.set()
 
@@ -989,9 +995,11 @@ async def serve_stdio_async(
     cwd: str,
     session_factory: SessionFactory | None = None,
     limits: McpLimits | None = None,
+    remove_workspace: bool = False,
 ) -> None:
-    """Serve MCP over stdin and stdout until stdin ends; every kernel is shut down by then."""
-    tools = KernelTools(kernel_name, cwd, session_factory or AsyncSandboxSession, limits)
+    """Serve MCP over stdin and stdout until stdin ends; every kernel is shut down by
+    then (and, with ``remove_workspace``, the workspace ``cwd`` removed)."""
+    tools = KernelTools(kernel_name, cwd, session_factory or AsyncSandboxSession, limits, remove_workspace)
     server = build_server(tools)
     async with anyio.create_task_group() as group:
         group.start_soon(_stop_on_signals, tools)
@@ -1002,16 +1010,35 @@ async def serve_stdio_async(
 
 
 def serve_stdio(
-    kernel_name: str = "sandboxed-python", cwd: str | None = None, config: Mapping[str, Any] | None = None
+    kernel_name: str = "sandboxed-python",
+    cwd: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    keep_workspace: bool = False,
 ) -> None:
     """Run the MCP server on stdin and stdout (``jupyter sandbox-kernel mcp``).
 
     Kernels use the kernelspec ``kernel_name``, the server settings ``config`` (over the
     server's config files, as :class:`~sandbox_kernel.session.AsyncSandboxSession` takes
     them; its ``McpLimits`` section bounds the clients, see :class:`McpLimits`) and the
-    workspace ``cwd`` (default: the current folder). Returns when the client closes stdin,
-    after shutting every kernel down.
+    workspace ``cwd``. Without ``cwd`` they share a fresh, empty folder of this server's
+    own (see :mod:`~.workspaces`), removed at the end unless ``keep_workspace``. Returns
+    when the client closes stdin, after shutting every kernel down.
+
+    Raises:
+        WorkspaceError: no ``cwd``, and the administrator's ``workspace_root`` decides
+            the workspace (the message says what to pass).
     """
     factory = functools.partial(AsyncSandboxSession, config=config)
     limits = McpLimits(config=Config(config or {}))
-    anyio.run(serve_stdio_async, kernel_name, str(Path(cwd or os.getcwd()).resolve()), factory, limits)
+    fresh = not cwd
+    if cwd:
+        folder = str(Path(cwd).resolve())
+    else:
+        folder = str(workspaces.make_fresh_workspace(kernel_name, Config(config or {})))
+        kept = "kept at the end" if keep_workspace else "removed at the end (--keep-workspace keeps it)"
+        log.info("No --cwd: the kernels' workspace is a fresh folder, %s, %s", folder, kept)
+    try:
+        anyio.run(serve_stdio_async, kernel_name, folder, factory, limits, fresh and not keep_workspace)
+    finally:
+        if fresh and not keep_workspace:
+            workspaces.remove_workspace(Path(folder))  # already gone, unless the server failed

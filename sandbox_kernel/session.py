@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import os
 import queue
 import re
@@ -68,8 +69,10 @@ from .output import amount
 from .pausing import Paused
 from .provisioner import SandboxProvisioner
 from .reattach import reattach_kernel
+from .workspaces import make_fresh_workspace, remove_workspace
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: What the host answers for a kernel that ended (see the provisioner's watchdog): the
 #: run gets the error, and the kernel is restarted for the next one.
@@ -277,8 +280,11 @@ DisplayCallback = Callable[[Result], Any]
 class AsyncSandboxSession:
     """One sandboxed kernel for a program: start, run, interrupt, restart, files, shut down.
 
-    ``kernel_name``: the kernelspec; ``cwd``: the kernel's workspace folder (the current
-    one by default), what ``start_kernel(cwd=...)`` is for any jupyter_client program;
+    ``kernel_name``: the kernelspec; ``cwd``: the kernel's workspace folder, what
+    ``start_kernel(cwd=...)`` is for any jupyter_client program. Without one the session
+    gets a fresh, empty folder of its own at :meth:`start` (see :mod:`~.workspaces`),
+    ``cwd`` then names it, and the folder is removed at :meth:`shutdown` (not at
+    :meth:`detach`: the kernel still uses it) unless ``keep_workspace``;
     ``env``: variables to set in the sandbox; ``restart_on_death``: restart a kernel that
     died or was stopped by a limit, so the next run works; ``max_output``: bytes of
     output one run may produce (at most the server's ``output_limit``; past it the head
@@ -305,11 +311,17 @@ class AsyncSandboxSession:
         manager_kwargs: Mapping[str, Any] | None = None,
         approval_handler: ApprovalHandler | None = None,
         lifetime: float | None = None,
+        keep_workspace: bool = False,
         **policy: Any,
     ) -> None:
         self.kernel_name = kernel_name
         # Not resolved here: the provisioner refuses links a root program must not follow.
-        self.cwd = Path(cwd or os.getcwd()).absolute()
+        #: The host folder the kernel works in; for a session without ``cwd``, its fresh
+        #: workspace once started (None before, and once removed).
+        self.cwd: Path | None = Path(cwd).absolute() if cwd else None
+        #: Whether this session made its workspace (so removes it, unless keep_workspace).
+        self.fresh_workspace = cwd is None or cwd == ""
+        self.keep_workspace = keep_workspace
         self.env = dict(env or {})
         self.restart_on_death = restart_on_death
         self.max_output = max_output
@@ -356,11 +368,17 @@ class AsyncSandboxSession:
         config.merge(self.config)
         km = sandboxed_manager(self.kernel_name, config, **kwargs)
         extra = {"sandbox_env": self.env} if self.env else {}
-        await km.start_kernel(cwd=str(self.cwd), **extra, **self.policy)
+        if self.cwd is None:
+            self.cwd = await asyncio.to_thread(make_fresh_workspace, self.kernel_name, config)
         try:
-            await self._connect(km)
+            await km.start_kernel(cwd=str(self.cwd), **extra, **self.policy)
+            try:
+                await self._connect(km)
+            except BaseException:
+                await km.shutdown_kernel(now=True)
+                raise
         except BaseException:
-            await km.shutdown_kernel(now=True)
+            await self._remove_workspace()
             raise
         if self.lifetime is not None:
             await self.set_lifetime(self.lifetime)
@@ -419,7 +437,7 @@ class AsyncSandboxSession:
         km = await reattach_kernel(kernel_id, take_over=take_over)
         km.stop_restarter()  # the session restarts a dead kernel itself, when run
         cwd = (km._launch_args or {}).get("cwd")
-        session = cls(km.kernel_name, str(cwd) if cwd else None, **kwargs)
+        session = cls(km.kernel_name, str(cwd) if cwd else os.getcwd(), **kwargs)
         try:
             if session.restart_on_death and not await km.is_alive():
                 await km.restart_kernel(now=True)  # stopped (a limit, say) while nobody held it
@@ -564,11 +582,23 @@ class AsyncSandboxSession:
             # A kernel another process took over is not alive here, and the provisioner
             # removes and signals nothing of it: only this manager's side goes.
             await km.shutdown_kernel(now=not await km.is_alive())
+        await self._remove_workspace()
+
+    async def _remove_workspace(self) -> None:
+        """Remove the fresh workspace this session made, unless it is to be kept."""
+        if self.fresh_workspace and not self.keep_workspace and self.cwd is not None:
+            path, self.cwd = self.cwd, None
+            self._workspace = None
+            await asyncio.to_thread(remove_workspace, path)
 
     async def detach(self) -> None:
         """Let go of the kernel without stopping it, for :meth:`connect` in this or
         another process (a persistent kernel waits; an ephemeral one is removed once
-        this process has ended). The session's lifetime no longer applies to it."""
+        this process has ended). The session's lifetime no longer applies to it. A fresh
+        workspace stays (the kernel works in it): ``cwd`` names it, delete it when done."""
+        if self.fresh_workspace and self.cwd is not None and not self.keep_workspace:
+            log.info("Detached: the session's fresh workspace %s stays; delete it when done", self.cwd)
+            self.keep_workspace = True
         self._stop_lifetime()
         km, kc = self.km, self.kc
         self.km = self.kc = None
@@ -1043,6 +1073,11 @@ class SandboxSession:
     @property
     def km(self) -> AsyncKernelManager | None:
         return self._session.km
+
+    @property
+    def cwd(self) -> Path | None:
+        """The host folder the kernel works in (see :attr:`AsyncSandboxSession.cwd`)."""
+        return self._session.cwd
 
     def start(self) -> SandboxSession:
         try:

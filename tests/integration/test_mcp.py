@@ -243,6 +243,30 @@ async def test_sigterm_shuts_the_kernels_down(
         assert containers(docker_client, {kernel_id}) == []
 
 
+@pytest.mark.timeout(600)
+async def test_without_cwd_the_kernels_share_a_fresh_workspace_removed_at_the_end(
+    jupyter_dirs: Path, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    """#23 item 3: an MCP client starts servers in / or its own folder; without --cwd the
+    server's kernels now get a fresh folder of its own, not that one."""
+    parent = tmp_path / "data" / "sandbox-kernel" / "workspaces"
+    params = StdioServerParameters(command=str(SK), args=["mcp"], env=dict(os.environ), cwd="/")
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        done = await run(session, "open('out.txt', 'w').write('hello'); import os; os.getcwd()")
+        assert done["status"] == "ok", done
+        assert done["text"] == "'/workspace'"
+        (folder,) = parent.iterdir()
+        assert (folder / "out.txt").read_text() == "hello"
+        other = (await call(session, "start_kernel")).structured_content
+        assert other is not None
+        listed = await run(session, "import os; sorted(os.listdir('.'))", kernel_id=other["kernel_id"])
+        assert listed["text"] == "['out.txt']"  # one server's kernels share its workspace
+        kernel_ids = {done["kernel_id"], other["kernel_id"]}
+    assert list(parent.iterdir()) == []
+    assert containers(docker_client, kernel_ids) == []
+
+
 def exited(pid: int) -> bool:
     """``pid`` is gone or a zombie (our child, not reaped yet)."""
     try:

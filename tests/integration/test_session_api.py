@@ -96,6 +96,44 @@ def test_the_readme_example_runs_code_and_returns_a_structured_result(
     assert _containers(docker_client, kernel_id) == []
 
 
+def test_sessions_without_cwd_each_work_in_a_fresh_folder_removed_at_the_end(
+    jupyter_dirs: Path, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    """#23 item 3: two assistants' sessions started without cwd never share files (they
+    shared the process's folder), and what they wrote goes with them unless kept."""
+    parent = tmp_path / "data" / "sandbox-kernel" / "workspaces"
+    with SandboxSession(KERNEL, network="none") as first, SandboxSession(KERNEL, network="none") as second:
+        assert first.cwd is not None
+        assert second.cwd is not None
+        assert first.cwd != second.cwd
+        assert {first.cwd.parent, second.cwd.parent} == {parent}
+        assert first.run("open('mine.txt', 'w').write('first')").status == "ok"
+        assert second.run("import os; print(sorted(os.listdir('.')))").stdout == "[]\n"
+        assert first.files.download("mine.txt") == b"first"
+        written = first.cwd / "mine.txt"
+        kernel_uid = 65533 if os.getuid() == 0 else os.getuid()
+        assert written.stat().st_uid == kernel_uid
+        folders, kernel_ids = (first.cwd, second.cwd), {first.kernel_id, second.kernel_id}
+    assert not any(folder.exists() for folder in folders)
+    assert all(_containers(docker_client, str(kernel_id)) == [] for kernel_id in kernel_ids)
+    with SandboxSession(KERNEL, network="none", keep_workspace=True) as kept:
+        assert kept.run("open('result.csv', 'w').write('a,b')").status == "ok"
+        folder = kept.cwd
+    assert folder is not None
+    assert (folder / "result.csv").read_text() == "a,b"
+
+
+def test_a_session_without_cwd_under_a_workspace_root_says_to_pass_cwd(
+    jupyter_dirs: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "team"
+    root.mkdir()
+    config = {"SandboxProvisioner": {"workspace_root": str(root)}}
+    with pytest.raises(WorkspaceError, match=rf"^Pass cwd= a folder under '{root}'"):
+        SandboxSession(KERNEL, config=config).start()
+    assert not (tmp_path / "data" / "sandbox-kernel" / "workspaces").exists()
+
+
 def test_a_dead_kernel_is_an_error_result_then_a_fresh_kernel(session_dir: Path) -> None:
     with SandboxSession(cwd=session_dir) as sandbox:
         assert sandbox.run("x = 1").status == "ok"

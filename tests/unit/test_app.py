@@ -676,13 +676,19 @@ def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return calls
 
 
-def test_mcp_serves_the_default_kernelspec_in_the_current_folder(
+def test_mcp_without_cwd_serves_the_default_kernelspec_in_a_fresh_workspace_not_the_current_folder(
     served: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """#23 item 3: the folder the client started the server in is not the workspace
+    (serve_stdio makes a fresh one, see test_workspaces), unless given with --cwd."""
     run(InstallApp, "--user")
     monkeypatch.chdir(tmp_path)
     run(SandboxKernelApp, "mcp")
-    assert [(call["kernel_name"], call["cwd"]) for call in served] == [(KERNEL_NAME, str(tmp_path.resolve()))]
+    run(McpApp, "--keep-workspace")
+    assert [(call["kernel_name"], call["cwd"], call["keep_workspace"]) for call in served] == [
+        (KERNEL_NAME, None, False),
+        (KERNEL_NAME, None, True),
+    ]
 
 
 def test_mcp_takes_a_kernelspec_and_a_workspace(served: list[dict[str, Any]], tmp_path: Path) -> None:

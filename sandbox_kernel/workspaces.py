@@ -1,0 +1,162 @@
+"""Fresh workspaces: a folder of its own for a session (or MCP server) started without one.
+
+A program that gives no ``cwd`` used to get the process's current folder, so two
+assistants started in the same folder (or an MCP client's ``/`` or home) shared files,
+or were refused. Now such a session gets a new, empty folder under this user's data
+folder, ``JUPYTER_DATA_DIR/sandbox-kernel/workspaces/`` (``~/.local/share/jupyter/...``):
+mode 0700, owned by this user (by the uid the kernel runs as, under root: a root
+program's kernel never runs as root, so the folder goes to ``kernel_uid`` or 65533 while
+the folders above it stay root's, 0700). Its owner removes it when the session ends,
+unless asked to keep it.
+
+An administrator's ``workspace_root`` (the server's config, the kernelspec or
+``$SANDBOX_KERNEL_WORKSPACE_ROOT``) mounts that root for every kernel, so no folder
+elsewhere can be a session's own workspace: :func:`check_fresh_workspace_allowed` says
+to pass ``cwd`` then, before anything is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+from jupyter_core.paths import jupyter_data_dir
+from traitlets.config import Config
+
+from .admission import with_server_config
+from .errors import WorkspaceError
+from .plan import check_default_uid_unused, kernelspec_config
+from .settings import SandboxSettings
+from .trees import delete_tree
+
+log = logging.getLogger(__name__)
+
+#: The setting sections the provisioner reads (its class, and the settings' own).
+_SECTIONS = ("SandboxProvisioner", "SandboxSettings")
+
+
+def workspaces_parent() -> Path:
+    """Where fresh workspaces are made: ``JUPYTER_DATA_DIR/sandbox-kernel/workspaces``."""
+    return Path(jupyter_data_dir()) / "sandbox-kernel" / "workspaces"
+
+
+def _setting(config: Config, name: str) -> Any:
+    for section in _SECTIONS:
+        if section in config and name in config[section]:
+            return config[section][name]
+    return None
+
+
+def check_fresh_workspace_allowed(kernel_name: str, config: Config | None = None) -> None:
+    """Refuse a fresh workspace where the administrator's ``workspace_root`` decides
+    the workspace: it would be refused at the start (outside the root), and inside the
+    root every kernel sees the whole root anyway. And where a ``workspace_volume``
+    template names the volume after the folder (``{project}``): each session would get
+    a new volume, left behind.
+
+    Raises:
+        WorkspaceError: naming the setting, where it is set, and what to pass.
+    """
+    merged = with_server_config(config)
+    root, where = None, ""
+    try:
+        spec = KernelSpecManager(config=merged).get_kernel_spec(kernel_name)
+    except NoSuchKernel:
+        spec = None  # the start says so, naming what to install
+    chosen = kernelspec_config(spec, kernel_name) if spec is not None else {}
+    volume = chosen.get("workspace_volume") or _setting(merged, "workspace_volume")
+    if volume and "{project}" in str(volume):
+        msg = (
+            f"Pass cwd= a folder whose name names the project: workspace_volume={str(volume)!r} makes "
+            "the workspace a Docker volume named after the kernel's folder ({project}), and a fresh "
+            "folder's name would make a new volume for every session."
+        )
+        raise WorkspaceError(msg)
+    if spec is not None:
+        root, where = chosen.get("workspace_root"), f"kernelspec {kernel_name!r}"
+    if root is None:
+        root, where = _setting(merged, "workspace_root"), "the server's config"
+    if root is None:
+        root, where = (
+            os.environ.get(SandboxSettings.WORKSPACE_ROOT_ENV) or None,
+            f"${SandboxSettings.WORKSPACE_ROOT_ENV}",
+        )
+    if root is None:
+        return
+    msg = (
+        f"Pass cwd= a folder under {str(root)!r} (SandboxSession(cwd=...), or --cwd for "
+        f"`jupyter sandbox-kernel mcp`): workspace_root={str(root)!r} ({where}) mounts that folder for "
+        "every kernel, so a session without cwd cannot get a workspace of its own elsewhere."
+    )
+    raise WorkspaceError(msg)
+
+
+def _owner_for_kernel(config: Config) -> tuple[int, int] | None:
+    """Who must own a fresh workspace so that the kernel can write it: None (this
+    process) unless it runs as root, then ``kernel_uid`` or 65533 (never root).
+
+    Raises:
+        ConfigurationError: 65533 is needed and an account or group has it.
+    """
+    if os.getuid() != 0:
+        return None
+    configured = _setting(config, "kernel_uid")
+    if configured is not None and int(configured) > 0:
+        return int(configured), int(configured)
+    return check_default_uid_unused()
+
+
+def _private_folder(path: Path) -> None:
+    """Make ``path`` (and the folders above it that are missing) 0700 folders of this
+    process's user; refuse one that is a link, someone else's or open to others.
+
+    Raises:
+        WorkspaceError: naming the folder and what is wrong with it.
+    """
+    os.makedirs(path, mode=0o700, exist_ok=True)  # the missing folders above: as umask says
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        msg = (
+            f"{str(path)!r}, where fresh workspaces are made, must be a folder of uid {os.getuid()} "
+            f"that no one else may enter (mode 0700); it is {stat.filemode(info.st_mode)}, owned by uid "
+            f"{info.st_uid}. Remove it (it is made again), or pass cwd= a folder of yours."
+        )
+        raise WorkspaceError(msg)
+
+
+def make_fresh_workspace(kernel_name: str, config: Config | None = None) -> Path:
+    """A new, empty workspace folder for one session (see the module).
+
+    Raises:
+        WorkspaceError: an administrator's ``workspace_root`` decides the workspace, or
+            the workspaces' folder is unsafe.
+        ConfigurationError: a root process's kernel would run as a uid an account has.
+    """
+    check_fresh_workspace_allowed(kernel_name, config)
+    merged = with_server_config(config)
+    owner = _owner_for_kernel(merged)
+    parent = workspaces_parent()
+    _private_folder(parent)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=parent))  # 0700, this process's
+    if owner is not None:
+        os.chown(path, *owner, follow_symlinks=False)
+    log.info("Fresh workspace %s for a session without cwd", path)
+    return path
+
+
+def remove_workspace(path: Path) -> None:
+    """Remove a fresh workspace and everything the kernel left in it (links removed,
+    never followed). A failure is logged, not raised: the session is over either way."""
+    try:
+        delete_tree(path)
+    except OSError as exc:
+        log.warning("Could not remove the session's workspace %s: %s", path, exc)
+    else:
+        log.info("Removed the session's workspace %s", path)
