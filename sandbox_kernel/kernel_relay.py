@@ -338,7 +338,7 @@ def _unlink(path: str) -> None:
 
 def memory_bytes(policy: str) -> int:
     """The memory limit in the kernel's policy (``SANDBOX_KERNEL_POLICY``), in bytes; 0:
-    none known. Read as in the kernel's start-up code (in_kernel.py)."""
+    none known. Read as in the kernel's start-up code (in_kernel_startup.py)."""
     try:
         memory = str(json.loads(policy or "{}").get("memory", ""))
     except (ValueError, AttributeError):
@@ -372,7 +372,7 @@ class MemoryClamp:
 
     def __init__(self, pid: int, limit: int, hold: float = 3.0) -> None:
         self.pid = pid
-        # As the kernel's watch (in_kernel.py): gVisor's own memory, /tmp and this relay.
+        # As the kernel's watch (in_kernel_startup.py): gVisor's own memory, /tmp and this relay.
         self.threshold = limit - (96 * 2**20 + limit // 16)
         self.step = 32 * 2**20
         self.hold = hold

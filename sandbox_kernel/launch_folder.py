@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import in_kernel, kernel_relay
+from . import in_kernel, in_kernel_startup, kernel_relay
 from .backend import SandboxBackend
 from .egress import relay as egress_relay
 from .errors import KernelStartupError
@@ -35,6 +35,7 @@ from .sandbox_spec import (
     CONTAINER_KERNEL_RELAY_FILE,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
+    CONTAINER_STARTUP_MODULE,
     container_connection_info,
     kernel_sockets,
 )
@@ -48,6 +49,7 @@ HOST_FILES = frozenset(
     for p in (
         CONTAINER_CONNECTION_FILE,
         CONTAINER_STARTUP_FILE,
+        CONTAINER_STARTUP_MODULE,
         CONTAINER_KERNEL_RELAY_FILE,
         CONTAINER_RELAY_FILE,
         CONTAINER_EGRESS_CA,
@@ -154,11 +156,21 @@ def write_launch_files(
         if os.getuid() == 0:
             os.fchown(f.fileno(), *owner)
         json.dump(info, f)
-    (launch_dir / Path(CONTAINER_STARTUP_FILE).name).write_text(Path(in_kernel.__file__).read_text())
+    write_startup_code(launch_dir)
     (launch_dir / Path(CONTAINER_KERNEL_RELAY_FILE).name).write_text(Path(kernel_relay.__file__).read_text())
     if egress_ca is not None:
         (launch_dir / Path(CONTAINER_RELAY_FILE).name).write_text(Path(egress_relay.__file__).read_text())
         (launch_dir / Path(CONTAINER_EGRESS_CA).name).write_bytes(egress_ca)
+
+
+def write_startup_code(launch_dir: Path) -> None:
+    """The kernel's start-up code (its PYTHONSTARTUP) and the module it runs, side by side."""
+    startup = {
+        CONTAINER_STARTUP_FILE: in_kernel.__file__,
+        CONTAINER_STARTUP_MODULE: in_kernel_startup.__file__,
+    }
+    for path, source in startup.items():
+        (launch_dir / Path(path).name).write_text(Path(source).read_text())
 
 
 def expected_sockets(launch_dir: Path, egress: bool, pooled: bool) -> list[Path]:

@@ -69,7 +69,7 @@ POOL_NAME_PREFIX = "sandbox-kernel-pool-"
 #: sys.path while the kernel starts: ``python -m ipykernel_launcher`` would otherwise
 #: run an ``ipykernel_launcher.py`` (or ``zmq.py``...) planted there by an earlier
 #: kernel, before its runtime folder is sealed. The start-up code puts the folder back
-#: once the kernel is up (see :mod:`~.in_kernel`).
+#: once the kernel is up (see :mod:`~.in_kernel_startup`).
 FIXED_ENV: Mapping[str, str] = {
     "HOME": "/tmp",
     "IPYTHONDIR": "/tmp/.ipython",
@@ -91,8 +91,11 @@ POLICY_ENV = "SANDBOX_KERNEL_POLICY"
 #: it never is.
 NEVER_PASSED_ENV = frozenset({"JPY_PARENT_PID"})
 
-#: Where the kernel finds its start-up code (clear messages for its limits).
+#: Where the kernel finds its start-up code (clear messages for its limits): a stub
+#: (:mod:`~sandbox_kernel.in_kernel`) that runs the module beside it
+#: (:mod:`~sandbox_kernel.in_kernel_startup`).
 CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
+CONTAINER_STARTUP_MODULE = f"{CONTAINER_RUNTIME_DIR}/in_kernel_startup.py"
 
 #: The kernel's parent in the sandbox: binds its channels' host sockets (see
 #: :mod:`~sandbox_kernel.kernel_relay`), so that the kernel itself holds none.

@@ -1,7 +1,7 @@
-"""The code the kernel runs as it starts (sandbox_kernel/in_kernel.py), in this process
-with a stand-in IPython shell. What it does in a real kernel is in the integration tests
-(test_limits.py: memory; test_egress.py and test_isolation.py: network; test_packages.py:
-pip)."""
+"""The code the kernel runs as it starts (sandbox_kernel/in_kernel.py, and the module it
+runs, in_kernel_startup.py), in this process with a stand-in IPython shell. What it does in
+a real kernel is in the integration tests (test_limits.py: memory; test_egress.py and
+test_isolation.py: network; test_packages.py: pip)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ import IPython
 import pytest
 from ipykernel import iostream
 
-from sandbox_kernel import in_kernel
 from sandbox_kernel.errors import KernelStartupError
-from sandbox_kernel.launch_folder import send_claim
+from sandbox_kernel.launch_folder import send_claim, write_startup_code
 from sandbox_kernel.startup_mark import STARTED_MARK, read_mark, wait_for_startup_code
 
 #: The start-up code's threads are recorded, not started (``started``): this one runs them.
@@ -102,9 +101,11 @@ def site_folder(prefix: Path) -> str:
 
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch, packages: Path) -> Any:
-    """Run the start-up code with a policy; this process gets its state back afterwards,
-    and the memory watcher's thread is recorded (name and target), not started."""
+def started(monkeypatch: pytest.MonkeyPatch, packages: Path, tmp_path: Path) -> Any:
+    """Run the start-up code with a policy, from ``tmp_path`` as from the kernel's launch
+    folder; this process gets its state back afterwards, and the memory watcher's thread
+    is recorded (name and target), not started."""
+    write_startup_code(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONSAFEPATH", "1")
     for name in (*THREAD_ENV, *PIP_ENV, "PYTHONPATH"):
@@ -132,8 +133,9 @@ def started(monkeypatch: pytest.MonkeyPatch, packages: Path) -> Any:
         shell = Shell()
         monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
         monkeypatch.setenv("SANDBOX_KERNEL_POLICY", json.dumps({"memory": "1g", "cpus": 1.0, **policy}))
+        monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
         namespace: dict[str, object] = {"__name__": "__main__"}
-        exec(compile(Path(in_kernel.__file__).read_text(), "startup.py", "exec"), namespace)  # noqa: S102
+        exec(compile((tmp_path / "startup.py").read_text(), "startup.py", "exec"), namespace)  # noqa: S102
         assert set(namespace) <= {"__name__", "__builtins__"}, (
             "start-up code must not litter the user's names"
         )
@@ -414,11 +416,8 @@ def test_other_errors_keep_their_traceback(started: Any) -> None:
 # ---------------------------------------------------------------- the start-up code's mark
 
 
-def test_the_start_up_code_leaves_its_mark_beside_itself(
-    started: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_start_up_code_leaves_its_mark_beside_itself(started: Any, tmp_path: Path) -> None:
     """The host hands over no kernel before this mark says the code ran to its end."""
-    monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
     started()
     assert (tmp_path / STARTED_MARK).read_text() == "ok\n"
     assert read_mark(tmp_path) == "ok\n"
@@ -429,7 +428,6 @@ def test_start_up_code_that_fails_says_how_in_its_mark(
     started: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """IPython logs an exception in a PYTHONSTARTUP file and starts the kernel anyway."""
-    monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
 
     def broken(self: Shell, types: tuple[type, ...], handler: Any) -> None:
         raise RuntimeError("no custom exceptions here")
@@ -440,6 +438,16 @@ def test_start_up_code_that_fails_says_how_in_its_mark(
     status, _, detail = (read_mark(tmp_path) or "").partition("\n")
     assert status == "failed"
     assert "RuntimeError: no custom exceptions here" in detail
+
+
+def test_start_up_code_without_its_module_says_so_in_its_mark(started: Any, tmp_path: Path) -> None:
+    """The stub runs the module beside it, or fails saying which file is missing."""
+    (tmp_path / "in_kernel_startup.py").unlink()
+    with pytest.raises(FileNotFoundError):
+        started()
+    status, _, detail = (read_mark(tmp_path) or "").partition("\n")
+    assert status == "failed"
+    assert f"No such file or directory: '{tmp_path / 'in_kernel_startup.py'}'" in detail
 
 
 class Sandbox:
