@@ -1,8 +1,12 @@
 """The settings of a sandboxed kernel: traits, their validation, the administrator's ceilings.
 
 Every setting is a trait of :class:`SandboxSettings`, which the provisioner inherits,
-declared once: the server's config sets it (``c.SandboxProvisioner.NAME``), and its
-tags say the rest. ``kernelspec=True``: a kernelspec may set it too
+declared once, in the part for its topic (:class:`LimitSettings`, :class:`EgressSettings`,
+:class:`WorkspaceSettings`, :class:`LifecycleSettings`; the image, the runtime, the
+transport and the audit log in :class:`SandboxSettings` itself). The parts are plain
+``HasTraits``, no configurable classes of their own, so they add no config section: the
+server's config sets a setting as ``c.SandboxProvisioner.NAME``, and its tags say the
+rest. ``kernelspec=True``: a kernelspec may set it too
 (``metadata.kernel_provisioner.config``), and ``jupyter sandbox-kernel install`` has a
 flag for it (``--name-with-dashes``, or ``flag=``). ``ceiling="max_..."`` with
 ``bound=``: the server's ``max_*`` trait bounds it, and how (see
@@ -23,6 +27,7 @@ from traitlets import (
     CaselessStrEnum,
     Dict,
     Float,
+    HasTraits,
     Int,
     List,
     TraitError,
@@ -46,7 +51,7 @@ DATASCIENCE_IMAGE = "sandbox-kernel/python-datascience:latest"
 DEFAULT_RUNTIME = "runsc-sandbox-kernel"
 
 #: The least memory a kernel may have: the kernel stops cells a margin (64 MiB and more)
-#: below its limit (see in_kernel.py), so less would stop every cell at once.
+#: below its limit (see in_kernel_startup.py), so less would stop every cell at once.
 SMALLEST_MEMORY = "128m"
 #: The longest duration a time limit may have (a week); longer is a typo, or no limit (0).
 LONGEST = 7 * 24 * 3600
@@ -101,83 +106,39 @@ class Credentials(TraitType[Any, Any]):
         return None
 
 
-class SandboxSettings(LoggingConfigurable):
-    """What a sandboxed kernel may use, and how it runs; see docs/administrators/configuration.md.
+def _at_most_a_week(proposal: dict[str, Any]) -> float:
+    """A time limit (a :class:`Duration`; 0: none) of at most a week."""
+    value: float = proposal["value"]  # seconds already: a Duration
+    if value > LONGEST:
+        msg = (
+            f"{proposal['trait'].name}={value!r} is out of range; use at most a week "
+            f"({LONGEST} seconds, '7d'), or 0 for no limit."
+        )
+        raise TraitError(msg)
+    return value
 
-    Every duration (a :class:`Duration`) takes seconds or a string such as ``"5m"``, and
-    reads back as float seconds; every size (a :class:`Size`) takes bytes or a string
-    such as ``"1.5g"``, and reads back as written (lowercased).
-    """
 
-    IMAGE_ENV = "SANDBOX_KERNEL_IMAGE"
-    RUNTIME_ENV = "SANDBOX_KERNEL_RUNTIME"
-    WORKSPACE_ROOT_ENV = "SANDBOX_KERNEL_WORKSPACE_ROOT"
-    AUDIT_LOG_ENV = "SANDBOX_KERNEL_AUDIT_LOG"
+def _a_wait(proposal: dict[str, Any]) -> float:
+    """A wait (a :class:`Duration`) above 0 and at most a week."""
+    value: float = proposal["value"]
+    if not 0 < value <= LONGEST:
+        name = proposal["trait"].name
+        waits = (
+            "a kernel needs time to start" if name == "startup_timeout" else "a person needs time to answer"
+        )
+        msg = (
+            f"{name}={value!r} is out of range; {waits}: use more than 0 seconds and at most "
+            "a week, e.g. 120 or '2m' (the default is 60)."
+        )
+        raise TraitError(msg)
+    return value
 
-    image = Unicode(
-        config=True,
-        help=f"""Docker image the kernel runs in. It must already exist on the Docker host:
-        images are never pulled. Build the default with `jupyter sandbox-kernel build-image`.
-        Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}. A kernelspec may name only images
-        `allowed_images` matches.""",
-    ).tag(kernelspec=True, ceiling="allowed_images", bound="images")
-    allowed_images = List(
-        Unicode(),
-        config=True,
-        help=f"""Ceiling for a kernelspec's `image`: the images a kernelspec may name, as names
-        or wildcards (`sandbox-kernel/*`, `registry.example/team/*:2`). Users can write
-        kernelspecs, and every local image would otherwise be theirs to run (its entrypoint is
-        never run either way). Server config only; the server's own `image` is not bounded by
-        it. Default: `sandbox-kernel/*`, and ${IMAGE_ENV} when set.""",
-    )
-    docker_runtime = Unicode(
-        config=True,
-        help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
-        --host-uds=create --oci-seccomp. Starting a kernel fails if it is missing or is not runsc.
-        Default: ${RUNTIME_ENV}, else {DEFAULT_RUNTIME}.""",
-    )
-    workspace_root = Unicode(
-        None,
-        allow_none=True,
-        config=True,
-        help=f"""Host folder mounted read-write at {CONTAINER_WORKSPACE}. The kernel's working
-        directory is the notebook's folder mapped into it; a notebook outside it is refused.
-        When unset, `workspace_scope` chooses. Default: ${WORKSPACE_ROOT_ENV}, else unset.
-        A kernelspec may set one only within `allowed_workspace_roots`.""",
-    ).tag(kernelspec=True, ceiling="allowed_workspace_roots", bound="roots")
-    workspace_scope = CaselessStrEnum(
-        ["server_root", "start_folder"],
-        default_value="server_root",
-        config=True,
-        help=f"""What the workspace is when `workspace_root` is unset. "server_root" (default):
-        under a Jupyter server, its root folder (what the file browser shows), mounted at
-        {CONTAINER_WORKSPACE} with the notebook's folder as the working folder, so that
-        `../data/x.csv` beside `notebooks/` is there; when the root is a home or system
-        folder, the folder in it that holds the notebook. Only folders of the notebook
-        folder's owner (and of the server's user, unless it is root) are mounted, none
-        reached through another user's link: elsewhere the notebook's folder alone is.
-        Without a server (a KernelManager, the session API) the folder the kernel is
-        started in is the workspace. "start_folder": always that folder alone.
-        Server config only.""",
-    )
-    allowed_workspace_roots = List(
-        Unicode(),
-        default_value=[],
-        config=True,
-        help="""Ceiling for a kernelspec's `workspace_root`: folders it may name, or name a
-        folder within. Default: none, so only the server's config (or
-        $SANDBOX_KERNEL_WORKSPACE_ROOT) chooses a root: users can write kernelspecs, and a
-        root above the notebook's folder would show the kernel the projects beside it.
-        Server config only.""",
-    )
-    pass_env = List(
-        Unicode(),
-        default_value=["LANG", "LC_ALL", "TZ"],
-        config=True,
-        help="""Names of environment variables passed from the server into the sandbox.
-        Nothing else of the server's environment enters it (variables the kernelspec's
-        own `env` sets are passed too). JPY_PARENT_PID is never passed.""",
-    ).tag(kernelspec=True, ceiling="max_pass_env", bound="names")
+
+class LimitSettings(HasTraits):
+    """What one kernel may use (memory, CPUs, processes, /tmp, file size) and its clocks (a
+    wall-clock limit per execution, an idle limit), each with the administrator's ceiling
+    (``max_*``), and the output one execution may send."""
+
     memory = Size(
         "2g", config=True, help="Memory limit of the kernel's container, e.g. '512m', '1.5g' or '2g'."
     ).tag(kernelspec=True, ceiling="max_memory", bound="size")
@@ -209,14 +170,111 @@ class SandboxSettings(LoggingConfigurable):
         memory, in seconds or e.g. '30m' or '2h' (0: never). Clients are told; later
         requests get an error reply `IdleLimitExceeded` until the kernel is restarted.""",
     ).tag(kernelspec=True, ceiling="max_idle_timeout", bound="timeout")
-    pause_after = Duration(
+    max_idle_timeout = Duration(
         0.0,
         config=True,
-        help="""Time without any execution after which the kernel is paused: its whole
-        sandbox, memory included, is saved to disk and stopped (in seconds or e.g. '30m';
-        0: never). The next message from any client resumes it and is then delivered; the
-        variables are all there. Needs Docker's experimental mode (see docs/administrators/pausing.md).""",
-    ).tag(kernelspec=True, ceiling="max_pause_after", bound="timeout")
+        help="""Ceiling for `idle_timeout`, in seconds or e.g. '8h' (0: none). When set,
+        every kernel must have an idle limit at or below it. Server config only.""",
+    )
+    exec_timeout = Duration(
+        0.0,
+        config=True,
+        help="""Wall-clock limit of one execution, in seconds or e.g. '90s' or '5m' (0: none).
+        The cell gets a TimeoutError naming the limit; code that ignores it is interrupted,
+        then the kernel is killed (and restarted by Jupyter) `exec_kill_grace` later.""",
+    ).tag(kernelspec=True, ceiling="max_exec_timeout", bound="timeout")
+    exec_kill_grace = Duration(
+        10.0,
+        config=True,
+        help="""Time past `exec_timeout` (seconds, or e.g. '30s') before a runaway kernel is
+        interrupted and then killed.""",
+    )
+    max_exec_timeout = Duration(
+        0.0,
+        config=True,
+        help="""Ceiling for `exec_timeout`, in seconds or e.g. '1h' (0: none). When set,
+        every kernel must have a limit at or below it. Server config only.""",
+    )
+    output_limit = Size(
+        "10m",
+        config=True,
+        help="""Most output (printed text, displays, errors) one execution may send to
+        clients, e.g. '10m'; past it the rest is dropped and clients get one notice.
+        Server config only.""",
+    )
+    max_cpus = Float(
+        2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
+    )
+    max_memory = Size(
+        "4g", config=True, help="Ceiling for `memory`: no kernelspec may ask for more. Server config only."
+    )
+    max_pids = Int(
+        1024, config=True, help="Ceiling for `pids`: no kernelspec may ask for more. Server config only."
+    )
+    max_tmp_size = Size(
+        "1g", config=True, help="Ceiling for `tmp_size`: no kernelspec may ask for more. Server config only."
+    )
+    max_file_size = Size(
+        "16g",
+        config=True,
+        help="Ceiling for `file_size`: no kernelspec may ask for more. Server config only.",
+    )
+
+    @property
+    def limits(self) -> Limits:
+        """What this kernel asks for (kernelspec values over the server's defaults)."""
+        return Limits(
+            self.cpus,
+            self.memory,
+            self.pids,
+            self.tmp_size,
+            self.exec_timeout,
+            self.idle_timeout,
+            self.file_size,
+        )
+
+    @validate("memory", "max_memory")
+    def _validate_memory(self, proposal: dict[str, Any]) -> str:
+        value: str = proposal["value"]  # a size already: a Size
+        if size_bytes(proposal["trait"].name, value) < size_bytes("", SMALLEST_MEMORY):
+            msg = (
+                f"{proposal['trait'].name}={value!r} is too little memory for ipykernel under gVisor; "
+                f"use at least {SMALLEST_MEMORY!r} (the default is '2g')."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("cpus", "max_cpus")
+    def _validate_cpus(self, proposal: dict[str, Any]) -> float:
+        value = float(proposal["value"])
+        if not 0 < value <= 64:
+            msg = (
+                f"{proposal['trait'].name}={value!r} is out of range; use a number of cores above 0 "
+                "and at most 64, e.g. 1 or 0.5."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("pids", "max_pids")
+    def _validate_pids(self, proposal: dict[str, Any]) -> int:
+        value = int(proposal["value"])
+        if value < 16:
+            msg = (
+                f"{proposal['trait'].name}={value!r} is too low for ipykernel to start; "
+                "use at least 16 (the default is 256)."
+            )
+            raise TraitError(msg)
+        return value
+
+    @validate("exec_timeout", "max_exec_timeout", "exec_kill_grace", "idle_timeout", "max_idle_timeout")
+    def _validate_limit_seconds(self, proposal: dict[str, Any]) -> float:
+        return _at_most_a_week(proposal)
+
+
+class EgressSettings(HasTraits):
+    """The kernel's network: none, or HTTP(S) to allowed domains through the host's egress
+    proxy, with the credentials it adds to requests and the approval of other domains."""
+
     network = CaselessStrEnum(
         ["none", "allowlist"],
         default_value="none",
@@ -305,11 +363,144 @@ class SandboxSettings(LoggingConfigurable):
         a credential to a request for it; unset: the system's. Server config only.""",
     )
 
-    @default("allowed_images")
-    def _allowed_images_default(self) -> list[str]:
-        image = os.environ.get(self.IMAGE_ENV)
-        return ["sandbox-kernel/*", *([image] if image else [])]
+    @validate("egress_private_networks")
+    def _validate_networks(self, proposal: dict[str, Any]) -> list[str]:
+        networks: list[str] = list(proposal["value"])
+        for network in networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                msg = f"egress_private_networks: {network!r} is not a network; use CIDR, e.g. '10.0.0.5/32'."
+                raise TraitError(msg) from None
+        return networks
 
+    @validate("egress_host_map")
+    def _validate_host_map(self, proposal: dict[str, Any]) -> dict[str, str]:
+        host_map: dict[str, str] = dict(proposal["value"])
+        for name, address in host_map.items():
+            try:
+                ipaddress.ip_address(address)
+            except ValueError:
+                msg = f"egress_host_map: {name!r} maps to {address!r}, which is not an IP address."
+                raise TraitError(msg) from None
+        return host_map
+
+    @validate("approval_timeout")
+    def _validate_approval_wait(self, proposal: dict[str, Any]) -> float:
+        return _a_wait(proposal)
+
+    def egress_policy(self) -> EgressPolicy | None:
+        """The kernel's egress policy (None: no network), checked against the ceiling.
+
+        Raises:
+            ConfigurationError: as :meth:`egress_rules` and :meth:`check_domains`.
+        """
+        rules = self.egress_rules()
+        if rules is None:
+            return None
+        self.check_domains(rules)
+        return EgressPolicy(
+            rules=rules,
+            host_map=dict(self.egress_host_map),
+            private_networks=tuple(self.egress_private_networks),
+            upstream_cafile=self.egress_ca_bundle or None,
+            approval=self.approval,
+            approval_timeout=self.approval_timeout,
+            approvable=EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
+            if self.approval == "egress"
+            else EgressRules(),
+            withheld=EgressRules.parse(self.withheld_domains, "allowed_domains"),
+        )
+
+    def egress_rules(self) -> EgressRules | None:
+        """The domains this kernel asks for (None: no network), consistent in themselves.
+
+        Raises:
+            ConfigurationError: a malformed domain, an allow-list without domains, or
+                domains with network "none".
+        """
+        if self.network == "none":
+            if self.allowed_domains:
+                msg = (
+                    f"allowed_domains={list(self.allowed_domains)!r} is set but network is 'none', so it "
+                    "would be ignored. Set network to 'allowlist' to use it, or remove allowed_domains."
+                )
+                raise ConfigurationError(msg)
+            return None
+        rules = EgressRules.parse(self.allowed_domains, "allowed_domains")
+        if not rules.patterns:
+            msg = (
+                "network='allowlist' needs allowed_domains, the domains the kernel may reach, e.g. "
+                '["docs.python.org", "*.pythonhosted.org"]. Add them, or use network \'none\'.'
+            )
+            raise ConfigurationError(msg)
+        return rules
+
+    def check_domains(self, rules: EgressRules) -> None:
+        """Refuse domains beyond this server's ``max_allowed_domains``.
+
+        Raises:
+            ConfigurationError: naming the domains and the ceiling.
+        """
+        ceiling = EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
+        beyond = rules.uncovered_by(ceiling)
+        if beyond:
+            msg = (
+                f"allowed_domains {beyond!r} exceed the server's ceiling "
+                f"(SandboxProvisioner.max_allowed_domains={list(ceiling.patterns)!r}). Ask only for "
+                "domains within it, or have the server's administrator widen it."
+            )
+            raise ConfigurationError(msg)
+
+
+class WorkspaceSettings(HasTraits):
+    """What the kernel sees of the host: its workspace (a folder, or a volume), the uid it
+    runs as, and the server's environment variables it gets."""
+
+    WORKSPACE_ROOT_ENV = "SANDBOX_KERNEL_WORKSPACE_ROOT"
+
+    workspace_root = Unicode(
+        None,
+        allow_none=True,
+        config=True,
+        help=f"""Host folder mounted read-write at {CONTAINER_WORKSPACE}. The kernel's working
+        directory is the notebook's folder mapped into it; a notebook outside it is refused.
+        When unset, `workspace_scope` chooses. Default: ${WORKSPACE_ROOT_ENV}, else unset.
+        A kernelspec may set one only within `allowed_workspace_roots`.""",
+    ).tag(kernelspec=True, ceiling="allowed_workspace_roots", bound="roots")
+    workspace_scope = CaselessStrEnum(
+        ["server_root", "start_folder"],
+        default_value="server_root",
+        config=True,
+        help=f"""What the workspace is when `workspace_root` is unset. "server_root" (default):
+        under a Jupyter server, its root folder (what the file browser shows), mounted at
+        {CONTAINER_WORKSPACE} with the notebook's folder as the working folder, so that
+        `../data/x.csv` beside `notebooks/` is there; when the root is a home or system
+        folder, the folder in it that holds the notebook. Only folders of the notebook
+        folder's owner (and of the server's user, unless it is root) are mounted, none
+        reached through another user's link: elsewhere the notebook's folder alone is.
+        Without a server (a KernelManager, the session API) the folder the kernel is
+        started in is the workspace. "start_folder": always that folder alone.
+        Server config only.""",
+    )
+    allowed_workspace_roots = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Ceiling for a kernelspec's `workspace_root`: folders it may name, or name a
+        folder within. Default: none, so only the server's config (or
+        $SANDBOX_KERNEL_WORKSPACE_ROOT) chooses a root: users can write kernelspecs, and a
+        root above the notebook's folder would show the kernel the projects beside it.
+        Server config only.""",
+    )
+    pass_env = List(
+        Unicode(),
+        default_value=["LANG", "LC_ALL", "TZ"],
+        config=True,
+        help="""Names of environment variables passed from the server into the sandbox.
+        Nothing else of the server's environment enters it (variables the kernelspec's
+        own `env` sets are passed too). JPY_PARENT_PID is never passed.""",
+    ).tag(kernelspec=True, ceiling="max_pass_env", bound="names")
     max_pass_env = List(
         Unicode(),
         default_value=["LANG", "LC_ALL", "TZ"],
@@ -327,6 +518,44 @@ class SandboxSettings(LoggingConfigurable):
         notebook's path) and {project} (its folder's name), e.g. 'team-{project}' (one per
         project, shared by the team) or '{user}-{notebook}' (one per person and notebook).""",
     ).tag(kernelspec=True)
+    kernel_uid = Int(
+        None,
+        allow_none=True,
+        config=True,
+        help="""Numeric uid (and gid) the kernel runs as. Unset: the server's uid when that
+        is not root, else the workspace owner's uid when that is not root, else 65533 (a uid
+        Debian reserves and never gives to an account, so no host user owns what the kernel writes).
+        Never 0. Only a server running as root may choose a uid other than its own.""",
+    )
+
+    @default("workspace_root")
+    def _workspace_root_default(self) -> str | None:
+        return os.environ.get(self.WORKSPACE_ROOT_ENV) or None
+
+    @validate("kernel_uid")
+    def _validate_kernel_uid(self, proposal: dict[str, Any]) -> int | None:
+        value: int | None = proposal["value"]
+        if value is not None and value <= 0:
+            msg = (
+                f"kernel_uid={value!r} is not allowed: the kernel never runs as root; "
+                "use a non-root uid, e.g. the uid that should own its files."
+            )
+            raise TraitError(msg)
+        return value
+
+
+class LifecycleSettings(HasTraits):
+    """How long a kernel's sandbox lives: ephemeral or persistent, paused to disk when idle,
+    started ahead of its kernel in a warm pool."""
+
+    pause_after = Duration(
+        0.0,
+        config=True,
+        help="""Time without any execution after which the kernel is paused: its whole
+        sandbox, memory included, is saved to disk and stopped (in seconds or e.g. '30m';
+        0: never). The next message from any client resumes it and is then delivered; the
+        variables are all there. Needs Docker's experimental mode (see docs/administrators/pausing.md).""",
+    ).tag(kernelspec=True, ceiling="max_pause_after", bound="timeout")
     lifecycle = CaselessStrEnum(
         ["ephemeral", "persistent"],
         default_value="ephemeral",
@@ -349,11 +578,6 @@ class SandboxSettings(LoggingConfigurable):
         help="""Ceiling for `persistent_ttl`, in seconds or e.g. '7d' (0: none). When set,
         every persistent kernel must have a time-to-live at or below it. Server config only.""",
     )
-    max_file_size = Size(
-        "16g",
-        config=True,
-        help="Ceiling for `file_size`: no kernelspec may ask for more. Server config only.",
-    )
     max_pause_after = Duration(
         0.0,
         config=True,
@@ -366,61 +590,6 @@ class SandboxSettings(LoggingConfigurable):
         help="""Disk that the images of paused kernels may take on this Docker host, all
         together, e.g. '32g'. A pause that could exceed it (the kernel's memory in use is
         the bound) is refused with an error, and the kernel keeps running. Server config only.""",
-    )
-    max_idle_timeout = Duration(
-        0.0,
-        config=True,
-        help="""Ceiling for `idle_timeout`, in seconds or e.g. '8h' (0: none). When set,
-        every kernel must have an idle limit at or below it. Server config only.""",
-    )
-    exec_timeout = Duration(
-        0.0,
-        config=True,
-        help="""Wall-clock limit of one execution, in seconds or e.g. '90s' or '5m' (0: none).
-        The cell gets a TimeoutError naming the limit; code that ignores it is interrupted,
-        then the kernel is killed (and restarted by Jupyter) `exec_kill_grace` later.""",
-    ).tag(kernelspec=True, ceiling="max_exec_timeout", bound="timeout")
-    exec_kill_grace = Duration(
-        10.0,
-        config=True,
-        help="""Time past `exec_timeout` (seconds, or e.g. '30s') before a runaway kernel is
-        interrupted and then killed.""",
-    )
-    max_exec_timeout = Duration(
-        0.0,
-        config=True,
-        help="""Ceiling for `exec_timeout`, in seconds or e.g. '1h' (0: none). When set,
-        every kernel must have a limit at or below it. Server config only.""",
-    )
-    output_limit = Size(
-        "10m",
-        config=True,
-        help="""Most output (printed text, displays, errors) one execution may send to
-        clients, e.g. '10m'; past it the rest is dropped and clients get one notice.
-        Server config only.""",
-    )
-    safe_output = Bool(
-        True,
-        config=True,
-        help="""Clean what the kernel shows before any client sees it, so that a browser
-        rendering it runs none of the kernel's code: HTML without scripts or event
-        handlers, no JavaScript or other code-running output types, no HTML in widgets
-        (see sandbox_kernel/sanitize.py). JupyterLab runs script in output it trusts, and
-        it trusts the output of its own session: turn this off only where everyone who
-        sees a kernel's output could run code as the server's user anyway. Server config
-        only.""",
-    )
-    max_cpus = Float(
-        2.0, config=True, help="Ceiling for `cpus`: no kernelspec may ask for more. Server config only."
-    )
-    max_memory = Size(
-        "4g", config=True, help="Ceiling for `memory`: no kernelspec may ask for more. Server config only."
-    )
-    max_pids = Int(
-        1024, config=True, help="Ceiling for `pids`: no kernelspec may ask for more. Server config only."
-    )
-    max_tmp_size = Size(
-        "1g", config=True, help="Ceiling for `tmp_size`: no kernelspec may ask for more. Server config only."
     )
     pool_size = Int(
         0,
@@ -442,14 +611,66 @@ class SandboxSettings(LoggingConfigurable):
         all kernelspecs may reserve in this process; a pool stops filling at it.
         Server config only.""",
     )
-    kernel_uid = Int(
-        None,
-        allow_none=True,
+
+    @validate("pool_size", "max_pool_size")
+    def _validate_pool_size(self, proposal: dict[str, Any]) -> int:
+        value = int(proposal["value"])
+        if not 0 <= value <= 64:
+            msg = f"{proposal['trait'].name}={value!r} is out of range; use 0 (no pool) to 64."
+            raise TraitError(msg)
+        return value
+
+    @validate("pause_after", "max_pause_after", "persistent_ttl", "max_persistent_ttl")
+    def _validate_lifetime_seconds(self, proposal: dict[str, Any]) -> float:
+        return _at_most_a_week(proposal)
+
+
+class SandboxSettings(
+    LimitSettings, EgressSettings, WorkspaceSettings, LifecycleSettings, LoggingConfigurable
+):
+    """What a sandboxed kernel may use, and how it runs; see docs/administrators/configuration.md.
+
+    Every duration (a :class:`Duration`) takes seconds or a string such as ``"5m"``, and
+    reads back as float seconds; every size (a :class:`Size`) takes bytes or a string
+    such as ``"1.5g"``, and reads back as written (lowercased).
+    """
+
+    IMAGE_ENV = "SANDBOX_KERNEL_IMAGE"
+    RUNTIME_ENV = "SANDBOX_KERNEL_RUNTIME"
+    AUDIT_LOG_ENV = "SANDBOX_KERNEL_AUDIT_LOG"
+
+    image = Unicode(
         config=True,
-        help="""Numeric uid (and gid) the kernel runs as. Unset: the server's uid when that
-        is not root, else the workspace owner's uid when that is not root, else 65533 (a uid
-        Debian reserves and never gives to an account, so no host user owns what the kernel writes).
-        Never 0. Only a server running as root may choose a uid other than its own.""",
+        help=f"""Docker image the kernel runs in. It must already exist on the Docker host:
+        images are never pulled. Build the default with `jupyter sandbox-kernel build-image`.
+        Default: ${IMAGE_ENV}, else {DEFAULT_IMAGE}. A kernelspec may name only images
+        `allowed_images` matches.""",
+    ).tag(kernelspec=True, ceiling="allowed_images", bound="images")
+    allowed_images = List(
+        Unicode(),
+        config=True,
+        help=f"""Ceiling for a kernelspec's `image`: the images a kernelspec may name, as names
+        or wildcards (`sandbox-kernel/*`, `registry.example/team/*:2`). Users can write
+        kernelspecs, and every local image would otherwise be theirs to run (its entrypoint is
+        never run either way). Server config only; the server's own `image` is not bounded by
+        it. Default: `sandbox-kernel/*`, and ${IMAGE_ENV} when set.""",
+    )
+    docker_runtime = Unicode(
+        config=True,
+        help=f"""Name of the Docker runtime that runs gVisor's runsc with --network=none and
+        --host-uds=create --oci-seccomp. Starting a kernel fails if it is missing or is not runsc.
+        Default: ${RUNTIME_ENV}, else {DEFAULT_RUNTIME}.""",
+    )
+    safe_output = Bool(
+        True,
+        config=True,
+        help="""Clean what the kernel shows before any client sees it, so that a browser
+        rendering it runs none of the kernel's code: HTML without scripts or event
+        handlers, no JavaScript or other code-running output types, no HTML in widgets
+        (see sandbox_kernel/sanitize.py). JupyterLab runs script in output it trusts, and
+        it trusts the output of its own session: turn this off only where everyone who
+        sees a kernel's output could run code as the server's user anyway. Server config
+        only.""",
     )
     client_transport = CaselessStrEnum(
         ["ipc", "tcp"],
@@ -505,13 +726,14 @@ class SandboxSettings(LoggingConfigurable):
     def _image_default(self) -> str:
         return os.environ.get(self.IMAGE_ENV) or DEFAULT_IMAGE
 
+    @default("allowed_images")
+    def _allowed_images_default(self) -> list[str]:
+        image = os.environ.get(self.IMAGE_ENV)
+        return ["sandbox-kernel/*", *([image] if image else [])]
+
     @default("docker_runtime")
     def _docker_runtime_default(self) -> str:
         return os.environ.get(self.RUNTIME_ENV) or DEFAULT_RUNTIME
-
-    @default("workspace_root")
-    def _workspace_root_default(self) -> str | None:
-        return os.environ.get(self.WORKSPACE_ROOT_ENV) or None
 
     @default("audit_log")
     def _audit_log_default(self) -> str:
@@ -524,106 +746,9 @@ class SandboxSettings(LoggingConfigurable):
     def _runtime_parent_default(self) -> str:
         return tempfile.gettempdir()
 
-    @validate(
-        "exec_timeout",
-        "max_exec_timeout",
-        "exec_kill_grace",
-        "idle_timeout",
-        "max_idle_timeout",
-        "pause_after",
-        "max_pause_after",
-        "persistent_ttl",
-        "max_persistent_ttl",
-    )
-    def _validate_seconds(self, proposal: dict[str, Any]) -> float:
-        value: float = proposal["value"]  # seconds already: a Duration
-        if value > LONGEST:
-            msg = (
-                f"{proposal['trait'].name}={value!r} is out of range; use at most a week "
-                f"({LONGEST} seconds, '7d'), or 0 for no limit."
-            )
-            raise TraitError(msg)
-        return value
-
-    @validate("startup_timeout", "approval_timeout")
-    def _validate_waiting(self, proposal: dict[str, Any]) -> float:
-        value: float = proposal["value"]
-        if not 0 < value <= LONGEST:
-            name = proposal["trait"].name
-            waits = (
-                "a kernel needs time to start"
-                if name == "startup_timeout"
-                else "a person needs time to answer"
-            )
-            msg = (
-                f"{name}={value!r} is out of range; {waits}: use more than 0 seconds and at most "
-                "a week, e.g. 120 or '2m' (the default is 60)."
-            )
-            raise TraitError(msg)
-        return value
-
-    @validate("memory", "max_memory")
-    def _validate_memory(self, proposal: dict[str, Any]) -> str:
-        value: str = proposal["value"]  # a size already: a Size
-        if size_bytes(proposal["trait"].name, value) < size_bytes("", SMALLEST_MEMORY):
-            msg = (
-                f"{proposal['trait'].name}={value!r} is too little memory for ipykernel under gVisor; "
-                f"use at least {SMALLEST_MEMORY!r} (the default is '2g')."
-            )
-            raise TraitError(msg)
-        return value
-
-    @validate("egress_private_networks")
-    def _validate_networks(self, proposal: dict[str, Any]) -> list[str]:
-        networks: list[str] = list(proposal["value"])
-        for network in networks:
-            try:
-                ipaddress.ip_network(network, strict=False)
-            except ValueError:
-                msg = f"egress_private_networks: {network!r} is not a network; use CIDR, e.g. '10.0.0.5/32'."
-                raise TraitError(msg) from None
-        return networks
-
-    @validate("egress_host_map")
-    def _validate_host_map(self, proposal: dict[str, Any]) -> dict[str, str]:
-        host_map: dict[str, str] = dict(proposal["value"])
-        for name, address in host_map.items():
-            try:
-                ipaddress.ip_address(address)
-            except ValueError:
-                msg = f"egress_host_map: {name!r} maps to {address!r}, which is not an IP address."
-                raise TraitError(msg) from None
-        return host_map
-
-    @validate("cpus", "max_cpus")
-    def _validate_cpus(self, proposal: dict[str, Any]) -> float:
-        value = float(proposal["value"])
-        if not 0 < value <= 64:
-            msg = (
-                f"{proposal['trait'].name}={value!r} is out of range; use a number of cores above 0 "
-                "and at most 64, e.g. 1 or 0.5."
-            )
-            raise TraitError(msg)
-        return value
-
-    @validate("pool_size", "max_pool_size")
-    def _validate_pool_size(self, proposal: dict[str, Any]) -> int:
-        value = int(proposal["value"])
-        if not 0 <= value <= 64:
-            msg = f"{proposal['trait'].name}={value!r} is out of range; use 0 (no pool) to 64."
-            raise TraitError(msg)
-        return value
-
-    @validate("pids", "max_pids")
-    def _validate_pids(self, proposal: dict[str, Any]) -> int:
-        value = int(proposal["value"])
-        if value < 16:
-            msg = (
-                f"{proposal['trait'].name}={value!r} is too low for ipykernel to start; "
-                "use at least 16 (the default is 256)."
-            )
-            raise TraitError(msg)
-        return value
+    @validate("startup_timeout")
+    def _validate_startup_wait(self, proposal: dict[str, Any]) -> float:
+        return _a_wait(proposal)
 
     @validate("audit_log_max_bytes", "audit_log_backups")
     def _validate_audit_rotation(self, proposal: dict[str, Any]) -> int:
@@ -637,53 +762,6 @@ class SandboxSettings(LoggingConfigurable):
             )
             raise TraitError(msg)
         return value
-
-    @validate("kernel_uid")
-    def _validate_kernel_uid(self, proposal: dict[str, Any]) -> int | None:
-        value: int | None = proposal["value"]
-        if value is not None and value <= 0:
-            msg = (
-                f"kernel_uid={value!r} is not allowed: the kernel never runs as root; "
-                "use a non-root uid, e.g. the uid that should own its files."
-            )
-            raise TraitError(msg)
-        return value
-
-    @property
-    def limits(self) -> Limits:
-        """What this kernel asks for (kernelspec values over the server's defaults)."""
-        return Limits(
-            self.cpus,
-            self.memory,
-            self.pids,
-            self.tmp_size,
-            self.exec_timeout,
-            self.idle_timeout,
-            self.file_size,
-        )
-
-    def egress_policy(self) -> EgressPolicy | None:
-        """The kernel's egress policy (None: no network), checked against the ceiling.
-
-        Raises:
-            ConfigurationError: as :meth:`egress_rules` and :meth:`check_domains`.
-        """
-        rules = self.egress_rules()
-        if rules is None:
-            return None
-        self.check_domains(rules)
-        return EgressPolicy(
-            rules=rules,
-            host_map=dict(self.egress_host_map),
-            private_networks=tuple(self.egress_private_networks),
-            upstream_cafile=self.egress_ca_bundle or None,
-            approval=self.approval,
-            approval_timeout=self.approval_timeout,
-            approvable=EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
-            if self.approval == "egress"
-            else EgressRules(),
-            withheld=EgressRules.parse(self.withheld_domains, "allowed_domains"),
-        )
 
     def credential_catalog(self) -> dict[str, CredentialSpec]:
         """The credentials the server's config defines (a kernelspec only names them).
@@ -732,46 +810,6 @@ class SandboxSettings(LoggingConfigurable):
                 )
                 raise ConfigurationError(msg)
         return specs
-
-    def egress_rules(self) -> EgressRules | None:
-        """The domains this kernel asks for (None: no network), consistent in themselves.
-
-        Raises:
-            ConfigurationError: a malformed domain, an allow-list without domains, or
-                domains with network "none".
-        """
-        if self.network == "none":
-            if self.allowed_domains:
-                msg = (
-                    f"allowed_domains={list(self.allowed_domains)!r} is set but network is 'none', so it "
-                    "would be ignored. Set network to 'allowlist' to use it, or remove allowed_domains."
-                )
-                raise ConfigurationError(msg)
-            return None
-        rules = EgressRules.parse(self.allowed_domains, "allowed_domains")
-        if not rules.patterns:
-            msg = (
-                "network='allowlist' needs allowed_domains, the domains the kernel may reach, e.g. "
-                '["docs.python.org", "*.pythonhosted.org"]. Add them, or use network \'none\'.'
-            )
-            raise ConfigurationError(msg)
-        return rules
-
-    def check_domains(self, rules: EgressRules) -> None:
-        """Refuse domains beyond this server's ``max_allowed_domains``.
-
-        Raises:
-            ConfigurationError: naming the domains and the ceiling.
-        """
-        ceiling = EgressRules.parse(self.max_allowed_domains, "max_allowed_domains")
-        beyond = rules.uncovered_by(ceiling)
-        if beyond:
-            msg = (
-                f"allowed_domains {beyond!r} exceed the server's ceiling "
-                f"(SandboxProvisioner.max_allowed_domains={list(ceiling.patterns)!r}). Ask only for "
-                "domains within it, or have the server's administrator widen it."
-            )
-            raise ConfigurationError(msg)
 
 
 def kernelspec_keys() -> frozenset[str]:
