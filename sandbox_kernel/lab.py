@@ -22,10 +22,15 @@ paused, and whether a limit stopped it::
 provisioner runs gets ``{"sandboxed": false}``; an unknown id, 404. The package enables
 the extension (``etc/jupyter/jupyter_server_config.d/sandbox_kernel.json``), and its
 prebuilt JupyterLab extension shows this in the status bar.
+
+Under a server running as root, the extension also makes the server's file manager
+write (and read) in a folder of another user as that user, so what JupyterLab creates
+there is theirs and their kernel's to change (see :mod:`~.contents`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -37,6 +42,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .cgroups import memory_usage
+from .contents import own_the_servers_files
 from .egress import EgressProxy
 from .errors import SandboxKernelError
 from .limits import size_bytes
@@ -179,3 +185,16 @@ def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     serverapp.log.info("sandbox-kernel: kernel status at %s", pattern)
     if use_audited_connections(web_app.settings):
         serverapp.log.info("sandbox-kernel: the audit log names each kernel connection's authenticated user")
+    if os.geteuid() == 0:
+        manager = serverapp.contents_manager
+        if own_the_servers_files(manager, getattr(manager, "checkpoints", None)):
+            serverapp.log.info(
+                "sandbox-kernel: running as root, the server writes and reads in a folder of "
+                "another user as that user (see sandbox_kernel.contents)"
+            )
+        else:
+            serverapp.log.warning(
+                "sandbox-kernel: running as root with %s, which sandbox-kernel does not extend: what "
+                "the server creates in users' folders stays root's, read-only to their kernels",
+                type(manager).__name__,
+            )

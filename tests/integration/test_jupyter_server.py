@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +27,7 @@ from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.ownership import list_kernels, remove_kernel
 from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
-from .conftest import KERNEL, make_workspace
+from .conftest import KERNEL, SANDBOX_UID, make_workspace
 
 
 def free_port() -> int:
@@ -167,6 +170,127 @@ def adopting_server_setup(tmp_path: Path) -> tuple[Path, Path]:
     root = make_workspace(tmp_path / "notebooks")
     make_workspace(root / "project")
     return root, tmp_path / "server.log"
+
+
+@pytest.fixture
+def reachable(tmp_path: Path) -> Iterator[Path]:
+    """A folder any user may pass through, as /home or /srv are (pytest's own temporary
+    folders are root's, 0700: a user's folder in one cannot be reached by its owner);
+    removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="sandbox-kernel-test-", dir="/tmp"))
+    folder.chmod(0o711)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def contents(server: Server, method: str, path: str, **model: Any) -> dict[str, Any]:
+    """A call of the contents REST API, as JupyterLab makes it."""
+    answer: dict[str, Any] = server.api(method, f"/api/contents/{path}", json=model or None).json()
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="what a server running as root makes")
+async def test_what_a_root_server_makes_in_a_users_folder_is_theirs_and_their_kernels_to_change(
+    jupyter_dirs: Path, reachable: Path, tmp_path: Path
+) -> None:
+    """#23 item 3: under a root server, the folders JupyterLab made (New Folder), the files
+    uploaded (whole and in chunks), new notebooks and their checkpoints were root's, so
+    read-only to the kernel, which runs as the folder's owner. Made through the REST API
+    as JupyterLab does, then changed by the sandboxed kernel. A link the folder's owner
+    plants where Lab will save is not written through."""
+    root = reachable / "srv"
+    root.mkdir()
+    project = make_workspace(root / "project")
+    secret = reachable / "secret"
+    secret.write_text("root's\n")
+    secret.chmod(0o600)
+    server, proc = start_server(root, tmp_path / "server.log")
+    try:
+        folder = contents(server, "POST", "project", type="directory")["path"]  # "New Folder"
+        contents(server, "PUT", "project/data", type="directory")
+        contents(server, "PUT", "project/data/sales.csv", type="file", format="text", content="a,b\n1,2\n")
+        for chunk, part in ((1, b"head "), (2, b"middle "), (-1, b"tail")):
+            encoded = base64.b64encode(part).decode()
+            contents(
+                server,
+                "PUT",
+                "project/data/big.txt",
+                type="file",
+                format="base64",
+                content=encoded,
+                chunk=chunk,
+            )
+        notebook = contents(server, "POST", "project", type="notebook")["path"]
+        saved = contents(server, "GET", notebook)
+        saved["content"]["cells"] = [
+            {"cell_type": "code", "source": "1", "metadata": {}, "outputs": [], "execution_count": None}
+        ]
+        contents(server, "PUT", notebook, type="notebook", content=saved["content"])
+        server.api("POST", f"/api/contents/{notebook}/checkpoints")
+        made = [
+            root / folder,
+            project / "data",
+            project / "data" / "sales.csv",
+            project / "data" / "big.txt",
+            root / notebook,
+            project / ".ipynb_checkpoints",
+            *(project / ".ipynb_checkpoints").iterdir(),
+        ]
+        owners = {path.name: (path.lstat().st_uid, path.lstat().st_gid) for path in made}
+        assert owners == dict.fromkeys(owners, (SANDBOX_UID, SANDBOX_UID))
+
+        session = server.api(
+            "POST",
+            "/api/sessions",
+            json={"path": "project/analysis.ipynb", "type": "notebook", "kernel": {"name": KERNEL}},
+        ).json()
+        kernel_id = session["kernel"]["id"]
+        try:
+            new_folder, new_notebook = os.path.basename(folder), os.path.basename(notebook)
+            steps = {
+                "write in Lab's new folder": f"open({new_folder!r} + '/from-kernel.txt', 'w').write('k')",
+                "append to an upload": "open('data/sales.csv', 'a').write('3,4\\n')",
+                "append to a chunked upload": "open('data/big.txt', 'a').write(' more')",
+                "rewrite Lab's notebook": (
+                    f"import json; nb = json.load(open({new_notebook!r})); nb['metadata']['edited'] = 1\n"
+                    f"json.dump(nb, open({new_notebook!r}, 'w'))"
+                ),
+                "remove its checkpoint": (
+                    "import os; os.remove('.ipynb_checkpoints/' + os.listdir('.ipynb_checkpoints')[0])"
+                ),
+            }
+            for step, code in steps.items():
+                status, out = await execute_over_websocket(server, kernel_id, code + "\nprint('done')")
+                assert (status, out) == ("ok", "done\n"), step
+            # Sandboxed code may not make links (seccomp); the folder's owner may, on the host.
+            status, out = await execute_over_websocket(server, kernel_id, "os.symlink('/etc/passwd', 'x')")
+            assert status == "error"
+        finally:
+            server.api("DELETE", f"/api/sessions/{session['id']}")
+        assert (root / folder / "from-kernel.txt").read_text() == "k"
+        assert (project / "data" / "sales.csv").read_text() == "a,b\n1,2\n3,4\n"
+        assert (project / "data" / "big.txt").read_text() == "head middle tail more"
+        assert json.loads((root / notebook).read_text())["metadata"]["edited"] == 1
+
+        # Lab saving where the folder's owner planted a link to a file of root's: refused.
+        subprocess.run(["ln", "-s", str(secret), "planted.txt"], cwd=project, user=SANDBOX_UID, check=True)
+        with pytest.raises(requests.HTTPError) as refused:
+            contents(server, "PUT", "project/planted.txt", type="file", format="text", content="pwned")
+        assert refused.value.response.status_code == 403
+        with pytest.raises(requests.HTTPError):
+            contents(server, "POST", "project", copy_from="project/planted.txt")
+        assert secret.read_text() == "root's\n"
+        assert sorted(path.name for path in project.iterdir()) == sorted(
+            [
+                os.path.basename(folder),
+                "data",
+                os.path.basename(notebook),
+                "planted.txt",
+                ".ipynb_checkpoints",
+            ]
+        )
+    finally:
+        stop_server(proc)
 
 
 async def test_notebook_session_through_jupyter_server(jupyter_server: tuple[Server, Path]) -> None:

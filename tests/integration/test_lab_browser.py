@@ -28,10 +28,11 @@ from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 from sandbox_kernel.docker_backend import DockerBackend
 from sandbox_kernel.ownership import list_kernels, remove_kernel
 
-from .conftest import REPORTS, make_workspace
+from .conftest import REPORTS, SANDBOX_UID, make_workspace
 from .test_egress import Upstreams, _fetch
 from .test_egress import upstreams as upstreams  # the egress tests' local HTTPS upstream
 from .test_jupyter_server import Server, start_server, stop_server
+from .test_jupyter_server import reachable as reachable  # a folder every user may pass through
 
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -213,6 +214,58 @@ def test_an_analyst_works_in_a_sandboxed_notebook(labs: Labs) -> None:
     shown = analyst.run("import os\nprint(os.path.exists('from-notebook.csv'))\nx")
     assert shown.startswith("True"), shown
     assert "NameError: name 'x' is not defined" in shown
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="what a server running as root makes")
+def test_under_a_root_server_what_the_analyst_makes_in_lab_is_the_folders_owners(
+    labs: Labs, reachable: Path
+) -> None:
+    """#23 item 3: under a root ``jupyter lab``, New Folder, an upload and a new notebook
+    were root's, read-only to the kernel (which runs as the folder's owner): now they
+    are the owner's, and the kernel writes in them."""
+    labs.root = make_workspace(reachable / "alice")
+    analyst = labs.start()
+    page = analyst.page
+    page.get_by_role("button", name="New Folder").click()
+    editor = page.locator(".jp-DirListing-editor")
+    editor.click()
+    editor.fill("results")  # JupyterLab makes "Untitled Folder", then renames it
+    editor.press("Enter")
+    expect(page.locator(".jp-DirListing-itemText", has_text="results")).to_be_visible()
+    with page.expect_file_chooser() as chosen:
+        page.get_by_role("button", name="Upload Files").click()
+    chosen.value.set_files({"name": "sales.csv", "mimeType": "text/csv", "buffer": b"a,b\n1,2\n"})
+    expect(page.locator(".jp-DirListing-itemText", has_text="sales.csv")).to_be_visible()
+    page.locator(".jp-FileBrowser").get_by_role("button", name=re.compile("^New Launcher")).click()
+    page.locator('.jp-LauncherCard[title="Sandboxed Python"][data-category="Notebook"]:visible').click()
+    analyst.wait_for_kernel("Sandboxed Python")
+    shown = analyst.run(
+        "open('results/result.txt', 'w').write('from the kernel')\n"
+        "open('sales.csv', 'a').write('3,4\\n')\nprint('written')"
+    )
+    assert shown == "written"
+    page.keyboard.press("Control+s")  # JupyterLab asks for a name on first save
+    page.locator(".jp-Dialog input[type=text]").fill("analysis.ipynb")
+    page.locator(".jp-Dialog .jp-mod-accept").click()
+    expect(page.locator(".jp-mod-dirty")).to_have_count(0)
+    alice = labs.root
+    deadline = time.monotonic() + 10  # JupyterLab renames Untitled.ipynb after the dialog
+    while not (alice / "analysis.ipynb").exists():
+        assert time.monotonic() < deadline, sorted(path.name for path in alice.iterdir())
+        time.sleep(0.2)
+    made = [
+        "results",
+        "results/result.txt",
+        "sales.csv",
+        "analysis.ipynb",
+        ".ipynb_checkpoints",
+    ]
+    owners = {name: ((alice / name).lstat().st_uid, (alice / name).lstat().st_gid) for name in made}
+    assert owners == dict.fromkeys(made, (SANDBOX_UID, SANDBOX_UID))
+    assert (alice / "sales.csv").read_text() == "a,b\n1,2\n3,4\n"
+    assert (alice / "results" / "result.txt").read_text() == "from the kernel"
+    for session in analyst.server.api("GET", "/api/sessions").json():
+        analyst.server.api("DELETE", f"/api/sessions/{session['id']}")
 
 
 ATTACK = """\
