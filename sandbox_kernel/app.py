@@ -51,6 +51,7 @@ from .settings import (
     SandboxSettings,
     kernelspec_keys,
 )
+from .workspaces import sweep_abandoned_workspaces
 
 T = TypeVar("T")
 A = TypeVar("A", bound=JupyterApp)
@@ -764,8 +765,9 @@ class PruneApp(_KernelsApp):
     name = "jupyter-sandbox-kernel-prune"
     description = """Remove the ephemeral sandboxed kernels whose server process has died on
     this host (orphans), and the persistent ones no server has held for their time-to-live,
-    with their runtime folders. A kernel is judged only when its owner ran on this host in
-    this PID namespace; when in doubt it is left alone. Every process running sandboxed
+    with their runtime folders, and the fresh workspaces of sessions killed outright. A
+    kernel is judged only when its owner ran on this host in this PID namespace; when in
+    doubt it is left alone. Every process running sandboxed
     kernels also does this when it starts its first one, and every minute while it has
     any; where none may run for long, run this from a timer (cron or systemd)."""
 
@@ -775,6 +777,8 @@ class PruneApp(_KernelsApp):
             why = "its time-to-live ran out" if kernel.expired else f"server {kernel.owner} is gone"
             print(f"Removed {kernel.description}: {why}")
         print(f"{len(removed)} kernel(s) removed.")
+        for folder in sweep_abandoned_workspaces():
+            print(f"Removed the fresh workspace {folder}: the session that made it is gone")
 
 
 class _KernelStarter(_SubApp):

@@ -69,7 +69,7 @@ from .output import amount
 from .pausing import Paused
 from .provisioner import SandboxProvisioner
 from .reattach import reattach_kernel
-from .workspaces import make_fresh_workspace, remove_workspace
+from .workspaces import keep_workspace, make_fresh_workspace, remove_workspace
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -369,9 +369,13 @@ class AsyncSandboxSession:
         km = sandboxed_manager(self.kernel_name, config, **kwargs)
         extra = {"sandbox_env": self.env} if self.env else {}
         if self.cwd is None:
-            self.cwd = await asyncio.to_thread(make_fresh_workspace, self.kernel_name, config)
+            self.cwd = await asyncio.to_thread(
+                make_fresh_workspace, self.kernel_name, config, not self.keep_workspace
+            )
         try:
             await km.start_kernel(cwd=str(self.cwd), **extra, **self.policy)
+            if self.fresh_workspace and getattr(km.provisioner, "lifecycle", None) == "persistent":
+                keep_workspace(self.cwd)  # the kernel may outlive this process: no sweep takes it
             try:
                 await self._connect(km)
             except BaseException:
@@ -599,6 +603,7 @@ class AsyncSandboxSession:
         if self.fresh_workspace and self.cwd is not None and not self.keep_workspace:
             log.info("Detached: the session's fresh workspace %s stays; delete it when done", self.cwd)
             self.keep_workspace = True
+            await asyncio.to_thread(keep_workspace, self.cwd)
         self._stop_lifetime()
         km, kc = self.km, self.kc
         self.km = self.kc = None

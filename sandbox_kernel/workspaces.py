@@ -7,7 +7,8 @@ folder, ``JUPYTER_DATA_DIR/sandbox-kernel/workspaces/`` (``~/.local/share/jupyte
 mode 0700, owned by this user (by the uid the kernel runs as, under root: a root
 program's kernel never runs as root, so the folder goes to ``kernel_uid`` or 65533 while
 the folders above it stay root's, 0700). Its owner removes it when the session ends,
-unless asked to keep it.
+unless asked to keep it; a session's whose process was killed outright is removed by the
+next fresh workspace of that user, or by ``jupyter sandbox-kernel prune``.
 
 An administrator's ``workspace_root`` (the server's config, the kernelspec or
 ``$SANDBOX_KERNEL_WORKSPACE_ROOT``) mounts that root for every kernel, so no folder
@@ -17,6 +18,7 @@ to pass ``cwd`` then, before anything is made.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -31,12 +33,15 @@ from traitlets.config import Config
 
 from .admission import with_server_config
 from .errors import WorkspaceError
+from .ownership import owner_is_gone, server_identity
 from .plan import check_default_uid_unused, kernelspec_config
 from .settings import SandboxSettings
 from .trees import delete_tree
 
 log = logging.getLogger(__name__)
 
+#: Beside each fresh workspace that goes at its process's end: that process's identity.
+OWNER_SUFFIX = ".owner"
 #: The setting sections the provisioner reads (its class, and the settings' own).
 _SECTIONS = ("SandboxProvisioner", "SandboxSettings")
 
@@ -130,8 +135,15 @@ def _private_folder(path: Path) -> None:
         raise WorkspaceError(msg)
 
 
-def make_fresh_workspace(kernel_name: str, config: Config | None = None) -> Path:
-    """A new, empty workspace folder for one session (see the module).
+def _marker(path: Path) -> Path:
+    """Beside a fresh workspace (out of the kernel's reach): who will remove it."""
+    return path.with_name(path.name + OWNER_SUFFIX)
+
+
+def make_fresh_workspace(kernel_name: str, config: Config | None = None, sweep: bool = False) -> Path:
+    """A new, empty workspace folder for one session (see the module). With ``sweep``, a
+    file beside it names this process, so that once it has died without removing the
+    folder, the next fresh workspace (or ``jupyter sandbox-kernel prune``) removes it.
 
     Raises:
         WorkspaceError: an administrator's ``workspace_root`` decides the workspace, or
@@ -143,12 +155,23 @@ def make_fresh_workspace(kernel_name: str, config: Config | None = None) -> Path
     owner = _owner_for_kernel(merged)
     parent = workspaces_parent()
     _private_folder(parent)
+    sweep_abandoned_workspaces()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=parent))  # 0700, this process's
+    if sweep:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(_marker(path), flags, 0o600), "w") as marker:
+            marker.write(server_identity())
     if owner is not None:
         os.chown(path, *owner, follow_symlinks=False)
     log.info("Fresh workspace %s for a session without cwd", path)
     return path
+
+
+def keep_workspace(path: Path) -> None:
+    """Keep a fresh workspace after this process: nothing removes it then but its user."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_marker(path))
 
 
 def remove_workspace(path: Path) -> None:
@@ -158,5 +181,30 @@ def remove_workspace(path: Path) -> None:
         delete_tree(path)
     except OSError as exc:
         log.warning("Could not remove the session's workspace %s: %s", path, exc)
-    else:
-        log.info("Removed the session's workspace %s", path)
+        return
+    keep_workspace(path)  # its marker goes with it
+    log.info("Removed the session's workspace %s", path)
+
+
+def sweep_abandoned_workspaces() -> list[Path]:
+    """Remove this user's fresh workspaces whose process died without removing them
+    (killed outright); those kept, and those of a process that may be alive, stay.
+    The fresh workspaces removed."""
+    removed: list[Path] = []
+    parent = workspaces_parent()
+    try:
+        markers = [entry for entry in os.scandir(parent) if entry.name.endswith(OWNER_SUFFIX)]
+    except OSError:
+        return removed
+    for entry in markers:
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd) as marker:
+                identity = marker.read(4096)
+        except OSError:
+            continue
+        if owner_is_gone(identity):
+            folder = parent / entry.name.removesuffix(OWNER_SUFFIX)
+            remove_workspace(folder)
+            removed.append(folder)
+    return removed

@@ -123,6 +123,38 @@ def test_sessions_without_cwd_each_work_in_a_fresh_folder_removed_at_the_end(
     assert (folder / "result.csv").read_text() == "a,b"
 
 
+KILLED_SESSION = """\
+import sys, time
+from sandbox_kernel import SandboxSession
+sandbox = SandboxSession("sandboxed-python", network="none").start()
+sandbox.run("open('left.txt', 'w').write('x')")
+print(sandbox.cwd, sandbox.kernel_id, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_fresh_workspace_of_a_killed_session_goes_with_the_next_one(
+    jupyter_dirs: Path, tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    """A program killed outright cannot remove its folder: the next session does (and,
+    as ever, the next start removes the orphaned kernel)."""
+    program = subprocess.Popen([sys.executable, "-c", KILLED_SESSION], stdout=subprocess.PIPE, text=True)
+    try:
+        assert program.stdout is not None
+        folder, kernel_id = program.stdout.readline().split()
+    finally:
+        program.kill()
+        program.wait()
+    left = Path(folder)
+    assert (left / "left.txt").read_text() == "x"
+    with SandboxSession(KERNEL, network="none") as sandbox:
+        assert sandbox.cwd is not None
+        assert sandbox.cwd.parent == left.parent
+        assert not left.exists()
+        assert not left.with_name(left.name + ".owner").exists()
+    assert _containers(docker_client, kernel_id) == []
+
+
 def test_a_session_without_cwd_under_a_workspace_root_says_to_pass_cwd(
     jupyter_dirs: Path, tmp_path: Path
 ) -> None:

@@ -13,12 +13,15 @@ from traitlets.config import Config
 
 from sandbox_kernel.errors import WorkspaceError
 from sandbox_kernel.mcp_server import KernelTools
+from sandbox_kernel.ownership import server_identity
 from sandbox_kernel.plan import DEFAULT_KERNEL_UID
 from sandbox_kernel.session import AsyncSandboxSession, SandboxSession
 from sandbox_kernel.workspaces import (
     check_fresh_workspace_allowed,
+    keep_workspace,
     make_fresh_workspace,
     remove_workspace,
+    sweep_abandoned_workspaces,
     workspaces_parent,
 )
 
@@ -161,3 +164,35 @@ def test_an_mcp_servers_fresh_workspace_goes_once_its_kernels_are_shut_down() ->
     asyncio.run(KernelTools("sandboxed-python", str(kept), AsyncSandboxSession).shutdown_all())
     assert not folder.exists()
     assert kept.is_dir()
+
+
+def test_a_fresh_workspace_of_a_process_that_died_goes_with_the_next_one() -> None:
+    """A session killed outright (SIGKILL) cannot remove its folder: the next fresh
+    workspace of this user does, never one that is kept or whose process is alive."""
+    alive = make_fresh_workspace("sandboxed-python", sweep=True)
+    kept = make_fresh_workspace("sandboxed-python")
+    dead = make_fresh_workspace("sandboxed-python", sweep=True)
+    marker = dead.with_name(dead.name + ".owner")
+    assert marker.read_text() == server_identity()
+    assert stat.S_IMODE(marker.stat().st_mode) == 0o600
+    assert not kept.with_name(kept.name + ".owner").exists()
+    (dead / "left.txt").write_text("x")
+    # The same pid with another start time: the process that made it is gone.
+    marker.write_text(server_identity().rsplit("/", 1)[0] + "/1")
+    new = make_fresh_workspace("sandboxed-python")
+    assert not dead.exists()
+    assert not marker.exists()
+    assert alive.is_dir()
+    assert kept.is_dir()
+    assert new.is_dir()
+    assert sweep_abandoned_workspaces() == []
+    remove_workspace(alive)
+    assert not alive.with_name(alive.name + ".owner").exists()
+
+
+def test_detaching_keeps_the_fresh_workspace_from_the_sweep() -> None:
+    session = AsyncSandboxSession()
+    session.cwd = folder = make_fresh_workspace("sandboxed-python", sweep=True)
+    asyncio.run(session.detach())
+    assert not folder.with_name(folder.name + ".owner").exists()
+    keep_workspace(folder)  # twice is fine
