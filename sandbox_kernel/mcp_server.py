@@ -38,8 +38,6 @@ SIGINT or SIGHUP. Logs go to stderr: stdout is the MCP channel.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import contextlib
 import functools
@@ -48,10 +46,10 @@ import itertools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Literal, Protocol
 
 import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
@@ -62,11 +60,10 @@ from pydantic import Field
 from traitlets import Int, TraitError, Unicode, validate
 from traitlets.config import Config, LoggingConfigurable
 
-from . import mcp_transport, workspaces
+from . import mcp_files, mcp_transport, workspaces
 from ._version import __version__
 from .commands import DEFAULT_TIMEOUT
 from .errors import SandboxKernelError
-from .files import FileTooLargeError, FolderNotEmptyError, from_printable
 from .limits import size_bytes
 from .mcp_results import (
     DeleteOutput,
@@ -80,13 +77,9 @@ from .mcp_results import (
     RunCommandOutput,
     StartKernelOutput,
     UploadOutput,
-    base64_size,
     command_output,
-    encode_download,
-    file_entry,
     one_line,
     over_budget,
-    page,
     run_images,
     run_output,
     run_texts,
@@ -101,10 +94,6 @@ __all__ = ["KernelTools", "McpLimits", "build_server", "serve_stdio", "strip_ans
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: The largest file ``download_file`` returns; bigger ones are read in parts with ``run_code``.
-MAX_DOWNLOAD = 10 * 1024 * 1024
 #: Files of cut output the server keeps in the workspace; older ones are deleted.
 KEPT_OUTPUTS = 20
 
@@ -166,18 +155,11 @@ class McpLimits(LoggingConfigurable):
 # The session API this server drives (sandbox_kernel.session), as far as it uses it.
 
 
-class _Files(Protocol):
-    async def upload(self, path: str, data: bytes | str) -> str: ...
-    async def download(self, path: str, max_bytes: int | None = None) -> bytes: ...
-    async def list(self, path: str = ".") -> list[Any]: ...
-    async def delete(self, path: str, recursive: bool = False) -> None: ...
-
-
 class Session(Protocol):
     @property
     def kernel_id(self) -> str | None: ...
     @property
-    def files(self) -> _Files: ...
+    def files(self) -> mcp_files.Files: ...
     async def start(self) -> object: ...
     async def run(
         self,
@@ -222,32 +204,6 @@ def narrowed_policy(
         "allowed_domains": allowed_domains,
     }
     return {key: value for key, value in given.items() if value is not None}
-
-
-def decode_upload(content: str, encoding: str) -> bytes:
-    """``upload_file``'s content as bytes.
-
-    Raises:
-        ToolError: ``encoding`` is unknown or the content is not valid base64.
-    """
-    if encoding == "utf-8":
-        try:
-            return content.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            msg = (
-                f"content holds {content[exc.start : exc.end]!r} at {exc.start}, half a character "
-                "(a lone surrogate) that UTF-8 cannot hold: send binary content as base64"
-            )
-            raise ToolError(one_line(msg)) from None
-    if encoding == "base64":
-        try:
-            # Line breaks are allowed (base64 is often wrapped); anything else is an error.
-            return base64.b64decode("".join(content.split()), validate=True)
-        except (binascii.Error, ValueError) as exc:
-            msg = f"content is not valid base64 ({exc}); send text with encoding 'utf-8'"
-            raise ToolError(one_line(msg)) from exc
-    msg = f"unknown encoding {encoding!r}: use 'utf-8' for text or 'base64' for bytes"
-    raise ToolError(one_line(msg))
 
 
 @contextlib.contextmanager
@@ -492,21 +448,7 @@ class KernelTools:
         upload a bigger one in parts and join them with run_code.
         """
         with tool_errors("upload_file"):
-            limit = self.limits.upload_bytes
-            # Refused before it is decoded where the size shows: no copy of what is refused.
-            # A text's characters are fewer than its UTF-8 bytes, or as many.
-            size, exact = (base64_size(content), True) if encoding == "base64" else (len(content), False)
-            if size <= limit:
-                data = decode_upload(content, encoding)
-                size, exact = len(data), True
-            if size > limit:
-                msg = (
-                    f"{path!r} would be {'' if exact else 'at least '}{size:,} bytes: over the {limit:,} "
-                    "bytes upload_file takes in one call (McpLimits.max_upload). Upload it in parts under "
-                    "that size and join them with run_code (open(path, 'ab')), or have the kernel make "
-                    "or fetch it."
-                )
-                raise ToolError(msg)
+            data = mcp_files.upload_data(path, content, encoding, self.limits.upload_bytes)
             _, session = await self._session(kernel_id, start_default=True)
             written = await session.files.upload(path, data)
             return tool_result({"path": str(written), "size": len(data)})
@@ -528,19 +470,7 @@ class KernelTools:
         """
         with tool_errors("download_file"):
             _, session = await self._session(kernel_id, start_default=True)
-            try:
-                data = await self._in_workspace(
-                    lambda where: session.files.download(where, max_bytes=MAX_DOWNLOAD), path
-                )
-            except FileTooLargeError as exc:
-                msg = (
-                    f"{path!r} is {exc.size:,} bytes{' or more' if exc.size == exc.limit + 1 else ''}: over "
-                    f"the {exc.limit:,} bytes download_file returns. Read what you need of it with run_code "
-                    "(e.g. pandas, or f.seek() and f.read(n)), or have the kernel summarise, split or "
-                    "compress it into smaller files."
-                )
-                raise ToolError(msg) from exc
-            output, extra = encode_download(path, data)
+            output, extra = await mcp_files.download(session.files, path)
             return tool_result(output, extra)
 
     async def delete_file(
@@ -565,12 +495,7 @@ class KernelTools:
         """
         with tool_errors("delete_file"):
             _, session = await self._session(kernel_id, start_default=True)
-            try:
-                await self._in_workspace(lambda where: session.files.delete(where, recursive), path)
-            except FolderNotEmptyError as exc:
-                msg = f"{path!r} is a folder that is not empty: call delete_file again with recursive=true"
-                raise ToolError(msg) from exc
-            return tool_result({"path": path, "status": "deleted"})
+            return tool_result(await mcp_files.delete(session.files, path, recursive))
 
     async def list_files(
         self,
@@ -597,17 +522,7 @@ class KernelTools:
         with tool_errors("list_files"):
             limit = self._list_limit(limit)
             _, session = await self._session(kernel_id, start_default=True)
-            infos = await self._in_workspace(session.files.list, path)
-            shown, next_offset = page(infos, offset, limit)
-            listing: ListFilesOutput = {
-                "path": path,
-                "files": [file_entry(info) for info in shown],
-                "total": len(infos),
-                "offset": offset,
-                "more": next_offset is not None,
-                "next_offset": next_offset,
-            }
-            return tool_result(listing)
+            return tool_result(await mcp_files.listing(session.files, path, offset, limit))
 
     async def interrupt_kernel(
         self,
@@ -876,24 +791,6 @@ class KernelTools:
             with contextlib.suppress(SandboxKernelError, OSError):
                 await session.files.delete(old)
         return saved
-
-    @staticmethod
-    async def _in_workspace(call: Callable[[str], Awaitable[T]], path: str) -> T:
-        """``call(path)``; where that fails and ``path`` has ``\\xNN`` escapes (as
-        list_files shows a name that is not UTF-8), ``call`` of the path they stand for.
-        A name that exists as written comes first.
-
-        Raises:
-            SandboxKernelError: neither worked; the error of ``path`` as written.
-        """
-        try:
-            return await call(path)
-        except SandboxKernelError:
-            raw = from_printable(path)
-            if raw != path:
-                with contextlib.suppress(SandboxKernelError):
-                    return await call(raw)
-            raise
 
     @staticmethod
     async def _quietly(awaitable: Any, what: str, kernel_id: str) -> None:

@@ -24,10 +24,10 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 from sandbox_kernel.commands import CommandResult
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 from sandbox_kernel.files import FileTooLargeError, FolderNotEmptyError, MissingFileError
+from sandbox_kernel.mcp_files import MAX_DOWNLOAD
 from sandbox_kernel.mcp_results import allot, cut, sniff_image
 from sandbox_kernel.mcp_server import (
     KEPT_OUTPUTS,
-    MAX_DOWNLOAD,
     KernelTools,
     McpLimits,
     build_server,
