@@ -50,7 +50,7 @@ import socket
 import stat
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ import zmq
 from jupyter_client.session import Session
 from zmq.utils.monitor import parse_monitor_message
 
+from .bridge_replies import PendingReplies, refusal_reply
 from .meter import Meter
 from .output import OutputLimiter
 from .sanitize import OutputSanitizer
@@ -86,8 +87,6 @@ IPC_PORTS: Mapping[str, int] = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4
 #: sees the bridge's shell DEALER as that peer: the stdin DEALER must carry the same
 #: identity for input() to reach the client.
 _KERNEL_SIDE_IDENTITY = b"sandbox-kernel-bridge"
-#: Requests remembered per channel while their replies are due; the oldest go first.
-_MAX_OUTSTANDING = 4096
 #: Messages read from one socket before the others get a turn.
 _BATCH = 100
 #: Clients' messages kept on the host while the kernel is paused (count, bytes); beyond,
@@ -222,6 +221,30 @@ def _link(address: str) -> None:
     os.replace(tmp, address)
 
 
+def _front_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], channel: str, caps: SizeCaps, curve: CurveKeys | None
+) -> zmq.Socket[bytes]:
+    """A client-facing socket for ``channel``, not bound yet."""
+    front_type = _SOCKET_TYPES[channel][0]
+    front = ctx.socket(front_type)
+    front.linger = 0
+    # Unauthenticated until checked: a peer sending a bigger frame is cut off.
+    front.setsockopt(zmq.MAXMSGSIZE, caps.front(channel))
+    if curve is not None:
+        front.curve_secretkey = curve.secret
+        front.curve_publickey = curve.public
+        front.curve_server = True
+    if front_type == zmq.XPUB:
+        # Forward every subscription, repeats included: ipykernel answers each with an
+        # iopub_welcome message.
+        front.setsockopt(zmq.XPUB_VERBOSE, 1)
+    else:
+        # As ipykernel does: a client reconnecting with its old identity (jupyter_server
+        # reuses the session id) takes over the route.
+        front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    return front
+
+
 class _Routes:
     """What a relay thread polls, and where a message read from each socket goes."""
 
@@ -314,10 +337,8 @@ class KernelBridge:
         self._inject_rx: zmq.Socket[bytes] | None = None
         # zmq sockets are not thread-safe; injections come from the loop and the bridge thread.
         self._inject_lock = threading.Lock()
-        # msg_id -> routing identities of each client waiting for that reply, per channel.
-        self._outstanding: dict[str, OrderedDict[str, list[tuple[float, list[bytes]]]]] = {
-            channel: OrderedDict() for channel in _REQUEST_REPLY
-        }
+        #: Whom each reply of the kernel goes back to, on shell and control.
+        self._pending = PendingReplies(_REQUEST_REPLY)
         self._last_warning = 0.0
         # While the kernel is paused: (channel, frames) of clients' messages, in order.
         self._held: list[tuple[str, list[bytes]]] | None = None
@@ -370,24 +391,8 @@ class KernelBridge:
     def _bind_fronts(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            for channel, (front_type, _) in _SOCKET_TYPES.items():
-                front = ctx.socket(front_type)
-                self._fronts[channel] = front
-                front.linger = 0
-                # Unauthenticated until checked: a peer sending a bigger frame is cut off.
-                front.setsockopt(zmq.MAXMSGSIZE, self._caps.front(channel))
-                if self._curve is not None:
-                    front.curve_secretkey = self._curve.secret
-                    front.curve_publickey = self._curve.public
-                    front.curve_server = True
-                if front_type == zmq.XPUB:
-                    # Forward every subscription, repeats included: ipykernel answers
-                    # each with an iopub_welcome message.
-                    front.setsockopt(zmq.XPUB_VERBOSE, 1)
-                else:
-                    # As ipykernel does: a client reconnecting with its old identity
-                    # (jupyter_server reuses the session id) takes over the route.
-                    front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            for channel in CHANNELS:
+                front = self._fronts[channel] = _front_socket(ctx, channel, self._caps, self._curve)
                 self.ports[channel] = self._bind_front(channel, front)
             self._inject_rx = ctx.socket(zmq.PULL)
             self._inject_rx.bind(f"inproc://inject-{id(self)}")
@@ -441,8 +446,7 @@ class KernelBridge:
         self._restore_ipc_links()
         self._kernel_endpoints = dict(kernel_endpoints)
         self._back_endpoints = self._metered(self._kernel_endpoints)
-        for pending in self._outstanding.values():
-            pending.clear()  # the next kernel answers none of the last one's requests
+        self._pending.clear()  # the next kernel answers none of the last one's requests
         self._held, self._held_bytes, self._release_due = None, 0, False
         if self._limiter is not None and "iopub" in self._fronts:
             # The last kernel's held output tail, before anything of the next one (no
@@ -792,7 +796,6 @@ class KernelBridge:
             return None
         if channel not in _REQUEST_REPLY:
             return frames
-        outstanding = self._outstanding[channel]
         if to_kernel:
             # Read whole, as the kernel will: a big header must not hide what it asks for.
             header = load_dict(frames[index + 2], limit=None)
@@ -803,23 +806,16 @@ class KernelBridge:
                 return None
             if len(frames[index + 2]) > MAX_SMALL_FRAME or not msg_type.endswith("_request"):
                 return frames  # comm messages: the kernel answers none of them
-            msg_id = str(header.get("msg_id", ""))
-            waiting = outstanding.pop(msg_id, [])
-            waiting.append((time.monotonic(), [frame_bytes(frame) for frame in frames[:index]]))
-            outstanding[msg_id] = waiting
-            while len(outstanding) > _MAX_OUTSTANDING:
-                outstanding.popitem(last=False)
+            self._pending.expect(
+                channel, str(header.get("msg_id", "")), [frame_bytes(frame) for frame in frames[:index]]
+            )
             return frames
         # From the kernel: only the reply to a request a client sent, once, and to that
         # client (routing frames are not signed: the kernel could aim them anywhere).
-        msg_id = str(load_dict(frames[index + 3]).get("msg_id", ""))
-        waiting = outstanding.get(msg_id, [])
-        if not waiting:
+        idents = self._pending.route(channel, str(load_dict(frames[index + 3]).get("msg_id", "")))
+        if idents is None:
             self._drop(channel, to_kernel, "reply to no pending request")
             return None
-        _, idents = waiting.pop(0)
-        if not waiting:
-            del outstanding[msg_id]
         return [*idents, *frames[index:]]
 
     def _refuse(self, channel: str, frames: Frames, index: int, header: dict[str, object], why: str) -> None:
@@ -831,42 +827,12 @@ class KernelBridge:
                 self._tap(channel, True, frames)
             except Exception:
                 log.exception("Bridge tap failed on a refused %s request", channel)
-        msg_type = str(header.get("msg_type", ""))
-        content: dict[str, object] = {
-            "status": "error",
-            "ename": "RequestRefused",
-            "evalue": why,
-            "traceback": [f"RequestRefused: {why}"],
-        }
-        if msg_type == "debug_request":
-            # Also a DAP response, as a debugger front end reads it.
-            request = load_dict(frames[index + 5])
-            content.update(
-                type="response",
-                request_seq=request.get("seq"),
-                success=False,
-                command=request.get("command"),
-                message=why,
-            )
-        elif msg_type == "execute_request":
-            content["execution_count"] = None
-        reply_type = msg_type.removesuffix("_request") + "_reply"
-        reply = self._signer.msg(reply_type, content, parent=header)
-        idents = [frame_bytes(frame) for frame in frames[:index]]
-        self._send(self._fronts[channel], channel, self._signer.serialize(reply, ident=idents))
+        self._send(self._fronts[channel], channel, refusal_reply(self._signer, frames, index, header, why))
 
     def requests_in_flight(self, max_age: float) -> bool:
         """Whether a client's request younger than ``max_age`` seconds awaits its reply
         (any thread; a glance, not a snapshot)."""
-        oldest_allowed = time.monotonic() - max_age
-        try:
-            for outstanding in self._outstanding.values():
-                for waiting in list(outstanding.values())[-64:]:
-                    if any(since >= oldest_allowed for since, _ in waiting):
-                        return True
-        except RuntimeError:  # changed by the bridge thread meanwhile: assume busy
-            return True
-        return False
+        return self._pending.in_flight(max_age)
 
     def _drop(self, channel: str, to_kernel: bool, reason: str) -> None:
         source = "from a client" if to_kernel else "from the kernel"
