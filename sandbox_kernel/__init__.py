@@ -14,9 +14,10 @@ from .errors import (
     SandboxKernelError,
     WorkspaceError,
 )
-from .pool import SandboxPool, warm_pool
+from .pool import SandboxPool
 from .provisioner import SandboxProvisioner
 from .session import AsyncSandboxSession, Execution, ExecutionError, Result, SandboxSession
+from .warming import warm_pool
 
 __all__ = [
     "AsyncSandboxSession",

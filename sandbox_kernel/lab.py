@@ -66,20 +66,21 @@ def describe(
 ) -> dict[str, Any]:
     """Build the endpoint's answer for a sandboxed kernel (``now``: ``time.time()``;
     ``approved``: the domains its holder allowed at a question, see :func:`approved_domains`)."""
-    network = str(provisioner.network)
+    policy = provisioner.policy  # the running kernel's: its settings, narrowed by its start
+    network = str(policy.network)
     allowlist = network == "allowlist"
-    asks = allowlist and provisioner.approval == "egress"
+    asks = allowlist and policy.approval == "egress"
     return {
         "sandboxed": True,
         "runtime": RUNTIME,
-        "docker_runtime": provisioner.docker_runtime,
-        "image": provisioner.image,
+        "docker_runtime": policy.docker_runtime,
+        "image": policy.image,
         "network": network,
-        "allowed_domains": list(provisioner.allowed_domains) if allowlist else [],
+        "allowed_domains": list(policy.allowed_domains) if allowlist else [],
         "approved_domains": list(approved) if allowlist else [],
-        "approval": {"timeout": provisioner.approval_timeout} if asks else None,
-        "limits": {**provisioner.limits.as_dict(), "output_limit": provisioner.output_limit},
-        "memory": {"used": memory_used, "limit": size_bytes("memory", provisioner.memory)},
+        "approval": {"timeout": policy.approval_timeout} if asks else None,
+        "limits": {**policy.limits.as_dict(), "output_limit": policy.output_limit},
+        "memory": {"used": memory_used, "limit": size_bytes("memory", policy.memory)},
         "state": provisioner.sleep_state,
         "stopped": _stopped(provisioner.limit_stop, provisioner.container_id, now),
     }
@@ -87,7 +88,7 @@ def describe(
 
 def approved_domains(provisioner: SandboxProvisioner) -> tuple[str, ...]:
     """Return the domains the holder of an allow-list kernel allowed at a question."""
-    if str(provisioner.network) != "allowlist" or provisioner.kernel_id is None:
+    if str(provisioner.policy.network) != "allowlist" or provisioner.kernel_id is None:
         return ()
     return EgressProxy.instance().approved_domains(str(provisioner.kernel_id))
 

@@ -60,6 +60,20 @@ HOST_FILES = frozenset(
 OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
 
 
+def seal(launch_dir: Path) -> None:
+    """Once the kernel has bound its sockets, stop it adding or swapping entries, and
+    drop whatever it made there before: nothing it left may stay writable to it.
+
+    Only a root server can hand the folder back to itself; otherwise the kernel
+    shares the server's uid and could undo any change.
+
+    Raises:
+        KernelStartupError: one of the kernel's sockets is not a socket.
+    """
+    if os.getuid() == 0:
+        seal_launch_dir(launch_dir)
+
+
 def seal_launch_dir(launch_dir: Path, owner: tuple[int, int] = (0, 0)) -> list[str]:
     """Hand ``launch_dir`` to ``owner`` (0755), then keep only the kernel's sockets and
     the host's own files (as regular files); the names removed.

@@ -37,10 +37,10 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from .backend import SandboxBackend
 from .background import BackgroundLoop
@@ -448,64 +448,3 @@ class SandboxPool:
             self.drain(timeout=10.0)
         except Exception:
             log.exception("Sandbox pool: could not remove its sandboxes; the next start sweeps them")
-
-
-async def plan_pool(
-    kernel_name: str,
-    cwd: str | os.PathLike[str] | None = None,
-    parent: Any = None,
-    env: Mapping[str, str] | None = None,
-) -> bool:
-    """Start filling the pool of ``kernel_name`` as a kernel start would (same checks,
-    same settings; ``parent``: the configurable whose config the kernels get, e.g. a
-    server's kernel manager). False if the kernelspec has no pool (or cannot have one
-    here). The sandboxes start in the background.
-
-    Raises:
-        ConfigurationError, DockerUnavailableError, RuntimeMissingError,
-        ImageNotFoundError: as a kernel start of that kernelspec would.
-    """
-    from jupyter_client.manager import AsyncKernelManager
-    from jupyter_client.provisioning.factory import KernelProvisionerFactory
-
-    specs = getattr(parent, "kernel_spec_manager", None)
-    km = AsyncKernelManager(
-        kernel_name=kernel_name, parent=parent, **({"kernel_spec_manager": specs} if specs else {})
-    )
-    factory = KernelProvisionerFactory.instance(parent=km.parent)
-    provisioner = factory.create_provisioner_instance(secrets.token_hex(8), km.kernel_spec, parent=km)
-    if getattr(provisioner, "pool_size", 0) <= 0:
-        return False
-    await provisioner.pre_launch(cwd=str(cwd or os.getcwd()), env=dict(os.environ if env is None else env))
-    return getattr(provisioner, "_pool_plan", None) is not None
-
-
-def warm_pool(
-    kernel_name: str = "sandboxed-python",
-    cwd: str | os.PathLike[str] | None = None,
-    wait: bool = True,
-    timeout: float = 300.0,
-    env: Mapping[str, str] | None = None,
-) -> int:
-    """Fill this process's pool of ``kernel_name`` (a kernelspec with ``pool_size``) and,
-    with ``wait``, block until it is full; how many sandboxes wait. For programs using
-    jupyter_client: every later kernel start of that kernelspec claims one::
-
-        from jupyter_client.manager import start_new_kernel
-        import sandbox_kernel
-
-        sandbox_kernel.warm_pool("sandboxed-python", cwd="/srv/work")
-        km, kc = start_new_kernel(kernel_name="sandboxed-python", cwd="/srv/work")  # ~0.1 s
-
-    ``cwd`` is where kernels will start (it decides the kernels' uid, see kernel_uid);
-    ``env`` the environment they will be started with (default: this process's), as
-    ``start_kernel(env=...)`` would pass it: what a sandbox gets of it is fixed when it
-    starts, so only kernels started with the same claim one.
-    Call it outside a running event loop (in async code: ``await asyncio.to_thread(...)``).
-    """
-    from jupyter_core.utils import run_sync
-
-    if not run_sync(plan_pool)(kernel_name, cwd, env=env):
-        return 0
-    pool = SandboxPool.instance()
-    return pool.wait_ready(kernel_name, timeout=timeout) if wait else pool.ready(kernel_name)

@@ -191,9 +191,9 @@ async def _become_holder(
             "fail with KernelTakenOver)."
         )
         raise KernelHeldError(msg)
-    await asyncio.to_thread(write_owner, runtime_dir, provisioner._holder)
+    await asyncio.to_thread(write_owner, runtime_dir, provisioner.holding.token)
     deadline = asyncio.get_running_loop().time() + TAKE_OVER_TIMEOUT
-    while not released(runtime_dir, provisioner._holder) and holder.alive:
+    while not released(runtime_dir, provisioner.holding.token) and holder.alive:
         if asyncio.get_running_loop().time() > deadline:
             provisioner.log.warning(
                 "Sandboxed kernel %s: %s did not let go within %g s; taking it over anyway",

@@ -37,9 +37,10 @@ from traitlets import Bool
 from .docker_backend import DockerBackend
 from .errors import SandboxKernelError
 from .ownership import list_kernels, prune_orphans
-from .pool import SandboxPool, plan_pool
+from .pool import SandboxPool
 from .provisioner import SandboxProvisioner
 from .reattach import attach_manager, load_state
+from .warming import plan_pool
 
 
 class SandboxMappingKernelManager(AsyncMappingKernelManager):

@@ -490,15 +490,16 @@ class AsyncSandboxSession:
         sandbox sees the workspace, and ``working_folder``, the kernel's folder there."""
         provisioner = self._provisioner()
         info = await provisioner.get_provisioner_info()
-        online = provisioner.network != "none"
+        policy = provisioner.policy  # the running kernel's: its settings, narrowed by its start
+        online = policy.network != "none"
         return {
-            **provisioner.limits.as_dict(),
-            "network": provisioner.network,
-            "allowed_domains": list(provisioner.allowed_domains) if online else [],
-            "approval": provisioner.approval if online else "off",
-            "output_limit": provisioner.output_limit,
-            "lifecycle": provisioner.lifecycle,
-            "image": provisioner.image,
+            **policy.limits.as_dict(),
+            "network": policy.network,
+            "allowed_domains": list(policy.allowed_domains) if online else [],
+            "approval": policy.approval if online else "off",
+            "output_limit": policy.output_limit,
+            "lifecycle": policy.lifecycle,
+            "image": policy.image,
             "workspace": info.get("workspace_path"),
             "working_folder": info.get("workdir"),
         }

@@ -79,14 +79,13 @@ def api(token: str, tmp_path: Path) -> Iterator[tuple[int, Path]]:
     server.server_close()
 
 
-@pytest.fixture
-def credential_kernel(
+def _credential_kernel(
     start_kernel: KernelStarter,
     make_kernelspec: Any,
     upstreams: Upstreams,
     api: tuple[int, Path],
-    workspace: Path,
     tmp_path: Path,
+    **config: Any,
 ) -> tuple[KernelManager, BlockingKernelClient, Path, int]:
     port, ca_file = api
     domains = [f"api.allowed.test:{port}"]
@@ -96,10 +95,11 @@ def credential_kernel(
             "network": "allowlist",
             "allowed_domains": [*domains, f"other.test:{upstreams.https_port}"],
             "credentials": ["warehouse"],
+            **config,
         },
     )
     audit_log = tmp_path / "audit" / "audit.jsonl"
-    config = _server_config(
+    server_config = _server_config(
         upstreams,
         audit_log,
         credentials={
@@ -108,9 +108,20 @@ def credential_kernel(
         max_credentials=["warehouse"],
         egress_ca_bundle=str(ca_file),
     )
-    config.SandboxProvisioner.max_allowed_domains.append(f"api.allowed.test:{port}")
-    km, kc = start_kernel(name, config=config)
+    server_config.SandboxProvisioner.max_allowed_domains.append(f"api.allowed.test:{port}")
+    km, kc = start_kernel(name, config=server_config)
     return km, kc, audit_log, port
+
+
+@pytest.fixture
+def credential_kernel(
+    start_kernel: KernelStarter,
+    make_kernelspec: Any,
+    upstreams: Upstreams,
+    api: tuple[int, Path],
+    tmp_path: Path,
+) -> tuple[KernelManager, BlockingKernelClient, Path, int]:
+    return _credential_kernel(start_kernel, make_kernelspec, upstreams, api, tmp_path)
 
 
 def _call(port: int, forged: bool = False) -> str:
@@ -241,3 +252,30 @@ def test_a_program_binds_and_revokes_a_credential_while_the_kernel_runs(
         if r["event"] == "credential"
     ]
     assert actions == [("warehouse", "bound"), ("warehouse", "revoked"), ("adhoc", "bound")]
+
+
+def test_a_credential_kernel_restarts_into_a_pooled_sandbox_and_its_requests_still_carry_it(
+    start_kernel: KernelStarter,
+    make_kernelspec: Any,
+    upstreams: Upstreams,
+    api: tuple[int, Path],
+    tmp_path: Path,
+) -> None:
+    """Allow-list kernels restarted cold (#23 item 10): the egress proxy kept the kernel's
+    own CA, which a pooled sandbox does not trust. Now a restart claims a pooled sandbox
+    too and the proxy signs with the CA made with it: the kernel's TLS to a domain whose
+    requests carry a credential (intercepted, so signed by that CA) verifies as before."""
+    from sandbox_kernel import SandboxPool
+
+    km, kc, _, port = _credential_kernel(start_kernel, make_kernelspec, upstreams, api, tmp_path, pool_size=1)
+    pool = SandboxPool.instance()
+    try:
+        assert json.loads(run_ok(kc, _call(port))) == {"ok": True, "count": 1}
+        assert pool.wait_ready(km.kernel_name, timeout=120) == 1
+        km.restart_kernel(now=True)
+        kc.wait_for_ready(timeout=60)
+        assert km.provisioner.from_pool, "the restart claimed a pooled sandbox"
+        out = run_ok(kc, _call(port))
+        assert json.loads(out) == {"ok": True, "count": 1}, out
+    finally:
+        pool.drain()  # the sandbox it made again for the next claim

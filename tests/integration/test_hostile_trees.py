@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sandbox_kernel.app import SandboxKernelApp
-from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.kernel import launching
 
 from .conftest import KernelStarter, run_ok
 from .test_files import files_of
@@ -85,7 +85,7 @@ def test_a_deep_tree_planted_in_the_runtime_folder_fails_no_start_and_no_prune(
     km.shutdown_kernel(now=True)
     assert not runtime_dir.exists()
 
-    monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh server process
+    monkeypatch.setattr(launching, "_swept_orphans", False)  # as in a fresh server process
     _, after = start_kernel()
     assert run_ok(after, "print('started')") == "started\n"
     prune()

@@ -16,7 +16,7 @@ import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 
-from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.kernel import launching
 from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState, KernelStarter, restarting_kernel, run, run_ok, wait_for_restart
@@ -244,7 +244,7 @@ async def test_a_reattached_kernel_is_not_swept_as_an_orphan(
     second.load_connection_info(saved["connection_info"])
     other = AsyncKernelManager(kernel_name=KERNEL)
     try:
-        monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh server
+        monkeypatch.setattr(launching, "_swept_orphans", False)  # as in a fresh server
         await other.start_kernel(cwd=str(workspace))  # sweeps orphans: the adopted kernel is not one
         assert await second.is_alive()
         kc = second.client()

@@ -16,7 +16,7 @@ import pytest
 
 from sandbox_kernel import ownership
 from sandbox_kernel.app import SandboxKernelApp
-from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.kernel import launching
 from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState, KernelStarter, run_ok
@@ -115,7 +115,7 @@ def test_the_next_server_start_sweeps_orphans(
     _, kernel_id, runtime_dir = start_doomed_server(workspace)
     persistent = make_kernelspec("py-lasting", config={"lifecycle": "persistent"})
     _, lasting_id, lasting_dir = start_doomed_server(workspace, persistent)
-    monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh server process
+    monkeypatch.setattr(launching, "_swept_orphans", False)  # as in a fresh server process
     start_kernel()
     deadline = time.monotonic() + 10
     while runtime_dir.exists() and time.monotonic() < deadline:

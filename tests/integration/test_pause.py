@@ -23,7 +23,7 @@ from traitlets.config import Config
 
 from sandbox_kernel import SandboxSession, ownership
 from sandbox_kernel.errors import PauseError
-from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.kernel import launching
 from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
 from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
@@ -397,7 +397,7 @@ def test_no_judge_removes_a_paused_persistent_kernel_and_it_resumes_with_its_mem
 
         monkeypatch.setattr(ownership, "_prune", counted)
         monkeypatch.setattr(ownership, "REAP_INTERVAL", 0.5)
-        monkeypatch.setattr(SandboxProvisioner, "_swept_orphans", False)  # as in a fresh process
+        monkeypatch.setattr(launching, "_swept_orphans", False)  # as in a fresh process
         km, _ = start_kernel(config=Config({"SandboxProvisioner": {"runtime_parent": str(other)}}))
         assert False in rounds, "the start swept orphans"
         deadline = time.monotonic() + 30

@@ -21,9 +21,10 @@ NOW = 1_800_000_000.0
 
 @pytest.fixture
 def provisioner(client_factory: CountingFactory) -> SandboxProvisioner:
-    prov = SandboxProvisioner(kernel_id="k1", parent=None, memory="512m", cpus=0.5, exec_timeout=30)
-    prov.backend = DockerBackend(client_factory=client_factory)
-    return prov
+    backend = DockerBackend(client_factory=client_factory)
+    return SandboxProvisioner(
+        kernel_id="k1", parent=None, memory="512m", cpus=0.5, exec_timeout=30, backend=backend
+    )
 
 
 def test_a_sandboxed_kernel_is_described_by_its_policy_and_memory(provisioner: SandboxProvisioner) -> None:
@@ -87,9 +88,9 @@ def test_a_kernel_that_asks_says_how_long_and_what_was_allowed_at_its_questions(
 def test_a_kernel_says_whether_it_is_paused_or_on_its_way(
     provisioner: SandboxProvisioner, paused: bool, switching: bool, woken: bool, state: str
 ) -> None:
-    provisioner._paused = Paused("checkpoint", None, NOW) if paused else None
-    provisioner._pausing = switching
-    provisioner._wake_due = "shell execute_request" if woken else None
+    provisioner.pauser.paused = Paused("checkpoint", None, NOW) if paused else None
+    provisioner.pauser.pausing = switching
+    provisioner.pauser.wake_due = "shell execute_request" if woken else None
     assert provisioner.sleep_state == state
     assert lab.describe(provisioner, None, NOW)["state"] == state
 
@@ -98,7 +99,7 @@ async def test_a_limit_stop_stays_on_record_across_a_restart(
     provisioner: SandboxProvisioner, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states[CONTAINER] = {"Status": "exited", "ExitCode": 137, "OOMKilled": True}
-    provisioner.container_id = CONTAINER
+    provisioner.site.container_id = CONTAINER
     assert await provisioner.poll() == 137  # noticed: Docker's OOM killer stopped it
     stop = provisioner.limit_stop
     assert stop is not None
@@ -110,7 +111,7 @@ async def test_a_limit_stop_stays_on_record_across_a_restart(
     assert (stopped["current"], stopped["age"]) == (True, 2.0)
     assert stopped["time"].endswith("+00:00")
 
-    provisioner.container_id = "restarted"  # what a restart leaves
+    provisioner.site.container_id = "restarted"  # what a restart leaves
     later = lab.describe(provisioner, 1, stop.time + 5)["stopped"]
     assert (later["ename"], later["current"]) == ("MemoryLimitExceeded", False)
 
@@ -119,7 +120,7 @@ async def test_a_kernel_that_dies_by_itself_is_no_limit_stop(
     provisioner: SandboxProvisioner, fake_client: FakeDockerClient
 ) -> None:
     fake_client.states[CONTAINER] = {"Status": "exited", "ExitCode": 1, "OOMKilled": False}
-    provisioner.container_id = CONTAINER
+    provisioner.site.container_id = CONTAINER
     assert await provisioner.poll() == 1
     assert provisioner.limit_stop is None
     assert lab.describe(provisioner, None, NOW)["stopped"] is None
@@ -136,15 +137,15 @@ async def test_memory_is_read_from_the_cgroup_of_the_containers_process(
 
     monkeypatch.setattr(lab, "memory_usage", memory_usage)
     fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4242}
-    provisioner.container_id = CONTAINER
+    provisioner.site.container_id = CONTAINER
     gauge = lab.MemoryGauge()
     assert [await gauge.used(provisioner) for _ in range(3)] == [4096] * 3
     assert read == [4242] * 3
     assert len(fake_client.called("api.inspect_container")) == 1, "one Docker call per container"
 
-    provisioner.exit_code = 137  # stopped: its pid may belong to someone else by now
+    provisioner.exits.code = 137  # stopped: its pid may belong to someone else by now
     assert await gauge.used(provisioner) is None
-    provisioner.container_id = None
+    provisioner.site.container_id = None
     assert await gauge.used(provisioner) is None
     assert read == [4242] * 3
 
@@ -155,12 +156,12 @@ async def test_a_paused_kernel_uses_no_memory_and_once_resumed_its_new_process_i
     alive = {4242: 4096}
     monkeypatch.setattr(lab, "memory_usage", alive.get)
     fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4242}
-    provisioner.container_id = CONTAINER
+    provisioner.site.container_id = CONTAINER
     gauge = lab.MemoryGauge()
     assert await gauge.used(provisioner) == 4096
-    provisioner._paused = Paused("sk-1", None, NOW)
+    provisioner.pauser.paused = Paused("sk-1", None, NOW)
     assert await gauge.used(provisioner) is None
-    provisioner._paused = None
+    provisioner.pauser.paused = None
     alive = {4343: 8192}  # restored from its checkpoint: another process
     monkeypatch.setattr(lab, "memory_usage", alive.get)
     fake_client.states[CONTAINER] = {**RUNNING, "Pid": 4343}
@@ -173,10 +174,10 @@ async def test_a_paused_kernel_uses_no_memory_and_once_resumed_its_new_process_i
 async def test_memory_of_a_container_docker_cannot_tell_about_is_unknown(
     provisioner: SandboxProvisioner, fake_client: FakeDockerClient
 ) -> None:
-    provisioner.container_id = "gone"  # no such container: NotFound
+    provisioner.site.container_id = "gone"  # no such container: NotFound
     assert await lab.MemoryGauge().used(provisioner) is None
     fake_client.states["created"] = {"Status": "created", "ExitCode": 0, "Pid": 0}
-    provisioner.container_id = "created"
+    provisioner.site.container_id = "created"
     assert await lab.MemoryGauge().used(provisioner) is None
 
 

@@ -86,9 +86,9 @@ def make_provisioner(runtime_parent: Path, client_factory: CountingFactory) -> A
             kernel_spec=spec or kernel_spec(),
             parent=None,
             runtime_parent=str(runtime_parent),
+            backend=DockerBackend(client_factory=client_factory),
             **traits,
         )
-        prov.backend = DockerBackend(client_factory=client_factory)
         made.append(prov)
         return prov
 
@@ -241,10 +241,14 @@ async def test_an_unreachable_daemon_fails_pre_launch(
     def unreachable() -> None:
         raise DockerException("connection refused")
 
+    backend = DockerBackend(client_factory=unreachable)
     prov = SandboxProvisioner(
-        kernel_id="k1", kernel_spec=kernel_spec(), parent=None, runtime_parent=str(runtime_parent)
+        kernel_id="k1",
+        kernel_spec=kernel_spec(),
+        parent=None,
+        runtime_parent=str(runtime_parent),
+        backend=backend,
     )
-    prov.backend = DockerBackend(client_factory=unreachable)
     with pytest.raises(DockerUnavailableError):
         await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
     assert list(runtime_parent.iterdir()) == []
@@ -415,7 +419,7 @@ async def test_an_end_the_watchdog_noted_is_believed_over_an_event_stream_that_m
     monkeypatch.setattr(prov.backend, "surely_running", lambda container_id: True)  # a stream that missed it
     assert await prov.poll() is None
     fake_client.states[prov.container_id] = {"Status": "exited", "ExitCode": 1}
-    await prov._note_exit(prov.container_id, 1)
+    await prov.exits.note(prov.container_id, 1)
     assert await prov.poll() == 1
     await prov.cleanup()
 
@@ -622,3 +626,23 @@ def test_the_backend_is_chosen_by_configuration_and_must_be_a_sandbox_backend() 
     assert isinstance(SandboxProvisioner(kernel_id="k2", kernel_spec=kernel_spec()).backend, SandboxBackend)
     with pytest.raises(TraitError):
         SandboxProvisioner(kernel_id="k3", kernel_spec=kernel_spec(), backend_class=dict)
+
+
+async def test_a_start_narrows_a_policy_of_its_own_and_leaves_the_settings_as_they_are(
+    make_provisioner: Any, workspace: Path
+) -> None:
+    """One source of truth per start: what ``start_kernel(memory=...)`` narrows is the
+    running kernel's policy (its plan, its watchdog, what a front end shows), never written
+    back onto the provisioner's traits, so the next start begins from the kernelspec's."""
+    prov = make_provisioner(image="img:1", memory="2g", exec_timeout=60)
+    await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV), memory="1g", exec_timeout=30)
+    assert (prov.policy.memory, prov.policy.exec_timeout) == ("1g", 30.0)
+    assert (prov.memory, prov.exec_timeout) == ("2g", 60.0), "the settings are as configured"
+    assert prov.site.spec is not None
+    assert prov.site.spec.memory == "1g"
+    with pytest.raises(ConfigurationError, match="read only"):
+        prov.policy.memory = "4g"
+    with pytest.raises(ConfigurationError, match="would widen"):
+        await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV), memory="3g")
+    await prov.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    assert (prov.policy.memory, prov.policy.exec_timeout) == ("2g", 60.0), "a start asking nothing"

@@ -1,0 +1,242 @@
+"""One kernel's watchdog: it looks at the kernel, has :func:`~.watchdog.judge` decide,
+and acts.
+
+It runs on the background loop (whether or not its manager's loop runs). It tells
+waiting clients when the kernel dies, enforces the idle limit, pauses an idle kernel,
+backs up the in-kernel wall-clock limit (interrupt, then kill), answers pause requests of
+other processes, lets go when another process takes the kernel over, and keeps the
+owner file fresh. A failing step is logged and retried: a watchdog never gives up while
+its kernel runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..backend import SandboxBackend
+from ..cgroups import cpu_seconds, oom_kills
+from ..errors import DockerUnavailableError, PauseError
+from ..ownership import OWNER_FILE
+from ..pausing import PauseRequests
+from ..services import PROCESS, Services
+from ..settings import SandboxSettings
+from ..watchdog import Act, Look, Verdict, Watch, WatchLimits, judge
+from .channels import KernelChannels
+from .exits import Exits
+from .holding import Holding
+from .manager import ManagerLink
+from .pauser import Pauser
+from .site import KernelSite
+
+#: How often a watchdog asks the backend for its kernel's state although the event
+#: stream says it runs (seconds).
+STATE_CHECK_INTERVAL = 30.0
+#: Seconds in a row without the kernel's CPU time before the watchdog says it cannot
+#: limit computing outside executions.
+CPU_MISSES_TO_WARN = 10
+#: How often a live owner touches its kernels' owner files (seconds).
+OWNER_TOUCH_INTERVAL = 60.0
+#: After a pause the watchdog decided failed (say the disk budget is spent), how long
+#: before it tries again (seconds): it is logged, never retried twice a second.
+PAUSE_RETRY_INTERVAL = 300.0
+#: Seconds between two looks at a kernel.
+LOOK_INTERVAL = 0.5
+
+
+@dataclass
+class _Deep:
+    """What the deep looks carry from one to the next."""
+
+    pid: int | None = None
+    next_deep: float = 0.0
+    next_state: float = 0.0
+    next_touch: float = 0.0
+    cpu_misses: int = 0
+    cpu_unknown: bool = False
+
+
+def watch_limits(settings: SandboxSettings) -> WatchLimits:
+    """The limits a kernel's settings (narrowed by its start) have its watchdog enforce."""
+    s = settings
+    return WatchLimits(s.exec_timeout, s.exec_kill_grace, s.idle_timeout, s.memory, s.pause_after)
+
+
+class Watchdog:
+    """Watches one kernel while it runs (:meth:`start`, :meth:`stop`)."""
+
+    def __init__(
+        self,
+        site: KernelSite,
+        backend: SandboxBackend,
+        channels: KernelChannels,
+        holding: Holding,
+        pauser: Pauser,
+        exits: Exits,
+        link: ManagerLink,
+        log: logging.Logger | logging.LoggerAdapter[Any],
+        services: Services = PROCESS,
+    ) -> None:
+        self._site = site
+        self._backend = backend
+        self._channels = channels
+        self._holding = holding
+        self._pauser = pauser
+        self._exits = exits
+        self._link = link
+        self.log = log
+        self._future: concurrent.futures.Future[None] | None = None
+        self._next_auto_pause = 0.0
+        self._services = services
+
+    @property
+    def kernel_id(self) -> str:
+        return self._site.kernel_id
+
+    def start(self, container_id: str, limits: WatchLimits) -> None:
+        """Watch the kernel; while this process watches kernels, it also removes those of
+        owners that died (see :class:`~.ownership.OrphanReaper`)."""
+        self._link.remember_loop()
+        self._future = self._services.loop.submit(self._watch(container_id, limits))
+        if self._site.runtime_dir is not None:
+            self._services.reaper.watch(self._site.runtime_dir.parent)
+
+    def stop(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+            self._future = None
+
+    async def _watch(self, container_id: str, limits: WatchLimits) -> None:
+        self._backend.watch_exits(container_id)
+        try:
+            await self._loop(container_id, Watch(), limits)
+        finally:
+            self._backend.unwatch_exits(container_id)
+
+    async def _loop(self, container_id: str, watch: Watch, limits: WatchLimits) -> None:
+        deep = _Deep(next_touch=time.monotonic() + OWNER_TOUCH_INTERVAL)
+        docker_lost = False
+        runtime_dir = self._site.runtime_dir
+        requests = PauseRequests(runtime_dir) if runtime_dir is not None else None
+        while self._site.container_id == container_id and self._channels.auditor is not None:
+            await asyncio.sleep(LOOK_INTERVAL)
+            auditor = self._channels.auditor
+            if auditor is None:
+                return
+            try:
+                holder = self._holding.elsewhere()  # a stat, a read only when it changed
+                if holder is not None:
+                    await self._holding.let_go(holder)
+                    return
+                if requests is not None:
+                    await requests.answer(self._pauser.pause, self._pauser.resume)  # a stat, unless one came
+                if self._pauser.suspended:
+                    deep.pid, watch.oom_baseline = None, None  # the resumed sandbox is a new process
+                    continue
+                now = time.monotonic()
+                look = Look(now, running=auditor.running(), idle_for=auditor.idle_for())
+                if now >= deep.next_deep:
+                    look = await self._look_deep(container_id, look, deep, limits)
+                    docker_lost = False
+                if await self._act(container_id, judge(look, watch, limits), look, limits):
+                    return
+            except DockerUnavailableError as exc:
+                # dockerd restarting, say: keep watching once it is back.
+                if not docker_lost:
+                    self.log.warning("Sandboxed kernel %s: %s; retrying", self.kernel_id, exc)
+                docker_lost, deep.next_deep = True, time.monotonic() + 2.0
+            except Exception:
+                self.log.exception("Sandboxed kernel %s: watchdog step failed; retrying", self.kernel_id)
+                await asyncio.sleep(2.0)
+
+    async def _look_deep(self, container_id: str, look: Look, deep: _Deep, limits: WatchLimits) -> Look:
+        """What costs a backend call or a cgroup read, about once a second."""
+        now = look.now
+        deep.next_deep = now + 1.0
+        if not deep.pid:  # Docker says 0 for a sandbox not (yet) running
+            deep.pid = await self._backend.main_pid(container_id) or None
+        code = None
+        if not self._backend.surely_running(container_id) or now >= deep.next_state:
+            # The event stream says when it ends; ask now and then anyway.
+            deep.next_state = now + STATE_CHECK_INTERVAL
+            _, code = await self._backend.state(container_id)
+        # The CPU bounds computing outside executions only with a wall-clock limit.
+        pid = deep.pid
+        cpu = cpu_seconds(pid) if pid is not None and limits.exec_timeout > 0 else None
+        if cpu is None and limits.exec_timeout > 0:
+            # Perhaps a process of the sandbox's start that is gone: look again.
+            deep.pid, deep.cpu_misses = None, deep.cpu_misses + 1
+        else:
+            deep.cpu_misses = 0
+        if deep.cpu_misses >= CPU_MISSES_TO_WARN and not deep.cpu_unknown:
+            deep.cpu_unknown = True
+            self.log.warning(
+                "Sandboxed kernel %s: cannot read its CPU time from the host's cgroup; computing "
+                "outside executions is not limited (exec_timeout still bounds each execution)",
+                self.kernel_id,
+            )
+        kills = oom_kills(pid) if pid is not None else None
+        runtime_dir = self._site.runtime_dir
+        if now >= deep.next_touch and runtime_dir is not None:
+            # A persistent kernel's time-to-live counts from the last touch.
+            deep.next_touch = now + OWNER_TOUCH_INTERVAL
+            await asyncio.to_thread(os.utime, runtime_dir / OWNER_FILE)
+        return replace(look, deep=True, exit_code=code, cpu=cpu, oom_kills=kills, busy=self._channels.busy())
+
+    async def _act(self, container_id: str, verdict: Verdict, look: Look, limits: WatchLimits) -> bool:
+        """Carry out the watchdog's verdict; True once the kernel has ended."""
+        if verdict.act is Act.NOTHING:
+            return False
+        if verdict.act is Act.EXITED:
+            if self._pauser.suspended:
+                return False  # stopped for a pause meanwhile: not its end
+            await self._exits.note(container_id, look.exit_code if look.exit_code is not None else 255)
+            return True
+        if verdict.act is Act.PAUSE:
+            await self._pause(verdict)
+            return False
+        if verdict.act is Act.INTERRUPT:
+            self.log.warning("Sandboxed kernel %s: %s; interrupting", self.kernel_id, verdict.why)
+            await self._backend.signal(container_id, signal.SIGINT)
+            return False
+        if verdict.act is Act.STOP_IDLE:
+            return await self._stop_idle(container_id, verdict, limits.idle_timeout)
+        self.log.warning("Sandboxed kernel %s %s; killing it", self.kernel_id, verdict.why)
+        await self._exits.kill_for(container_id, verdict.ename, verdict.reason)
+        return True
+
+    async def _pause(self, verdict: Verdict) -> None:
+        if time.monotonic() < self._next_auto_pause:
+            return
+        try:
+            await self._pauser.pause(f"idle: {verdict.why}")
+        except PauseError as exc:
+            self._next_auto_pause = time.monotonic() + PAUSE_RETRY_INTERVAL
+            self.log.warning("Sandboxed kernel %s: %s", self.kernel_id, exc)
+
+    async def _stop_idle(self, container_id: str, verdict: Verdict, idle_timeout: float) -> bool:
+        """Stop a kernel idle past its limit, for good: Jupyter must not restart it. New
+        requests are refused from then on; clients are told now. False: a request came
+        meanwhile, and it runs on."""
+        # The auditor decides atomically: a request that came meanwhile wins. What
+        # later requests are told is set first, so none meets the refusal without it.
+        self._channels.refusal = (
+            "IdleLimitExceeded",
+            f"the kernel was stopped after {idle_timeout:g} s without executions (idle_timeout); "
+            "restart the kernel to run code again",
+        )
+        auditor = self._channels.auditor
+        if auditor is None or not auditor.refuse_if_idle(idle_timeout, verdict.reason):
+            return False
+        self.log.warning("Sandboxed kernel %s: idle for %g s; stopping it", self.kernel_id, idle_timeout)
+        if self._link.stop_restarter():
+            await asyncio.sleep(LOOK_INTERVAL)  # before the kill, or the restarter may see it first
+        self._channels.notice(verdict.reason)
+        await self._exits.kill_for(container_id, "IdleLimitExceeded", verdict.reason)
+        return True

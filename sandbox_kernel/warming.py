@@ -1,0 +1,96 @@
+"""Filling the warm pool of a kernelspec ahead of its kernels' starts.
+
+A server fills the pools of its sandboxed kernelspecs as it starts
+(``SandboxMappingKernelManager.warm_pools``); a program calls :func:`warm_pool`. Either
+plans the pool as a kernel start of that kernelspec would, with the same calls
+(:func:`~.kernel.start.plan_start`: the same checks, settings and ceilings), and hands the
+plan to the process's :class:`~.pool.SandboxPool`, which starts the sandboxes in the
+background.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
+
+from .kernel.launching import sweep_orphans_once
+from .kernel.start import plan_start
+from .pool import SandboxPool
+from .provisioner import SandboxProvisioner
+
+
+async def plan_pool(
+    kernel_name: str,
+    cwd: str | os.PathLike[str] | None = None,
+    parent: Any = None,
+    env: Mapping[str, str] | None = None,
+) -> bool:
+    """Start filling the pool of ``kernel_name`` as a kernel start would (same checks,
+    same settings; ``parent``: the configurable whose config the kernels get, e.g. a
+    server's kernel manager). False if the kernelspec has no pool (or cannot have one
+    here). The sandboxes start in the background.
+
+    Raises:
+        ConfigurationError, DockerUnavailableError, RuntimeMissingError,
+        ImageNotFoundError: as a kernel start of that kernelspec would.
+    """
+    from jupyter_client.manager import AsyncKernelManager
+    from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+    specs = getattr(parent, "kernel_spec_manager", None)
+    km = AsyncKernelManager(
+        kernel_name=kernel_name, parent=parent, **({"kernel_spec_manager": specs} if specs else {})
+    )
+    factory = KernelProvisionerFactory.instance(parent=km.parent)
+    provisioner = factory.create_provisioner_instance(secrets.token_hex(8), km.kernel_spec, parent=km)
+    if not isinstance(provisioner, SandboxProvisioner) or provisioner.pool_size <= 0:
+        return False
+    kwargs = {"cwd": str(cwd or os.getcwd()), "env": dict(os.environ if env is None else env)}
+    fill_env = partial(KernelProvisionerBase.pre_launch, provisioner)
+    start, plan, _ = await plan_start(
+        provisioner, km.kernel_spec, provisioner.kernel_name, kwargs, provisioner.link, fill_env
+    )
+    provisioner.egress.read_credentials(plan.credentials)  # a missing token fails here, as at a start
+    provisioner.pool.want(plan, start, provisioner.link.signature_scheme())
+    if provisioner.pool.plan is None:
+        return False
+    await provisioner.backend.check_runtime(provisioner.docker_runtime)
+    await provisioner.backend.check_image(provisioner.image)
+    await sweep_orphans_once(provisioner.backend, provisioner.runtime_parent, provisioner.log)
+    return True
+
+
+def warm_pool(
+    kernel_name: str = "sandboxed-python",
+    cwd: str | os.PathLike[str] | None = None,
+    wait: bool = True,
+    timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Fill this process's pool of ``kernel_name`` (a kernelspec with ``pool_size``) and,
+    with ``wait``, block until it is full; how many sandboxes wait. For programs using
+    jupyter_client: every later kernel start of that kernelspec claims one::
+
+        from jupyter_client.manager import start_new_kernel
+        import sandbox_kernel
+
+        sandbox_kernel.warm_pool("sandboxed-python", cwd="/srv/work")
+        km, kc = start_new_kernel(kernel_name="sandboxed-python", cwd="/srv/work")  # ~0.1 s
+
+    ``cwd`` is where kernels will start (it decides the kernels' uid, see kernel_uid);
+    ``env`` the environment they will be started with (default: this process's), as
+    ``start_kernel(env=...)`` would pass it: what a sandbox gets of it is fixed when it
+    starts, so only kernels started with the same claim one.
+    Call it outside a running event loop (in async code: ``await asyncio.to_thread(...)``).
+    """
+    from jupyter_core.utils import run_sync
+
+    if not run_sync(plan_pool)(kernel_name, cwd, env=env):
+        return 0
+    pool = SandboxPool.instance()
+    return pool.wait_ready(kernel_name, timeout=timeout) if wait else pool.ready(kernel_name)

@@ -1,0 +1,359 @@
+"""The provisioner's parts (pauser, watchdog, take-over, exits, reattach state) against
+the in-memory backend: what each does to a sandbox and tells its clients, in
+milliseconds, without Docker. The same paths under real gVisor: tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from jupyter_client.session import Session
+
+from sandbox_kernel.bridge import ipc_in_use
+from sandbox_kernel.errors import PauseError
+from sandbox_kernel.fake_backend import FakeBackend
+from sandbox_kernel.kernel.channels import ChannelSettings, KernelChannels
+from sandbox_kernel.kernel.egress import KernelEgress
+from sandbox_kernel.kernel.exits import Exits
+from sandbox_kernel.kernel.holding import Holding
+from sandbox_kernel.kernel.manager import ManagerLink
+from sandbox_kernel.kernel.pauser import Pauser
+from sandbox_kernel.kernel.site import KernelSite
+from sandbox_kernel.kernel.state import ReattachState
+from sandbox_kernel.kernel.watchdog import Watchdog
+from sandbox_kernel.ownership import RELEASED_FILE, OrphanReaper, write_owner
+from sandbox_kernel.pausing import Paused
+from sandbox_kernel.sandbox_spec import kernel_sockets
+from sandbox_kernel.services import Services
+from sandbox_kernel.watchdog import WatchLimits
+
+from .conftest import make_spec
+
+LOG = logging.getLogger("test_kernel_parts")
+
+
+class FakeBridge:
+    """What the parts use of a KernelBridge: holding, in-flight requests, injections."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.dropped = 0
+        self.in_flight = False
+        self.injected: list[tuple[str, Any]] = []
+        self.attached: dict[str, str] | None = None
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+
+    def drop_held(self) -> int:
+        self.held, self.dropped = False, self.dropped + 1
+        return 0
+
+    def requests_in_flight(self, max_age: float) -> bool:
+        return self.in_flight
+
+    def inject(self, channel: str, message: Any) -> None:
+        self.injected.append((channel, message))
+
+    def attach(self, endpoints: dict[str, str]) -> None:
+        self.attached = dict(endpoints)
+
+
+class NoReaper:
+    """No orphans here: the fake backend's sandboxes are the test's."""
+
+    def watch(self, runtime_parent: Path) -> None:
+        pass
+
+
+@dataclass
+class Parts:
+    backend: FakeBackend
+    site: KernelSite
+    bridge: FakeBridge
+    channels: KernelChannels
+    exits: Exits
+    holding: Holding
+    pauser: Pauser
+    watchdog: Watchdog
+    saves: list[Paused | None] = field(default_factory=list)
+
+    @property
+    def container_id(self) -> str:
+        assert self.site.container_id is not None
+        return self.site.container_id
+
+    def signals(self) -> list[int]:
+        return self.backend.sandbox(self.container_id).signals
+
+    def bound(self) -> list[bool]:
+        return [
+            ipc_in_use(str(p), timeout=0.05) for p in kernel_sockets(self.site.launch_dir or Path()).values()
+        ]
+
+
+@pytest.fixture
+async def parts(tmp_path: Path) -> Parts:
+    runtime_dir = tmp_path / "kernels" / "k1"
+    launch_dir = runtime_dir / "run1"
+    launch_dir.mkdir(parents=True)
+    site = KernelSite("k1", runtime_dir=runtime_dir, launch_dir=launch_dir, launches=1)
+    site.spec = make_spec(tmp_path, runtime_dir=launch_dir, uid=os.getuid(), gid=os.getgid())
+    backend = FakeBackend()
+    site.container_id = await backend.create(site.spec)
+    channels = KernelChannels(ChannelSettings("k1", "sandboxed-python"))
+    bridge = FakeBridge()
+    channels.bridge = bridge  # type: ignore[assignment]
+    channels.signer = Session(key=b"secret")
+    channels.ledger()
+    egress = KernelEgress("k1", channels, LOG, lambda: None)
+    exits = Exits("k1", backend, channels, LOG, lambda: "512m")
+    link = ManagerLink(None)
+    holding = Holding(site, channels, egress, link, LOG)
+    saves: list[Paused | None] = []
+
+    async def save() -> None:
+        saves.append(pauser.saved())
+
+    pauser = Pauser(site, backend, channels, egress, exits, save, lambda: 2**40, LOG)
+    services = Services(reaper=cast(OrphanReaper, NoReaper()))
+    watchdog = Watchdog(site, backend, channels, holding, pauser, exits, link, LOG, services)
+    made = Parts(backend, site, bridge, channels, exits, holding, pauser, watchdog, saves)
+    yield made
+    watchdog.stop()
+    await backend.remove(site.container_id or "")
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "not within the time"
+        await asyncio.sleep(0.02)
+
+
+# ---------------------------------------------------------------------- the pauser
+
+
+async def test_a_pause_saves_the_sandbox_stops_it_and_holds_what_clients_send(parts: Parts) -> None:
+    paused = await parts.pauser.pause("asked")
+    box = parts.backend.sandbox(parts.container_id)
+    assert (box.status, paused.checkpoint in box.checkpoints) == ("exited", True)
+    assert parts.signals() == [signal.SIGUSR1], "the relay was told to let go, nothing else"
+    assert parts.bridge.held
+    assert (parts.pauser.state, parts.pauser.suspended) == ("paused", True)
+    pending, done = parts.saves
+    assert pending is not None
+    assert pending.size is None, "said before it is done (a server may die meanwhile)"
+    assert done == paused
+    assert parts.exits.noted is None, "a paused sandbox's stop is not the kernel's end"
+
+
+async def test_a_resume_restores_binds_again_seals_and_lets_clients_through(parts: Parts) -> None:
+    paused = await parts.pauser.pause("asked")
+    assert parts.bound() == [False] * 5
+    await parts.pauser.resume("a client's shell execute_request")
+    box = parts.backend.sandbox(parts.container_id)
+    assert box.status == "running"
+    assert parts.signals() == [signal.SIGUSR1, signal.SIGUSR2]
+    assert parts.bound() == [True] * 5
+    assert not parts.bridge.held
+    assert paused.checkpoint not in box.checkpoints, "its checkpoint is removed once it runs again"
+    assert parts.pauser.state == "running"
+    if os.getuid() == 0:  # only a root server can seal the folder against the kernel's uid
+        st = (parts.site.launch_dir or Path()).stat()
+        assert (st.st_uid, oct(st.st_mode & 0o777)) == (0, "0o755")
+
+
+async def test_a_kernel_working_on_a_request_is_not_paused(parts: Parts) -> None:
+    parts.bridge.in_flight = True
+    with pytest.raises(PauseError, match=r"working on a request. It keeps running"):
+        await parts.pauser.pause("idle")
+    assert parts.signals() == [], "its relay was never told to let go"
+    assert not parts.bridge.held
+    assert parts.pauser.paused is None
+
+
+async def test_a_host_that_cannot_checkpoint_refuses_before_touching_the_sandbox(parts: Parts) -> None:
+    parts.backend.can_checkpoint = False
+    with pytest.raises(PauseError, match=r"cannot pause"):
+        await parts.pauser.pause("asked")
+    assert parts.signals() == []
+    assert parts.bound() == [True] * 5
+
+
+async def test_a_failed_checkpoint_leaves_the_kernel_running_with_its_channels_bound_again(
+    parts: Parts,
+) -> None:
+    box = parts.backend.sandbox(parts.container_id)
+    box.fail_checkpoint = (PauseError("no space left on device"), False)
+    with pytest.raises(PauseError, match=r"could not be paused: no space left on device. It keeps running"):
+        await parts.pauser.pause("asked")
+    assert parts.signals() == [signal.SIGUSR1, signal.SIGUSR2]
+    assert parts.bound() == [True] * 5
+    assert not parts.bridge.held, "what clients sent meanwhile goes on to the kernel"
+    assert (parts.pauser.paused, parts.exits.noted) == (None, None)
+    assert parts.saves[-1] is None, "its saved state says it is not paused after all"
+
+
+async def test_a_checkpoint_failure_that_ended_the_sandbox_ends_the_kernel_saying_why(parts: Parts) -> None:
+    box = parts.backend.sandbox(parts.container_id)
+    box.fail_checkpoint = (PauseError("runsc crashed"), True)
+    with pytest.raises(PauseError, match=r"the pause failed and ended the kernel .runsc crashed."):
+        await parts.pauser.pause("asked")
+    assert parts.exits.noted == parts.container_id
+    assert parts.exits.cause is not None
+    assert parts.exits.cause[0] == "PauseFailed"
+    assert parts.channels.refusal[0] == "PauseFailed", "new executions are told at once"
+    assert parts.bridge.dropped == 1
+
+
+async def test_a_resume_that_fails_ends_the_kernel_and_keeps_its_workspace(parts: Parts) -> None:
+    await parts.pauser.pause("asked")
+    parts.backend.sandbox(parts.container_id).fail_restore = PauseError("checkpoint image damaged")
+    with pytest.raises(
+        PauseError, match=r"could not be resumed .checkpoint image damaged.; its variables are lost"
+    ):
+        await parts.pauser.resume("asked")
+    assert parts.exits.cause is not None
+    assert parts.exits.cause[0] == "ResumeFailed"
+    assert "its workspace is intact" in parts.exits.cause[1]
+    assert parts.bridge.dropped == 1, "clients' held messages are answered, not delivered to nothing"
+    assert parts.pauser.paused is None
+
+
+async def test_a_kill_ends_a_paused_kernel_and_an_interrupt_leaves_it_paused(parts: Parts) -> None:
+    await parts.pauser.pause("asked")
+    await parts.pauser.signal(signal.SIGINT)
+    assert parts.pauser.paused is not None, "a paused kernel is idle: nothing to interrupt"
+    assert parts.signals() == [signal.SIGUSR1]
+    await parts.pauser.signal(signal.SIGKILL)
+    assert parts.pauser.paused is None
+    assert parts.exits.noted == parts.container_id
+    assert parts.exits.code == 128 + signal.SIGKILL
+
+
+async def test_a_client_message_wakes_a_paused_kernel(parts: Parts) -> None:
+    await parts.pauser.pause("asked")
+    parts.pauser.wake("shell execute_request")  # (the bridge thread, for a held message)
+    assert parts.pauser.state == "resuming"
+    await eventually(lambda: parts.pauser.state == "running")
+    assert parts.bound() == [True] * 5
+
+
+# ---------------------------------------------------------------------- the watchdog
+
+
+async def test_the_watchdog_notes_an_end_and_refuses_new_executions_until_a_restart(parts: Parts) -> None:
+    parts.watchdog.start(parts.container_id, WatchLimits())
+    parts.backend.exit(parts.container_id, 1)
+    await eventually(
+        lambda: parts.channels.refusal[0] != "KernelDied" or "restart" in parts.channels.refusal[1]
+    )
+    assert parts.exits.noted == parts.container_id
+    assert parts.exits.cause == (
+        "KernelDied",
+        "the kernel stopped (exit code 1) before this execution finished",
+    )
+    assert parts.channels.refusal[0] == "KernelDied"
+    assert "restart it" in parts.channels.refusal[1]
+    assert parts.exits.limit_stop is None
+
+
+async def test_an_end_by_the_memory_limit_is_named_and_kept_on_record(parts: Parts) -> None:
+    parts.watchdog.start(parts.container_id, WatchLimits(memory="512m"))
+    parts.backend.exit(parts.container_id, 137, oom=True)
+    await eventually(lambda: parts.exits.noted == parts.container_id)
+    stop = parts.exits.limit_stop
+    assert stop is not None
+    assert stop.ename == "MemoryLimitExceeded"
+    assert stop.reason.startswith("memory limit 512m exceeded")
+
+
+async def test_a_kernel_idle_past_its_limit_is_told_and_stopped_for_good(parts: Parts) -> None:
+    parts.watchdog.start(parts.container_id, WatchLimits(idle_timeout=0.3))
+    await eventually(lambda: parts.exits.noted == parts.container_id)
+    assert signal.SIGKILL in parts.signals()
+    assert parts.exits.cause is not None
+    assert parts.exits.cause[0] == "IdleLimitExceeded"
+    assert [channel for channel, _ in parts.bridge.injected] == ["iopub"], "one notice for every client"
+    assert parts.channels.refusal[0] == "IdleLimitExceeded"
+
+
+async def test_a_kernel_idle_a_while_is_paused_by_its_watchdog(parts: Parts) -> None:
+    parts.watchdog.start(parts.container_id, WatchLimits(pause_after=0.3))
+    await eventually(lambda: parts.pauser.paused is not None)
+    assert parts.signals() == [signal.SIGUSR1]
+    assert parts.exits.noted is None
+
+
+async def test_a_kernel_another_manager_took_over_is_let_go_untouched(parts: Parts) -> None:
+    runtime_dir = parts.site.runtime_dir
+    assert runtime_dir is not None
+    write_owner(runtime_dir, parts.holding.token)
+    parts.watchdog.start(parts.container_id, WatchLimits())
+    container_id = parts.container_id
+    await asyncio.sleep(0.6)
+    assert parts.holding.taken_over is None, "its own token: it still holds the kernel"
+    write_owner(runtime_dir, "0123456789abcdef")  # what reattach(take_over=True) writes
+    await eventually(lambda: parts.holding.taken_over is not None)
+    assert parts.site.container_id is None, "nothing here may remove or signal it now"
+    assert parts.backend.sandbox(container_id).status == "running"
+    assert parts.backend.sandbox(container_id).signals == []
+    assert parts.channels.refusal[0] == "KernelTakenOver"
+    assert f"process {os.getpid()}" in parts.holding.taken_over
+    await eventually(lambda: (runtime_dir / RELEASED_FILE).exists())
+    assert (runtime_dir / RELEASED_FILE).read_text() == "0123456789abcdef", "it says it let go"
+    assert parts.bridge.attached is not None, "the bridge relays to nowhere; the ledger answers"
+
+
+# ---------------------------------------------------------------------- the reattach state
+
+
+def test_the_reattach_state_reads_back_what_it_wrote(tmp_path: Path) -> None:
+    state = ReattachState(
+        "c0ffee",
+        tmp_path / "k1",
+        tmp_path / "k1" / "run3",
+        {"key": b"secret", "shell_port": 5000},
+        cwd="/srv/work",
+        launch_env={"JPY_SESSION_NAME": "a.ipynb"},
+        image="img:1",
+        narrowed={"memory": "1g"},
+        sandbox_env={"MODE": "test"},
+        credential_expiry={"warehouse": 1.5},
+        revoked_credentials=["b", "a"],
+        paused=Paused("sk-1", 4096, 1.0),
+        layout={"workspace": "/srv/work", "uid": 1000},
+    )
+    saved = state.to_dict()
+    assert saved["version"] == 1
+    assert saved["connection_info"]["key"] == "secret", "JSON: bytes become text"
+    assert saved["revoked_credentials"] == ["a", "b"]
+    again = ReattachState.from_dict(saved)
+    assert again.launches == 3
+    assert (again.container_id, again.runtime_dir, again.paused) == ("c0ffee", tmp_path / "k1", state.paused)
+    assert again.layout["workspace"] == "/srv/work"
+    assert again.layout["volume"] is None
+    assert ReattachState.from_dict(again.to_dict()).to_dict() == again.to_dict()
+
+
+def test_a_reattach_state_of_an_earlier_version_is_read(tmp_path: Path) -> None:
+    """What a server before the state's version field wrote (a kernel that outlived an upgrade)."""
+    old = {"container_id": "c0ffee", "runtime_dir": str(tmp_path), "launch_dir": None, "connection_info": {}}
+    state = ReattachState.from_dict(old)
+    assert (state.launch_dir, state.paused, state.narrowed, state.launches) == (None, None, {}, 0)
