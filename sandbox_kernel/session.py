@@ -36,7 +36,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import queue
 import re
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -69,6 +68,7 @@ from .output import amount
 from .pausing import Paused
 from .provisioner import SandboxProvisioner
 from .reattach import reattach_kernel
+from .session_run import RunMessages
 from .workspaces import keep_workspace, make_fresh_workspace, remove_workspace
 
 T = TypeVar("T")
@@ -661,25 +661,16 @@ class AsyncSandboxSession:
             SandboxKernelError: the kernel had to be restarted and could not be.
         """
         if env:
-            setting = env_cell(env)
-            before = await self.run(setting, store_history=False)
-            saved = saved_env(before.results, env)
-            try:
-                return await self.run(
-                    code,
-                    timeout=timeout,
-                    on_stdout=on_stdout,
-                    on_stderr=on_stderr,
-                    on_display=on_display,
-                    max_output=max_output,
-                    store_history=store_history,
-                )
-            finally:
-                # Put back even after a failed or cancelled run; a kernel gone meanwhile
-                # (restarted, shut down) has its own environment anyway.
-                if saved:
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(self.run(restore_cell(saved), store_history=False))
+            return await self._run_in_env(
+                env,
+                code,
+                timeout=timeout,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                on_display=on_display,
+                max_output=max_output,
+                store_history=store_history,
+            )
         km, kc = self._manager(), self._client()
         execution = Execution()
         if not await km.is_alive():
@@ -692,19 +683,7 @@ class AsyncSandboxSession:
             execution.restarted = True
             execution.restart_reason = why
         limit = max_output if max_output is not None else self.max_output
-        # The host counts every byte the kernel publishes, each message's own few hundred too.
-        allowance = {"output_limit": int(limit) + MESSAGE_ALLOWANCE} if limit is not None else None
-        metadata = {"sandbox_kernel": allowance} if allowance else {}
-        content = {
-            "code": code,
-            "silent": False,
-            "store_history": store_history,
-            "user_expressions": {},
-            "allow_stdin": False,
-            # Each run stands alone: one that fails (or is interrupted) aborts no later one.
-            "stop_on_error": False,
-        }
-        request = kc.session.msg("execute_request", content, metadata=metadata)
+        request = _execute_request(kc, code, store_history, limit)
         execution.msg_id = request["header"]["msg_id"]
         meter = await self._meter()
         started = time.monotonic()
@@ -720,6 +699,29 @@ class AsyncSandboxSession:
             execution.duration = time.monotonic() - started
             if meter is not None:
                 execution.cpu_time, execution.peak_memory = meter.stop()
+        return await self._outcome(km, execution, reply, limit)
+
+    async def _run_in_env(self, env: Mapping[str, str], code: str, **run: Any) -> Execution:
+        """``run(code, **run)`` with the environment variables ``env`` set in the kernel
+        before it, and put back as they were after it."""
+        setting = env_cell(env)
+        before = await self.run(setting, store_history=False)
+        saved = saved_env(before.results, env)
+        try:
+            return await self.run(code, **run)
+        finally:
+            # Put back even after a failed or cancelled run; a kernel gone meanwhile
+            # (restarted, shut down) has its own environment anyway.
+            if saved:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.run(restore_cell(saved), store_history=False))
+
+    async def _outcome(
+        self, km: AsyncKernelManager, execution: Execution, reply: dict[str, Any] | None, limit: int | None
+    ) -> Execution:
+        """The run's ``execution`` once its messages are in: its output as a terminal shows
+        it, its status and error as the reply, the host or the session's lifetime say (a
+        kernel that ended is restarted for the next run)."""
         if execution.truncated:
             _as_asked(execution, None if limit is None else int(limit))
         execution.stdout, execution.stderr = rendered(execution.stdout), rendered(execution.stderr)
@@ -772,86 +774,27 @@ class AsyncSandboxSession:
         """Gather the run's output until its reply and the kernel's idle; the reply, or
         None if the kernel ended without one (``execution.error`` then says why)."""
         km, kc = self._manager(), self._client()
-        deadline = time.monotonic() + timeout if timeout else None
-        timed_out: str | None = None  # set when interrupted for the timeout
-        reply: dict[str, Any] | None = None
-        idle = False
-        shell = asyncio.ensure_future(kc.get_shell_msg())
-        iopub = asyncio.ensure_future(kc.get_iopub_msg())
-        ending = asyncio.ensure_future(self._ending.wait())  # the session's lifetime ran out
-        try:
-            while reply is None or not idle:
-                wait = ALIVE_CHECK_INTERVAL
-                if deadline is not None:
-                    wait = max(0.0, min(wait, deadline - time.monotonic()))
-                done, _ = await asyncio.wait(
-                    {shell, iopub, ending}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
-                )
-                if ending in done:
-                    return None  # run() says why
-                if shell in done:
-                    message = shell.result()
-                    shell = asyncio.ensure_future(kc.get_shell_msg())
-                    if message["parent_header"].get("msg_id") == execution.msg_id:
-                        reply = message  # its idle follows (or, lost, waits a second at most)
-                if iopub in done:
-                    message = iopub.result()
-                    iopub = asyncio.ensure_future(kc.get_iopub_msg())
-                    if message["parent_header"].get("msg_id") == execution.msg_id:
-                        idle = _take(message, execution, on_stdout, on_stderr, on_display) or idle
-                if done:
-                    continue
-                now = time.monotonic()
-                if reply is not None:
-                    break  # the idle was lost (the output limit keeps it, but be sure)
-                if not await km.is_alive():
-                    # The host answers for a dead kernel within a moment: wait for that.
-                    reply = await _within(asyncio.shield(shell), 2.0)
-                    if reply is None or reply["parent_header"].get("msg_id") != execution.msg_id:
-                        execution.status = "error"
-                        execution.error = ExecutionError(
-                            "KernelDied", "the kernel stopped before it answered"
-                        )
-                        return None
-                    continue
-                if deadline is not None and now >= deadline:
-                    if timed_out is None:
-                        await km.interrupt_kernel()
-                        deadline = now + INTERRUPT_GRACE
-                        timed_out = (
-                            f"the execution ran longer than its timeout of {timeout:g} s and was interrupted"
-                        )
-                    else:
-                        # It ignored the interrupt: only a fresh kernel ends it.
-                        execution.status = "error"
-                        execution.error = ExecutionError(
-                            "TimeoutError",
-                            f"the execution ran longer than its timeout of {timeout:g} s and ignored the "
-                            "interrupt; the kernel was restarted",
-                        )
-                        for task in (shell, iopub):  # the restart's own replies are not ours
-                            task.cancel()
-                        await asyncio.gather(shell, iopub, return_exceptions=True)
-                        await self.restart()
-                        execution.restarted = True
-                        return None
-        finally:
-            ending.cancel()
-            for task in (shell, iopub):
-                task.cancel()
-            await asyncio.gather(shell, iopub, ending, return_exceptions=True)
-        if reply is not None and timed_out is not None:
-            # Interrupted for its timeout: the reply says KeyboardInterrupt; say why.
-            # Its traceback is the interrupt's, where the code happened to be: not the why.
-            content = {
-                **reply["content"],
-                "status": "error",
-                "ename": "TimeoutError",
-                "evalue": timed_out,
-                "traceback": [],
-            }
-            reply = {**reply, "content": content}
-        return reply
+
+        def fail(ename: str, evalue: str) -> None:
+            execution.status = "error"
+            execution.error = ExecutionError(ename, evalue)
+
+        async def restart() -> None:  # the run ignored its timeout's interrupt
+            await self.restart()
+            execution.restarted = True
+
+        messages = RunMessages(
+            km,
+            kc,
+            execution.msg_id,
+            take=lambda message: _take(message, execution, on_stdout, on_stderr, on_display),
+            fail=fail,
+            restart=restart,
+            ending=self._ending,
+            check_every=ALIVE_CHECK_INTERVAL,
+            grace=INTERRUPT_GRACE,
+        )
+        return await messages.gather(timeout)
 
     async def _meter(self) -> _Meter | None:
         """Start measuring the sandbox's CPU and peak memory (host side), if it can be."""
@@ -931,6 +874,26 @@ def _check_lifetime(seconds: float | None) -> float | None:
     return float(seconds)
 
 
+def _execute_request(
+    kc: AsyncKernelClient, code: str, store_history: bool, limit: int | None
+) -> dict[str, Any]:
+    """The ``execute_request`` of a run of ``code`` with an output limit of ``limit`` bytes."""
+    # The host counts every byte the kernel publishes, each message's own few hundred too.
+    allowance = {"output_limit": int(limit) + MESSAGE_ALLOWANCE} if limit is not None else None
+    metadata = {"sandbox_kernel": allowance} if allowance else {}
+    content = {
+        "code": code,
+        "silent": False,
+        "store_history": store_history,
+        "user_expressions": {},
+        "allow_stdin": False,
+        # Each run stands alone: one that fails (or is interrupted) aborts no later one.
+        "stop_on_error": False,
+    }
+    request: dict[str, Any] = kc.session.msg("execute_request", content, metadata=metadata)
+    return request
+
+
 def _take(
     message: dict[str, Any],
     execution: Execution,
@@ -991,13 +954,6 @@ def _as_asked(execution: Execution, asked: int | None) -> None:
             tail = tail[start + 1 :] if start >= 0 else tail
             text = f"{head.removesuffix(chr(10))}{marker.group(0)}{tail}"
         setattr(execution, name, text)
-
-
-async def _within(task: asyncio.Future[T], seconds: float) -> T | None:
-    try:
-        return await asyncio.wait_for(task, seconds)
-    except (asyncio.TimeoutError, queue.Empty, RuntimeError):
-        return None
 
 
 class AsyncSessionFiles:
