@@ -1,7 +1,14 @@
 """sandbox-kernel: run Jupyter's IPython kernels inside hardened gVisor containers."""
 
-from ._version import __version__
-from .errors import (
+from sandbox_kernel._version import __version__
+from sandbox_kernel.agents.session import (
+    AsyncSandboxSession,
+    Execution,
+    ExecutionError,
+    Result,
+    SandboxSession,
+)
+from sandbox_kernel.errors import (
     ConfigurationError,
     DockerOperationError,
     DockerUnavailableError,
@@ -14,10 +21,9 @@ from .errors import (
     SandboxKernelError,
     WorkspaceError,
 )
-from .pool import SandboxPool
-from .provisioner import SandboxProvisioner
-from .session import AsyncSandboxSession, Execution, ExecutionError, Result, SandboxSession
-from .warming import warm_pool
+from sandbox_kernel.pool.sandboxes import SandboxPool
+from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.warming import warm_pool
 
 __all__ = [
     "AsyncSandboxSession",

@@ -18,29 +18,29 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 
-from .admission import with_server_config
-from .backend import SandboxBackend
-from .bridge import CurveKeys, KernelBridge
-from .errors import ConfigurationError, KernelTakenOverError, SandboxKernelError
-from .kernel.channels import ChannelSettings, KernelChannels
-from .kernel.egress import KernelEgress
-from .kernel.exits import Exits, LimitStop
-from .kernel.holding import Holding
-from .kernel.launching import PoolClaim, ready_and_sealed, start_cold, sweep_orphans_once
-from .kernel.manager import ManagerLink
-from .kernel.pauser import Pauser
-from .kernel.site import KernelSite, workspace_identity
-from .kernel.start import plan_start
-from .kernel.state import ReattachState, save_state
-from .kernel.watchdog import Watchdog, watch_limits
-from .limits import size_bytes
-from .mounts import detach_mounts
-from .ownership import NO_HOLDER, remove_tree, write_owner
-from .pausing import Paused
-from .policy import SandboxPolicy, policy_for
-from .sandbox_spec import SandboxSpec, is_launcher
-from .services import PROCESS, Services
-from .settings import SandboxSettings
+from sandbox_kernel.backends.base import SandboxBackend
+from sandbox_kernel.channels.bridge import CurveKeys, KernelBridge
+from sandbox_kernel.errors import ConfigurationError, KernelTakenOverError, SandboxKernelError
+from sandbox_kernel.host.mounts import detach_mounts
+from sandbox_kernel.kernel.channels import ChannelSettings, KernelChannels
+from sandbox_kernel.kernel.egress import KernelEgress
+from sandbox_kernel.kernel.exits import Exits, LimitStop
+from sandbox_kernel.kernel.holding import Holding
+from sandbox_kernel.kernel.launching import PoolClaim, ready_and_sealed, start_cold, sweep_orphans_once
+from sandbox_kernel.kernel.manager import ManagerLink
+from sandbox_kernel.kernel.pauser import Pauser
+from sandbox_kernel.kernel.site import KernelSite, workspace_identity
+from sandbox_kernel.kernel.start import plan_start
+from sandbox_kernel.kernel.state import ReattachState, save_state
+from sandbox_kernel.kernel.watchdog import Watchdog, watch_limits
+from sandbox_kernel.lifecycle.ownership import NO_HOLDER, remove_tree, write_owner
+from sandbox_kernel.lifecycle.pausing import Paused
+from sandbox_kernel.plan.admission import with_server_config
+from sandbox_kernel.plan.limits import size_bytes
+from sandbox_kernel.plan.policy import SandboxPolicy, policy_for
+from sandbox_kernel.plan.sandbox_spec import SandboxSpec, is_launcher
+from sandbox_kernel.plan.settings import SandboxSettings
+from sandbox_kernel.services import PROCESS, Services
 
 __all__ = ["LimitStop", "SandboxProvisioner"]
 
@@ -113,7 +113,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     @property
     def approval_handler(self) -> Any:
         """With approval "egress": called in a thread of its own with an ApprovalRequest, returns
-        "once", "kernel" or "deny"; unset: the running cell's client is asked (sandbox_kernel.approval)."""
+        "once", "kernel" or "deny"; unset: the running cell's client is asked (channels.approval)."""
         return self.egress.approval_handler
 
     @approval_handler.setter

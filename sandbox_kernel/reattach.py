@@ -41,9 +41,9 @@ from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_core.utils import run_sync
 
-from .docker_backend import DockerBackend
-from .errors import KernelHeldError, KernelNotFoundError, PauseError
-from .ownership import (
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.errors import KernelHeldError, KernelNotFoundError, PauseError
+from sandbox_kernel.lifecycle.ownership import (
     NO_HOLDER,
     SandboxedKernel,
     list_kernels,
@@ -54,8 +54,8 @@ from .ownership import (
     server_identity,
     write_owner,
 )
-from .pausing import ask_holder, describe
-from .provisioner import SandboxProvisioner
+from sandbox_kernel.lifecycle.pausing import ask_holder, describe
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 M = TypeVar("M", bound=KernelManager)
 
@@ -112,7 +112,7 @@ async def saved_state(
 
 def load_state(kernel: SandboxedKernel, runtime_parent: str | None = None) -> dict[str, Any] | None:
     """``kernel``'s reattach state, from a runtime folder of this user only (see
-    :func:`~sandbox_kernel.ownership.own_runtime_dir`), for this kernel only."""
+    :func:`~sandbox_kernel.lifecycle.ownership.own_runtime_dir`), for this kernel only."""
     folder = own_runtime_dir(kernel.runtime_dir, runtime_parent)
     state = read_state(folder) if folder is not None else None
     if state is None or state.get("kernel_id") != kernel.kernel_id:

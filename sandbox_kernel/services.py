@@ -9,10 +9,10 @@ never needs the egress proxy never starts it), a test's where it hands its own.
 
 from __future__ import annotations
 
-from .background import BackgroundLoop
-from .egress import EgressProxy
-from .ownership import OrphanReaper
-from .pool import SandboxPool
+from sandbox_kernel.egress import EgressProxy
+from sandbox_kernel.host.background import BackgroundLoop
+from sandbox_kernel.lifecycle.ownership import OrphanReaper
+from sandbox_kernel.pool.sandboxes import SandboxPool
 
 
 class Services:

@@ -18,10 +18,10 @@ from typing import Any
 
 from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
 
-from .kernel.launching import sweep_orphans_once
-from .kernel.start import plan_start
-from .pool import SandboxPool
-from .provisioner import SandboxProvisioner
+from sandbox_kernel.kernel.launching import sweep_orphans_once
+from sandbox_kernel.kernel.start import plan_start
+from sandbox_kernel.pool.sandboxes import SandboxPool
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 
 async def plan_pool(

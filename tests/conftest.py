@@ -19,7 +19,7 @@ def _isolated_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_cli_singletons() -> Iterator[None]:
     """The CLI's subcommands are traitlets singletons: none may leak between tests."""
-    from sandbox_kernel.app import SandboxKernelApp
+    from sandbox_kernel.cli.app import SandboxKernelApp
 
     classes = [SandboxKernelApp, *(sub for sub, _ in SandboxKernelApp.subcommands.values())]
     for app_class in classes:

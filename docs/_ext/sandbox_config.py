@@ -23,10 +23,10 @@ from traitlets.utils.importstring import import_item
 #: config file uses; each is imported by the path users and configs name.
 CONFIGURABLES = {
     "SandboxProvisioner": "sandbox_kernel.provisioner:SandboxProvisioner",
-    "SandboxMappingKernelManager": "sandbox_kernel.server:SandboxMappingKernelManager",
-    "McpLimits": "sandbox_kernel.mcp_server:McpLimits",
+    "SandboxMappingKernelManager": "sandbox_kernel.jupyter.server:SandboxMappingKernelManager",
+    "McpLimits": "sandbox_kernel.agents.mcp_server:McpLimits",
 }
-APP = "sandbox_kernel.app:SandboxKernelApp"
+APP = "sandbox_kernel.cli.app:SandboxKernelApp"
 
 
 def _load(path: str) -> Any:

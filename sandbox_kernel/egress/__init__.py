@@ -4,7 +4,7 @@ A kernel whose network is "allowlist" has no network interface; ``relay.py`` run
 its sandbox, ``proxy.EgressProxy`` on the host decides and logs, by ``rules``.
 """
 
-from .proxy import ApprovalRequest, Decision, EgressProxy
-from .rules import DomainRule, EgressPolicy, EgressRules
+from sandbox_kernel.egress.proxy import ApprovalRequest, Decision, EgressProxy
+from sandbox_kernel.egress.rules import DomainRule, EgressPolicy, EgressRules
 
 __all__ = ["ApprovalRequest", "Decision", "DomainRule", "EgressPolicy", "EgressProxy", "EgressRules"]

@@ -26,8 +26,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ..errors import ConfigurationError
-from .rules import EgressRules, is_domain_name, normalize_host
+from sandbox_kernel.egress.rules import EgressRules, is_domain_name, normalize_host
+from sandbox_kernel.errors import ConfigurationError
 
 #: The CA (certificate and key) in a kernel's server-only runtime folder, never mounted.
 CA_FILE = "egress-ca-and-key.pem"

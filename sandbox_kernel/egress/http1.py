@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .rules import shown
+from sandbox_kernel.egress.rules import shown
 
 #: A header field as the proxy keeps it: (name as sent, value without surrounding blanks).
 Header = tuple[str, str]

@@ -47,11 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from ..background import BackgroundLoop
-from ..errors import ConfigurationError
-from .ca import KernelCA, LeafContexts
-from .credentials import BoundCredential, CredentialTable
-from .http1 import (
+from sandbox_kernel.egress.ca import KernelCA, LeafContexts
+from sandbox_kernel.egress.credentials import BoundCredential, CredentialTable
+from sandbox_kernel.egress.http1 import (
     Framing,
     FramingError,
     chunk_size,
@@ -62,7 +60,7 @@ from .http1 import (
     response_keeps_connection,
     response_status,
 )
-from .rules import (
+from sandbox_kernel.egress.rules import (
     PORT,
     DomainRule,
     EgressPolicy,
@@ -72,13 +70,15 @@ from .rules import (
     normalize_host,
     shown,
 )
-from .tls import MAX_CLIENT_HELLO, IncompleteHello, client_hello_sni
-from .tlsstream import TlsStream
+from sandbox_kernel.egress.tls import MAX_CLIENT_HELLO, IncompleteHello, client_hello_sni
+from sandbox_kernel.egress.tlsstream import TlsStream
+from sandbox_kernel.errors import ConfigurationError
+from sandbox_kernel.host.background import BackgroundLoop
 
 log = logging.getLogger(__name__)
 
 #: Asks the kernel's holder about a request the policy leaves to them; the future gets
-#: ("once" | "kernel" | "deny", who answered or why not). See sandbox_kernel.approval.
+#: ("once" | "kernel" | "deny", who answered or why not). See sandbox_kernel.channels.approval.
 Approver = Callable[["ApprovalRequest"], "concurrent.futures.Future[tuple[str, str]]"]
 #: Questions one kernel may have open at once; more are denied at once.
 MAX_QUESTIONS = 4

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ConfigurationError
+from sandbox_kernel.errors import ConfigurationError
 
 #: A rule without a port allows these.
 DEFAULT_PORTS = frozenset({80, 443})

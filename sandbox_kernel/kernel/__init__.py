@@ -1,5 +1,5 @@
 """One kernel on the host: the parts :class:`~sandbox_kernel.provisioner.SandboxProvisioner`
-composes, each owning its state and handed its collaborators (none imports the provisioner).
+composes, each owning its state and handed its collaborators (not one of them knows the provisioner).
 
 - :mod:`.site`: where the kernel runs now (its sandbox, folders and plan), shared by all;
 - :mod:`.start`: one start read from jupyter_client's arguments;

@@ -21,15 +21,15 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-from ..audit import LOST_REPLY, AuditLog, ExecutionAuditor, PendingExecution
-from ..bridge import CHANNELS, CurveKeys, KernelBridge
-from ..limits import size_bytes
-from ..output import OutputLimiter
-from ..ownership import remove_tree, server_identity
-from ..sandbox_spec import SandboxSpec, kernel_sockets
-from ..sanitize import OutputSanitizer
-from ..settings import SandboxSettings
-from ..wire import stderr_notice
+from sandbox_kernel.channels.audit import LOST_REPLY, AuditLog, ExecutionAuditor, PendingExecution
+from sandbox_kernel.channels.bridge import CHANNELS, CurveKeys, KernelBridge
+from sandbox_kernel.channels.output import OutputLimiter
+from sandbox_kernel.channels.sanitize import OutputSanitizer
+from sandbox_kernel.channels.wire import stderr_notice
+from sandbox_kernel.lifecycle.ownership import remove_tree, server_identity
+from sandbox_kernel.plan.limits import size_bytes
+from sandbox_kernel.plan.sandbox_spec import SandboxSpec, kernel_sockets
+from sandbox_kernel.plan.settings import SandboxSettings
 
 #: Seconds a client's request (a completion, say) may take, awaiting its reply, before
 #: the kernel's CPU counts as computing on its own again.

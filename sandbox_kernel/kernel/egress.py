@@ -18,14 +18,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..approval import Answer, ApprovalBroker, ApprovalHandler
-from ..egress import ApprovalRequest, Decision, EgressPolicy
-from ..egress.ca import KernelCA
-from ..egress.credentials import BoundCredential, CredentialSpec, parse_definitions
-from ..errors import ConfigurationError, PauseError
-from ..sandbox_spec import CONTAINER_EGRESS_SOCKET
-from ..services import PROCESS, Services
-from .channels import KernelChannels
+from sandbox_kernel.channels.approval import Answer, ApprovalBroker, ApprovalHandler
+from sandbox_kernel.egress import ApprovalRequest, Decision, EgressPolicy
+from sandbox_kernel.egress.ca import KernelCA
+from sandbox_kernel.egress.credentials import BoundCredential, CredentialSpec, parse_definitions
+from sandbox_kernel.errors import ConfigurationError, PauseError
+from sandbox_kernel.kernel.channels import KernelChannels
+from sandbox_kernel.plan.sandbox_spec import CONTAINER_EGRESS_SOCKET
+from sandbox_kernel.services import PROCESS, Services
 
 
 class KernelEgress:
@@ -59,7 +59,7 @@ class KernelEgress:
         self._announced: set[str] = set()  # credentials the audit log says are bound
         #: With approval "egress": called (in a thread of its own) with an ApprovalRequest,
         #: returns "once", "kernel" or "deny"; unset: the client running the cell is asked
-        #: on stdin (see sandbox_kernel.approval).
+        #: on stdin (see sandbox_kernel.channels.approval).
         self.approval_handler: ApprovalHandler | None = None
         self.registered = False
 

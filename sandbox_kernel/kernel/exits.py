@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend import SandboxBackend
-from ..background import poll_until
-from ..errors import SandboxKernelError
-from ..watchdog import memory_reason
-from .channels import KernelChannels
+from sandbox_kernel.backends.base import SandboxBackend
+from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.host.background import poll_until
+from sandbox_kernel.kernel.channels import KernelChannels
+from sandbox_kernel.lifecycle.judge import memory_reason
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,17 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from ..ownership import OWNER_FILE, Holder, read_holder, server_identity, write_released
-from .channels import SETTLE, KernelChannels
-from .egress import KernelEgress
-from .manager import ManagerLink
-from .site import KernelSite
+from sandbox_kernel.kernel.channels import SETTLE, KernelChannels
+from sandbox_kernel.kernel.egress import KernelEgress
+from sandbox_kernel.kernel.manager import ManagerLink
+from sandbox_kernel.kernel.site import KernelSite
+from sandbox_kernel.lifecycle.ownership import (
+    OWNER_FILE,
+    Holder,
+    read_holder,
+    server_identity,
+    write_released,
+)
 
 
 class Holding:

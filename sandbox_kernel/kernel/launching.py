@@ -15,11 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..backend import SandboxBackend
-from ..binding import bind
-from ..egress.ca import KernelCA
-from ..errors import SandboxKernelError
-from ..launch_folder import (
+from sandbox_kernel.backends.base import SandboxBackend
+from sandbox_kernel.egress.ca import KernelCA
+from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.host.mounts import can_mount
+from sandbox_kernel.kernel.channels import KernelChannels
+from sandbox_kernel.kernel.site import KernelSite
+from sandbox_kernel.kernel.start import Start
+from sandbox_kernel.lifecycle.launch_folder import (
     expected_sockets,
     new_launch_dir,
     new_runtime_dir,
@@ -27,17 +30,14 @@ from ..launch_folder import (
     wait_until_ready,
     write_launch_files,
 )
-from ..limits import size_bytes
-from ..mounts import can_mount
-from ..ownership import prune_orphans, remove_tree
-from ..plan import Plan
-from ..pool import PooledSandbox, PoolPlan
-from ..sandbox_spec import SandboxSpec, is_launcher
-from ..services import PROCESS, Services
-from ..startup_mark import wait_for_startup_code
-from .channels import KernelChannels
-from .site import KernelSite
-from .start import Start
+from sandbox_kernel.lifecycle.ownership import prune_orphans, remove_tree
+from sandbox_kernel.lifecycle.startup_mark import wait_for_startup_code
+from sandbox_kernel.plan.limits import size_bytes
+from sandbox_kernel.plan.plan import Plan
+from sandbox_kernel.plan.sandbox_spec import SandboxSpec, is_launcher
+from sandbox_kernel.pool.binding import bind
+from sandbox_kernel.pool.sandboxes import PooledSandbox, PoolPlan
+from sandbox_kernel.services import PROCESS, Services
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import zmq
 
-from ..bridge import CHANNELS, CurveKeys
-from ..errors import ConfigurationError
+from sandbox_kernel.channels.bridge import CHANNELS, CurveKeys
+from sandbox_kernel.errors import ConfigurationError
 
 
 class ManagerLink:

@@ -17,12 +17,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from ..backend import SandboxBackend
-from ..bridge import KernelBridge
-from ..cgroups import memory_usage
-from ..errors import PauseError, SandboxKernelError
-from ..launch_folder import seal
-from ..pausing import (
+from sandbox_kernel.backends.base import SandboxBackend
+from sandbox_kernel.channels.bridge import KernelBridge
+from sandbox_kernel.errors import PauseError, SandboxKernelError
+from sandbox_kernel.host.cgroups import memory_usage
+from sandbox_kernel.kernel.channels import KernelChannels
+from sandbox_kernel.kernel.egress import KernelEgress
+from sandbox_kernel.kernel.exits import Exits
+from sandbox_kernel.kernel.site import KernelSite
+from sandbox_kernel.lifecycle.launch_folder import seal
+from sandbox_kernel.lifecycle.pausing import (
     Paused,
     check_budget,
     checkpoint_name,
@@ -30,11 +34,7 @@ from ..pausing import (
     wait_for_channels,
     wait_for_egress,
 )
-from ..services import PROCESS, Services
-from .channels import KernelChannels
-from .egress import KernelEgress
-from .exits import Exits
-from .site import KernelSite
+from sandbox_kernel.services import PROCESS, Services
 
 
 class Pauser:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..sandbox_spec import SandboxSpec
+from sandbox_kernel.plan.sandbox_spec import SandboxSpec
 
 #: What a kernel's saved state says of its workspace (see :meth:`KernelSite.layout`).
 LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid", "workspace_identity")

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bridge import CurveKeys
-from ..ownership import server_identity
-from ..plan import (
+from sandbox_kernel.channels.bridge import CurveKeys
+from sandbox_kernel.kernel.manager import ManagerLink
+from sandbox_kernel.lifecycle.ownership import server_identity
+from sandbox_kernel.plan.plan import (
     Launch,
     Plan,
     check_sandbox_env,
@@ -28,9 +29,8 @@ from ..plan import (
     unpassed_env,
     visible_env,
 )
-from ..policy import SandboxPolicy, policy_for
-from ..settings import SandboxSettings
-from .manager import ManagerLink
+from sandbox_kernel.plan.policy import SandboxPolicy, policy_for
+from sandbox_kernel.plan.settings import SandboxSettings
 
 #: Launch variables a kernel needs again when a reattached manager restarts it.
 RELAUNCH_ENV = ("JPY_SESSION_NAME", "JUPYTERHUB_USER")

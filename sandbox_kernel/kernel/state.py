@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..ownership import write_state
-from ..pausing import Paused
-from .site import LAYOUT_KEYS
+from sandbox_kernel.kernel.site import LAYOUT_KEYS
+from sandbox_kernel.lifecycle.ownership import write_state
+from sandbox_kernel.lifecycle.pausing import Paused
 
 #: The layout of the state written now.
 VERSION = 1

@@ -20,20 +20,20 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..backend import SandboxBackend
-from ..cgroups import cpu_seconds, oom_kills
-from ..errors import DockerUnavailableError, PauseError
-from ..ownership import OWNER_FILE
-from ..pausing import PauseRequests
-from ..services import PROCESS, Services
-from ..settings import SandboxSettings
-from ..watchdog import Act, Look, Verdict, Watch, WatchLimits, judge
-from .channels import KernelChannels
-from .exits import Exits
-from .holding import Holding
-from .manager import ManagerLink
-from .pauser import Pauser
-from .site import KernelSite
+from sandbox_kernel.backends.base import SandboxBackend
+from sandbox_kernel.errors import DockerUnavailableError, PauseError
+from sandbox_kernel.host.cgroups import cpu_seconds, oom_kills
+from sandbox_kernel.kernel.channels import KernelChannels
+from sandbox_kernel.kernel.exits import Exits
+from sandbox_kernel.kernel.holding import Holding
+from sandbox_kernel.kernel.manager import ManagerLink
+from sandbox_kernel.kernel.pauser import Pauser
+from sandbox_kernel.kernel.site import KernelSite
+from sandbox_kernel.lifecycle.judge import Act, Look, Verdict, Watch, WatchLimits, judge
+from sandbox_kernel.lifecycle.ownership import OWNER_FILE
+from sandbox_kernel.lifecycle.pausing import PauseRequests
+from sandbox_kernel.plan.settings import SandboxSettings
+from sandbox_kernel.services import PROCESS, Services
 
 #: How often a watchdog asks the backend for its kernel's state although the event
 #: stream says it runs (seconds).

@@ -28,13 +28,13 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.ioloop import AsyncIOLoopKernelManager
 from traitlets.config import Config
 
-from sandbox_kernel.docker_backend import DockerBackend
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.cli.resources import data_path
 from sandbox_kernel.errors import SandboxKernelError
-from sandbox_kernel.mounts import mounts_under
-from sandbox_kernel.ownership import list_kernels, server_identity
-from sandbox_kernel.resources import data_path
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
-from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from sandbox_kernel.host.mounts import mounts_under
+from sandbox_kernel.lifecycle.ownership import list_kernels, server_identity
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
+from sandbox_kernel.plan.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 
 KERNEL = "sandboxed-python"
 SANDBOX_UID = 1000

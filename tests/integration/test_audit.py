@@ -173,7 +173,7 @@ def test_a_kernels_life_and_the_hosts_file_operations_are_audited(
     """Start, restart, shutdown and the files API's uploads, downloads and deletes each
     leave a line saying which process did it (they left none)."""
     from sandbox_kernel import SandboxSession
-    from sandbox_kernel.ownership import server_identity
+    from sandbox_kernel.lifecycle.ownership import server_identity
 
     log = tmp_path / "audit.jsonl"
     with SandboxSession(

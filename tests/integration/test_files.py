@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from jupyter_client import KernelManager
 
+from sandbox_kernel.agents.files import WorkspaceFiles, workspace_files
 from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.files import WorkspaceFiles, workspace_files
 
 from .conftest import KERNEL, KernelStarter, make_workspace, run_ok
 

@@ -30,8 +30,8 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from sandbox_kernel import SandboxSession
-from sandbox_kernel.resources import data_path
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+from sandbox_kernel.cli.resources import data_path
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, SANDBOX_UID, HostState, KernelStarter, run, shell_reply
 from .test_mcp import mcp_server

@@ -25,10 +25,10 @@ import docker
 import pytest
 from jupyter_client.manager import KernelManager
 
+from sandbox_kernel.agents.session import SandboxSession
 from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.plan import DEFAULT_KERNEL_UID
-from sandbox_kernel.sandbox_spec import kernel_sockets
-from sandbox_kernel.session import SandboxSession
+from sandbox_kernel.plan.plan import DEFAULT_KERNEL_UID
+from sandbox_kernel.plan.sandbox_spec import kernel_sockets
 
 from .conftest import SANDBOX_UID, KernelStarter, make_workspace, run, run_ok
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.app import SandboxKernelApp
+from sandbox_kernel.cli.app import SandboxKernelApp
 from sandbox_kernel.kernel import launching
 
 from .conftest import KernelStarter, run_ok

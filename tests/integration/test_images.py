@@ -16,9 +16,9 @@ import pytest
 from docker.errors import ImageNotFound
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from sandbox_kernel.app import RECIPE_LABEL, RECIPES, _recipe_digest
-from sandbox_kernel.resources import data_path
-from sandbox_kernel.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
+from sandbox_kernel.cli.app import RECIPE_LABEL, RECIPES, _recipe_digest
+from sandbox_kernel.cli.resources import data_path
+from sandbox_kernel.plan.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
 
 from .conftest import SANDBOX_UID, Execution, KernelStarter, run_ok
 

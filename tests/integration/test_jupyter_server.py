@@ -23,9 +23,9 @@ import requests
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from sandbox_kernel.docker_backend import DockerBackend
-from sandbox_kernel.ownership import list_kernels, remove_kernel
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.lifecycle.ownership import list_kernels, remove_kernel
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, SANDBOX_UID, make_workspace
 

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from playwright.sync_api import Browser, Locator, Page, expect, sync_playwright
 
-from sandbox_kernel.docker_backend import DockerBackend
-from sandbox_kernel.ownership import list_kernels, remove_kernel
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.lifecycle.ownership import list_kernels, remove_kernel
 
 from .conftest import REPORTS, SANDBOX_UID, make_workspace
 from .test_egress import Upstreams, _fetch

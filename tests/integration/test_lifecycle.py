@@ -17,7 +17,7 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 
 from sandbox_kernel.kernel import launching
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState, KernelStarter, restarting_kernel, run, run_ok, wait_for_restart
 

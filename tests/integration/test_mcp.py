@@ -21,7 +21,7 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client import stdio as mcp_stdio
 from mcp.types import CallToolResult, ImageContent, TextContent
 
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
 

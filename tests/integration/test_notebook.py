@@ -17,9 +17,9 @@ from nbclient import NotebookClient
 from traitlets.config import Config
 
 from sandbox_kernel import provisioner
-from sandbox_kernel.app import SandboxKernelApp
+from sandbox_kernel.cli.app import SandboxKernelApp
 from sandbox_kernel.errors import KernelStartupError
-from sandbox_kernel.sandbox_spec import LABEL_MANAGED
+from sandbox_kernel.plan.sandbox_spec import LABEL_MANAGED
 
 from .conftest import KERNEL, SANDBOX_UID, KernelStarter, make_workspace, run
 

@@ -19,7 +19,7 @@ import nbformat
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from sandbox_kernel.resources import data_path
+from sandbox_kernel.cli.resources import data_path
 
 from .conftest import REPORTS, SANDBOX_UID, make_workspace
 from .test_jupyter_server import Server, start_server, stop_server

@@ -14,10 +14,10 @@ from pathlib import Path
 import docker
 import pytest
 
-from sandbox_kernel import ownership
-from sandbox_kernel.app import SandboxKernelApp
+from sandbox_kernel.cli.app import SandboxKernelApp
 from sandbox_kernel.kernel import launching
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
+from sandbox_kernel.lifecycle import ownership
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState, KernelStarter, run_ok
 from .test_pause import pause_and_leave

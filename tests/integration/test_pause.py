@@ -21,11 +21,12 @@ from jupyter_client import KernelManager
 from jupyter_core.utils import run_sync
 from traitlets.config import Config
 
-from sandbox_kernel import SandboxSession, ownership
+from sandbox_kernel import SandboxSession
 from sandbox_kernel.errors import PauseError
 from sandbox_kernel.kernel import launching
+from sandbox_kernel.lifecycle import ownership
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KernelStarter, run, run_ok
 
@@ -328,8 +329,8 @@ def test_a_pause_that_fails_once_the_sandbox_stopped_ends_the_kernel_saying_so_a
 _ANOTHER_USERS_SWEEP = """
 import asyncio, concurrent.futures.thread, json, os, sys
 import docker
-from sandbox_kernel.docker_backend import DockerBackend
-from sandbox_kernel.ownership import list_kernels, prune_orphans
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.lifecycle.ownership import list_kernels, prune_orphans
 docker.from_env().close()
 os.setgroups([int(sys.argv[1])])
 os.setgid(54321)

@@ -19,11 +19,11 @@ from jupyter_client import KernelManager
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from sandbox_kernel import SandboxPool, warm_pool
-from sandbox_kernel.cgroups import cpu_seconds
-from sandbox_kernel.docker_backend import DockerBackend
-from sandbox_kernel.mounts import mounts_under
-from sandbox_kernel.ownership import OrphanReaper
-from sandbox_kernel.sandbox_spec import LABEL_KERNELSPEC, LABEL_POOL
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.host.cgroups import cpu_seconds
+from sandbox_kernel.host.mounts import mounts_under
+from sandbox_kernel.lifecycle.ownership import OrphanReaper
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNELSPEC, LABEL_POOL
 
 from .conftest import KERNEL, SANDBOX_UID, KernelStarter, make_workspace, run_ok
 from .test_jupyter_server import execute_over_websocket, start_server, stop_server

@@ -31,8 +31,8 @@ from sandbox_kernel import (
     SandboxSession,
     WorkspaceError,
 )
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, SANDBOX_UID, KernelStarter, run, run_ok
 

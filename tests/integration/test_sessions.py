@@ -18,9 +18,9 @@ from jupyter_client import KernelManager
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.ownership import OWNER_FILE
+from sandbox_kernel.lifecycle.ownership import OWNER_FILE
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking
-from sandbox_kernel.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KernelStarter, make_workspace, run, run_ok
 

@@ -22,14 +22,14 @@ import pytest
 import zmq
 from docker.errors import APIError, ImageNotFound, NotFound
 
-from sandbox_kernel.docker_backend import REQUIRED_RUNTIME_ARGS, DockerBackend
-from sandbox_kernel.sandbox_spec import (
+from sandbox_kernel.backends.docker import REQUIRED_RUNTIME_ARGS, DockerBackend
+from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,
     SandboxSpec,
 )
-from sandbox_kernel.settings import DEFAULT_RUNTIME
+from sandbox_kernel.plan.settings import DEFAULT_RUNTIME
 
 RUNNING = {"Status": "running", "ExitCode": 0, "OOMKilled": False}
 
@@ -282,7 +282,7 @@ def _writable_workspaces(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     """Unit tests' workspaces are root's temporary folders: the plan takes them as
     writable to the kernel, unless the test asks for ``real_workspace_modes``."""
     if "real_workspace_modes" not in request.fixturenames:
-        monkeypatch.setattr("sandbox_kernel.plan.can_write", lambda path, uid, gid: True)
+        monkeypatch.setattr("sandbox_kernel.plan.plan.can_write", lambda path, uid, gid: True)
 
 
 #: How deep the trees kernel code planted were: deeper than Python's recursion limit.

@@ -12,11 +12,16 @@ import pytest
 from jupyter_client.manager import AsyncKernelManager
 from traitlets.config import Config
 
-from sandbox_kernel.admission import require_sandboxed, sandboxed_manager, server_config
+from sandbox_kernel.cli.resources import data_path
 from sandbox_kernel.errors import ConfigurationError
+from sandbox_kernel.plan.admission import require_sandboxed, sandboxed_manager, server_config
+from sandbox_kernel.plan.sandbox_spec import (
+    CONTAINER_CONNECTION_FILE,
+    is_launcher,
+    kernel_command,
+    launcher_argv,
+)
 from sandbox_kernel.provisioner import SandboxProvisioner
-from sandbox_kernel.resources import data_path
-from sandbox_kernel.sandbox_spec import CONTAINER_CONNECTION_FILE, is_launcher, kernel_command, launcher_argv
 
 
 @pytest.fixture

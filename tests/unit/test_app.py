@@ -17,7 +17,7 @@ import pytest
 from docker.errors import ImageNotFound
 from jupyter_core.application import JupyterApp
 
-from sandbox_kernel.app import (
+from sandbox_kernel.cli.app import (
     DEBIAN_BASE,
     KERNEL_NAME,
     RECIPE_LABEL,
@@ -30,9 +30,9 @@ from sandbox_kernel.app import (
     SandboxKernelApp,
     _recipe_digest,
 )
+from sandbox_kernel.cli.resources import data_path
+from sandbox_kernel.plan.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
 from sandbox_kernel.provisioner import SandboxProvisioner
-from sandbox_kernel.resources import data_path
-from sandbox_kernel.settings import DATASCIENCE_IMAGE, DEFAULT_IMAGE
 
 from .conftest import FakeDockerClient
 
@@ -623,8 +623,8 @@ def test_check_names_the_datascience_recipe_for_its_missing_image(
 
 def test_install_has_a_flag_for_every_kernelspec_setting() -> None:
     """Declared once, on the setting: adding a kernelspec key adds its install flag."""
-    from sandbox_kernel.app import InstallApp
-    from sandbox_kernel.settings import kernelspec_keys
+    from sandbox_kernel.cli.app import InstallApp
+    from sandbox_kernel.plan.settings import kernelspec_keys
 
     flagged = {target.removeprefix("InstallApp.") for target in InstallApp.aliases.values()}
     assert kernelspec_keys() <= flagged
@@ -670,9 +670,9 @@ def test_run_takes_its_cell_timeout_as_a_duration() -> None:
 def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """What ``serve_stdio`` was called with, instead of serving on this test's stdin."""
     calls: list[dict[str, Any]] = []
-    fake = types.ModuleType("sandbox_kernel.mcp_server")
+    fake = types.ModuleType("sandbox_kernel.agents.mcp_server")
     fake.serve_stdio = lambda **kwargs: calls.append(kwargs)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "sandbox_kernel.mcp_server", fake)
+    monkeypatch.setitem(sys.modules, "sandbox_kernel.agents.mcp_server", fake)
     return calls
 
 
@@ -764,7 +764,7 @@ def test_mcp_refuses_what_it_cannot_serve(
 def test_mcp_without_the_mcp_package_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], missing: str, detail: str
 ) -> None:
-    monkeypatch.delitem(sys.modules, "sandbox_kernel.mcp_server", raising=False)
+    monkeypatch.delitem(sys.modules, "sandbox_kernel.agents.mcp_server", raising=False)
     for name in [name for name in sys.modules if name == missing or name.startswith(f"{missing}.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, missing, None)  # what an environment without it imports
@@ -799,7 +799,7 @@ def test_mcp_help_says_what_it_serves(capsys: pytest.CaptureFixture[str]) -> Non
 def test_docker_access_is_called_root_equivalent_for_a_server_that_is_not_root() -> None:
     """A docker-group user read root's home folder and entered a root kernel's container:
     `check` says so plainly to a non-root server."""
-    from sandbox_kernel.app import docker_access_warning
+    from sandbox_kernel.cli.app import docker_access_warning
 
     assert docker_access_warning(uid=0) is None
     warning = docker_access_warning(uid=1000)

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from sandbox_kernel.approval import AMBIGUOUS, ApprovalBroker, question
-from sandbox_kernel.audit import ExecutionAuditor
+from sandbox_kernel.channels.approval import AMBIGUOUS, ApprovalBroker, question
+from sandbox_kernel.channels.audit import ExecutionAuditor
+from sandbox_kernel.channels.wire import find_delimiter
 from sandbox_kernel.egress import ApprovalRequest
-from sandbox_kernel.wire import find_delimiter
 
 CLIENT = [b"client-session"]
 REQUEST = ApprovalRequest("k1", "other.test", 443, "CONNECT", 20.0)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sandbox_kernel.audit import NO_CELL, NO_STDIN, AuditLog, ExecutionAuditor
+from sandbox_kernel.channels.audit import NO_CELL, NO_STDIN, AuditLog, ExecutionAuditor
 
 
 def test_rotation_keeps_every_file_private_and_each_line_json(tmp_path: Path) -> None:

@@ -19,11 +19,11 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
-from sandbox_kernel.audit import AuditLog, ExecutionAuditor
-from sandbox_kernel.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
-from sandbox_kernel.output import OutputLimiter
-from sandbox_kernel.sanitize import OutputSanitizer
-from sandbox_kernel.wire import find_delimiter, frame_bytes, stderr_notice
+from sandbox_kernel.channels.audit import AuditLog, ExecutionAuditor
+from sandbox_kernel.channels.bridge import CHANNELS, CurveKeys, KernelBridge, SizeCaps
+from sandbox_kernel.channels.output import OutputLimiter
+from sandbox_kernel.channels.sanitize import OutputSanitizer
+from sandbox_kernel.channels.wire import find_delimiter, frame_bytes, stderr_notice
 from tests.unit.conftest import Ctx
 
 TIMEOUT_MS = 1000
@@ -555,7 +555,7 @@ def test_a_kernel_cut_off_for_an_oversized_frame_is_reconnected(
 
 
 def test_wire_parsing_never_raises_on_nesting() -> None:
-    from sandbox_kernel.wire import load_dict
+    from sandbox_kernel.channels.wire import load_dict
 
     assert load_dict(b"[" * 100_000, limit=None) == {}
     assert load_dict(b'{"a": ' * 5000, limit=None) == {}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel import cgroups
+from sandbox_kernel.host import cgroups
 
 
 @pytest.fixture

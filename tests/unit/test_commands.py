@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from IPython import display
 
-from sandbox_kernel.commands import (
+from sandbox_kernel.agents.commands import (
     RESULT_KEY,
     CommandResult,
     command_cell,

@@ -19,7 +19,7 @@ import pytest
 from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 from tornado.web import HTTPError
 
-from sandbox_kernel.contents import IDENTITY, OwnedCheckpoints, own_the_servers_files, run_as_owner
+from sandbox_kernel.jupyter.contents import IDENTITY, OwnedCheckpoints, own_the_servers_files, run_as_owner
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="what a root server does")
 

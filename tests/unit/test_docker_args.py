@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from docker.models.containers import _create_container_args
 
-from sandbox_kernel import kernel_relay
-from sandbox_kernel.docker_args import SECCOMP_PROFILE, container_create_kwargs
+from sandbox_kernel.backends.docker_args import SECCOMP_PROFILE, container_create_kwargs
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.limits import validate_size
-from sandbox_kernel.sandbox_spec import (
+from sandbox_kernel.inside import kernel_relay
+from sandbox_kernel.plan.limits import validate_size
+from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,

@@ -12,8 +12,8 @@ import pytest
 import requests
 from docker.errors import APIError, DockerException, NotFound
 
-from sandbox_kernel import gvisor_checkpoint
-from sandbox_kernel.docker_backend import CHECKPOINTS_KEY, DockerBackend
+from sandbox_kernel.backends import gvisor_checkpoint
+from sandbox_kernel.backends.docker import CHECKPOINTS_KEY, DockerBackend
 from sandbox_kernel.errors import (
     DockerOperationError,
     DockerUnavailableError,
@@ -21,8 +21,8 @@ from sandbox_kernel.errors import (
     RuntimeMissingError,
     WorkspaceError,
 )
-from sandbox_kernel.sandbox_spec import LABEL_VOLUME, LABEL_VOLUME_UID
-from sandbox_kernel.settings import DEFAULT_RUNTIME
+from sandbox_kernel.plan.sandbox_spec import LABEL_VOLUME, LABEL_VOLUME_UID
+from sandbox_kernel.plan.settings import DEFAULT_RUNTIME
 
 from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error
 

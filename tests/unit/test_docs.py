@@ -31,7 +31,7 @@ from traitlets import Type
 from traitlets.config import Config
 from traitlets.utils.importstring import import_item
 
-from sandbox_kernel.app import InstallApp
+from sandbox_kernel.cli.app import InstallApp
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +47,7 @@ MARKER = re.compile(r"^<!-- example: (?P<kind>runs|tested by|illustration:)(?P<r
 CONFIGURABLES = {
     "SandboxProvisioner": "sandbox_kernel.provisioner.SandboxProvisioner",
     "SandboxMappingKernelManager": "sandbox_kernel.server.SandboxMappingKernelManager",
-    "McpLimits": "sandbox_kernel.mcp_server.McpLimits",
+    "McpLimits": "sandbox_kernel.agents.mcp_server.McpLimits",
     "ServerApp": "jupyter_server.serverapp.ServerApp",
 }
 

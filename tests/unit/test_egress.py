@@ -34,7 +34,7 @@ import pytest
 import requests
 import trustme
 
-from sandbox_kernel.bridge import ipc_in_use
+from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.egress import Decision, DomainRule, EgressPolicy, EgressProxy, EgressRules
 from sandbox_kernel.egress import proxy as egress
 from sandbox_kernel.egress import relay as egress_relay

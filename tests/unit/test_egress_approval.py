@@ -14,7 +14,7 @@ import pytest
 
 from sandbox_kernel.egress import ApprovalRequest, EgressProxy
 from sandbox_kernel.egress.rules import EgressRules
-from sandbox_kernel.plan import narrow_settings
+from sandbox_kernel.plan.plan import narrow_settings
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 from . import test_egress

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.docker_backend import DockerBackend
-from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.files import (
+from sandbox_kernel.agents.files import (
     DEFAULT_MAX_BYTES,
     FileInfo,
     WorkspaceFiles,
@@ -22,6 +20,8 @@ from sandbox_kernel.files import (
     printable,
     workspace_files,
 )
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.errors import WorkspaceError
 
 from .conftest import deep_tree
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel import gvisor_checkpoint
-from sandbox_kernel.gvisor_checkpoint import (
+from sandbox_kernel.backends import gvisor_checkpoint
+from sandbox_kernel.backends.gvisor_checkpoint import (
     checkpoint_command,
     containerd_temp_dirs,
     image_folder,

@@ -23,8 +23,8 @@ import pytest
 from ipykernel import iostream
 
 from sandbox_kernel.errors import KernelStartupError
-from sandbox_kernel.launch_folder import send_claim, write_startup_code
-from sandbox_kernel.startup_mark import STARTED_MARK, read_mark, wait_for_startup_code
+from sandbox_kernel.lifecycle.launch_folder import send_claim, write_startup_code
+from sandbox_kernel.lifecycle.startup_mark import STARTED_MARK, read_mark, wait_for_startup_code
 
 #: The start-up code's threads are recorded, not started (``started``): this one runs them.
 REAL_THREAD = threading.Thread

@@ -16,9 +16,9 @@ from typing import Any, cast
 import pytest
 from jupyter_client.session import Session
 
-from sandbox_kernel.bridge import ipc_in_use
+from sandbox_kernel.backends.fake import FakeBackend
+from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.errors import PauseError
-from sandbox_kernel.fake_backend import FakeBackend
 from sandbox_kernel.kernel.channels import ChannelSettings, KernelChannels
 from sandbox_kernel.kernel.egress import KernelEgress
 from sandbox_kernel.kernel.exits import Exits
@@ -28,11 +28,11 @@ from sandbox_kernel.kernel.pauser import Pauser
 from sandbox_kernel.kernel.site import KernelSite
 from sandbox_kernel.kernel.state import ReattachState
 from sandbox_kernel.kernel.watchdog import Watchdog
-from sandbox_kernel.ownership import RELEASED_FILE, OrphanReaper, write_owner
-from sandbox_kernel.pausing import Paused
-from sandbox_kernel.sandbox_spec import kernel_sockets
+from sandbox_kernel.lifecycle.judge import WatchLimits
+from sandbox_kernel.lifecycle.ownership import RELEASED_FILE, OrphanReaper, write_owner
+from sandbox_kernel.lifecycle.pausing import Paused
+from sandbox_kernel.plan.sandbox_spec import kernel_sockets
 from sandbox_kernel.services import Services
-from sandbox_kernel.watchdog import WatchLimits
 
 from .conftest import make_spec
 

@@ -18,9 +18,9 @@ import pytest
 import zmq
 from jupyter_client import BlockingKernelClient
 
-from sandbox_kernel import kernel_relay
-from sandbox_kernel.bridge import ipc_in_use
+from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.egress import relay as egress_relay
+from sandbox_kernel.inside import kernel_relay
 
 CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel import lab
-from sandbox_kernel.docker_backend import DockerBackend
-from sandbox_kernel.pausing import Paused
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.jupyter import lab
+from sandbox_kernel.lifecycle.pausing import Paused
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 from .conftest import RUNNING, CountingFactory, FakeDockerClient
@@ -184,5 +184,5 @@ async def test_memory_of_a_container_docker_cannot_tell_about_is_unknown(
 def test_installing_the_package_enables_the_server_extension() -> None:
     config = Path(__file__).parents[2] / "jupyter-config" / "jupyter_server_config.d" / "sandbox_kernel.json"
     enabled: dict[str, Any] = json.loads(config.read_text())["ServerApp"]["jpserver_extensions"]
-    assert enabled == {"sandbox_kernel.lab": True}
-    assert lab._jupyter_server_extension_points() == [{"module": "sandbox_kernel.lab"}]
+    assert enabled == {"sandbox_kernel.jupyter.lab": True}
+    assert lab._jupyter_server_extension_points() == [{"module": "sandbox_kernel.jupyter.lab"}]

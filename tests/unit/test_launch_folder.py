@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sandbox_kernel.errors import KernelStartupError
-from sandbox_kernel.launch_folder import seal_launch_dir
-from sandbox_kernel.sandbox_spec import kernel_sockets
+from sandbox_kernel.lifecycle.launch_folder import seal_launch_dir
+from sandbox_kernel.plan.sandbox_spec import kernel_sockets
 
 from .conftest import deep_tree
 

@@ -9,11 +9,11 @@ import pytest
 from traitlets import Float, TraitError
 from traitlets.config import Config
 
-from sandbox_kernel.docker_args import container_create_kwargs
+from sandbox_kernel.backends.docker_args import container_create_kwargs
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.limits import docker_size, duration_seconds, size_bytes
-from sandbox_kernel.plan import check_ceilings
-from sandbox_kernel.settings import Duration, SandboxSettings, Size
+from sandbox_kernel.plan.limits import docker_size, duration_seconds, size_bytes
+from sandbox_kernel.plan.plan import check_ceilings
+from sandbox_kernel.plan.settings import Duration, SandboxSettings, Size
 
 from .conftest import make_spec
 

@@ -21,19 +21,19 @@ import pytest
 from mcp import Client, ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
-from sandbox_kernel.commands import CommandResult
-from sandbox_kernel.errors import ConfigurationError, WorkspaceError
-from sandbox_kernel.files import FileTooLargeError, FolderNotEmptyError, MissingFileError
-from sandbox_kernel.mcp_files import MAX_DOWNLOAD
-from sandbox_kernel.mcp_results import allot, cut, sniff_image
-from sandbox_kernel.mcp_server import (
+from sandbox_kernel.agents.commands import CommandResult
+from sandbox_kernel.agents.files import FileTooLargeError, FolderNotEmptyError, MissingFileError
+from sandbox_kernel.agents.mcp_files import MAX_DOWNLOAD
+from sandbox_kernel.agents.mcp_results import allot, cut, sniff_image
+from sandbox_kernel.agents.mcp_server import (
     KEPT_OUTPUTS,
     KernelTools,
     McpLimits,
     build_server,
     strip_ansi,
 )
-from sandbox_kernel.mcp_transport import OVERSIZED, BoundedLines
+from sandbox_kernel.agents.mcp_transport import OVERSIZED, BoundedLines
+from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 
 
 def png_bytes(width: int = 2, height: int = 2) -> bytes:
@@ -626,7 +626,7 @@ def rss_peak(pid: int) -> int:
 
 SERVE_FAKES = """
 import anyio, sys
-from sandbox_kernel.mcp_server import McpLimits, serve_stdio_async
+from sandbox_kernel.agents.mcp_server import McpLimits, serve_stdio_async
 from tests.unit.test_mcp_server import FakeSession
 anyio.run(serve_stdio_async, "sandboxed-python", "/work/space", FakeSession, McpLimits(max_upload="1m"))
 """

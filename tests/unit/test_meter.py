@@ -16,7 +16,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from sandbox_kernel.meter import GREETING, MessageMeter, Meter
+from sandbox_kernel.channels.meter import GREETING, MessageMeter, Meter
 from tests.unit.conftest import Ctx
 
 

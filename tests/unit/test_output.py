@@ -11,7 +11,14 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
-from sandbox_kernel.output import TAIL_BYTES, OutputLimiter, _Tail, amount, requested_limit, tail_reserve
+from sandbox_kernel.channels.output import (
+    TAIL_BYTES,
+    OutputLimiter,
+    _Tail,
+    amount,
+    requested_limit,
+    tail_reserve,
+)
 
 KEY = b"secret-key"
 
@@ -164,7 +171,7 @@ def test_non_jupyter_frames_from_the_kernel_are_dropped() -> None:
 
 
 def test_invalid_utf8_in_a_frame_is_read_as_ipykernel_reads_it() -> None:
-    from sandbox_kernel.wire import load_dict
+    from sandbox_kernel.channels.wire import load_dict
 
     assert load_dict(b'{"code": "print(1) # \xff"}') == {"code": "print(1) # \ufffd"}
     assert load_dict(b"[1, 2]") == {}

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel import ownership
-from sandbox_kernel.background import BackgroundLoop
-from sandbox_kernel.docker_backend import CHECKPOINTS_KEY
-from sandbox_kernel.ownership import (
+from sandbox_kernel.backends.docker import CHECKPOINTS_KEY
+from sandbox_kernel.host.background import BackgroundLoop
+from sandbox_kernel.lifecycle import ownership
+from sandbox_kernel.lifecycle.ownership import (
     OrphanReaper,
     SandboxedKernel,
     own_runtime_dir,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sandbox_kernel.errors import PauseError
-from sandbox_kernel.pausing import (
+from sandbox_kernel.lifecycle.pausing import (
     REQUEST_FILE,
     Paused,
     PauseRequests,
@@ -22,7 +22,7 @@ from sandbox_kernel.pausing import (
     checkpoint_name,
     wait_for_channels,
 )
-from sandbox_kernel.sandbox_spec import CONTAINER_RUNTIME_DIR, kernel_sockets
+from sandbox_kernel.plan.sandbox_spec import CONTAINER_RUNTIME_DIR, kernel_sockets
 
 MIB = 2**20
 

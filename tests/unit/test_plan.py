@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.docker_args import SECCOMP_PROFILE, container_create_kwargs, volume_setup_kwargs
+from sandbox_kernel.backends.docker_args import SECCOMP_PROFILE, container_create_kwargs, volume_setup_kwargs
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
-from sandbox_kernel.plan import (
+from sandbox_kernel.plan.plan import (
     DEFAULT_KERNEL_UID,
     Launch,
     check_ceilings,
@@ -29,12 +29,12 @@ from sandbox_kernel.plan import (
     volume_name,
     volume_user,
 )
-from sandbox_kernel.sandbox_spec import (
+from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_WORKSPACE,
     LABEL_WORKSPACE,
 )
-from sandbox_kernel.settings import SandboxSettings, kernelspec_keys
+from sandbox_kernel.plan.settings import SandboxSettings, kernelspec_keys
 
 from .conftest import make_spec
 
@@ -325,7 +325,7 @@ def test_a_kernelspec_may_set_a_workspace_root_only_within_the_allowed_ones(tmp_
 
 
 def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_path: Path) -> None:
-    from sandbox_kernel.plan import Launch, plan_sandbox
+    from sandbox_kernel.plan.plan import Launch, plan_sandbox
 
     project = tmp_path / "Sales 2026"
     project.mkdir()
@@ -464,7 +464,7 @@ WAREHOUSE = {
 def _with_credentials(tmp_path: Path, **kernelspec: Any) -> Any:
     from traitlets.config import Config
 
-    from sandbox_kernel.plan import Launch, plan_sandbox
+    from sandbox_kernel.plan.plan import Launch, plan_sandbox
 
     config = Config({"SandboxSettings": {"credentials": WAREHOUSE, "max_credentials": ["warehouse"]}})
     settings = SandboxSettings(

@@ -6,12 +6,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from sandbox_kernel.docker_args import container_create_kwargs
-from sandbox_kernel.mounts import mounts_under
-from sandbox_kernel.ownership import SandboxedKernel
-from sandbox_kernel.plan import pooled_workspace_path
-from sandbox_kernel.pool import plan_fingerprint
-from sandbox_kernel.sandbox_spec import LABEL_OWNER, SandboxSpec
+from sandbox_kernel.backends.docker_args import container_create_kwargs
+from sandbox_kernel.host.mounts import mounts_under
+from sandbox_kernel.lifecycle.ownership import SandboxedKernel
+from sandbox_kernel.plan.plan import pooled_workspace_path
+from sandbox_kernel.plan.sandbox_spec import LABEL_OWNER, SandboxSpec
+from sandbox_kernel.pool.sandboxes import plan_fingerprint
 
 SPEC = SandboxSpec(
     kernel_id="k1",
@@ -111,7 +111,7 @@ def test_a_waiting_pooled_sandbox_is_listed_as_pooled_and_orphaned_with_its_owne
 
 
 def test_a_binding_holds_only_what_differs_from_one_kernel_to_the_next() -> None:
-    from sandbox_kernel.binding import KernelBinding
+    from sandbox_kernel.pool.binding import KernelBinding
 
     binding = KernelBinding.of(SPEC)
     assert binding.kernel_id == "k1"
@@ -123,7 +123,7 @@ def test_a_binding_holds_only_what_differs_from_one_kernel_to_the_next() -> None
 def test_a_pooled_sandbox_carries_nothing_of_the_kernel_whose_start_made_the_plan(tmp_path: Path) -> None:
     """The plan is made from one kernel's start: its notebook's name, folder and volume
     must not reach the next user's kernel through the pooled sandbox."""
-    from sandbox_kernel.pool import pooled_spec
+    from sandbox_kernel.pool.sandboxes import pooled_spec
 
     planned = replace(SPEC, volume="alice-sales")
     pooled = pooled_spec(planned, tmp_path / "slot", tmp_path / "run1")

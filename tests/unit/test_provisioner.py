@@ -16,7 +16,7 @@ from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from traitlets import TraitError
 from traitlets.config import Config
 
-from sandbox_kernel.docker_backend import DockerBackend
+from sandbox_kernel.backends.docker import DockerBackend
 from sandbox_kernel.errors import (
     ConfigurationError,
     DockerUnavailableError,
@@ -25,8 +25,8 @@ from sandbox_kernel.errors import (
     RuntimeMissingError,
     WorkspaceError,
 )
-from sandbox_kernel.provisioner import SandboxProvisioner
-from sandbox_kernel.sandbox_spec import (
+from sandbox_kernel.lifecycle.startup_mark import STARTED_MARK
+from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,
@@ -34,8 +34,8 @@ from sandbox_kernel.sandbox_spec import (
     IPC_PREFIX,
     relay_command,
 )
-from sandbox_kernel.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
-from sandbox_kernel.startup_mark import STARTED_MARK
+from sandbox_kernel.plan.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 from .conftest import CountingFactory, FakeContainer, FakeDockerClient
 
@@ -614,7 +614,7 @@ def test_the_backend_is_chosen_by_configuration_and_must_be_a_sandbox_backend() 
     from traitlets import TraitError
     from traitlets.config import Config
 
-    from sandbox_kernel.backend import SandboxBackend
+    from sandbox_kernel.backends.base import SandboxBackend
 
     class Recording(DockerBackend):
         pass

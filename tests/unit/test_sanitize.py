@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from sandbox_kernel.sanitize import (
+from sandbox_kernel.channels.sanitize import (
     REMOVED_NOTE,
     OutputSanitizer,
     clean_bundle,
@@ -24,7 +24,7 @@ from sandbox_kernel.sanitize import (
     clean_style,
     clean_widget_state,
 )
-from sandbox_kernel.wire import Signatures, find_delimiter
+from sandbox_kernel.channels.wire import Signatures, find_delimiter
 
 KEY = b"k" * 32
 #: Where the attacker's listener was: the Jupyter server's host, another port.
@@ -690,5 +690,5 @@ def test_a_message_that_cannot_be_read_is_dropped_not_passed(
     def broken(*args: Any, **kwargs: Any) -> str:
         raise ValueError("unforeseen")
 
-    monkeypatch.setattr("sandbox_kernel.sanitize.nh3.clean", broken)
+    monkeypatch.setattr("sandbox_kernel.channels.sanitize.nh3.clean", broken)
     assert sanitizer.clean("iopub", frames) is None

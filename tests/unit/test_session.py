@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sandbox_kernel.output import amount
-from sandbox_kernel.session import MESSAGE_ALLOWANCE, Execution, _as_asked, rendered
+from sandbox_kernel.agents.session import MESSAGE_ALLOWANCE, Execution, _as_asked, rendered
+from sandbox_kernel.channels.output import amount
 
 
 @pytest.mark.parametrize(

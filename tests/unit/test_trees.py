@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.trees import delete_tree, tree_size
+from sandbox_kernel.host.trees import delete_tree, tree_size
 
 from .conftest import deep_tree
 

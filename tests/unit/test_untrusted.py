@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sandbox_kernel.untrusted import MARGIN, quoted, visible
+from sandbox_kernel.channels.untrusted import MARGIN, quoted, visible
 
 
 def test_terminal_controls_are_shown_never_acted_on() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sandbox_kernel.watchdog import UntrackedCompute, exceeds_exec_timeout
+from sandbox_kernel.lifecycle.judge import UntrackedCompute, exceeds_exec_timeout
 
 
 def test_a_kernel_spinning_after_its_reply_runs_into_the_limit() -> None:
@@ -48,7 +48,7 @@ def test_an_unknown_cpu_reading_counts_nothing() -> None:
 
 # ---------------------------------------------------------------- judge()
 
-from sandbox_kernel.watchdog import Act, Look, Watch, WatchLimits, judge  # noqa: E402
+from sandbox_kernel.lifecycle.judge import Act, Look, Watch, WatchLimits, judge  # noqa: E402
 
 LIMITS = WatchLimits(exec_timeout=10, exec_kill_grace=4, idle_timeout=0, memory="1g")
 

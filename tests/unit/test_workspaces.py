@@ -11,12 +11,9 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
-from sandbox_kernel.errors import WorkspaceError
-from sandbox_kernel.mcp_server import KernelTools
-from sandbox_kernel.ownership import server_identity
-from sandbox_kernel.plan import DEFAULT_KERNEL_UID
-from sandbox_kernel.session import AsyncSandboxSession, SandboxSession
-from sandbox_kernel.workspaces import (
+from sandbox_kernel.agents.mcp_server import KernelTools
+from sandbox_kernel.agents.session import AsyncSandboxSession, SandboxSession
+from sandbox_kernel.agents.workspaces import (
     check_fresh_workspace_allowed,
     keep_workspace,
     make_fresh_workspace,
@@ -24,6 +21,9 @@ from sandbox_kernel.workspaces import (
     sweep_abandoned_workspaces,
     workspaces_parent,
 )
+from sandbox_kernel.errors import WorkspaceError
+from sandbox_kernel.lifecycle.ownership import server_identity
+from sandbox_kernel.plan.plan import DEFAULT_KERNEL_UID
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,384 @@
+"""A cap on how much output one execution may send to clients, keeping what a reader needs.
+
+A hostile or broken cell can print gigabytes; every byte of it would pass through the
+Jupyter server to every client. The bridge asks :class:`OutputLimiter` about each IOPub
+message from the kernel. Each execution has a budget: the server's ``output_limit``, or
+less if the client asked for less in its execute_request's metadata::
+
+    {"sandbox_kernel": {"output_limit": 65536}}
+
+Of an execution past its budget, the beginning and the end reach clients:
+
+- messages pass whole until the budget, less a reserve for the tail
+  (:func:`tail_reserve`: 64 KiB, or a quarter of a smaller budget), is spent;
+- the stdout/stderr message that crosses that line is cut, and its head passes;
+- from then on stdout/stderr text is held back in a ring that keeps only its last
+  ``reserve`` bytes; other output that does not fit is dropped, with one notice on stderr;
+- the held tail is sent, after a marker saying how much was dropped
+  (``[... 29.8 MiB of output dropped: over this kernel's output limit of 10 MiB per
+  execution ...]``), when the execution ends: before the kernel's ``idle`` for it, before
+  the next execution's first output, or before the host's own notices (the kernel died,
+  a limit stopped it; see :meth:`OutputLimiter.release`).
+
+The kernel's prompts on stdin (``input_request``, the few the auditor lets through) are
+charged to the same budget (:meth:`OutputLimiter.charge`): one that does not fit is dropped.
+The bridge asks the limiter before the output cleaner reads a message, so output past the
+budget is dropped unparsed (only stdout/stderr text past it is read, for the tail).
+
+Text is cut on UTF-8 character boundaries; every message the limiter writes is signed
+with the session key.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from jupyter_client.session import Session
+
+from sandbox_kernel.channels.wire import find_delimiter, load_dict, stderr_notice, stream_message
+
+#: Past the cap, plain status messages (busy/idle, nothing else, this small) still pass,
+#: this many per execution, so clients see the kernel go idle after a capped execution.
+_SMALL_STATUS = 1024
+_STATUS_PAST_CAP = 16
+#: Budgets remembered at once; the oldest are forgotten first.
+_MAX_TRACKED = 256
+#: Per-run limits remembered for requests whose output has not begun yet.
+_MAX_REQUESTED = 4096
+#: Most bytes of stdout/stderr held back for the tail of an execution past its budget.
+TAIL_BYTES = 64 * 2**10
+#: Most pieces (runs of one stream) in a held tail: a kernel alternating stdout and
+#: stderr byte by byte must not cost more than a few bytes each.
+_MAX_PIECES = 1024
+#: The key under which a client narrows one execution's limit in its request's metadata.
+METADATA_KEY = "sandbox_kernel"
+
+#: Who is executing now, as the host knows it: (msg_id, request header) of the oldest
+#: request a client sent that has no reply yet, or None while idle.
+CurrentExecution = Callable[[], "tuple[str, dict[str, Any]] | None"]
+Message = Sequence[zmq.Frame | bytes]
+
+
+def tail_reserve(limit: int) -> int:
+    """Bytes of a ``limit``-byte budget kept for the tail of stdout/stderr."""
+    return min(TAIL_BYTES, limit // 4)
+
+
+def requested_limit(metadata: Mapping[str, Any]) -> int | None:
+    """The output limit an execute_request's metadata asks for, if it is a valid one
+    (a whole number of bytes, 0 or more); whether it narrows the server's is the caller's call."""
+    options = metadata.get(METADATA_KEY)
+    value = options.get("output_limit") if isinstance(options, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def amount(size: int) -> str:
+    """``size`` bytes for people: "512 bytes", "64 KiB", "29.8 MiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{size} bytes"
+
+
+class _Tail:
+    """The last ``capacity`` bytes of stdout/stderr text, UTF-8 encoded, in pieces by stream."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        #: Bytes of text that went through and are no longer held.
+        self.dropped = 0
+        #: The stream last added to.
+        self.name = "stdout"
+        # Only the first piece may start inside a character (its front was cut).
+        self._pieces: deque[tuple[str, bytearray]] = deque()
+
+    def add(self, name: str, text: str) -> None:
+        self.name = name
+        whole = _utf8_len(text)
+        # Each character is at least one byte: the last ``capacity`` of them suffice.
+        data = (
+            text[-self.capacity :].encode("utf-8", "surrogatepass")[-self.capacity :]
+            if self.capacity
+            else b""
+        )
+        self.dropped += whole - len(data)
+        if not data:
+            return
+        if self._pieces and self._pieces[-1][0] == name:
+            self._pieces[-1][1].extend(data)
+        else:
+            self._pieces.append((name, bytearray(data)))
+        self.held += len(data)
+        while self.held > self.capacity or len(self._pieces) > _MAX_PIECES:
+            piece = self._pieces[0][1]
+            excess = self.held - self.capacity
+            if len(piece) <= excess or len(self._pieces) > _MAX_PIECES:
+                self._pieces.popleft()
+                excess = len(piece)
+            else:
+                del piece[:excess]  # CPython advances a bytearray's start: no copy
+            self.held -= excess
+            self.dropped += excess
+
+    def take(self) -> list[tuple[str, str]]:
+        """The held text as (stream, text), whole characters only; the tail is empty after."""
+        pieces, self._pieces, self.held = self._pieces, deque(), 0
+        if pieces:
+            first = pieces[0][1]
+            start = 0
+            while start < len(first) and first[start] & 0xC0 == 0x80:  # a continuation byte
+                start += 1
+            del first[:start]
+            self.dropped += start
+        return [(name, data.decode("utf-8", "replace")) for name, data in pieces if data]
+
+
+@dataclass
+class _Budget:
+    """One execution's output: its limit, what passed, what was dropped, what is held."""
+
+    limit: int
+    parent: dict[str, Any]
+    passed: int = 0
+    #: Bytes of whole messages dropped since the last marker.
+    dropped: int = 0
+    #: Something was dropped: from now on only the tail of stdout/stderr passes.
+    over: bool = False
+    noticed: bool = False
+    statuses: int = 0
+    tail: _Tail | None = None
+
+    @property
+    def head_room(self) -> int:
+        return self.limit - tail_reserve(self.limit)
+
+
+class OutputLimiter:
+    """Lets through at most ``limit`` bytes of IOPub traffic per client request, keeping
+    the head and the tail of stdout/stderr past it.
+
+    Everything the kernel publishes is charged, status messages included, whatever type
+    or parent it claims, to the request the host knows is running (or to the idle time
+    between requests): a hostile kernel cannot open fresh budgets by inventing parents,
+    announcing "idle" or using non-output message types; only a new request from a
+    client does. Past the cap only the held tail and a few plain status messages pass.
+
+    All methods run in the bridge thread (or while it is stopped).
+    """
+
+    def __init__(self, limit: int, session: Session, current: CurrentExecution) -> None:
+        self.limit = limit
+        self._session = session
+        self._current = current
+        self._budgets: OrderedDict[str, _Budget] = OrderedDict()
+        self._requested: OrderedDict[str, int] = OrderedDict()
+        self._last: tuple[str, dict[str, Any]] = ("", {})
+        #: The latest execute_request a client sent, as (msg_id, header).
+        self._latest: tuple[str, dict[str, Any]] | None = None
+        #: The execution whose tail is held back, if any (one at a time).
+        self._held: str | None = None
+
+    def request(self, frames: Message) -> None:
+        """Note a request from a client (its signature checked): an execute_request may
+        narrow its own limit (see :func:`requested_limit`); a wider one is ignored."""
+        index = find_delimiter(frames)
+        if index is None:
+            return
+        header = load_dict(frames[index + 2])
+        if header.get("msg_type") != "execute_request":
+            return
+        msg_id = str(header.get("msg_id", ""))
+        self._latest = (msg_id, header)
+        self._requested.pop(msg_id, None)
+        limit = requested_limit(load_dict(frames[index + 4]))
+        if limit is not None and limit < self.limit:
+            self._requested[msg_id] = limit
+            while len(self._requested) > _MAX_REQUESTED:
+                self._requested.popitem(last=False)
+
+    def charge(self, frames: Message) -> bool:
+        """Whether a prompt of the kernel (a stdin message) fits the budget of the execution
+        it is charged to (as :meth:`admit` charges output); if so, it is charged."""
+        key, parent = self._charged()
+        budget = self._budget(key, parent)
+        held = budget.tail.held if budget.tail is not None else 0
+        size = _size(frames)
+        if budget.over or budget.passed + held + size > budget.limit:
+            return False
+        budget.passed += size
+        return True
+
+    def _charged(self) -> tuple[str, dict[str, Any]]:
+        """(key, parent) of the execution output is charged to now."""
+        # Between requests, output is charged to the last one: its reply may overtake the
+        # tail of its output in the bridge (or all of it, the bridge reading shell first),
+        # and idle output opens no budget of its own.
+        current = self._current() or self._latest
+        if current is not None:
+            self._last = current
+        return self._last
+
+    def admit(self, frames: Message) -> list[Message]:
+        """The messages to send in place of ``frames``: itself, parts of it, a notice,
+        a held tail, or nothing. Only stdout/stderr content past the budget is read."""
+        size = _size(frames)
+        index = find_delimiter(frames)
+        if index is None:
+            return []  # not a Jupyter message: no client could use it
+        key, parent = self._charged()
+        out: list[Message] = []
+        if self._held is not None and self._held != key:
+            out += self.release()  # the execution it belongs to is over
+        budget = self._budget(key, parent)
+        if not budget.over and budget.tail is None and budget.passed + size <= budget.head_room:
+            budget.passed += size
+            return [*out, frames]
+        kind = load_dict(frames[index + 2]).get("msg_type")
+        if kind == "stream":
+            stream = _stream(frames[index + 5])
+            if stream is not None:
+                return out + self._hold(key, budget, *stream)
+        elif kind == "status" and size <= _SMALL_STATUS:
+            state = _plain_state(frames[index + 5])
+            if state == "idle" and key == self._held and load_dict(frames[index + 3]).get("msg_id") == key:
+                out += self.release()  # the kernel is done with it: its tail goes first
+            if state is not None and budget.statuses < _STATUS_PAST_CAP:
+                budget.statuses += 1
+                budget.passed += size
+                return [*out, frames]
+        held = budget.tail.held if budget.tail is not None else 0
+        if not budget.over and budget.passed + held + size <= budget.limit:
+            out += self.release()  # what is held came before this
+            budget.passed += size
+            return [*out, frames]
+        budget.dropped += size
+        budget.over = True
+        return out + self._notice_once(budget)
+
+    def release(self) -> list[Message]:
+        """The held tail, to send now: a marker saying how much was dropped, then the text.
+
+        The bridge calls it before the host's own notices reach clients (the kernel died
+        or was stopped by a limit), and when the kernel is replaced.
+        """
+        key, self._held = self._held, None
+        budget = self._budgets.get(key) if key is not None else None
+        if budget is None or budget.tail is None:
+            return []
+        tail, budget.tail = budget.tail, None
+        pieces = tail.take()
+        dropped, budget.dropped = budget.dropped + tail.dropped, 0
+        out: list[Message] = []
+        if dropped:
+            whose = (
+                f"this kernel's output limit of {amount(budget.limit)} per execution"
+                if budget.limit >= self.limit
+                else f"the output limit of {amount(budget.limit)} set for this execution"
+            )
+            marker = f"\n[... {amount(dropped)} of output dropped: over {whose} ...]\n"
+            out.append(
+                stream_message(self._session, pieces[0][0] if pieces else tail.name, marker, budget.parent)
+            )
+        out += [stream_message(self._session, name, text, budget.parent) for name, text in pieces]
+        budget.passed += sum(_size(message) for message in out)
+        return out
+
+    def _budget(self, key: str, parent: dict[str, Any]) -> _Budget:
+        budget = self._budgets.get(key)
+        if budget is not None:
+            self._budgets.move_to_end(key)
+            return budget
+        budget = _Budget(min(self.limit, self._requested.pop(key, self.limit)), parent)
+        self._budgets[key] = budget
+        while len(self._budgets) > _MAX_TRACKED:
+            self._budgets.popitem(last=False)  # never the held one: it is the latest
+        return budget
+
+    def _hold(self, key: str, budget: _Budget, name: str, text: str) -> list[Message]:
+        """Past the head room: the head of the first such stream message passes, the rest
+        of stdout/stderr goes to the tail."""
+        out: list[Message] = []
+        if budget.tail is None:
+            # What the head's message costs besides its text (more if JSON escapes some of it).
+            overhead = _size(stream_message(self._session, name, "", budget.parent))
+            head = "" if budget.over else _utf8_prefix(text, budget.head_room - budget.passed - overhead)
+            if head:
+                message = stream_message(self._session, name, _printable(head), budget.parent)
+                budget.passed += _size(message)
+                out.append(message)
+                text = text[len(head) :]
+            budget.tail = _Tail(max(0, min(tail_reserve(budget.limit), budget.limit - budget.passed)))
+            self._held = key
+        budget.tail.add(name, text)
+        if budget.tail.dropped:
+            budget.over = True
+            out += self._notice_once(budget)
+        return out
+
+    def _notice_once(self, budget: _Budget) -> list[Message]:
+        if budget.noticed:
+            return []
+        budget.noticed = True
+        if budget.tail is not None:
+            rest = (
+                f"the rest is dropped, but for the last {amount(budget.tail.capacity)} of its stdout "
+                "and stderr, shown when it ends."
+            )
+        else:
+            rest = "the rest was dropped."
+        text = (
+            f"Output truncated: this execution produced more than {amount(budget.limit)} of output; "
+            f"{rest} Write large results to a file in the workspace instead."
+        )
+        return [stderr_notice(self._session, text, budget.parent)]
+
+
+def _size(frames: Message) -> int:
+    return sum(len(frame) for frame in frames)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _utf8_prefix(text: str, size: int) -> str:
+    """The longest start of ``text`` whose UTF-8 form is at most ``size`` bytes."""
+    if size <= 0:
+        return ""
+    data = text[:size].encode("utf-8", "surrogatepass")
+    if len(data) <= size:
+        return text[:size]
+    end = size
+    while end > 0 and data[end] & 0xC0 == 0x80:  # inside a character: back to its start
+        end -= 1
+    return data[:end].decode("utf-8", "surrogatepass")
+
+
+def _printable(text: str) -> str:
+    """``text`` with any lone surrogate (JSON can carry them; UTF-8 cannot) replaced."""
+    return text if text.isascii() else text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def _stream(frame: zmq.Frame | bytes) -> tuple[str, str] | None:
+    """(name, text) of a stdout/stderr stream message's content, or None if it is not one."""
+    content = load_dict(frame, limit=None)
+    name, text = content.get("name"), content.get("text")
+    if name in ("stdout", "stderr") and isinstance(text, str):
+        return name, text
+    return None
+
+
+def _plain_state(frame: zmq.Frame | bytes) -> str | None:
+    """The state a status message's content says, if it says nothing else."""
+    content = load_dict(frame)
+    state = content.get("execution_state")
+    if list(content) == ["execution_state"] and state in ("busy", "idle", "starting"):
+        return str(state)
+    return None

@@ -1,0 +1,227 @@
+"""jupyter_server's kernel manager, extended so persistent sandboxed kernels outlive it.
+
+Enable it with one line in ``jupyter_server_config.py``::
+
+    c.ServerApp.kernel_manager_class = "sandbox_kernel.jupyter.server.SandboxMappingKernelManager"
+
+Then, for kernels whose kernelspec says ``"lifecycle": "persistent"``:
+
+- stopping the server (Ctrl-C, SIGTERM) lets go of them instead of shutting them down;
+  a server killed outright leaves them running too;
+- a server starting adopts every such kernel that a server of the same user, on this
+  host, with the same root folder started and that no live server holds: same kernel
+  id, same variables, so notebooks reconnect to them; it also prunes what nobody will
+  use again (see ``jupyter sandbox-kernel prune``);
+- the server's sessions (which notebook uses which kernel) are kept in a file, so the
+  notebook's session still names its kernel after a restart. The file is
+  ``JUPYTER_DATA_DIR/sandbox-kernel/sessions-<hash of root_dir and port>.db`` unless
+  ``SessionManager.database_filepath`` is set.
+
+Shutting a kernel down from the notebook (or the REST API) still removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from jupyter_core.paths import jupyter_data_dir
+from jupyter_core.utils import run_sync
+from jupyter_server._tz import utcnow
+from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
+from traitlets import Bool
+
+from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.lifecycle.ownership import list_kernels, prune_orphans
+from sandbox_kernel.pool.sandboxes import SandboxPool
+from sandbox_kernel.provisioner import SandboxProvisioner
+from sandbox_kernel.reattach import attach_manager, load_state
+from sandbox_kernel.warming import plan_pool
+
+
+class SandboxMappingKernelManager(AsyncMappingKernelManager):
+    """A MappingKernelManager whose persistent sandboxed kernels survive server restarts."""
+
+    adopt_persistent_kernels = Bool(
+        True,
+        config=True,
+        help="""At start, adopt the persistent sandboxed kernels of this user on this host
+        whose server is gone.""",
+    )
+    keep_sessions = Bool(
+        True,
+        config=True,
+        help="""Keep the server's sessions in a file (unless SessionManager.database_filepath
+        is set), so notebooks find their persistent kernels after a restart.""",
+    )
+
+    warm_pools = Bool(
+        True,
+        config=True,
+        help="""At start, fill the pool of every sandboxed kernelspec with a pool_size (see
+        SandboxProvisioner.pool_size), so the first notebooks' kernels are ready at once.""",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        if self.keep_sessions:
+            self._keep_sessions_in_a_file()
+        if self.adopt_persistent_kernels or self.warm_pools:
+            self._before_serving()
+
+    async def _prepare(self) -> None:
+        if self.adopt_persistent_kernels:
+            await self.adopt_kernels()
+        if self.warm_pools:
+            await self.fill_pools()
+
+    def _before_serving(self) -> None:
+        """Adopt kernels and fill pools on the loop the server will serve on, before it
+        serves any request (the first session listing would drop sessions of kernels
+        not yet back).
+
+        ServerApp creates that loop (``io_loop``) before this manager and runs it only
+        after ``initialize``: running it here until adoption is done puts the adopted
+        kernels' ZeroMQ streams, restarter and culler on it. ``jupyter lab`` and
+        ``jupyter notebook`` make another loop current meanwhile, so ``run_sync`` would
+        adopt onto a loop that never runs again, and the kernels would hang.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:  # created by a running program: adopt alongside it
+            self._adopting = asyncio.ensure_future(self._prepare())
+            return
+        serving = getattr(getattr(self.parent, "io_loop", None), "asyncio_loop", None)
+        if isinstance(serving, asyncio.AbstractEventLoop) and not serving.is_closed():
+            serving.run_until_complete(self._prepare())
+        else:  # no ServerApp around it
+            run_sync(self._prepare)()
+
+    async def fill_pools(self) -> list[str]:
+        """Start filling the pool of every sandboxed kernelspec that has one (in the
+        background); their names. Failures are logged: a server always starts."""
+        filled = []
+        if self.kernel_spec_manager is None:
+            return []
+        specs = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
+        for name, entry in specs.items():
+            provisioner = (entry.get("spec", {}).get("metadata") or {}).get("kernel_provisioner") or {}
+            if provisioner.get("provisioner_name") != "sandbox-provisioner":
+                continue
+            try:
+                if await plan_pool(name, self.root_dir, parent=self):
+                    filled.append(name)
+            except Exception as exc:  # noqa: BLE001  # one bad kernelspec must not keep the server from starting
+                self.log.warning("Cannot fill the sandbox pool of kernelspec %r: %s", name, exc)
+        if filled:
+            self.log.info("Filling sandbox pools of %s in the background", ", ".join(filled))
+        return filled
+
+    @property
+    def adoption_scope(self) -> str:
+        """Which persistent kernels this server may adopt: those of its root folder."""
+        return hashlib.sha256(str(self.root_dir).encode()).hexdigest()[:16]
+
+    def _keep_sessions_in_a_file(self) -> None:
+        """Point the (not yet created) SessionManager at a file, unless configured.
+
+        One file per root folder and port: two servers sharing one would each delete
+        the other's sessions (jupyter_server drops sessions of kernels it does not know).
+        """
+        parent = self.parent
+        if parent is None or "database_filepath" in parent.config.get("SessionManager", {}):
+            return
+        port = getattr(parent, "port", "")
+        digest = hashlib.sha256(f"{self.root_dir}\0{port}".encode()).hexdigest()[:16]
+        folder = Path(jupyter_data_dir()) / "sandbox-kernel"
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        parent.config.SessionManager.database_filepath = str(folder / f"sessions-{digest}.db")
+
+    async def adopt_kernels(self) -> list[str]:
+        """Prune what nobody will use again, then adopt every running (or paused) persistent
+        sandboxed kernel of this server's scope and user that no live server holds;
+        return their ids. Failures are logged: a server always starts."""
+        docker = DockerBackend()
+        runtime_parent = SandboxProvisioner(parent=self).runtime_parent
+        try:
+            await prune_orphans(docker, runtime_parent)
+            kernels = await list_kernels(docker)
+        except SandboxKernelError as exc:
+            self.log.warning("Cannot look for persistent sandboxed kernels to adopt: %s", exc)
+            return []
+        adopted = []
+        for kernel in kernels:
+            if not (
+                kernel.detached
+                and (kernel.state == "running" or kernel.paused)
+                and kernel.server_uid == os.getuid()
+                and kernel.scope == self.adoption_scope
+                and kernel.kernel_id not in self
+            ):
+                continue
+            state = await asyncio.to_thread(load_state, kernel, runtime_parent)
+            if state is None:
+                self.log.warning(
+                    "Persistent sandboxed kernel %s has no usable reattach state", kernel.kernel_id
+                )
+                continue
+            try:
+                await self._adopt(state)
+            except Exception:  # one bad kernel must not keep the server from starting
+                self.log.exception("Could not adopt sandboxed kernel %s", kernel.kernel_id)
+                continue
+            adopted.append(kernel.kernel_id)
+        if adopted and not self._initialized_culler:
+            self.initialize_culler()  # type: ignore[no-untyped-call]
+        return adopted
+
+    async def _adopt(self, state: dict[str, Any]) -> None:
+        kernel_id = str(state["kernel_id"])
+        km = self.kernel_manager_factory(
+            parent=self,
+            log=self.log,
+            kernel_name=str(state["kernel_name"]),
+            connection_file=os.path.join(self.connection_dir, f"kernel-{kernel_id}.json"),
+            kernel_spec_manager=self.kernel_spec_manager,
+        )
+        await attach_manager(km, state)
+        self._kernels[kernel_id] = km
+        self._kernel_connections[kernel_id] = 0
+        km.execution_state = "idle"
+        km.reason = ""
+        km.last_activity = utcnow()
+        await self._finish_kernel_start(kernel_id)  # type: ignore[no-untyped-call]
+        self.log.info("Adopted persistent sandboxed kernel %s (%s)", kernel_id, km.kernel_name)
+
+    async def _async_shutdown_all(self, now: bool = False) -> None:
+        """The server is stopping: let go of persistent sandboxed kernels, stop the rest."""
+        for kernel_id in self.list_kernel_ids():
+            km = self._kernels[kernel_id]
+            provisioner = km.provisioner
+            if not (
+                isinstance(provisioner, SandboxProvisioner)
+                and provisioner.lifecycle == "persistent"
+                and await provisioner.poll() is None  # a dead one is shut down as usual
+            ):
+                continue
+            try:
+                km.stop_restarter()
+                km._close_control_socket()
+                self.stop_watching_activity(kernel_id)  # type: ignore[no-untyped-call]
+                await provisioner.detach()
+            except Exception:  # the other kernels must still be shut down
+                self.log.exception("Could not detach sandboxed kernel %s", kernel_id)
+            self._kernels.pop(kernel_id, None)
+            self._kernel_connections.pop(kernel_id, None)
+            self._kernel_ports.pop(kernel_id, None)
+        await asyncio.to_thread(SandboxPool.instance().drain)
+        await super()._async_shutdown_all(now=now)
+
+    # As jupyter_server's own async managers do.
+    shutdown_all = _async_shutdown_all  # type: ignore[assignment]

@@ -1,0 +1,81 @@
+"""Who is behind each JupyterLab connection, in the sandboxed kernel's audit log.
+
+A message's ``username`` is what the client wrote in its header. jupyter_server knows
+better: it authenticated the websocket. :class:`AuditedWebsocketConnection` writes the
+user it authenticated into the metadata of every message the connection sends on
+(``sandbox_kernel_user``, over anything the client put there), which the audit log records
+as ``user_authenticated``, and writes one ``client`` line per connection (user, session
+id, the browser's address). The package's server extension (:mod:`~sandbox_kernel.jupyter.lab`)
+puts it in place of jupyter_server's default connection class; one an administrator
+configured is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jupyter_client.session import Session
+from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+from traitlets import default
+
+from sandbox_kernel.channels.audit import AUTHENTICATED_USER
+from sandbox_kernel.provisioner import SandboxProvisioner
+
+
+class _StampingSession(Session):
+    """A session whose messages carry the authenticated user in their metadata."""
+
+    def __init__(self, user: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._user = user
+
+    def send(self, stream: Any, msg_or_type: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(msg_or_type, dict):
+            msg_or_type["metadata"] = {**(msg_or_type.get("metadata") or {}), AUTHENTICATED_USER: self._user}
+        return super().send(stream, msg_or_type, *args, **kwargs)
+
+    def send_raw(self, stream: Any, msg_list: Any, *args: Any, **kwargs: Any) -> Any:
+        # [header, parent_header, metadata, content, *buffers], as the v1 websocket protocol has them.
+        parts = list(msg_list)
+        if len(parts) >= 4:
+            try:
+                metadata = json.loads(bytes(parts[2]) or b"{}")
+            except ValueError:
+                metadata = None
+            if not isinstance(metadata, dict):
+                return None  # not a message the kernel could read: nothing to send
+            parts[2] = json.dumps({**metadata, AUTHENTICATED_USER: self._user}).encode()
+        return super().send_raw(stream, parts, *args, **kwargs)
+
+
+def _username(user: Any) -> str:
+    return str(getattr(user, "username", None) or user)
+
+
+class AuditedWebsocketConnection(ZMQChannelsWebsocketConnection):
+    """jupyter_server's kernel websocket, saying in the audit log whom the server authenticated."""
+
+    @default("session")
+    def _default_session(self) -> Session:
+        return _StampingSession(_username(self.websocket_handler.current_user), config=self.config)
+
+    def connect(self) -> Any:
+        provisioner = getattr(self.kernel_manager, "provisioner", None)
+        if isinstance(provisioner, SandboxProvisioner):
+            handler = self.websocket_handler
+            provisioner.audit(
+                "client",
+                user=_username(handler.current_user),
+                session=self.session_id,
+                remote_ip=handler.request.remote_ip,
+            )
+        return super().connect()
+
+
+def use_audited_connections(settings: dict[str, Any]) -> bool:
+    """Make the web app's kernel websockets audited ones, unless another class was chosen."""
+    if settings.get("kernel_websocket_connection_class") in (None, ZMQChannelsWebsocketConnection):
+        settings["kernel_websocket_connection_class"] = AuditedWebsocketConnection
+        return True
+    return False

@@ -1,0 +1,450 @@
+"""A warm pool: sandboxes started before anyone asks for their kernel.
+
+Starting a kernel under gVisor takes seconds, most of it Python's imports through the
+gofer. A kernelspec with ``pool_size`` N keeps up to N sandboxes of its own fully
+started in this process: container running with the kernelspec's policy, kernel
+imported, channels bound, launch folder sealed, no workspace. Starting a kernel then
+*claims* one (see :meth:`~.provisioner.SandboxProvisioner.launch_kernel`): the
+workspace is mounted under its slot (:mod:`~.mounts`), its kernel is told its working
+folder and session variables, the container is renamed after the kernel, and the
+manager adopts the sandbox's session key (fresh and random per sandbox, seen by nobody
+else, as when a kernel is reattached).
+
+- One sandbox serves one kernel, ever: a claimed sandbox never comes back. No user code
+  has run in a sandbox before its claim.
+- Only a sandbox made from exactly the claimant's plan is claimed (image, command,
+  environment, limits, uid, labels: :func:`plan_fingerprint`); otherwise the kernel
+  starts cold, with one log line.
+- A waiting sandbox is frozen (its cgroup's freezer): under runsc 20240729 an idle
+  sandbox keeps ~6 % of a core busy, a frozen one nothing; a claim thaws it first.
+- Refilling runs on the background loop's thread after each claim, one sandbox at a
+  time, and never blocks a server's event loop. The pool stops at ``max_pool_memory``
+  (the sum of the waiting sandboxes' memory limits).
+- Pooled sandboxes belong to this process (owner label and file): removed when it exits
+  (:meth:`SandboxPool.close`, at exit) and swept as orphans by the next process when
+  it dies without doing so (see :mod:`~.orphans`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import ClassVar
+
+from sandbox_kernel.backends.base import SandboxBackend
+from sandbox_kernel.egress.ca import KernelCA
+from sandbox_kernel.egress.rules import EgressRules
+from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.host.background import BackgroundLoop
+from sandbox_kernel.host.cgroups import freeze
+from sandbox_kernel.host.mounts import make_shared
+from sandbox_kernel.lifecycle.launch_folder import (
+    expected_sockets,
+    new_launch_dir,
+    new_runtime_dir,
+    seal_launch_dir,
+    wait_until_ready,
+    write_launch_files,
+)
+from sandbox_kernel.lifecycle.ownership import POOL_READY_FILE, remove_tree
+from sandbox_kernel.lifecycle.startup_mark import wait_for_startup_code
+from sandbox_kernel.plan.limits import size_bytes
+from sandbox_kernel.plan.sandbox_spec import (
+    CLAIM_ENV,
+    CONTAINER_CLAIM_SOCKET,
+    CONTAINER_WORKSPACE,
+    LABEL_OWNER,
+    PER_KERNEL_ENV,
+    SandboxSpec,
+)
+
+log = logging.getLogger(__name__)
+
+#: Seconds a failed fill waits before the pool tries that kernelspec again.
+RETRY_AFTER = 30.0
+#: Seconds a refill waits after a claim: starting a sandbox takes both cores for a
+#: moment, which the claimed kernel's first replies should not have to share.
+REFILL_DELAY = 1.0
+
+
+def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
+    """What must be equal for a pooled sandbox to serve a kernel: everything fixed when
+    its container starts. The workspace, kernel id and per-kernel variables are given
+    at the claim."""
+    fixed = asdict(
+        replace(
+            spec,
+            kernel_id="",
+            workspace=Path(),
+            workdir="",
+            workspace_path="",
+            volume=None,
+            runtime_dir=Path(),
+        )
+    )
+    fixed["env"] = {k: v for k, v in spec.env.items() if k not in PER_KERNEL_ENV}
+    fixed["extra_labels"] = {k: v for k, v in spec.extra_labels.items() if k != LABEL_OWNER}
+    fixed["scheme"] = scheme
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _at_exit(close: Callable[[], None]) -> None:
+    """Run ``close`` when the interpreter exits, while worker threads still run.
+
+    A sandbox being started when a program ends must be removed with the same async
+    Docker calls that start it, and those run in the default executor's threads, which
+    Python shuts down before plain ``atexit`` handlers run. Exit hooks of ``threading``
+    run before that, newest first (the hook concurrent.futures uses itself): register
+    after its module is loaded, so ours comes first.
+    """
+    import concurrent.futures.thread  # noqa: F401  # its exit hook is registered on import
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython 3.9+: the best there is
+        atexit.register(close)
+    else:
+        register(close)
+
+
+def pooled_spec(spec: SandboxSpec, slot: Path, launch_dir: Path) -> SandboxSpec:
+    """A pooled sandbox of the plan ``spec``: nothing of the kernel whose start made the
+    plan (no folder, name, volume or session variables; those come with each claim), its
+    slot as /workspace, and the claim socket to listen on."""
+    env = {name: value for name, value in spec.env.items() if name not in PER_KERNEL_ENV}
+    return replace(
+        spec,
+        workspace=slot,
+        workdir=CONTAINER_WORKSPACE,
+        workspace_path=CONTAINER_WORKSPACE,
+        volume=None,
+        kernel_id=secrets.token_hex(6),
+        runtime_dir=launch_dir,
+        slot=slot,
+        env={**env, CLAIM_ENV: CONTAINER_CLAIM_SOCKET},
+    )
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """What a kernelspec's pooled sandboxes are made from, and how many to keep."""
+
+    spec: SandboxSpec
+    size: int
+    scheme: str
+    #: With network "allowlist", the kernel's allowed domains (its egress CA signs for no others).
+    egress: EgressRules | None
+    startup_timeout: float
+    #: Whether its kernel runs the start-up code (the shipped launcher's argv; see startup_mark).
+    startup_code: bool
+    runtime_parent: str
+    #: Most bytes of memory limits all waiting sandboxes of the process may reserve.
+    budget: int
+    #: What starts them (the provisioner's backend).
+    backend: SandboxBackend = field(compare=False)
+
+    @property
+    def kernelspec(self) -> str:
+        return self.spec.kernelspec
+
+    @property
+    def fingerprint(self) -> str:
+        return plan_fingerprint(self.spec, self.scheme)
+
+    @property
+    def memory(self) -> int:
+        return size_bytes("memory", self.spec.memory)
+
+
+@dataclass(frozen=True)
+class PooledSandbox:
+    """A started sandbox waiting for its kernel."""
+
+    container_id: str
+    runtime_dir: Path
+    launch_dir: Path
+    slot: Path
+    key: bytes
+    scheme: str
+    memory: int
+    backend: SandboxBackend = field(compare=False)
+    #: The host pid of its sandbox, whose cgroup is frozen while it waits (None: not frozen).
+    frozen_pid: int | None = None
+
+    def thaw(self) -> None:
+        """Let the sandbox run again, before its claim (the backend's removal thaws by itself)."""
+        if self.frozen_pid is not None:
+            freeze(self.frozen_pid, False)
+
+
+class SandboxPool:
+    """The process's pooled sandboxes, per kernelspec; thread-safe."""
+
+    _instance: ClassVar[SandboxPool | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, loop: BackgroundLoop | None = None) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._plans: dict[str, PoolPlan] = {}
+        self._ready: dict[str, list[PooledSandbox]] = {}
+        self._starting: dict[str, int] = {}
+        self._fills: dict[str, concurrent.futures.Future[None]] = {}
+        self._failed: dict[str, float] = {}
+        self._over_budget: set[str] = set()
+        self._closed = False
+
+    @classmethod
+    def instance(cls) -> SandboxPool:
+        """The process's pool; its sandboxes are removed when the process exits."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+                _at_exit(cls._instance.close)
+            return cls._instance
+
+    @property
+    def loop(self) -> BackgroundLoop:
+        if self._loop is None:
+            self._loop = BackgroundLoop.instance()
+        return self._loop
+
+    # ------------------------------------------------------------------ asking
+
+    def want(self, plan: PoolPlan) -> None:
+        """Keep ``plan.size`` sandboxes of ``plan`` ready (filling in the background). A
+        kernelspec's older plan is dropped, its waiting sandboxes removed."""
+        with self._lock:
+            if self._closed:
+                return
+            old = self._plans.get(plan.kernelspec)
+            self._plans[plan.kernelspec] = plan
+            stale = []
+            if old is not None and old.fingerprint != plan.fingerprint:
+                stale = self._ready.pop(old.fingerprint, [])
+        for sandbox in stale:
+            self.loop.submit(self._remove(sandbox))
+        self._fill_soon(plan)
+
+    def claim(self, fingerprint: str) -> PooledSandbox | None:
+        """A waiting sandbox made from the plan ``fingerprint``, now the caller's alone;
+        None when none is ready. The pool refills in the background."""
+        with self._lock:
+            ready = self._ready.get(fingerprint)
+            sandbox = ready.pop(0) if ready else None
+            plan = next((p for p in self._plans.values() if p.fingerprint == fingerprint), None)
+        if plan is not None:
+            self._fill_soon(plan, delay=REFILL_DELAY if sandbox is not None else 0.0)
+        return sandbox
+
+    def ready_for(self, fingerprint: str) -> int:
+        """How many sandboxes of the plan ``fingerprint`` wait."""
+        with self._lock:
+            return len(self._ready.get(fingerprint, []))
+
+    def ready(self, kernelspec: str) -> int:
+        """How many sandboxes of ``kernelspec``'s current plan wait."""
+        with self._lock:
+            plan = self._plans.get(kernelspec)
+            return len(self._ready.get(plan.fingerprint, [])) if plan else 0
+
+    def wait_ready(self, kernelspec: str, count: int | None = None, timeout: float = 120.0) -> int:
+        """Block until ``count`` (default: the pool's size) sandboxes of ``kernelspec`` wait,
+        or the timeout passes; how many wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                plan = self._plans.get(kernelspec)
+                want = count if count is not None else (plan.size if plan else 0)
+                have = len(self._ready.get(plan.fingerprint, [])) if plan else 0
+                busy = plan is not None and (
+                    self._starting.get(plan.fingerprint, 0) > 0
+                    or not self._fills.get(plan.fingerprint, concurrent.futures.Future()).done()
+                )
+            if have >= want or time.monotonic() >= deadline or not busy:
+                return have
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ filling
+
+    def _fill_soon(self, plan: PoolPlan, delay: float = 0.0) -> None:
+        with self._lock:
+            if self._closed or plan.size <= 0:
+                return
+            running = self._fills.get(plan.fingerprint)
+            if running is not None and not running.done():
+                return
+            if time.monotonic() < self._failed.get(plan.fingerprint, 0.0):
+                return
+            self._fills[plan.fingerprint] = self.loop.submit(self._fill(plan, delay))
+
+    def _current(self, plan: PoolPlan) -> bool:
+        """Whether ``plan`` is still what its kernelspec's pool is made from (lock held)."""
+        current = self._plans.get(plan.kernelspec)
+        return current is not None and current.fingerprint == plan.fingerprint
+
+    def _reserved(self) -> int:
+        """Memory limits of the waiting and starting sandboxes (with the lock held)."""
+        by_fingerprint = {p.fingerprint: p.memory for p in self._plans.values()}
+        waiting = sum(s.memory for ready in self._ready.values() for s in ready)
+        starting = sum(by_fingerprint.get(fp, 0) * n for fp, n in self._starting.items())
+        return waiting + starting
+
+    async def _fill(self, plan: PoolPlan, delay: float = 0.0) -> None:
+        """Start sandboxes one at a time until the plan's size is reached."""
+        fingerprint = plan.fingerprint
+        await asyncio.sleep(delay)
+        while True:
+            with self._lock:
+                if self._closed or not self._current(plan):
+                    return
+                plan = self._plans[plan.kernelspec]  # the same, with the latest size and budget
+                if len(self._ready.get(fingerprint, [])) >= plan.size:
+                    return
+                if self._reserved() + plan.memory > plan.budget:
+                    if fingerprint not in self._over_budget:
+                        self._over_budget.add(fingerprint)
+                        log.warning(
+                            "Sandbox pool of %s: not starting more, the waiting sandboxes would reserve "
+                            "more than max_pool_memory; kernels beyond the pool start cold",
+                            plan.kernelspec,
+                        )
+                    return
+                self._starting[fingerprint] = self._starting.get(fingerprint, 0) + 1
+            try:
+                sandbox = await self._start(plan)
+            except (SandboxKernelError, OSError) as exc:
+                log.warning(
+                    "Sandbox pool of %s: could not start a sandbox (%s); kernels start cold, "
+                    "and the pool tries again in %g s",
+                    plan.kernelspec,
+                    exc,
+                    RETRY_AFTER,
+                )
+                with self._lock:
+                    self._failed[fingerprint] = time.monotonic() + RETRY_AFTER
+                return
+            finally:
+                with self._lock:
+                    self._starting[fingerprint] -= 1
+            with self._lock:
+                keep = not self._closed and self._current(plan)
+                if keep:
+                    self._ready.setdefault(fingerprint, []).append(sandbox)
+            if not keep:
+                await self._remove(sandbox)
+                return
+            log.info("Sandbox pool of %s: sandbox %s ready", plan.kernelspec, sandbox.container_id[:12])
+
+    async def _start(self, plan: PoolPlan) -> PooledSandbox:
+        """One sandbox of ``plan``, started and sealed; nothing left behind on failure."""
+        spec = plan.spec
+        backend = plan.backend
+        await backend.check_runtime(spec.runtime)
+        await backend.check_image(spec.image)
+        key = secrets.token_hex(32).encode()
+        runtime_dir = await asyncio.to_thread(new_runtime_dir, plan.runtime_parent)
+
+        def prepare() -> tuple[Path, Path]:
+            make_shared(runtime_dir)
+            slot = runtime_dir / "slot"
+            slot.mkdir(mode=0o755)
+            launch_dir = new_launch_dir(runtime_dir, 1, spec.uid, spec.gid)
+            owner = (spec.uid, spec.gid)
+            ca = None
+            if plan.egress is not None:  # the claiming kernel finds it there
+                ca = KernelCA.of_kernel(runtime_dir, runtime_dir.name, plan.egress).cert_pem
+            write_launch_files(launch_dir, owner, key, plan.scheme, spec.kernelspec, ca)
+            return slot, launch_dir
+
+        container_id = None
+        try:
+            slot, launch_dir = await asyncio.to_thread(prepare)
+            pooled = pooled_spec(spec, slot, launch_dir)
+            container_id = await backend.create(pooled)
+            sockets = expected_sockets(launch_dir, plan.egress is not None, pooled=True)
+            await wait_until_ready(backend, container_id, sockets, plan.startup_timeout, spec.image)
+            await wait_for_startup_code(
+                backend, container_id, launch_dir, plan.startup_timeout, spec.image, plan.startup_code
+            )
+            if os.getuid() == 0:
+                await asyncio.to_thread(seal_launch_dir, launch_dir)
+            await asyncio.to_thread((runtime_dir / POOL_READY_FILE).touch)
+            # Waiting costs nothing while frozen (an idle gVisor sandbox is not idle).
+            pid = await backend.main_pid(container_id)
+            frozen = pid is not None and await asyncio.to_thread(freeze, pid, True)
+        except BaseException:
+            if container_id is not None:
+                await backend.remove(container_id)
+            await asyncio.to_thread(remove_tree, runtime_dir)
+            raise
+        return PooledSandbox(
+            container_id=container_id,
+            runtime_dir=runtime_dir,
+            launch_dir=launch_dir,
+            slot=slot,
+            key=key,
+            scheme=plan.scheme,
+            memory=plan.memory,
+            backend=backend,
+            frozen_pid=pid if frozen else None,
+        )
+
+    async def _remove(self, sandbox: PooledSandbox) -> None:
+        try:
+            await sandbox.backend.remove(sandbox.container_id)
+        except SandboxKernelError as exc:
+            log.warning("Sandbox pool: could not remove sandbox %s: %s", sandbox.container_id[:12], exc)
+        await asyncio.to_thread(remove_tree, sandbox.runtime_dir)
+
+    async def discard(self, sandbox: PooledSandbox) -> None:
+        """Remove a claimed sandbox that could not be bound to its kernel."""
+        await self._remove(sandbox)
+
+    # ------------------------------------------------------------------ ending
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Forget every plan and remove every waiting sandbox, blocking (never on an event
+        loop's thread; also at the process's exit, when no new thread may start). Kernels
+        already claimed are not touched."""
+        with self._lock:
+            self._plans.clear()
+            fills = list(self._fills.values())
+        for fill in fills:
+            fill.cancel()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(self._starting.values()):
+                    break
+            time.sleep(0.05)
+        with self._lock:
+            doomed = [s for ready in self._ready.values() for s in ready]
+            self._ready.clear()
+            self._failed.clear()
+            self._over_budget.clear()
+        for sandbox in doomed:
+            try:
+                sandbox.backend.remove_blocking(sandbox.container_id)
+            except SandboxKernelError as exc:
+                log.warning("Sandbox pool: could not remove sandbox %s: %s", sandbox.container_id[:12], exc)
+            remove_tree(sandbox.runtime_dir)
+
+    def close(self) -> None:
+        """Remove every waiting sandbox and take no more plans (at the process's exit)."""
+        with self._lock:
+            self._closed = True
+        try:
+            self.drain(timeout=10.0)
+        except Exception:
+            log.exception("Sandbox pool: could not remove its sandboxes; the next start sweeps them")
