@@ -74,8 +74,8 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.kernelspec import KernelSpecManager
 
 from sandbox_kernel import SandboxPool, SandboxSession, warm_pool
-from sandbox_kernel.cgroups import cpu_seconds, memory_usage
-from sandbox_kernel.plan import DEFAULT_KERNEL_UID
+from sandbox_kernel.host.cgroups import cpu_seconds, memory_usage
+from sandbox_kernel.plan.plan import DEFAULT_KERNEL_UID
 
 STARTUP_TIMEOUT = 120.0  # seconds for one kernel to become ready
 EXECUTE_TIMEOUT = 30.0  # seconds for one `1+1` round trip
