@@ -16,9 +16,9 @@ from jupyter_client import KernelManager
 from nbclient import NotebookClient
 from traitlets.config import Config
 
-from sandbox_kernel import provisioner
 from sandbox_kernel.cli.app import SandboxKernelApp
 from sandbox_kernel.errors import KernelStartupError
+from sandbox_kernel.lifecycle import launch_folder
 from sandbox_kernel.plan.sandbox_spec import LABEL_MANAGED
 
 from .conftest import KERNEL, SANDBOX_UID, KernelStarter, make_workspace, run
@@ -105,14 +105,14 @@ def test_a_kernel_sealed_while_ipython_looks_for_its_start_up_code_still_runs_it
     MemoryError. The seal hands the launch folder to root, then opens it to all: a kernel
     that looks for its start-up file in between cannot see it, and IPython starts without
     it. Here the seal is held between its two steps, as a loaded host may hold its thread."""
-    seal = provisioner.seal_launch_dir
+    seal = launch_folder.seal_launch_dir
 
     def held(launch_dir: Path, owner: tuple[int, int] = (0, 0)) -> list[str]:
         os.chown(launch_dir, *owner)
         time.sleep(4)
         return seal(launch_dir, owner)
 
-    monkeypatch.setattr(provisioner, "seal_launch_dir", held)
+    monkeypatch.setattr(launch_folder, "seal_launch_dir", held)
     _, kc = start_kernel()
     execution = run(kc, "import urllib.request\nurllib.request.urlopen('https://example.com', timeout=10)")
     (error,) = [output for output in execution.outputs if output["type"] == "error"]

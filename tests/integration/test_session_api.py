@@ -31,6 +31,7 @@ from sandbox_kernel import (
     SandboxSession,
     WorkspaceError,
 )
+from sandbox_kernel.kernel import launching
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking
 
@@ -134,10 +135,11 @@ time.sleep(600)
 
 
 def test_the_fresh_workspace_of_a_killed_session_goes_with_the_next_one(
-    jupyter_dirs: Path, tmp_path: Path, docker_client: docker.DockerClient
+    jupyter_dirs: Path, tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A program killed outright cannot remove its folder: the next session does (and,
-    as ever, the next start removes the orphaned kernel)."""
+    as ever, the next start in a process removes the orphaned kernel)."""
+    monkeypatch.setattr(launching, "_swept_orphans", False)  # as in a fresh process: its first start
     program = subprocess.Popen([sys.executable, "-c", KILLED_SESSION], stdout=subprocess.PIPE, text=True)
     try:
         assert program.stdout is not None
