@@ -696,7 +696,7 @@ class SandboxSettings(
         default_value="sandbox_kernel.backends.docker.DockerBackend",
         klass="sandbox_kernel.backends.base.SandboxBackend",
         config=True,
-        help="""What runs the sandboxes: a sandbox_kernel.backends.base.SandboxBackend. The default
+        help="""What runs the sandboxes: a sandbox_kernel.backend.SandboxBackend. The default
         runs Docker containers under gVisor (docker_runtime). Server config only.""",
     )
     startup_timeout = Duration(
