@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
-from collections.abc import Awaitable, Callable
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -357,3 +359,100 @@ def test_a_reattach_state_of_an_earlier_version_is_read(tmp_path: Path) -> None:
     old = {"container_id": "c0ffee", "runtime_dir": str(tmp_path), "launch_dir": None, "connection_info": {}}
     state = ReattachState.from_dict(old)
     assert (state.launch_dir, state.paused, state.narrowed, state.launches) == (None, None, {}, 0)
+
+
+# ---------------------------------------------------------------------- the provisioner on the fake
+
+
+@pytest.fixture
+def short_runtime() -> Iterator[Path]:
+    """A runtime parent folder short enough for unix socket paths (pytest's are not)."""
+    folder = Path(tempfile.mkdtemp(prefix="sk-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def fake_provisioners(short_runtime: Path) -> Iterator[Callable[..., Any]]:
+    """Provisioners of one kernel, on one FakeBackend (what a later process sees)."""
+    from sandbox_kernel.provisioner import SandboxProvisioner
+
+    from .test_provisioner import kernel_spec
+
+    backend = FakeBackend()
+    made: list[Any] = []
+
+    def make() -> Any:
+        provisioner = SandboxProvisioner(
+            kernel_id="k-fake",
+            kernel_spec=kernel_spec(),
+            parent=None,
+            runtime_parent=str(short_runtime),
+            backend=backend,
+            services=Services(reaper=cast(OrphanReaper, NoReaper())),
+        )
+        made.append(provisioner)
+        return provisioner
+
+    yield make
+    for provisioner in made:
+        provisioner.watchdog.stop()
+        if provisioner.bridge is not None:
+            provisioner.bridge.stop()
+
+
+async def test_a_kernel_reattached_by_another_provisioner_is_the_same_kernel_on_the_same_ports(
+    fake_provisioners: Callable[..., Any], tmp_path: Path, short_runtime: Path
+) -> None:
+    """Launch, detach, reattach: what jupyter_client and sandbox_kernel.reattach do across
+    processes, here against the fake backend (the real path: tests/integration/test_sessions.py)."""
+    from .test_provisioner import SERVER_ENV
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    first = fake_provisioners()
+    kwargs = await first.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    info = dict(await first.launch_kernel(**kwargs))
+    container_id = first.container_id
+    saved = await first.get_provisioner_info()
+    await first.detach()
+    assert first.container_id is None, "let go of, not stopped"
+    assert first.backend.sandbox(container_id).status == "running"
+
+    second = fake_provisioners()
+    await second.load_provisioner_info(saved)
+    assert second.container_id == container_id
+    assert {k: second.connection_info[k] for k in info if k.endswith("_port")} == {
+        k: v for k, v in info.items() if k.endswith("_port")
+    }, "its clients' ports again"
+    assert await second.poll() is None
+    second.backend.exit(container_id, 1)
+    assert await second.wait() == 1
+    await second.cleanup()
+    assert second.backend.sandbox(container_id).status == "removed"
+    assert list(short_runtime.iterdir()) == [], "its runtime folder is gone"
+
+
+async def test_a_paused_kernel_reattached_stays_paused_until_it_is_resumed(
+    fake_provisioners: Callable[..., Any], tmp_path: Path
+) -> None:
+    from .test_provisioner import SERVER_ENV
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    first = fake_provisioners()
+    kwargs = await first.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    await first.launch_kernel(**kwargs)
+    paused = await first.pause()
+    saved = await first.get_provisioner_info()
+    assert saved["paused"]["checkpoint"] == paused.checkpoint
+    await first.detach()
+
+    second = fake_provisioners()
+    await second.load_provisioner_info(saved)
+    assert (second.sleep_state, second.bridge.holding) == ("paused", True)
+    assert await second.poll() is None, "a paused kernel's stopped sandbox is not its end"
+    await second.resume()
+    assert second.sleep_state == "running"
+    assert second.backend.sandbox(second.container_id).signals[-1] == signal.SIGUSR2
+    await second.cleanup()
