@@ -169,4 +169,4 @@ def test_the_extensions_are_installed_and_enabled(jupyter_dirs: Path) -> None:
     assert re.search(r"sandbox-kernel v\S+ enabled OK \(python, sandbox-kernel\)", lab), lab
     server = listing("server", "extension", "list")
     assert "sandbox_kernel.jupyter.lab enabled" in server
-    assert re.search(r"sandbox_kernel\.lab\s.*OK", server)
+    assert re.search(r"sandbox_kernel\.jupyter\.lab\s.*OK", server)
