@@ -17,8 +17,9 @@ of ``jupyter_client`` would see it:
   ``execute_request`` until both the ``execute_reply`` and the ``idle`` status on
   IOPub have arrived, ``--runs`` times after ``--warmup`` untimed runs, on one kernel
   (p50 and p95); and the same through the session API, ``SandboxSession.run("1+1")`` to
-  its ``Execution`` (on a kernel of its own; for the local kernel too, as the session API
-  drives any kernel), which adds the host's CPU and peak-memory readings per run.
+  its ``Execution`` (on a kernel of its own), which adds the host's CPU and peak-memory
+  readings per run: for the sandboxed kernel only (the session API refuses a kernel that
+  runs on the host), so compare it with the raw round trip of the same column.
 
 * host memory of one kernel, idle and after ``import pandas`` (install pandas where the
   local kernel runs, e.g. ``.venv/bin/pip install pandas``, or that row reads nan): for the local kernel
@@ -206,7 +207,8 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
             timings.memory_pandas_mib = host_memory_mib(kernel.manager)
         else:
             progress(f"[{kernel_name}] pandas is not installed for this kernel: no 'with pandas' figure")
-    timings.session_run_ms = measure_session(kernel_name, runs, warmup, cwd)
+    if is_sandboxed(kernel_name):  # the session API refuses a kernel that runs on the host
+        timings.session_run_ms = measure_session(kernel_name, runs, warmup, cwd)
     progress(
         f"[{kernel_name}] host memory: {timings.memory_idle_mib:.1f} MiB idle, "
         f"{timings.memory_pandas_mib:.1f} MiB with pandas"
@@ -216,6 +218,12 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
         f"p95 {percentile(timings.execute_ms, 95):.2f} ms"
     )
     return timings
+
+
+def is_sandboxed(kernel_name: str) -> bool:
+    spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    provisioner = (spec.metadata or {}).get("kernel_provisioner") or {}
+    return provisioner.get("provisioner_name") == "sandbox-provisioner"
 
 
 def measure_session(kernel_name: str, runs: int, warmup: int, cwd: str) -> list[float]:
@@ -399,7 +407,9 @@ async def measure_at_once_pooled(
 
 
 def percentile(values: list[float], pct: float) -> float:
-    """Linearly interpolated percentile (numpy's default method)."""
+    """Linearly interpolated percentile (numpy's default method); nan without values."""
+    if not values:
+        return math.nan
     ordered = sorted(values)
     position = (len(ordered) - 1) * pct / 100
     low = math.floor(position)
