@@ -101,7 +101,7 @@ def read_start(
             f"kernel: only the kernelspec's pass_env names ({', '.join(settings.pass_env)}) pass from "
             "the launch environment, so that no secret comes along. Set variables in the sandbox "
             "with start_kernel(sandbox_env={...}) (the session API's env=) or the kernelspec's env.",
-            stacklevel=3,
+            stacklevel=4,
         )
     env = {**visible_env(policy, launch.env), **sandbox_env}
     return Start(launch, policy, narrowed, sandbox_env, env, curve)
