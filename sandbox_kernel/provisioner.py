@@ -5,7 +5,7 @@ with no network; its ZeroMQ channels are ipc sockets in a per-kernel host folder
 relayed to clients on 127.0.0.1. This class is the contract
 (``shared/notes/provisioner-contract.md``); it composes one kernel's parts, each owning
 its state and handed its collaborators: the site, channels, egress, start (cold or
-pooled), watchdog, pauser, holding, exits and reattach state (``docs/design.md``).
+pooled), watchdog, pauser, holding, exits and reattach state (``docs/design/index.md``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ __all__ = ["LimitStop", "SandboxProvisioner"]
 class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignore[metaclass]  # as upstream
     """Runs each kernel in its own gVisor container and bridges its channels to the host.
 
-    Its settings (traits, validation, ceilings) are :class:`~.settings.SandboxSettings`.
+    Its settings (traits, validation, ceilings) are :class:`~.plan.settings.SandboxSettings`.
     """
 
     def __init__(
