@@ -41,7 +41,8 @@ from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning.factory import KernelProvisionerFactory
 from jupyter_core.utils import run_sync
 
-from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.backends import configured_backend
+from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.errors import KernelHeldError, KernelNotFoundError, PauseError
 from sandbox_kernel.lifecycle.ownership import (
     NO_HOLDER,
@@ -82,7 +83,7 @@ async def kernel_state(km: KernelManager) -> dict[str, Any]:
 
 
 async def saved_state(
-    kernel_id: str, docker: DockerBackend | None = None, runtime_parent: str | None = None
+    kernel_id: str, docker: SandboxBackend | None = None, runtime_parent: str | None = None
 ) -> dict[str, Any]:
     """The reattach state a sandboxed kernel's owner keeps, found by kernel id (or a prefix).
 
@@ -93,7 +94,9 @@ async def saved_state(
             its state is unreadable (another user's kernel).
         DockerUnavailableError: the daemon cannot be reached.
     """
-    kernels = [k for k in await list_kernels(docker or DockerBackend()) if k.kernel_id.startswith(kernel_id)]
+    kernels = [
+        k for k in await list_kernels(docker or configured_backend()) if k.kernel_id.startswith(kernel_id)
+    ]
     if len(kernels) != 1:
         found = "no sandboxed kernel" if not kernels else f"{len(kernels)} sandboxed kernels"
         msg = f"{found} with an id starting with {kernel_id!r}; see `jupyter sandbox-kernel list`."

@@ -644,9 +644,9 @@ async def workspace_files(info: Mapping[str, Any], backend: SandboxBackend | Non
     volume = info.get("volume")
     if volume:
         if backend is None:
-            from sandbox_kernel.backends.docker import DockerBackend
+            from sandbox_kernel.backends import configured_backend
 
-            backend = DockerBackend()
+            backend = configured_backend()
         root = await backend.volume_path(str(volume))
     else:
         root = Path(str(info["workspace"]))

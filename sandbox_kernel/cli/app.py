@@ -33,7 +33,8 @@ from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
 
 from sandbox_kernel._version import __version__
 from sandbox_kernel.agents.workspaces import sweep_abandoned_workspaces
-from sandbox_kernel.backends import gvisor_checkpoint
+from sandbox_kernel.backends import configured_backend, gvisor_checkpoint
+from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.backends.docker import DockerBackend, ImageStore
 from sandbox_kernel.cli.resources import data_path
 from sandbox_kernel.errors import (
@@ -632,10 +633,12 @@ class _KernelsApp(_SubApp):
         "", config=True, help="Where the servers keep runtime folders (default: the system temp folder)."
     )
 
-    def docker(self, operation: Callable[[DockerBackend], Coroutine[Any, Any, T]]) -> T:
-        """Run one async Docker operation; a Docker error is a user error, not a traceback."""
+    def docker(self, operation: Callable[[SandboxBackend], Coroutine[Any, Any, T]]) -> T:
+        """Run one async operation on the configured backend (Docker + gVisor unless
+        ``c.SandboxProvisioner.backend_class`` says otherwise); its error is a user error,
+        not a traceback."""
         try:
-            return asyncio.run(operation(DockerBackend()))
+            return asyncio.run(operation(configured_backend(self.config)))
         except SandboxKernelError as exc:
             self.fail(str(exc))
             raise  # unreachable: fail() exits
@@ -749,7 +752,7 @@ class PauseApp(_KernelsApp):
             said = self.docker(partial(self._pause, kernel_id=kernel.kernel_id))
             print(f"Kernel {kernel.kernel_id}: {said} in {time.monotonic() - started:.1f} s")
 
-    async def _pause(self, _: DockerBackend, kernel_id: str) -> str:
+    async def _pause(self, _: SandboxBackend, kernel_id: str) -> str:
         return await pause_kernel(kernel_id, resume=self.resume, timeout=self.timeout)
 
 

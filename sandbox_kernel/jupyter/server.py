@@ -34,7 +34,7 @@ from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from traitlets import Bool
 
-from sandbox_kernel.backends.docker import DockerBackend
+from sandbox_kernel.backends import configured_backend
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.lifecycle.ownership import list_kernels, prune_orphans
 from sandbox_kernel.pool.sandboxes import SandboxPool
@@ -147,7 +147,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         """Prune what nobody will use again, then adopt every running (or paused) persistent
         sandboxed kernel of this server's scope and user that no live server holds;
         return their ids. Failures are logged: a server always starts."""
-        docker = DockerBackend()
+        docker = configured_backend(self.config)
         runtime_parent = SandboxProvisioner(parent=self).runtime_parent
         try:
             await prune_orphans(docker, runtime_parent)

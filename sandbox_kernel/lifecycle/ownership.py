@@ -34,8 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, ClassVar
 
+from sandbox_kernel.backends import configured_backend
 from sandbox_kernel.backends.base import SandboxBackend
-from sandbox_kernel.backends.docker import CHECKPOINTS_KEY, STOPPED, DockerBackend
+from sandbox_kernel.backends.docker import CHECKPOINTS_KEY, STOPPED
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.host.background import BackgroundLoop
 from sandbox_kernel.host.cgroups import memory_usage, stat_fields
@@ -578,7 +579,7 @@ class OrphanReaper:
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, docker_backend: SandboxBackend | None = None) -> None:
-        self.docker = docker_backend or DockerBackend()
+        self.docker = docker_backend or configured_backend()
         self._lock = threading.Lock()
         self._runtime_parents: list[Path] = []
 

@@ -5,6 +5,7 @@ milliseconds, without Docker. The same paths under real gVisor: tests/integratio
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -456,3 +457,31 @@ async def test_a_paused_kernel_reattached_stays_paused_until_it_is_resumed(
     assert second.sleep_state == "running"
     assert second.backend.sandbox(second.container_id).signals[-1] == signal.SIGUSR2
     await second.cleanup()
+
+
+# ---------------------------------------------------------------------- the configured backend
+
+
+def test_what_runs_outside_a_kernel_uses_the_backend_the_config_chooses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command line, a server's adoption, the reaper and the files API made a
+    DockerBackend whatever backend_class said; now they make the configured one."""
+    from traitlets.config import Config
+
+    from sandbox_kernel.backends import configured_backend
+    from sandbox_kernel.backends.docker import DockerBackend
+    from sandbox_kernel.cli.app import ListApp
+    from sandbox_kernel.errors import ConfigurationError
+
+    assert isinstance(configured_backend(), DockerBackend), "the default"
+    chosen = Config({"SandboxProvisioner": {"backend_class": "sandbox_kernel.backends.fake.FakeBackend"}})
+    assert isinstance(configured_backend(chosen), FakeBackend)
+    with pytest.raises(ConfigurationError, match=r"not a sandbox_kernel\.backend\.SandboxBackend"):
+        configured_backend(Config({"SandboxProvisioner": {"backend_class": "pathlib.Path"}}))
+    with pytest.raises(ConfigurationError, match="cannot be imported"):
+        configured_backend(Config({"SandboxProvisioner": {"backend_class": "no.such.Backend"}}))
+    app = ListApp()  # (a unit test never reaches Docker: the conftest refuses docker.from_env)
+    app.initialize(["--SandboxProvisioner.backend_class=sandbox_kernel.backends.fake.FakeBackend", "--json"])
+    app.start()
+    assert json.loads(capsys.readouterr().out) == []
