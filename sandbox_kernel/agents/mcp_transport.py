@@ -11,13 +11,17 @@ with an error naming the limit. So no message makes the server hold more than th
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import re
+import stat
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import anyio
@@ -40,66 +44,169 @@ _TAIL_ID = re.compile(rb',\s*"id"\s*:\s*(-?\d{1,20}|"(?:[^"\\]|\\.){0,200}")\s*}
 
 class BoundedLines:
     """The lines read from the descriptor ``fd``, as bytes, none longer than ``limit``: a
-    longer one becomes its :func:`stand_in` (or is dropped, when it has no id)."""
+    longer one becomes its :func:`stand_in` (or is dropped, when it has no id).
+
+    A pipe or a socket (what an MCP client hands its server) is read without blocking,
+    on the event loop: a thread per message, as the mcp package reads stdin, costs a
+    wake-up on the way in (see :class:`LineWriter`). Anything else (a terminal, a file)
+    is read in a thread.
+    """
 
     def __init__(self, fd: int, limit: int) -> None:
         self.fd = fd
         self.limit = limit
         self._buffer = bytearray()
         self._searched = 0  # where the search for the next line break goes on
+        self._dropping: _Dropping | None = None  # an oversized line, partly read
+        self._flags: int | None = None  # the descriptor's own, while it is non-blocking
+        self._threaded: bool | None = None  # decided at the first asynchronous read
 
     def __aiter__(self) -> BoundedLines:
         return self
 
     async def __anext__(self) -> bytes:
-        # A thread, as the mcp package reads stdin: no cancellation reaches a read().
-        line = await anyio.to_thread.run_sync(self.read_line, abandon_on_cancel=True)
+        if self._threaded is None:
+            self._flags = _set_nonblocking(self.fd)
+            self._threaded = self._flags is None
+        if self._threaded:
+            # A thread: no cancellation reaches a read() that blocks.
+            line = await anyio.to_thread.run_sync(self.read_line, abandon_on_cancel=True)
+        else:
+            while True:
+                try:
+                    line = self.read_line()
+                    break
+                except BlockingIOError:
+                    await anyio.wait_readable(self.fd)
         if line is None:
             raise StopAsyncIteration
         return line
 
+    def close(self) -> None:
+        """Give the descriptor back its flags (it may be a terminal's, or shared)."""
+        _restore_flags(self.fd, self._flags)
+        self._flags = None
+
     def read_line(self) -> bytes | None:
-        """The next line, its stand-in for one over the limit; None at the end. Blocks."""
+        """The next line, its stand-in for one over the limit; None at the end. On a
+        non-blocking descriptor, raises BlockingIOError where a read would block; the
+        next call goes on where this one stopped."""
         while True:
-            newline = self._buffer.find(b"\n", self._searched)
-            if newline >= 0:
-                line = bytes(self._buffer[: newline + 1])
-                del self._buffer[: newline + 1]
-                self._searched = 0
-                if len(line) <= self.limit:
-                    return line
-                substitute = stand_in(line[:_HEAD], line[-_TAIL - 1 : -1], len(line) - 1, self.limit)
-            elif len(self._buffer) > self.limit:
-                substitute = self._drop_line()
+            if self._dropping is not None:
+                substitute = self._drop_rest()
             else:
-                self._searched = len(self._buffer)
-                piece = os.read(self.fd, _PIECE)
-                if not piece:
-                    if not self._buffer:
-                        return None
-                    self._buffer += b"\n"  # the last line, without its line break
+                newline = self._buffer.find(b"\n", self._searched)
+                if newline >= 0:
+                    line = bytes(self._buffer[: newline + 1])
+                    del self._buffer[: newline + 1]
+                    self._searched = 0
+                    if len(line) <= self.limit:
+                        return line
+                    substitute = stand_in(line[:_HEAD], line[-_TAIL - 1 : -1], len(line) - 1, self.limit)
+                elif len(self._buffer) > self.limit:
+                    self._begin_drop()
+                    substitute = self._drop_rest()
                 else:
-                    self._buffer += piece
-                continue
+                    self._searched = len(self._buffer)
+                    piece = os.read(self.fd, _PIECE)
+                    if not piece:
+                        if not self._buffer:
+                            return None
+                        self._buffer += b"\n"  # the last line, without its line break
+                    else:
+                        self._buffer += piece
+                    continue
             if substitute is not None:
                 return substitute
 
-    def _drop_line(self) -> bytes | None:
-        """Read the rest of the line in the buffer and drop it; its stand-in."""
-        head, tail, size = bytes(self._buffer[:_HEAD]), bytes(self._buffer[-_TAIL:]), len(self._buffer)
-        self._buffer.clear()
+    def _begin_drop(self) -> None:
+        """The line in the buffer is over the limit: keep its head and tail, drop the rest."""
+        buffer = self._buffer
+        self._dropping = _Dropping(bytes(buffer[:_HEAD]), bytes(buffer[-_TAIL:]), len(buffer))
+        buffer.clear()
         self._searched = 0
+
+    def _drop_rest(self) -> bytes | None:
+        """Read the rest of the oversized line and drop it; its stand-in."""
+        dropping = self._dropping
+        assert dropping is not None  # noqa: S101 (read_line's state)
         while piece := os.read(self.fd, _PIECE):
             newline = piece.find(b"\n")
             if newline >= 0:
-                tail = (tail + piece[:newline])[-_TAIL:]
-                size += newline
+                dropping.tail = (dropping.tail + piece[:newline])[-_TAIL:]
+                dropping.size += newline
                 self._buffer += piece[newline + 1 :]
                 break
-            tail = (tail + piece)[-_TAIL:]
-            size += len(piece)
-        log.warning("Refused an MCP message of %d bytes or more: over the limit of %d", size, self.limit)
-        return stand_in(head, tail, size, self.limit)
+            dropping.tail = (dropping.tail + piece)[-_TAIL:]
+            dropping.size += len(piece)
+        self._dropping = None
+        log.warning(
+            "Refused an MCP message of %d bytes or more: over the limit of %d", dropping.size, self.limit
+        )
+        return stand_in(dropping.head, dropping.tail, dropping.size, self.limit)
+
+
+@dataclass
+class _Dropping:
+    """An oversized line being read through: its head, its tail so far, its size so far."""
+
+    head: bytes
+    tail: bytes
+    size: int
+
+
+class LineWriter:
+    """The server's side of stdout for the mcp package's ``stdio_server``: it writes each
+    message (``write`` then ``flush``) straight to the descriptor from the event loop,
+    waiting on the loop while a pipe or socket is full; the package's own stdout (an
+    ``anyio.wrap_file``) takes a thread for each write and each flush. On anything else
+    (a terminal, a file) a thread writes."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pending = bytearray()
+        self._flags = _set_nonblocking(fd)
+
+    async def write(self, text: str) -> int:
+        self._pending += text.encode("utf-8")
+        return len(text)
+
+    async def flush(self) -> None:
+        if self._flags is None:
+            await anyio.to_thread.run_sync(self._write_all)
+            return
+        while self._pending:
+            try:
+                written = os.write(self.fd, self._pending)
+            except BlockingIOError:
+                await anyio.wait_writable(self.fd)
+                continue
+            del self._pending[:written]
+
+    def _write_all(self) -> None:
+        while self._pending:
+            written = os.write(self.fd, self._pending)
+            del self._pending[:written]
+
+    def close(self) -> None:
+        """Give the descriptor back its flags."""
+        _restore_flags(self.fd, self._flags)
+        self._flags = None
+
+
+def _set_nonblocking(fd: int) -> int | None:
+    """Make a pipe or socket ``fd`` non-blocking; its flags before, or None (not one)."""
+    if not stat.S_ISFIFO(mode := os.fstat(fd).st_mode) and not stat.S_ISSOCK(mode):
+        return None
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    return flags
+
+
+def _restore_flags(fd: int, flags: int | None) -> None:
+    if flags is not None:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
 def stand_in(head: bytes, tail: bytes, size: int, limit: int) -> bytes | None:
@@ -208,15 +315,35 @@ def claimed_stdin() -> Iterator[int]:
         os.dup2(wire, 0)
 
 
+@contextmanager
+def claimed_stdout() -> Iterator[int]:
+    """A private descriptor of stdout (the MCP channel), while fd 1 writes to stderr:
+    stray output of this process or a child misses the wire (as the mcp package claims
+    stdout when it writes it itself)."""
+    sys.stdout.flush()
+    wire = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.dup2(2, 1)
+    try:
+        yield wire
+    finally:
+        os.dup2(wire, 1)
+        os.close(wire)
+
+
 async def serve_stdio(server: MCPServer[Any], max_message: int) -> None:
     """Serve ``server`` on stdin and stdout, reading no message over ``max_message``
     bytes, until stdin ends. ``server`` must have :func:`refuse_oversized` among its
     middleware."""
-    with claimed_stdin() as wire:
-        lines = BoundedLines(wire, max_message)
-        # The mcp package reads any async iterable of lines it is given (bytes too: it
-        # parses each with pydantic's validate_json).
-        async with stdio_server(stdin=cast(Any, lines)) as (read, write):
-            # MCPServer.run_stdio_async reads stdin itself; this is its body, with our stdin.
-            lowlevel = server._lowlevel_server
-            await lowlevel.run(read, write, lowlevel.create_initialization_options())
+    with claimed_stdin() as wire_in, claimed_stdout() as wire_out:
+        lines, writer = BoundedLines(wire_in, max_message), LineWriter(wire_out)
+        try:
+            # The mcp package reads any async iterable of lines it is given (bytes too: it
+            # parses each with pydantic's validate_json), and writes to any object with
+            # async write and flush.
+            async with stdio_server(stdin=cast(Any, lines), stdout=cast(Any, writer)) as (read, write):
+                # MCPServer.run_stdio_async reads stdin itself; this is its body, with our stdin.
+                lowlevel = server._lowlevel_server
+                await lowlevel.run(read, write, lowlevel.create_initialization_options())
+        finally:
+            lines.close()
+            writer.close()

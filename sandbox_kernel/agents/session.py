@@ -810,7 +810,9 @@ class AsyncSandboxSession:
             if pid is None:
                 return None
             self._sandbox_pid = (container_id, pid)  # one Docker call per sandbox, not per run
-        return await asyncio.to_thread(_Meter, self._sandbox_pid[1])
+        # On the loop: a few reads of /proc and cgroup files (microseconds, never waiting on
+        # a disk), where a thread would cost a wake-up each way on every run.
+        return _Meter(self._sandbox_pid[1])
 
     # ------------------------------------------------------------------ plumbing
 
@@ -845,7 +847,7 @@ class AsyncSandboxSession:
 
 
 class _Meter:
-    """The sandbox's CPU time and peak memory over one run (host cgroup; blocking calls)."""
+    """The sandbox's CPU time and peak memory over one run (its host cgroup's files)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from mcp import Client, ClientSession, StdioServerParameters, stdio_client
 from mcp.types import CallToolResult, ImageContent, TextContent
@@ -32,7 +33,7 @@ from sandbox_kernel.agents.mcp_server import (
     build_server,
     strip_ansi,
 )
-from sandbox_kernel.agents.mcp_transport import OVERSIZED, BoundedLines
+from sandbox_kernel.agents.mcp_transport import OVERSIZED, BoundedLines, LineWriter
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 
 
@@ -570,10 +571,9 @@ async def test_half_a_character_in_text_content_is_a_clear_error(tools: KernelTo
         assert "base64" in text(refused)
 
 
-def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
-    """The transport never holds a line over the limit: it reads it in pieces, drops it,
-    and hands the server a small request with the same id instead."""
-    read, write = os.pipe()
+def long_lines() -> list[bytes]:
+    """Lines an MCP client might send: small, over 100,000 bytes (an id first, an id last),
+    a notification over it, and a last one without its line break."""
     big_request = {
         "jsonrpc": "2.0",
         "id": 7,
@@ -581,7 +581,7 @@ def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
         "params": {"name": "upload_file", "arguments": {"path": "x", "content": "A" * 3_000_000}},
     }
     id_last = {"jsonrpc": "2.0", "method": "tools/call", "params": {"c": "B" * 300_000}, "id": "req-9"}
-    lines = [
+    return [
         b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}\n',
         json.dumps(big_request).encode() + b"\n",
         json.dumps({"jsonrpc": "2.0", "method": "notifications/x", "params": {"c": "C" * 300_000}}).encode()
@@ -589,22 +589,22 @@ def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
         json.dumps(id_last).encode() + b"\n",
         b'{"jsonrpc": "2.0", "id": 2, "method": "ping"}',  # the last, without a line break
     ]
-    writer = threading.Thread(target=lambda: [os.write(write, line) for line in lines] and os.close(write))
-    writer.start()
-    reader = BoundedLines(read, limit=100_000)
-    held = []
-    original = reader._drop_line
 
-    def watched() -> bytes | None:
+
+def watch_drops(reader: BoundedLines) -> list[int]:
+    """How much of a line ``reader`` holds each time it starts dropping one."""
+    held: list[int] = []
+    original = reader._begin_drop
+
+    def watched() -> None:
         held.append(len(reader._buffer))
-        return original()
+        original()
 
-    reader._drop_line = watched  # type: ignore[method-assign]
-    got = []
-    while (line := reader.read_line()) is not None:
-        got.append(line)
-    writer.join()
-    os.close(read)
+    reader._begin_drop = watched  # type: ignore[method-assign]
+    return held
+
+
+def check_long_lines(lines: list[bytes], got: list[bytes], held: list[int]) -> None:
     assert got[0] == lines[0]
     first, second = json.loads(got[1]), json.loads(got[2])
     assert (first["id"], first["method"]) == (7, "tools/call")
@@ -613,7 +613,107 @@ def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
     assert second["id"] == "req-9", "an id after the params is found in the tail"
     assert json.loads(got[3]) == {"jsonrpc": "2.0", "id": 2, "method": "ping"}
     assert len(got) == 4, "the notification (no id: nobody waits) is dropped"
+    assert len(held) == 3
     assert max(held) <= 100_000 + 64 * 1024
+
+
+def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
+    """The transport never holds a line over the limit: it reads it in pieces, drops it,
+    and hands the server a small request with the same id instead."""
+    read, write = os.pipe()
+    lines = long_lines()
+    writer = threading.Thread(target=lambda: [os.write(write, line) for line in lines] and os.close(write))
+    writer.start()
+    reader = BoundedLines(read, limit=100_000)
+    held = watch_drops(reader)
+    got = []
+    while (line := reader.read_line()) is not None:
+        got.append(line)
+    writer.join()
+    os.close(read)
+    check_long_lines(lines, got, held)
+
+
+async def test_a_pipe_is_read_on_the_event_loop_where_lines_arrive_in_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From a pipe (what an MCP client hands its server) the lines are read without a
+    thread, without blocking the loop while a line arrives in pieces (one over the limit
+    too, dropped across many reads), the same lines as read blocking; the pipe gets its
+    flags back."""
+    read, write = os.pipe()
+    lines = long_lines()
+    data = b"".join(lines)
+
+    def trickle() -> None:  # pieces of 50,000 bytes or fewer, with pauses between them
+        for at in range(0, len(data), 49_999):
+            os.write(write, data[at : at + 49_999])
+            if at // 49_999 % 8 == 0:
+                threading.Event().wait(0.002)
+        os.close(write)
+
+    reader = BoundedLines(read, limit=100_000)
+    held = watch_drops(reader)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    def no_thread(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a thread read the pipe")
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", no_thread)
+    ticker = asyncio.create_task(tick())
+    writer = threading.Thread(target=trickle)
+    writer.start()
+    got = [line async for line in reader]
+    writer.join()
+    ticker.cancel()
+    reader.close()
+    assert os.get_blocking(read), "the pipe is blocking again"
+    os.close(read)
+    check_long_lines(lines, got, held)
+    assert ticks > 10, "the loop ran while the lines came in"
+
+
+async def test_a_message_larger_than_the_pipe_goes_out_whole_without_blocking_the_loop() -> None:
+    """The server's stdout waits on the loop while the pipe is full (a client that reads
+    slowly), then sends the rest: every byte, in order."""
+    read, write = os.pipe()
+    out = LineWriter(write)
+    message = json.dumps({"result": "x" * 1_000_000}) + "\n"
+    received = bytearray()
+
+    def slow_reader() -> None:
+        while piece := os.read(read, 4096):
+            received.extend(piece)
+            if len(received) % (256 * 1024) < 4096:
+                threading.Event().wait(0.01)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    await out.write(message)
+    await out.flush()
+    ticker.cancel()
+    out.close()
+    assert os.get_blocking(write), "the pipe is blocking again"
+    os.close(write)
+    reader.join()
+    os.close(read)
+    assert received.decode() == message
+    assert ticks > 10, "the loop ran while the pipe was full"
 
 
 def rss_peak(pid: int) -> int:

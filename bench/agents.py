@@ -1,0 +1,200 @@
+"""What the assistants' ways in add to one round trip: the session API and the MCP server
+against a raw jupyter_client client, all on sandboxed kernels, in one run.
+
+Four paths, each on a kernel of its own, timed in turns (every round runs each path once,
+in an order shuffled per round, so that the machine's load falls on all of them alike):
+
+* ``local raw``: ``BlockingKernelClient.execute_interactive("1+1")`` on a local ipykernel
+  (``--baseline``, default ``python3``): the reference for the ratios;
+* ``sandboxed raw``: the same on a sandboxed kernel (``--kernel``), until the reply and
+  the idle status are both in;
+* ``SandboxSession.run``: ``SandboxSession.run("1+1")`` to its ``Execution`` (which also
+  reads the sandbox's CPU time and peak memory on the host, per run);
+* ``MCP run_code``: the ``mcp`` package's own client calling ``run_code`` on
+  ``jupyter sandbox-kernel mcp`` over stdio, to its structured result (JSON-RPC both
+  ways, the server's session API, the result's rendering).
+
+The table gives p50 and p95 in milliseconds, each path's p50 minus the sandboxed raw p50
+(what the way in adds), and the ratio to the local raw p50.
+
+Run from the project root::
+
+    .venv/bin/python bench/agents.py
+    .venv/bin/python bench/agents.py --runs 300 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import ExitStack
+from pathlib import Path
+
+from latency import CODE, execute_once, percentile, positive_int, progress, running_kernel, workspace
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+from sandbox_kernel import SandboxSession
+
+SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
+PATHS = ("local raw", "sandboxed raw", "SandboxSession.run", "MCP run_code")
+
+
+class McpClient:
+    """``jupyter-sandbox-kernel mcp --cwd CWD`` as a subprocess, driven by the ``mcp`` client
+    on an event loop of its own thread (anyio wants the client entered and left in one
+    task: that task serves the calls, each timed on the loop, not across threads)."""
+
+    def __init__(self, cwd: str) -> None:
+        self._cwd = cwd
+        self._loop = asyncio.new_event_loop()
+        self._calls: asyncio.Queue[Future[float] | None] | None = None
+        self._ready: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete, args=(self._serve(),), daemon=True
+        )
+
+    def __enter__(self) -> McpClient:
+        self._thread.start()
+        self._ready.result(timeout=300)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._calls is not None:
+            self._loop.call_soon_threadsafe(self._calls.put_nowait, None)
+        self._thread.join(timeout=120)
+        self._loop.close()
+
+    def run_code(self) -> float:
+        """Milliseconds for one ``run_code`` of :data:`CODE`."""
+        if self._calls is None:
+            msg = "the MCP client is not running"
+            raise RuntimeError(msg)
+        done: Future[float] = Future()
+        self._loop.call_soon_threadsafe(self._calls.put_nowait, done)
+        return done.result(timeout=300)
+
+    async def _serve(self) -> None:
+        params = StdioServerParameters(
+            command=str(SK), args=["mcp", "--cwd", self._cwd], env=dict(os.environ)
+        )
+        try:
+            async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+                await session.initialize()
+                self._calls = asyncio.Queue()
+                self._ready.set_result(None)
+                while (done := await self._calls.get()) is not None:
+                    try:
+                        done.set_result(await self._once(session))
+                    except Exception as exc:  # noqa: BLE001 (handed to the caller)
+                        done.set_exception(exc)
+        except Exception as exc:
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+            raise
+
+    @staticmethod
+    async def _once(session: ClientSession) -> float:
+        started = time.perf_counter()
+        result = await session.call_tool("run_code", {"code": CODE}, read_timeout_seconds=None)
+        elapsed = (time.perf_counter() - started) * 1000
+        content = result.structured_content or {}
+        if result.is_error or [r.get("text") for r in content.get("results", [])] != ["2"]:
+            msg = f"MCP run_code({CODE!r}) gave {content or result.content}"
+            raise RuntimeError(msg)
+        return elapsed
+
+
+def session_run(session: SandboxSession) -> Callable[[], float]:
+    def once() -> float:
+        started = time.perf_counter()
+        result = session.run(CODE)
+        elapsed = (time.perf_counter() - started) * 1000
+        if result.text != "2":
+            msg = f"SandboxSession.run({CODE!r}) gave {result.to_dict()}"
+            raise RuntimeError(msg)
+        return elapsed
+
+    return once
+
+
+def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dict[str, list[float]]:
+    """Milliseconds per path, ``runs`` each, the paths in a shuffled order every round."""
+    with ExitStack() as stack:
+        progress(f"starting a local {baseline} kernel, a {kernel} kernel, a SandboxSession, an MCP server")
+        local = stack.enter_context(running_kernel(baseline, cwd))
+        sandboxed = stack.enter_context(running_kernel(kernel, cwd))
+        session = stack.enter_context(SandboxSession(kernel, cwd))
+        mcp = stack.enter_context(McpClient(cwd))
+        calls: dict[str, Callable[[], float]] = {
+            "local raw": lambda: execute_once(local.client) * 1000,
+            "sandboxed raw": lambda: execute_once(sandboxed.client) * 1000,
+            "SandboxSession.run": session_run(session),
+            "MCP run_code": mcp.run_code,
+        }
+        for _ in range(warmup):
+            for call in calls.values():
+                call()
+        times: dict[str, list[float]] = {path: [] for path in PATHS}
+        order = list(PATHS)
+        for done in range(runs):
+            random.shuffle(order)
+            for path in order:
+                times[path].append(calls[path]())
+            if (done + 1) % 50 == 0:
+                progress(f"  {done + 1}/{runs} rounds")
+        progress("stopping the kernels")
+    return times
+
+
+def format_table(times: dict[str, list[float]]) -> str:
+    raw = percentile(times["sandboxed raw"], 50)
+    local = percentile(times["local raw"], 50)
+    lines = [("path", "p50 ms", "p95 ms", "p50 - sandboxed raw", "p50 / local raw")]
+    for path in PATHS:
+        p50, p95 = percentile(times[path], 50), percentile(times[path], 95)
+        lines.append((path, f"{p50:.2f}", f"{p95:.2f}", f"{p50 - raw:+.2f} ms", f"{p50 / local:.2f}x"))
+    widths = [max(len(line[col]) for line in lines) for col in range(5)]
+    rendered = [
+        "  ".join(
+            [line[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(line[1:], widths[1:], strict=True))]
+        )
+        for line in lines
+    ]
+    return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:]])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--runs", type=positive_int, default=150, help=f"timed {CODE!r} rounds (each path once)"
+    )
+    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed rounds first")
+    parser.add_argument("--kernel", default="sandboxed-python", help="sandboxed kernelspec")
+    parser.add_argument("--baseline", default="python3", help="local kernelspec for the ratios")
+    parser.add_argument("--json", action="store_true", help="also print the samples as JSON")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with workspace() as cwd:
+        times = measure(args.kernel, args.baseline, args.runs, args.warmup, cwd)
+    print(f"`{CODE}` round trip, {args.runs} rounds, paths in turns (load: {os.getloadavg()[0]:.2f})")
+    print(format_table(times))
+    if args.json:
+        print(json.dumps(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
