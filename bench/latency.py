@@ -31,10 +31,11 @@ of ``jupyter_client`` would see it:
 * the warm pool: a temporary variant of the sandboxed kernelspec with ``pool_size``
   ``--pool-size`` (default 4): start -> first ``kernel_info`` reply of ``--pooled-starts``
   kernels, each claimed from a full pool (p50, p95; compared with the local kernel's cold
-  start); ``--at-once`` kernels (default 10) requested at the same moment through
-  ``AsyncKernelManager`` (as a server or an assistant would), with no pool and with a
-  full pool, until the last one's ``kernel_info`` reply; host memory of one idle pooled
-  sandbox (its cgroup).
+  start), and as many that narrow the policy (memory, cpus, pids) or set variables
+  (``sandbox_env``), interleaved with them (p50 of each); ``--at-once`` kernels (default
+  10) requested at the same moment through ``AsyncKernelManager`` (as a server or an
+  assistant would), with no pool and with a full pool, until the last one's
+  ``kernel_info`` reply; host memory of one idle pooled sandbox (its cgroup).
 * idle CPU: those ``--at-once`` kernels left idle, host CPU over ``--idle-seconds``:
   for the sandboxed ones their containers' cgroups plus this process (the bridges and
   watchdogs run here), for local ones their processes plus this process; in % of one core
@@ -117,6 +118,9 @@ class Timings:
     memory_idle_mib: float = math.nan
     memory_pandas_mib: float = math.nan
     pooled_kernel_info_s: list[float] = field(default_factory=list)
+    #: Pooled starts that narrow the policy, and that set variables (``sandbox_env``).
+    pooled_narrowed_s: list[float] = field(default_factory=list)
+    pooled_env_s: list[float] = field(default_factory=list)
     at_once_s: float = math.nan
     at_once_pooled_s: float = math.nan
     memory_pooled_mib: float = math.nan
@@ -130,15 +134,16 @@ def progress(message: str) -> None:
 
 
 @contextmanager
-def running_kernel(kernel_name: str, cwd: str) -> Iterator[StartedKernel]:
-    """Start a kernel, wait until it is ready, and always shut it down afterwards."""
+def running_kernel(kernel_name: str, cwd: str, **start_kwargs: Any) -> Iterator[StartedKernel]:
+    """Start a kernel (``start_kwargs``: a start's own policy or ``sandbox_env``), wait
+    until it is ready, and always shut it down afterwards."""
     manager = KernelManager(kernel_name=kernel_name, client_factory=StampedClient)
     client: StampedClient | None = None
     started = time.perf_counter()
     try:
         # A local kernel echoes FLOOD to its own stdout (a sandboxed one, to its container's log).
         local = manager.kernel_spec.metadata.get("kernel_provisioner") is None
-        manager.start_kernel(cwd=cwd, **({"stdout": subprocess.DEVNULL} if local else {}))
+        manager.start_kernel(cwd=cwd, **({"stdout": subprocess.DEVNULL} if local else start_kwargs))
         client = manager.client()
         client.start_channels()
         client.wait_for_ready(timeout=STARTUP_TIMEOUT)
@@ -298,17 +303,25 @@ def measure_pool(timings: Timings, kernel_name: str, pool_size: int, starts: int
     pool = SandboxPool.instance()
     warm_pool(kernel_name, cwd=cwd)
     memory = [pooled_sandbox_memory_mib(kernel_name)]
+    # Interleaved: the kernelspec's own policy, one narrowed (as an assistant's session
+    # narrows it per conversation), one setting variables.
+    kinds: list[tuple[str, dict[str, Any], list[float]]] = [
+        ("", {}, timings.pooled_kernel_info_s),
+        (", narrowed", {"memory": "1g", "cpus": 0.5, "pids": 128}, timings.pooled_narrowed_s),
+        (", env", {"sandbox_env": {"BENCH_RUN": "1", "OPENAI_BASE_URL": "http://x"}}, timings.pooled_env_s),
+    ]
     for i in range(1, starts + 1):
-        pool.wait_ready(kernel_name, pool_size)
-        with running_kernel(kernel_name, cwd) as kernel:
-            if not getattr(kernel.manager.provisioner, "from_pool", False):
-                msg = "a pooled start did not come from the pool (see the log above)"
-                raise RuntimeError(msg)
-            timings.pooled_kernel_info_s.append(kernel.kernel_info_s)
-            progress(
-                f"[{kernel_name}] pooled start {i}/{starts}: "
-                f"kernel_info reply after {kernel.kernel_info_s:.3f} s"
-            )
+        for kind, start_kwargs, into in kinds:
+            pool.wait_ready(kernel_name, pool_size)
+            with running_kernel(kernel_name, cwd, **start_kwargs) as kernel:
+                if not getattr(kernel.manager.provisioner, "from_pool", False):
+                    msg = f"a pooled start{kind} did not come from the pool (see the log above)"
+                    raise RuntimeError(msg)
+                into.append(kernel.kernel_info_s)
+                progress(
+                    f"[{kernel_name}] pooled start{kind} {i}/{starts}: "
+                    f"kernel_info reply after {kernel.kernel_info_s:.3f} s"
+                )
     timings.memory_pooled_mib = statistics.median(memory)
     pool.drain()
 
@@ -423,6 +436,8 @@ def summarize(t: Timings) -> dict[str, float]:
     return {
         "pooled_p50_s": percentile(pooled, 50),
         "pooled_p95_s": percentile(pooled, 95),
+        "pooled_narrowed_p50_s": percentile(t.pooled_narrowed_s or t.kernel_info_s, 50),
+        "pooled_env_p50_s": percentile(t.pooled_env_s or t.kernel_info_s, 50),
         "at_once_s": t.at_once_s,
         "at_once_pooled_s": t.at_once_pooled_s if t.pooled_kernel_info_s else t.at_once_s,
         "memory_pooled_mib": t.memory_pooled_mib if t.pooled_kernel_info_s else t.memory_idle_mib,
@@ -460,6 +475,8 @@ ROWS = (
     ("memory_pandas_mib", "host memory, after import pandas", "MiB"),
     ("pooled_p50_s", "pooled start -> kernel_info reply, p50 (local: cold)", "s"),
     ("pooled_p95_s", "pooled start -> kernel_info reply, p95 (local: cold)", "s"),
+    ("pooled_narrowed_p50_s", "pooled start, narrowed -> kernel_info reply, p50 (local: cold)", "s"),
+    ("pooled_env_p50_s", "pooled start, env -> kernel_info reply, p50 (local: cold)", "s"),
     ("at_once_s", "N kernels at once, all ready (no pool)", "s"),
     ("at_once_pooled_s", "N kernels at once, all ready (pool; local: none)", "s"),
     ("memory_pooled_mib", "host memory, one idle pooled sandbox (local: idle)", "MiB"),

@@ -2,10 +2,10 @@
 
 A server fills the pools of its sandboxed kernelspecs as it starts
 (``SandboxMappingKernelManager.warm_pools``); a program calls :func:`warm_pool`. Either
-plans the pool as a kernel start of that kernelspec would, with the same calls
-(:func:`~.kernel.start.plan_start`: the same checks, settings and ceilings), and hands the
-plan to the process's :class:`~.pool.SandboxPool`, which starts the sandboxes in the
-background.
+plans the pool with the very call a kernel start of that kernelspec makes
+(:meth:`~.provisioner.SandboxProvisioner.pre_launch`: the same checks, settings, ceilings,
+credentials, host check and orphan sweep), which hands the plan to the process's
+:class:`~.pool.SandboxPool`; that starts the sandboxes in the background.
 """
 
 from __future__ import annotations
@@ -13,13 +13,8 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
-from jupyter_client.provisioning.provisioner_base import KernelProvisionerBase
-
-from sandbox_kernel.kernel.launching import sweep_orphans_once
-from sandbox_kernel.kernel.start import plan_start
 from sandbox_kernel.pool.sandboxes import SandboxPool
 from sandbox_kernel.provisioner import SandboxProvisioner
 
@@ -50,19 +45,9 @@ async def plan_pool(
     provisioner = factory.create_provisioner_instance(secrets.token_hex(8), km.kernel_spec, parent=km)
     if not isinstance(provisioner, SandboxProvisioner) or provisioner.pool_size <= 0:
         return False
-    kwargs = {"cwd": str(cwd or os.getcwd()), "env": dict(os.environ if env is None else env)}
-    fill_env = partial(KernelProvisionerBase.pre_launch, provisioner)
-    start, plan, _ = await plan_start(
-        provisioner, km.kernel_spec, provisioner.kernel_name, kwargs, provisioner.link, fill_env
-    )
-    provisioner.egress.read_credentials(plan.credentials)  # a missing token fails here, as at a start
-    provisioner.pool.want(plan, start, provisioner.link.signature_scheme())
-    if provisioner.pool.plan is None:
-        return False
-    await provisioner.backend.check_runtime(provisioner.docker_runtime)
-    await provisioner.backend.check_image(provisioner.image)
-    await sweep_orphans_once(provisioner.backend, provisioner.runtime_parent, provisioner.log)
-    return True
+    # A start of the kernelspec's own policy plans the pool: this is one, up to its launch.
+    await provisioner.pre_launch(cwd=str(cwd or os.getcwd()), env=dict(os.environ if env is None else env))
+    return provisioner.pool.plan is not None
 
 
 def warm_pool(

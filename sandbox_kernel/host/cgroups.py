@@ -110,6 +110,48 @@ def freeze(pid: int, frozen: bool, proc: Path = Path("/proc")) -> bool:
     return True
 
 
+def lower_limits(
+    pid: int, memory: int | None = None, cpus: float | None = None, proc: Path = Path("/proc")
+) -> None:
+    """Lower the memory limit (bytes, swap included) and the CPU quota of ``pid``'s
+    cgroup, the whole sandbox, each read back (runsc 20240729 refuses ``docker update``).
+
+    Raises:
+        OSError: a limit could not be set (no such cgroup, not root, more memory in use).
+    """
+    if memory is not None:
+        folder, version = _found(pid, "memory", proc)
+        names = ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes") if version == 1 else ("memory.max",)
+        for name in names:  # v1: the limit first, as it may never be above the one with swap
+            if name == names[0] or (folder / name).exists():
+                (folder / name).write_text(str(memory))
+                if int((folder / name).read_text()) > memory:
+                    msg = f"{folder / name} stays above {memory}"
+                    raise OSError(msg)
+    if cpus is not None:
+        folder, version = _found(pid, "cpu", proc)
+        if version == 1:
+            period = int((folder / "cpu.cfs_period_us").read_text())
+            (folder / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpus * period))))
+            quota = int((folder / "cpu.cfs_quota_us").read_text())
+        else:
+            period = int((folder / "cpu.max").read_text().split()[1])
+            (folder / "cpu.max").write_text(f"{max(1000, int(cpus * period))} {period}")
+            written = (folder / "cpu.max").read_text().split()[0]
+            quota = -1 if written == "max" else int(written)
+        if not 0 < quota <= max(1000, int(cpus * period)):
+            msg = f"the CPU quota of process {pid}'s cgroup stays above {cpus:g} CPUs"
+            raise OSError(msg)
+
+
+def _found(pid: int, controller: str, proc: Path) -> tuple[Path, int]:
+    found = _cgroup(pid, controller, proc)
+    if found is None:
+        msg = f"no {controller} cgroup for process {pid}"
+        raise OSError(msg)
+    return found
+
+
 #: Where Docker makes a container's cgroup in a hierarchy: its cgroupfs driver, its systemd driver.
 DOCKER_CGROUPS = ("docker/{id}", "system.slice/docker-{id}.scope")
 

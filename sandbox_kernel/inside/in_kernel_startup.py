@@ -124,19 +124,27 @@ SANDBOX_OWN = ("/workspace", "/tmp", "/proc", "/sys", "/dev")  # noqa: S108
 
 def start() -> None:
     """Set the kernel up as this module says, in an order that matters: the claim's
-    socket last, as its existence tells the host that the kernel is ready."""
+    socket last, as its existence tells the host that the kernel is ready. A pooled
+    sandbox's kernel is set up for its policy as it takes its claim, which may narrow it."""
     from IPython import get_ipython  # here: the host imports this module to find its file
 
+    restore_working_folder()
+    read_output_in_large_chunks()
+    shell = get_ipython()
+    if not listen_for_claim(shell):
+        set_up(shell)
+
+
+def set_up(shell: Any) -> None:
+    """What the kernel's policy (``SANDBOX_KERNEL_POLICY``) decides: its memory watch and
+    messages, threads per CPU, pip, wall clock."""
     policy: dict[str, Any] = json.loads(os.environ.get("SANDBOX_KERNEL_POLICY") or "{}")
     memory = str(policy.get("memory", ""))
     limit = size_bytes(memory)
     exec_timeout = float(policy.get("exec_timeout") or 0)
     allowed = [str(domain) for domain in policy.get("allowed_domains") or []]
 
-    restore_working_folder()
     limit_threads(policy)
-    read_output_in_large_chunks()
-    shell = get_ipython()
     watch = MemoryWatch(memory, limit)
     no_route = no_route_text(policy.get("network", "none"), allowed)
     explain_unresolved_names(no_route)
@@ -154,7 +162,6 @@ def start() -> None:
     shell.events.register("post_run_cell", packages.changed)
     if exec_timeout > 0:
         arm_wall_clock(shell, exec_timeout)
-    listen_for_claim(shell)
 
 
 def size_bytes(memory: str) -> int:
@@ -563,24 +570,26 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
 # ---------------------------------------------------------------- claim (pooled)
 
 
-def listen_for_claim(shell: Any) -> None:
+def listen_for_claim(shell: Any) -> bool:
     # A pooled sandbox starts before its kernel is asked for: the host hands it its
-    # working folder (the workspace, attached meanwhile) and session variables through
-    # a socket it listens on once, and it answers "ok". Bound last: its existence tells
-    # the host that the kernel is ready. Nobody else reaches the socket (it lies in the
-    # server's private folder), and no code of a user has run yet.
+    # working folder (the workspace, attached meanwhile), environment and narrowed limits
+    # through a socket it listens on once, and it answers "ok". Bound last: its existence
+    # tells the host that the kernel is ready. Nobody else reaches the socket (it lies in
+    # the server's private folder), and no code of a user has run yet. True: a pooled one.
     claim_path = os.environ.pop("SANDBOX_KERNEL_CLAIM", "")
     if not claim_path:
-        return
+        return False
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(claim_path)
     listener.listen(1)
     claimed = functools.partial(await_claim, shell, listener)
     threading.Thread(target=claimed, name="sandbox-kernel-claim", daemon=True).start()
+    return True
 
 
 def await_claim(shell: Any, listener: socket.socket) -> None:
-    """Take the claim: the working folder, session variables and (a restart) session key."""
+    """Take the claim (the working folder, environment, lower limits and, on a restart,
+    the session key), then set the kernel up for its policy; "ok", or why not."""
     conn, _ = listener.accept()
     listener.close()  # a host socket would keep the sandbox from a checkpoint
     with conn:
@@ -590,13 +599,47 @@ def await_claim(shell: Any, listener: socket.socket) -> None:
             if not chunk:
                 break
             data += chunk
-        claim = json.loads(data)
-        os.environ.update({str(k): str(v) for k, v in claim.get("env", {}).items()})
-        cwd = str(claim["cwd"])
-        os.chdir(cwd)
-        shell.user_ns["_dh"] = [cwd]
-        if "JPY_SESSION_NAME" in claim.get("env", {}):
-            shell.user_ns["__session__"] = os.environ["JPY_SESSION_NAME"]
-        if claim.get("key"):  # a restart: the session key the kernel's clients hold
-            shell.kernel.session.key = str(claim["key"]).encode()
+        try:
+            take_claim(shell, json.loads(data))
+        except Exception as exc:  # noqa: BLE001  # any: the host then starts the kernel cold
+            conn.sendall(f"failed: {exc!r}"[:200].encode() + b"\n")
+            return
         conn.sendall(b"ok\n")
+
+
+def take_claim(shell: Any, claim: dict[str, Any]) -> None:
+    """Become the claimed kernel: lower limits first, for every process of the sandbox
+    (what a cold start's container gets; a process can only lower its own, and these are
+    the kernel's uid's), then the start's environment, before any code of a user runs."""
+    for name, value in claim.get("rlimits", {}).items():
+        lower_limit(getattr(resource, f"RLIMIT_{str(name).upper()}"), int(value))
+    for name in claim.get("unset", []):
+        os.environ.pop(str(name), None)
+    os.environ.update({str(k): str(v) for k, v in claim.get("env", {}).items()})
+    cwd = str(claim["cwd"])
+    os.chdir(cwd)
+    shell.user_ns["_dh"] = [cwd]
+    if "JPY_SESSION_NAME" in claim.get("env", {}):
+        shell.user_ns["__session__"] = os.environ["JPY_SESSION_NAME"]
+    if claim.get("key"):  # a restart: the session key the kernel's clients hold
+        shell.kernel.session.key = str(claim["key"]).encode()
+    set_up(shell)
+
+
+def lower_limit(which: int, value: int) -> None:
+    """Set the resource limit ``which`` to at most ``value`` on every process of the
+    sandbox, this one last; raises if one is left above it."""
+    me = os.getpid()
+    pids = sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != me)
+    for pid in [*pids, me]:
+        try:
+            soft, hard = (
+                value if v == resource.RLIM_INFINITY else min(v, value) for v in resource.prlimit(pid, which)
+            )
+            resource.prlimit(pid, which, (soft, hard))
+            left = resource.prlimit(pid, which)
+        except ProcessLookupError:
+            continue  # ended meanwhile
+        if resource.RLIM_INFINITY in left or max(left) > value:
+            msg = f"process {pid} keeps a limit above {value}"
+            raise OSError(msg)

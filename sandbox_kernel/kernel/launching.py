@@ -36,6 +36,7 @@ from sandbox_kernel.plan.limits import size_bytes
 from sandbox_kernel.plan.plan import Plan
 from sandbox_kernel.plan.sandbox_spec import SandboxSpec, is_launcher
 from sandbox_kernel.pool.binding import bind
+from sandbox_kernel.pool.fit import Narrowing, narrowing
 from sandbox_kernel.pool.sandboxes import PooledSandbox, PoolPlan
 from sandbox_kernel.services import PROCESS, Services
 
@@ -138,15 +139,20 @@ class PoolClaim:
         self.plan: PoolPlan | None = None
         #: Whether the running kernel's sandbox came from the pool (False: started cold).
         self.from_pool = False
+        #: What a claim applies to a pooled sandbox for this start (None: it cannot claim).
+        self.narrowing: Narrowing | None = None
+        #: Why this start cannot claim from its kernelspec's pool (None: it can, or no pool).
+        self.misfit: str | None = None
 
     def want(self, plan: Plan, start: Start, scheme: str) -> None:
-        """With a ``pool_size``: the kernelspec's pool plan, handed to the process's pool
-        (which starts filling it in the background). A start with a policy or environment
-        of its own cannot use it: a pooled sandbox has only the kernelspec's."""
-        self.plan = None
-        spec, settings, own = plan.spec, start.policy, start.own
+        """With a ``pool_size``: the pool plan this start claims from. A start of the
+        kernelspec's own policy hands its plan to the process's pool (which starts filling
+        it in the background); one with a policy or environment of its own claims from the
+        pool's current plan if it only narrows it (see :mod:`~.pool.fit`), else starts cold."""
+        self.plan, self.narrowing, self.misfit = None, None, None
+        spec, settings = plan.spec, start.policy
         size = settings.pool_size
-        if size <= 0 or own:
+        if size <= 0:
             return
         if not can_mount():
             if not PoolClaim._warned_needs_root:
@@ -158,25 +164,53 @@ class PoolClaim:
                     spec.kernelspec,
                 )
             return
-        self.plan = PoolPlan(
-            spec=spec,
-            size=size,
-            scheme=scheme,
-            egress=None if plan.egress is None else plan.egress.rules,
-            startup_timeout=settings.startup_timeout,
-            startup_code=is_launcher(start.launch.argv),
-            runtime_parent=settings.runtime_parent,
-            budget=size_bytes("max_pool_memory", settings.max_pool_memory),
-            backend=self._backend,
-        )
-        self._services.pool.want(self.plan)
+        if not start.own:
+            self.plan = PoolPlan(
+                spec=spec,
+                size=size,
+                scheme=scheme,
+                egress=None if plan.egress is None else plan.egress.rules,
+                startup_timeout=settings.startup_timeout,
+                startup_code=is_launcher(start.launch.argv),
+                runtime_parent=settings.runtime_parent,
+                budget=size_bytes("max_pool_memory", settings.max_pool_memory),
+                backend=self._backend,
+            )
+            self._services.pool.want(self.plan)
+            self.narrowing = Narrowing()
+            return
+        self.plan = self._services.pool.plan_of(spec.kernelspec)
+        if self.plan is None:
+            self.misfit = (
+                "no pool planned yet (a start of the kernelspec's own policy, warm_pool() or a "
+                "server's warm_pools plans it; one that narrows it claims from it)"
+            )
+            return
+        found = narrowing(self.plan.spec, spec) if self.plan.scheme == scheme else "signature scheme differs"
+        if isinstance(found, str):
+            self.misfit = found
+        else:
+            self.narrowing = found
 
     def ready(self) -> bool:
-        """A pooled sandbox waits for this kernelspec (a host checked when it was made)."""
-        return self.plan is not None and bool(self._services.pool.ready_for(self.plan.fingerprint))
+        """A pooled sandbox this start can claim waits (a host checked when it was made)."""
+        return (
+            self.plan is not None
+            and self.narrowing is not None
+            and bool(self._services.pool.ready_for(self.plan.fingerprint))
+        )
 
     def claim(self) -> PooledSandbox | None:
-        """A ready pooled sandbox for this start (a restart's too), or None (then it starts cold)."""
+        """A ready pooled sandbox for this start (a restart's too), or None (then it starts
+        cold, and the log says why)."""
+        if self.misfit is not None:
+            self._log.info(
+                "Sandboxed kernel %s: starting cold, not from the pool of %s: %s",
+                self._site.kernel_id,
+                self._site.spec.kernelspec if self._site.spec is not None else "its kernelspec",
+                self.misfit,
+            )
+            return None
         if self.plan is None:
             return None
         pooled = self._services.pool.claim(self.plan.fingerprint)
@@ -199,7 +233,7 @@ class PoolClaim:
             site.runtime_dir, site.launches = sandbox.runtime_dir, 1
         site.launch_dir, site.container_id = sandbox.launch_dir, sandbox.container_id
         try:
-            await bind(self._backend, sandbox, spec, key)
+            await bind(self._backend, sandbox, spec, key, self.narrowing)
         except (SandboxKernelError, OSError) as exc:
             self._log.warning(
                 "Sandboxed kernel %s: could not bind pooled sandbox %s (%s); starting one cold",
@@ -222,13 +256,14 @@ class PoolClaim:
         site.spec = replace(spec, runtime_dir=sandbox.launch_dir)
         self.from_pool = True
         self._log.info(
-            "Sandboxed kernel %s: pooled sandbox %s (image %s, uid %d, workspace %s at %s)",
+            "Sandboxed kernel %s: pooled sandbox %s (image %s, uid %d, workspace %s at %s; narrowed: %s)",
             site.kernel_id,
             sandbox.container_id[:12],
             spec.image,
             spec.uid,
             spec.workspace,
             spec.workspace_path,
+            (self.narrowing or Narrowing()).describe(),
         )
         self._services.loop.submit(self._rename(sandbox.container_id, spec.container_name))
         return True

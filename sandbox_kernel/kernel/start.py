@@ -62,7 +62,8 @@ class Start:
 
     @property
     def own(self) -> bool:
-        """The start has a policy or environment of its own (a pooled sandbox has not)."""
+        """The start has a policy or environment of its own: a pooled sandbox is narrowed to
+        it as it is claimed, when it can be (see :mod:`~sandbox_kernel.pool.fit`)."""
         return bool(self.narrowed or self.sandbox_env)
 
 

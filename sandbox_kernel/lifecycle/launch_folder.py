@@ -18,7 +18,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.egress import relay as egress_relay
 from sandbox_kernel.errors import KernelStartupError
 from sandbox_kernel.host.trees import delete_tree
-from sandbox_kernel.inside import in_kernel, in_kernel_startup, kernel_relay
+from sandbox_kernel.inside import fast_io, in_kernel, in_kernel_startup, kernel_relay
 from sandbox_kernel.lifecycle.ownership import RUNTIME_DIR_PREFIX, write_owner
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CLAIM_SOCKET,
@@ -54,7 +54,7 @@ HOST_FILES = frozenset(
         CONTAINER_RELAY_FILE,
         CONTAINER_EGRESS_CA,
     )
-)
+) | {Path(fast_io.__file__).name}
 #: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
 #: (where it hears its claim).
 OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
@@ -182,6 +182,8 @@ def write_startup_code(launch_dir: Path) -> None:
     startup = {
         CONTAINER_STARTUP_FILE: in_kernel.__file__,
         CONTAINER_STARTUP_MODULE: in_kernel_startup.__file__,
+        # The start-up module loads it from beside itself.
+        f"{Path(CONTAINER_STARTUP_MODULE).parent}/{Path(fast_io.__file__).name}": fast_io.__file__,
     }
     for path, source in startup.items():
         (launch_dir / Path(path).name).write_text(Path(source).read_text())
@@ -234,17 +236,30 @@ async def wait_until_ready(
 
 
 def send_claim(
-    launch_dir: Path, cwd: str, env: Mapping[str, str], timeout: float = 10.0, key: bytes | None = None
+    launch_dir: Path,
+    cwd: str,
+    env: Mapping[str, str],
+    timeout: float = 10.0,
+    key: bytes | None = None,
+    unset: Sequence[str] = (),
+    rlimits: Mapping[str, int] | None = None,
 ) -> None:
-    """Hand a pooled sandbox's kernel its working folder and session env, and on a restart
-    (``key``) the session key its clients hold; wait for its "ok".
+    """Hand a pooled sandbox's kernel its working folder and the variables it sets (and
+    ``unset``, drops), the lower resource limits its processes get (``rlimits``: "nproc",
+    "fsize"), and on a restart (``key``) the session key its clients hold; wait for its
+    "ok", which it gives once all is in place.
 
     The kernel's answer is untrusted: only a bounded read, compared with b"ok".
 
     Raises:
         KernelStartupError: the kernel did not take the claim.
     """
-    claim: dict[str, Any] = {"cwd": cwd, "env": dict(env)}
+    claim: dict[str, Any] = {
+        "cwd": cwd,
+        "env": dict(env),
+        "unset": list(unset),
+        "rlimits": dict(rlimits or {}),
+    }
     if key is not None:
         claim["key"] = key.decode()
     path = launch_dir / Path(CONTAINER_CLAIM_SOCKET).name

@@ -86,6 +86,10 @@ DEFAULT_ENV: Mapping[str, str] = {"USER": "sandbox", "LOGNAME": "sandbox"}
 #: The kernel's effective limits, as JSON, for code in the sandbox to read.
 POLICY_ENV = "SANDBOX_KERNEL_POLICY"
 
+#: Variables of sandbox-kernel's own in the sandbox (its policy, claim socket, relay's pid):
+#: only the host sets them, never a kernelspec's or a start's environment.
+RESERVED_ENV_PREFIX = "SANDBOX_KERNEL_"
+
 #: Never passed, even when a kernelspec or the allow-list names them: ipykernel exits
 #: when the process JPY_PARENT_PID names is not its parent, which inside a container
 #: it never is.
@@ -184,9 +188,16 @@ def sandbox_env(
     """The environment the kernel gets: an allow-list, never the server's whole env.
 
     ``env`` is the launch environment (the server's, with the kernelspec's ``env``
-    applied); only names in ``pass_env`` or set by the kernelspec itself survive.
+    applied); only names in ``pass_env`` or set by the kernelspec itself survive, never
+    one of sandbox-kernel's own (``SANDBOX_KERNEL_*``: the sandbox's, set by the host).
+    This is the one filter of what a start sets; a pooled sandbox's claim gets what it
+    lets through too (see :mod:`~sandbox_kernel.pool.fit`).
     """
-    allowed = (set(pass_env) | set(kernelspec_env)) - NEVER_PASSED_ENV - {POLICY_ENV}
+    allowed = {
+        name
+        for name in (set(pass_env) | set(kernelspec_env)) - NEVER_PASSED_ENV
+        if not name.startswith(RESERVED_ENV_PREFIX)
+    }
     result = dict(DEFAULT_ENV)
     result.update({name: env[name] for name in sorted(allowed) if name in env})
     result.update(FIXED_ENV)

@@ -11,7 +11,10 @@ before its kernel (see :mod:`~.pool`): a claim binds it afterwards, here. What b
 - the workspace: mounted under the sandbox's slot, where it appears as
   ``/workspace/<name>``;
 - the working folder and the per-kernel session variables (``JPY_SESSION_NAME``),
-  handed to the kernel through its one-shot claim socket.
+  handed to the kernel through its one-shot claim socket;
+- for a start that narrows the pool's plan (see :mod:`~.fit`): the lower memory and CPU
+  limits, written to the sandbox's host cgroup while it is still frozen, and the
+  variables, the policy and the lower resource limits the kernel takes with its claim.
 
 One sandbox serves one kernel, ever: a binding is never undone, the sandbox is removed
 with its kernel.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.lifecycle.launch_folder import send_claim
 from sandbox_kernel.plan.sandbox_spec import PER_KERNEL_ENV, SandboxSpec
+from sandbox_kernel.pool.fit import Narrowing
 from sandbox_kernel.pool.sandboxes import PooledSandbox
 
 
@@ -51,19 +55,35 @@ class KernelBinding:
 
 
 async def bind(
-    backend: SandboxBackend, sandbox: PooledSandbox, spec: SandboxSpec, key: bytes | None = None
+    backend: SandboxBackend,
+    sandbox: PooledSandbox,
+    spec: SandboxSpec,
+    key: bytes | None = None,
+    narrowing: Narrowing | None = None,
 ) -> KernelBinding:
-    """Make the claimed ``sandbox`` the kernel of ``spec``'s: thawed, its workspace
-    attached (a volume prepared first), its kernel told where to work and its session
-    variables, and on a restart (``key``) the session key the kernel's clients hold. The
-    container's name follows in the background (:func:`rename`).
+    """Make the claimed ``sandbox`` the kernel of ``spec``'s: narrowed to it (``narrowing``,
+    its lower limits first), thawed, its workspace attached (a volume prepared first), its
+    kernel told where to work, its variables and its lower limits, and on a restart
+    (``key``) the session key the kernel's clients hold. The container's name follows in
+    the background (:func:`rename`).
 
     Raises:
         SandboxKernelError, OSError: it could not be bound; remove the sandbox.
     """
-    binding = KernelBinding.of(spec)
+    binding, narrowing = KernelBinding.of(spec), narrowing or Narrowing()
+    if narrowing.memory is not None or narrowing.cpus is not None:
+        await asyncio.to_thread(sandbox.narrow, narrowing.memory, narrowing.cpus)
     await asyncio.to_thread(sandbox.thaw)
     source = await backend.prepare_workspace(spec) or spec.workspace
     await backend.attach_workspace(sandbox.slot, binding.workspace_path, source)
-    await asyncio.to_thread(send_claim, sandbox.launch_dir, binding.workdir, binding.env, key=key)
+    env = {**narrowing.env, **binding.env}
+    await asyncio.to_thread(
+        send_claim,
+        sandbox.launch_dir,
+        binding.workdir,
+        env,
+        key=key,
+        unset=narrowing.unset,
+        rlimits=narrowing.rlimits,
+    )
     return binding

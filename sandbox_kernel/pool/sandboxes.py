@@ -12,9 +12,10 @@ else, as when a kernel is reattached).
 
 - One sandbox serves one kernel, ever: a claimed sandbox never comes back. No user code
   has run in a sandbox before its claim.
-- Only a sandbox made from exactly the claimant's plan is claimed (image, command,
-  environment, limits, uid, labels: :func:`plan_fingerprint`); otherwise the kernel
-  starts cold, with one log line.
+- A start claims a sandbox made from its own plan (image, command, environment, limits,
+  uid, labels: :func:`plan_fingerprint`), or from one it narrows in ways a running,
+  never-used sandbox can be narrowed to (lower limits, less network, variables set at
+  the claim: :mod:`~.fit`); otherwise the kernel starts cold, with one log line saying why.
 - A waiting sandbox is frozen (its cgroup's freezer): under runsc 20240729 an idle
   sandbox keeps ~6 % of a core busy, a frozen one nothing; a claim thaws it first.
 - Refilling runs on the background loop's thread after each claim, one sandbox at a
@@ -47,7 +48,7 @@ from sandbox_kernel.egress.ca import KernelCA
 from sandbox_kernel.egress.rules import EgressRules
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.host.background import BackgroundLoop
-from sandbox_kernel.host.cgroups import freeze
+from sandbox_kernel.host.cgroups import freeze, lower_limits
 from sandbox_kernel.host.mounts import make_shared
 from sandbox_kernel.lifecycle.launch_folder import (
     expected_sockets,
@@ -180,11 +181,24 @@ class PooledSandbox:
     backend: SandboxBackend = field(compare=False)
     #: The host pid of its sandbox, whose cgroup is frozen while it waits (None: not frozen).
     frozen_pid: int | None = None
+    #: The host pid of its sandbox (None: not known), whose cgroup a claim may narrow.
+    pid: int | None = None
 
     def thaw(self) -> None:
         """Let the sandbox run again, before its claim (the backend's removal thaws by itself)."""
         if self.frozen_pid is not None:
             freeze(self.frozen_pid, False)
+
+    def narrow(self, memory: str | None, cpus: float | None) -> None:
+        """Lower the sandbox's memory limit and CPU quota (its host cgroup), before its claim.
+
+        Raises:
+            OSError: they could not be lowered (then the sandbox must not serve the start).
+        """
+        if self.pid is None:
+            msg = "the sandbox's host process is not known, so its limits cannot be lowered"
+            raise OSError(msg)
+        lower_limits(self.pid, None if memory is None else size_bytes("memory", memory), cpus)
 
 
 class SandboxPool:
@@ -246,6 +260,11 @@ class SandboxPool:
         if plan is not None:
             self._fill_soon(plan, delay=REFILL_DELAY if sandbox is not None else 0.0)
         return sandbox
+
+    def plan_of(self, kernelspec: str) -> PoolPlan | None:
+        """What ``kernelspec``'s pooled sandboxes are made from now, if it has a pool."""
+        with self._lock:
+            return self._plans.get(kernelspec)
 
     def ready_for(self, fingerprint: str) -> int:
         """How many sandboxes of the plan ``fingerprint`` wait."""
@@ -398,6 +417,7 @@ class SandboxPool:
             memory=plan.memory,
             backend=backend,
             frozen_pid=pid if frozen else None,
+            pid=pid,
         )
 
     async def _remove(self, sandbox: PooledSandbox) -> None:

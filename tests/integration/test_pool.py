@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -25,7 +26,7 @@ from sandbox_kernel.host.mounts import mounts_under
 from sandbox_kernel.lifecycle.ownership import OrphanReaper
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNELSPEC, LABEL_POOL
 
-from .conftest import KERNEL, SANDBOX_UID, KernelStarter, make_workspace, run_ok
+from .conftest import KERNEL, SANDBOX_UID, KernelStarter, make_workspace, run, run_ok
 from .test_jupyter_server import execute_over_websocket, start_server, stop_server
 
 POOLED = "sandboxed-python-pooled"
@@ -371,3 +372,180 @@ def test_the_ptrace_runtime_keeps_an_idle_kernel_idle(
     time.sleep(5)
     idle = ((cpu_seconds(pid) or 0.0) - before) / 5
     assert idle < 0.02, f"an idle kernel on ptrace used {idle:.1%} of a core"
+
+
+@pytest.fixture
+def start_narrowed(workspace: Path) -> Iterator[Callable[..., tuple[KernelManager, BlockingKernelClient]]]:
+    """Start kernels with start_kernel(...) arguments of their own (a narrowed policy,
+    sandbox_env), as the session API does; each shut down afterwards."""
+    started: list[tuple[KernelManager, BlockingKernelClient]] = []
+
+    def start(kernel_name: str, **start_kwargs: object) -> tuple[KernelManager, BlockingKernelClient]:
+        km = KernelManager(kernel_name=kernel_name)
+        km.start_kernel(cwd=str(workspace), env=dict(os.environ), **start_kwargs)
+        kc = km.client()
+        started.append((km, kc))
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        return km, kc
+
+    yield start
+    for km, kc in started:
+        kc.stop_channels()
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+
+
+def host_cgroup(km: KernelManager, controller: str, name: str) -> str:
+    container = docker.from_env().containers.get(km.provisioner.container_id)
+    return Path(f"/sys/fs/cgroup/{controller}/docker/{container.id}/{name}").read_text().strip()
+
+
+def test_a_narrowed_start_claims_from_the_pool_and_its_limits_hold(
+    make_kernelspec: Callable[..., str],
+    pool: SandboxPool,
+    workspace: Path,
+    start_narrowed: Callable[..., tuple[KernelManager, BlockingKernelClient]],
+) -> None:
+    """What an assistant asks per conversation (less memory, CPU and processes) comes
+    from the pool: the sandbox's host cgroup and its processes' limits are the start's."""
+    name = make_kernelspec(POOLED, config={"pool_size": 1})
+    assert warm_pool(name, cwd=workspace) == 1
+    km, kc = start_narrowed(name, memory="512m", cpus=0.5, pids=64, file_size="64m")
+    assert km.provisioner.from_pool
+    assert host_cgroup(km, "memory", "memory.limit_in_bytes") == str(512 * 2**20)
+    assert host_cgroup(km, "memory", "memory.memsw.limit_in_bytes") == str(512 * 2**20)
+    assert host_cgroup(km, "cpu", "cpu.cfs_quota_us") == "50000"
+    out = run_ok(
+        kc,
+        "import json, os, resource\n"
+        "policy = json.loads(os.environ['SANDBOX_KERNEL_POLICY'])\n"
+        "pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print(policy['memory'], policy['cpus'], policy['pids'],\n"
+        "      {resource.prlimit(p, resource.RLIMIT_NPROC) for p in pids},\n"
+        "      {resource.prlimit(p, resource.RLIMIT_FSIZE)[1] for p in pids})",
+    )
+    assert out.strip().split(maxsplit=3) == ["512m", "0.5", "64", f"{{(64, 64)}} {{{64 * 2**20}}}"]
+    # A file above file_size fails as a cold start's would.
+    assert "File too large" in run_ok(
+        kc, "try:\n    open('/tmp/big', 'wb').write(b'x' * (65 << 20))\nexcept OSError as e:\n    print(e)"
+    )
+    # CPU: two spinning threads get half a core of the host, not two.
+    pid = docker.from_env().containers.get(km.provisioner.container_id).attrs["State"]["Pid"]
+    spin = (
+        "import threading, time\ndef spin():\n    end = time.time() + 4\n    while time.time() < end: pass\n"
+    )
+    kc.execute(spin + "ts = [threading.Thread(target=spin) for _ in range(2)]\n[t.start() for t in ts]")
+    time.sleep(1)
+    before = cpu_seconds(pid) or 0.0
+    time.sleep(2)
+    used = ((cpu_seconds(pid) or 0.0) - before) / 2
+    assert used < 0.6, f"a kernel narrowed to 0.5 CPUs used {used:.2f} of a core"
+    run_ok(kc, "[t.join() for t in ts]")
+    # Memory: 1 GiB is out of reach; the cell is stopped (MemoryError) or, for allocations
+    # in large C calls, the sandbox at its narrowed limit, as a 512m kernel's (see docs).
+    result = run(kc, "held = []\nfor _ in range(16):\n    held.append(bytearray(64 << 20))")
+    assert result.status == "error"
+    if result.reply["content"]["ename"] == "MemoryError":
+        assert int(run_ok(kc, "print(len(held))")) < 8
+    else:
+        assert km.provisioner.limit_stop is not None
+        assert "memory limit 512m exceeded" in km.provisioner.limit_stop.reason
+
+
+def test_no_network_narrowed_onto_an_allowlist_pool_reaches_nothing(
+    make_kernelspec: Callable[..., str],
+    pool: SandboxPool,
+    workspace: Path,
+    start_narrowed: Callable[..., tuple[KernelManager, BlockingKernelClient]],
+) -> None:
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(
+        "c.SandboxProvisioner.max_allowed_domains = ['pypi.org']\n"
+    )
+    config = {"pool_size": 1, "network": "allowlist", "allowed_domains": ["pypi.org"]}
+    name = make_kernelspec(POOLED, config=config)
+    assert warm_pool(name, cwd=workspace) == 1
+    km, kc = start_narrowed(name, network="none")
+    assert km.provisioner.from_pool
+    assert km.provisioner.egress.policy is None
+    assert not km.provisioner.egress.registered
+    out = run_ok(
+        kc,
+        "import json, os, socket, urllib.request\n"
+        "print(json.loads(os.environ['SANDBOX_KERNEL_POLICY'])['network'],\n"
+        "      sorted(k for k in os.environ if 'proxy' in k.lower() or k == 'SSL_CERT_FILE'))\n"
+        "for attempt in (lambda: urllib.request.urlopen('https://pypi.org/simple/', timeout=5),\n"
+        "                lambda: urllib.request.build_opener(urllib.request.ProxyHandler(\n"
+        "                    {'https': 'http://127.0.0.1:3128'})\n"
+        "                ).open('https://pypi.org/simple/', timeout=5),\n"
+        "                lambda: socket.create_connection(('151.101.0.223', 443), timeout=5)):\n"
+        "    try:\n"
+        "        attempt(); print('REACHED')\n"
+        "    except OSError as e:\n"
+        "        print('refused')",
+        timeout=120,
+    )
+    assert out.split("\n")[0] == "none []"
+    assert "REACHED" not in out
+    assert out.count("refused") == 3
+
+
+def test_a_start_with_its_own_env_claims_and_its_variables_reach_the_kernel_and_children(
+    pooled: str,
+    pool: SandboxPool,
+    workspace: Path,
+    start_narrowed: Callable[..., tuple[KernelManager, BlockingKernelClient]],
+) -> None:
+    """Variables given at the claim, filtered as a cold start's are: what the sandbox fixes
+    (HOME), its policy and sandbox-kernel's own stay the host's, JPY_PARENT_PID never passes."""
+    warm_pool(pooled, cwd=workspace)
+    km, kc = start_narrowed(
+        pooled,
+        sandbox_env={
+            "ASSISTANT_RUN": "conversation-7",
+            "HOME": "/workspace",
+            "SANDBOX_KERNEL_POLICY": '{"memory": "64g"}',
+            "SANDBOX_KERNEL_CLAIM": "/tmp/x",
+            "JPY_PARENT_PID": "1",
+        },
+    )
+    assert km.provisioner.from_pool
+    out = run_ok(
+        kc,
+        "import json, os\n"
+        "policy = json.loads(os.environ['SANDBOX_KERNEL_POLICY'])\n"
+        "print(os.environ['ASSISTANT_RUN'], os.environ['HOME'], policy['memory'],\n"
+        "      'SANDBOX_KERNEL_CLAIM' in os.environ, 'JPY_PARENT_PID' in os.environ)\n"
+        "!env | grep -E '^(ASSISTANT_RUN|HOME)='",
+    )
+    lines = [line.strip() for line in out.splitlines()]
+    assert lines[0] == "conversation-7 /tmp 2g False False"
+    assert sorted(lines[1:3]) == ["ASSISTANT_RUN=conversation-7", "HOME=/tmp"]
+
+
+def test_a_start_the_pool_cannot_serve_starts_cold_and_says_why(
+    pooled: str,
+    pool: SandboxPool,
+    workspace: Path,
+    start_narrowed: Callable[..., tuple[KernelManager, BlockingKernelClient]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A smaller /tmp (gVisor keeps a running sandbox's), or a variable read as the
+    sandbox starts (PYTHONPATH): cold, with one line naming the field."""
+    warm_pool(pooled, cwd=workspace)
+    with caplog.at_level(logging.INFO):
+        km, kc = start_narrowed(pooled, tmp_size="64m")
+        km2, _ = start_narrowed(pooled, sandbox_env={"PYTHONPATH": "/workspace/lib"})
+    assert not km.provisioner.from_pool
+    assert not km2.provisioner.from_pool
+    said = [r.getMessage() for r in caplog.records if "starting cold, not from the pool" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "tmp_size 64m differs from the pool's 256m" in said[0]
+    assert "env PYTHONPATH differs from the pool's, and is read as the sandbox starts" in said[1]
+    assert (
+        run_ok(kc, "import os; print(os.statvfs('/tmp').f_blocks * os.statvfs('/tmp').f_frsize >> 20)")
+        == "64\n"
+    )
+    assert pool.ready(pooled) == 2, "neither took a sandbox"
