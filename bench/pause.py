@@ -10,6 +10,10 @@ each), then:
 * resume to first reply: a client sends ``print(len(data))`` to the paused kernel (the
   bridge holds it and resumes the kernel) until the reply, in seconds; against the same
   cell on a running local ipykernel holding the same objects (the ratio column);
+* where the pause and the resume go: ``runsc checkpoint`` writing the image, Docker
+  seeing the sandbox stopped, ``docker start --checkpoint`` (runsc restoring the sandbox,
+  its memory read back from the image), and the rest up to the reply (the relay binding
+  its sockets again, the bridge passing the request on, the kernel answering);
 * the alternative without pausing: a local kernel started afresh and the objects built
   again (what a restart costs a user whose kernel was stopped to free memory).
 
@@ -34,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from coldstart import timed_methods
 from jupyter_client import KernelManager
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_core.utils import run_sync
@@ -56,6 +61,7 @@ class Sample:
     resume_reply_s: list[float] = field(default_factory=list)
     local_reply_s: list[float] = field(default_factory=list)
     local_rebuild_s: list[float] = field(default_factory=list)
+    steps_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 @contextmanager
@@ -90,13 +96,17 @@ def measure(sandboxed: str, local: str, size_mib: int, repeat: int, cwd: str) ->
         with kernel(sandboxed, cwd, memory_mib) as (manager, client):
             sample.build_s.append(timed(client, build))
             sample.memory_before_mib.append(host_memory_mib(manager))
-            started = time.perf_counter()
-            paused = run_sync(manager.provisioner.pause)()
-            sample.pause_s.append(time.perf_counter() - started)
-            sample.image_mib.append((paused.size or 0) / 2**20)
-            stopped = manager.provisioner.paused is not None  # its container (and cgroup): gone
-            sample.memory_paused_mib.append(0.0 if stopped else host_memory_mib(manager))
-            sample.resume_reply_s.append(timed(client, CHECK))
+            marks: dict[str, float] = {}
+            with timed_methods(STEPS, marks):
+                started = time.perf_counter()
+                paused = run_sync(manager.provisioner.pause)()
+                sample.pause_s.append(time.perf_counter() - started)
+                sample.image_mib.append((paused.size or 0) / 2**20)
+                stopped = manager.provisioner.paused is not None  # its container (and cgroup): gone
+                sample.memory_paused_mib.append(0.0 if stopped else host_memory_mib(manager))
+                sent = time.perf_counter()
+                sample.resume_reply_s.append(timed(client, CHECK))
+            note_steps(sample, marks, sent + sample.resume_reply_s[-1])
         progress(
             f"[{size_mib} MiB, {i}/{repeat}] pause {sample.pause_s[-1]:.2f} s, "
             f"image {sample.image_mib[-1]:.0f} MiB, resume -> reply {sample.resume_reply_s[-1]:.2f} s"
@@ -109,6 +119,24 @@ def measure(sandboxed: str, local: str, size_mib: int, repeat: int, cwd: str) ->
             sample.local_rebuild_s.append(time.perf_counter() - started)
             sample.local_reply_s.append(timed(client, CHECK))
     return sample
+
+
+#: The backend's steps of a pause and a resume, timed (DockerBackend's methods).
+STEPS = ("_run_runsc_checkpoint", "_wait_stopped", "restore")
+STEP_ROWS = {
+    "_run_runsc_checkpoint": "pause: runsc checkpoint writes the image",
+    "_wait_stopped": "pause: Docker sees the sandbox stopped",
+    "restore": "resume: docker start --checkpoint (runsc restore)",
+    "rest": "resume: relay binds again, request passed on, reply",
+}
+
+
+def note_steps(sample: Sample, marks: dict[str, float], replied: float) -> None:
+    for name in STEPS:
+        if f"{name} end" in marks:
+            sample.steps_s.setdefault(name, []).append(marks[f"{name} end"] - marks[f"{name} begin"])
+    if "restore end" in marks:
+        sample.steps_s.setdefault("rest", []).append(replied - marks["restore end"])
 
 
 def median(values: list[float]) -> float:
@@ -129,6 +157,10 @@ def format_table(samples: list[Sample], repeat: int) -> str:
                 "",
                 f"{median(s.pause_s) * 1024 / s.size_mib:.2f} s",
                 "",
+            ),
+            *(
+                (f"{size}: {STEP_ROWS[name]}", "", f"{median(found):.2f} s", "")
+                for name, found in s.steps_s.items()
             ),
             (f"{size}: image on disk", "", f"{median(s.image_mib):.0f} MiB", ""),
             (f"{size}: host memory while paused", "", f"{median(s.memory_paused_mib):.0f} MiB", ""),
