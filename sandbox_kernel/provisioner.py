@@ -271,7 +271,8 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             PauseError: it could not be paused (it runs an execution, the host cannot
                 checkpoint, the disk budget is spent...); it keeps running, nothing lost.
         """
-        return await asyncio.wrap_future(self.services.loop.submit(self.pauser.pause("asked")))
+        pausing = self.watchdog.freezer.thawed("pause", self.pauser.pause("asked"))  # none saves a frozen one
+        return await asyncio.wrap_future(self.services.loop.submit(pausing))
 
     async def resume(self) -> None:
         """Start a paused kernel again from its checkpoint, with all its variables.
@@ -305,20 +306,20 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
 
     async def wait(self) -> int | None:
         while True:
-            code = await self.poll()
-            if code is not None:
+            if (code := await self.poll()) is not None:
                 return code
             await asyncio.sleep(0.1)
 
     async def send_signal(self, signum: int) -> None:
-        """Deliver ``signum`` to the kernel via the container's init (which forwards it);
-        while it is paused, or a pause or resume is under way, in turn with them."""
+        """Deliver ``signum`` to the kernel via the container's init (which forwards it), thawed
+        first; while it is paused, or a pause or resume is under way, in turn with them."""
         if self.site.container_id is None or await asyncio.to_thread(self.holding.held_elsewhere_now):
             return
-        if self.pauser.suspended:
-            await asyncio.wrap_future(self.services.loop.submit(self.pauser.signal(signum)))
-        elif self.site.container_id is not None:
-            await self.backend.signal(self.site.container_id, signum)
+        with self.watchdog.freezer.kept_thawed("signal"):  # a frozen gVisor sandbox takes none
+            if self.pauser.suspended:
+                await asyncio.wrap_future(self.services.loop.submit(self.pauser.signal(signum)))
+            elif self.site.container_id is not None:
+                await self.backend.signal(self.site.container_id, signum)
 
     async def kill(self, restart: bool = False) -> None:
         await self.send_signal(signal.SIGKILL)

@@ -12,10 +12,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sandbox_kernel.errors import PauseError
 from sandbox_kernel.plan.sandbox_spec import SandboxSpec
+
+
+class SandboxFreezer(Protocol):
+    """What freezes one running sandbox (every process of it stops being scheduled, its
+    memory stays) and thaws it; each call quick and blocking-free enough for any thread."""
+
+    def set(self, frozen: bool) -> bool:
+        """Freeze or thaw; False where it could not be done (the sandbox is gone, say)."""
+
+    def state(self) -> str | None:
+        """One of frozen, freezing (asked, not done yet) and thawed; None if unknown."""
 
 
 class SandboxBackend(ABC):
@@ -98,6 +109,12 @@ class SandboxBackend(ABC):
         """True when the backend knows, without asking, that a watched sandbox still runs
         (an event stream that saw no end); False: ask :meth:`state`."""
         return False
+
+    async def freezer(self, sandbox_id: str) -> SandboxFreezer | None:
+        """The running sandbox's freezer, or None where this backend or host cannot freeze
+        it (its kernels then never freeze when idle). A frozen sandbox may take no other
+        call but :meth:`remove` and the look-ups (state, pid): thaw it first."""
+        return None
 
     @abstractmethod
     async def remove(self, sandbox_id: str) -> None:

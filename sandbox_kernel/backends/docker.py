@@ -41,7 +41,7 @@ from sandbox_kernel.errors import (
 )
 from sandbox_kernel.host import mounts
 from sandbox_kernel.host.background import poll_until
-from sandbox_kernel.host.cgroups import held_host_sockets, process_ended, thaw_container
+from sandbox_kernel.host.cgroups import CgroupFreezer, held_host_sockets, process_ended, thaw_container
 from sandbox_kernel.host.trees import delete_tree, tree_size
 from sandbox_kernel.plan.sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from sandbox_kernel.plan.settings import DATASCIENCE_IMAGE
@@ -354,6 +354,12 @@ class DockerBackend(SandboxBackend):
     async def main_pid(self, container_id: str) -> int | None:
         """The host pid of the container's main process (gVisor's sandbox), if running."""
         return _main_pid(await self._container_state(container_id) or {})
+
+    async def freezer(self, container_id: str) -> CgroupFreezer | None:
+        """The freezer cgroup of the container's sandbox (``docker pause`` does not stop a
+        runsc sandbox; ``docker kill`` of a frozen one waits until it is thawed)."""
+        pid = await self.main_pid(container_id)
+        return await asyncio.to_thread(CgroupFreezer.of_pid, pid) if pid else None
 
     async def oom_killed(self, container_id: str) -> bool:
         return bool((await self._container_state(container_id) or {}).get("OOMKilled"))

@@ -45,7 +45,27 @@ class FakeSandbox:
     fail_restore: Exception | None = None
     #: Whether its relay binds its sockets again on SIGUSR2 (False: one that hangs).
     rebinds: bool = True
+    #: Frozen by its freezer: a signal or checkpoint now raises (Docker's would hang).
+    frozen: bool = False
+    #: Whether its freezer works (False: a host that does not let this process freeze).
+    freezable: bool = True
     _listeners: list[socket.socket] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class FakeFreezer:
+    """The freezer of one :class:`FakeSandbox`."""
+
+    box: FakeSandbox
+
+    def set(self, frozen: bool) -> bool:
+        if not self.box.freezable or self.box.status != "running":
+            return False
+        self.box.frozen = frozen
+        return True
+
+    def state(self) -> str | None:
+        return "frozen" if self.box.frozen else "thawed"
 
 
 class FakeBackend(SandboxBackend):
@@ -122,6 +142,7 @@ class FakeBackend(SandboxBackend):
         self._note(f"signal {signal.Signals(signum).name}", sandbox_id)
         if box is None or box.status != "running":
             return False
+        self._refuse_if_frozen(box, "signalled")
         box.signals.append(signum)
         if signum in (signal.SIGKILL, signal.SIGTERM):
             self.exit(sandbox_id, 128 + signum)
@@ -130,6 +151,15 @@ class FakeBackend(SandboxBackend):
         elif signum == signal.SIGUSR2 and box.rebinds:
             self._bind(box)
         return True
+
+    def _refuse_if_frozen(self, box: FakeSandbox, what: str) -> None:
+        if box.frozen:
+            msg = f"sandbox {box.id} {what} while frozen (Docker would wait until it is thawed)"
+            raise RuntimeError(msg)
+
+    async def freezer(self, sandbox_id: str) -> FakeFreezer | None:
+        box = self.sandboxes.get(sandbox_id)
+        return FakeFreezer(box) if box is not None and box.status == "running" else None
 
     async def update_limits(
         self, sandbox_id: str, memory: str | None = None, cpus: float | None = None
@@ -157,9 +187,9 @@ class FakeBackend(SandboxBackend):
     def remove_blocking(self, sandbox_id: str) -> None:
         self._note("remove", sandbox_id)
         box = self.sandboxes.get(sandbox_id)
-        if box is not None:
+        if box is not None:  # (thawed first, as Docker's is)
             self._close(box)
-            box.status, box.exit_code = "removed", 255
+            box.status, box.exit_code, box.frozen = "removed", 255, False
 
     # ---------------------------------------------------------------- pausing
 
@@ -170,6 +200,7 @@ class FakeBackend(SandboxBackend):
     async def checkpoint(self, sandbox_id: str, name: str) -> int | None:
         box = self.sandboxes[sandbox_id]
         self._note("checkpoint", sandbox_id)
+        self._refuse_if_frozen(box, "saved")
         if box.fail_checkpoint is not None:
             exc, stops = box.fail_checkpoint
             box.fail_checkpoint = None

@@ -350,6 +350,11 @@ class KernelBridge:
         #: arrives while held: it must be quick (schedule the resume); it may be called
         #: many times.
         self.on_wake: Callable[[str], None] | None = None
+        #: Called (bridge thread) before each signed message of a client on shell, control
+        #: or stdin goes on to the kernel or is held: quick (a frozen kernel is thawed).
+        self.on_client_message: Callable[[], None] | None = None
+        #: Answer clients' heartbeats here, as while holding (the kernel is frozen).
+        self.echo_heartbeats = False
         self.ports: dict[str, int] = {}
         self.messages: dict[str, int] = dict.fromkeys(CHANNELS, 0)
         #: Messages dropped, by reason ("shell from a client: bad signature", ...).
@@ -726,8 +731,8 @@ class KernelBridge:
         """Pass one message on if it passes the checks: observed by the tap; from the
         kernel, capped by the output limiter, then cleaned (only what will be sent)."""
         self.messages[channel] += 1
-        if to_kernel and channel == "hb" and self._held is not None:
-            # The kernel is paused, not dead: its heartbeat is the bridge's to give.
+        if to_kernel and channel == "hb" and (self._held is not None or self.echo_heartbeats):
+            # The kernel is paused or frozen, not dead: its heartbeat is the bridge's to give.
             self._send(self._fronts["hb"], channel, frames)
             return
         checked = self._check(channel, to_kernel, frames)
@@ -747,6 +752,8 @@ class KernelBridge:
                 self._drop(channel, to_kernel, verdict)
                 return
         if to_kernel:
+            if self.on_client_message is not None and channel in ("shell", "control", "stdin"):
+                self.on_client_message()  # (not a heartbeat, not a subscription)
             if self._limiter is not None and channel == "shell":
                 self._limiter.request(frames)  # signed: it may narrow its own output limit
             if self._held is not None:

@@ -9,12 +9,13 @@ paused, and whether a limit stopped it::
      "approved_domains": [], "approval": null,
      "limits": {"memory": "2g", "cpus": 1.0, "pids": 256, "tmp_size": "256m", ...},
      "memory": {"used": 157286400, "limit": 2147483648},
-     "state": "running", "stopped": null}
+     "state": "running", "frozen": false, "stopped": null}
 
 ``approved_domains`` are those the analyst allowed at an approval question ("kernel"),
 ``approval`` is ``{"timeout": seconds}`` for a kernel that asks (approval ``egress``).
 ``state`` is "running", "pausing", "paused" (saved to disk, its container stopped) or
-"resuming" (a client's message is waking it).
+"resuming" (a client's message is waking it). ``frozen`` is true while a running kernel,
+quiet a while, is frozen (it uses no CPU; a client's next message thaws it in milliseconds).
 
 ``stopped`` is the last time a limit stopped the kernel (``{"ename":
 "MemoryLimitExceeded", "limit": "memory", "reason": ..., "time": ..., "age": seconds,
@@ -82,6 +83,7 @@ def describe(
         "limits": {**policy.limits.as_dict(), "output_limit": policy.output_limit},
         "memory": {"used": memory_used, "limit": size_bytes("memory", policy.memory)},
         "state": provisioner.sleep_state,
+        "frozen": provisioner.watchdog.freezer.frozen,
         "stopped": _stopped(provisioner.limit_stop, provisioner.container_id, now),
     }
 

@@ -7,6 +7,7 @@ composes, each owning its state and handed its collaborators (not one of them kn
 - :mod:`.channels`: the bridge, the ledger of executions, the host's own messages;
 - :mod:`.egress`: with network "allowlist", the kernel's CA, credentials and approvals;
 - :mod:`.watchdog`: looks at the kernel and acts on the pure judge's verdicts;
+- :mod:`.freezer`: a quiet kernel's idle freeze, thawed at a client's next message;
 - :mod:`.pauser`: pausing to disk and resuming;
 - :mod:`.holding`: which manager drives the kernel; letting go on a take-over;
 - :mod:`.exits`: why a sandbox ended, told once;

@@ -2,7 +2,8 @@
 and acts.
 
 It runs on the background loop (whether or not its manager's loop runs). It tells
-waiting clients when the kernel dies, enforces the idle limit, pauses an idle kernel,
+waiting clients when the kernel dies, enforces the idle limit, freezes a quiet kernel
+(and thaws it before anything else it does to it), pauses an idle kernel,
 backs up the in-kernel wall-clock limit (interrupt, then kill), answers pause requests of
 other processes, lets go when another process takes the kernel over, and keeps the
 owner file fresh. A failing step is logged and retried: a watchdog never gives up while
@@ -25,13 +26,14 @@ from sandbox_kernel.errors import DockerUnavailableError, PauseError
 from sandbox_kernel.host.cgroups import cpu_seconds, oom_kills
 from sandbox_kernel.kernel.channels import KernelChannels
 from sandbox_kernel.kernel.exits import Exits
+from sandbox_kernel.kernel.freezer import Freezer
 from sandbox_kernel.kernel.holding import Holding
 from sandbox_kernel.kernel.manager import ManagerLink
 from sandbox_kernel.kernel.pauser import Pauser
 from sandbox_kernel.kernel.site import KernelSite
 from sandbox_kernel.lifecycle.judge import Act, Look, Verdict, Watch, WatchLimits, judge
 from sandbox_kernel.lifecycle.ownership import OWNER_FILE
-from sandbox_kernel.lifecycle.pausing import PauseRequests
+from sandbox_kernel.lifecycle.pausing import Paused, PauseRequests
 from sandbox_kernel.plan.settings import SandboxSettings
 from sandbox_kernel.services import PROCESS, Services
 
@@ -48,6 +50,9 @@ OWNER_TOUCH_INTERVAL = 60.0
 PAUSE_RETRY_INTERVAL = 300.0
 #: Seconds between two looks at a kernel.
 LOOK_INTERVAL = 0.5
+#: Seconds between two looks at a frozen kernel: a client's message thaws it without the
+#: watchdog; a take-over, a pause asked for or an idle limit wait this long at most.
+FROZEN_LOOK_INTERVAL = 2.0
 
 
 @dataclass
@@ -65,7 +70,9 @@ class _Deep:
 def watch_limits(settings: SandboxSettings) -> WatchLimits:
     """The limits a kernel's settings (narrowed by its start) have its watchdog enforce."""
     s = settings
-    return WatchLimits(s.exec_timeout, s.exec_kill_grace, s.idle_timeout, s.memory, s.pause_after)
+    return WatchLimits(
+        s.exec_timeout, s.exec_kill_grace, s.idle_timeout, s.memory, s.pause_after, s.freeze_idle_after
+    )
 
 
 class Watchdog:
@@ -82,6 +89,7 @@ class Watchdog:
         link: ManagerLink,
         log: logging.Logger | logging.LoggerAdapter[Any],
         services: Services = PROCESS,
+        freezer: Freezer | None = None,
     ) -> None:
         self._site = site
         self._backend = backend
@@ -94,6 +102,8 @@ class Watchdog:
         self._future: concurrent.futures.Future[None] | None = None
         self._next_auto_pause = 0.0
         self._services = services
+        #: Freezes the kernel when quiet; whatever else acts on the sandbox thaws it first.
+        self.freezer = freezer or Freezer(site, backend, channels, log)
 
     @property
     def kernel_id(self) -> str:
@@ -103,18 +113,24 @@ class Watchdog:
         """Watch the kernel; while this process watches kernels, it also removes those of
         owners that died (see :class:`~.ownership.OrphanReaper`)."""
         self._link.remember_loop()
+        self.freezer.watch()
         self._future = self._services.loop.submit(self._watch(container_id, limits))
         if self._site.runtime_dir is not None:
             self._services.reaper.watch(self._site.runtime_dir.parent)
 
     def stop(self) -> None:
+        """Stop watching, and thaw the kernel: whatever comes next (a removal, a restart,
+        another process adopting it) finds it running."""
         if self._future is not None:
             self._future.cancel()
             self._future = None
+        self.freezer.stop("no longer watched")
 
     async def _watch(self, container_id: str, limits: WatchLimits) -> None:
         self._backend.watch_exits(container_id)
         try:
+            # One that another process froze, then died or let go (it reattaches).
+            await self.freezer.thaw_found("watched anew")
             await self._loop(container_id, Watch(), limits)
         finally:
             self._backend.unwatch_exits(container_id)
@@ -124,8 +140,9 @@ class Watchdog:
         docker_lost = False
         runtime_dir = self._site.runtime_dir
         requests = PauseRequests(runtime_dir) if runtime_dir is not None else None
+        freezer = self.freezer
         while self._site.container_id == container_id and self._channels.auditor is not None:
-            await asyncio.sleep(LOOK_INTERVAL)
+            await asyncio.sleep(FROZEN_LOOK_INTERVAL if freezer.frozen else LOOK_INTERVAL)
             auditor = self._channels.auditor
             if auditor is None:
                 return
@@ -134,17 +151,16 @@ class Watchdog:
                 if holder is not None:
                     await self._holding.let_go(holder)
                     return
-                if requests is not None:
-                    await requests.answer(self._pauser.pause, self._pauser.resume)  # a stat, unless one came
+                if requests is not None:  # a stat, unless one came
+                    await requests.answer(self._pause_thawed, self._pauser.resume)
                 if self._pauser.suspended:
                     deep.pid, watch.oom_baseline = None, None  # the resumed sandbox is a new process
                     continue
-                now = time.monotonic()
-                look = Look(now, running=auditor.running(), idle_for=auditor.idle_for())
-                if now >= deep.next_deep:
+                look = self._look(auditor.running(), auditor.idle_for())
+                if look.now >= deep.next_deep:
                     look = await self._look_deep(container_id, look, deep, limits)
                     docker_lost = False
-                if await self._act(container_id, judge(look, watch, limits), look, limits):
+                if await self._act(container_id, judge(look, watch, self._now(limits)), look, limits):
                     return
             except DockerUnavailableError as exc:
                 # dockerd restarting, say: keep watching once it is back.
@@ -155,10 +171,29 @@ class Watchdog:
                 self.log.exception("Sandboxed kernel %s: watchdog step failed; retrying", self.kernel_id)
                 await asyncio.sleep(2.0)
 
+    def _now(self, limits: WatchLimits) -> WatchLimits:
+        """The limits to judge by now: no pause while a failed one waits to be tried
+        again (the kernel may be frozen meanwhile)."""
+        return limits if time.monotonic() >= self._next_auto_pause else replace(limits, pause_after=0.0)
+
+    def _look(self, running: tuple[str, float] | None, idle_for: float | None) -> Look:
+        """The cheap look: what the bridge and the freezer know."""
+        now, freezer = time.monotonic(), self.freezer
+        quiet_for = None if idle_for is None else min(idle_for, freezer.quiet_for(now))
+        return Look(
+            now,
+            running=running,
+            idle_for=idle_for,
+            quiet_for=quiet_for,
+            frozen=freezer.frozen,
+            frozen_seconds=freezer.frozen_seconds(now),
+        )
+
     async def _look_deep(self, container_id: str, look: Look, deep: _Deep, limits: WatchLimits) -> Look:
         """What costs a backend call or a cgroup read, about once a second."""
         now = look.now
         deep.next_deep = now + 1.0
+        self.freezer.check()
         if not deep.pid:  # Docker says 0 for a sandbox not (yet) running
             deep.pid = await self._backend.main_pid(container_id) or None
         code = None
@@ -198,6 +233,14 @@ class Watchdog:
                 return False  # stopped for a pause meanwhile: not its end
             await self._exits.note(container_id, look.exit_code if look.exit_code is not None else 255)
             return True
+        if verdict.act is Act.FREEZE:
+            await self.freezer.freeze(verdict.why, limits.freeze_after)
+            return False
+        with self.freezer.kept_thawed(verdict.act.value):  # a frozen sandbox takes no signal
+            return await self._carry_out(container_id, verdict, limits)
+
+    async def _carry_out(self, container_id: str, verdict: Verdict, limits: WatchLimits) -> bool:
+        """Interrupt, pause, stop or kill the (thawed) kernel; True once it has ended."""
         if verdict.act is Act.PAUSE:
             await self._pause(verdict)
             return False
@@ -211,9 +254,12 @@ class Watchdog:
         await self._exits.kill_for(container_id, verdict.ename, verdict.reason)
         return True
 
+    async def _pause_thawed(self, why: str) -> Paused:
+        """A pause asked for by another process: a frozen kernel is thawed first (and
+        checkpointed running: a frozen gVisor sandbox cannot be saved)."""
+        return await self.freezer.thawed("pause", self._pauser.pause(why))
+
     async def _pause(self, verdict: Verdict) -> None:
-        if time.monotonic() < self._next_auto_pause:
-            return
         try:
             await self._pauser.pause(f"idle: {verdict.why}")
         except PauseError as exc:

@@ -2,7 +2,9 @@
 
 The kernel's own messages are its word: code in it can forge an ``execute_reply`` for
 the running request and keep computing, and the host would see an idle kernel. The
-container's CPU time is not its word; it is read from the host's cgroup.
+container's CPU time is not its word; it is read from the host's cgroup. Nor is whether it
+is idle enough to freeze: that is what clients sent (and the host's record of executions),
+never what the kernel says or does.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class WatchLimits:
     idle_timeout: float = 0.0
     memory: str = ""
     pause_after: float = 0.0
+    freeze_after: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,12 @@ class Look:
     running: tuple[str, float] | None = None
     #: Seconds since the last execution began or ended; None while one is pending.
     idle_for: float | None = None
+    #: Seconds since then or since a client's last message, whichever is later.
+    quiet_for: float | None = None
+    #: The sandbox is frozen (see :mod:`~sandbox_kernel.kernel.freezer`).
+    frozen: bool = False
+    #: Seconds it has been frozen in all, this one included: no time for the CPU accounting.
+    frozen_seconds: float = 0.0
 
 
 @dataclass
@@ -101,6 +110,7 @@ class Act(Enum):
     KILL = "kill"  # SIGKILL, telling clients ``ename``: ``reason``
     STOP_IDLE = "stop-idle"  # stop for good (no restart): idle past its limit
     PAUSE = "pause"  # save to disk and stop, until a client's next message: idle a while
+    FREEZE = "freeze"  # stop scheduling it, until a client's next message: quiet a while
 
 
 @dataclass(frozen=True)
@@ -135,8 +145,12 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
 
     In order: it ended; the host's OOM killer hit it without ending it (it hangs for
     good, see .cgroups); it keeps computing with no execution running; it is idle past
-    its limit; it is idle long enough to pause; an execution outran its wall-clock limit
-    (interrupt, then kill).
+    its limit; it is idle long enough to pause; quiet long enough to freeze; an
+    execution outran its wall-clock limit (interrupt, then kill).
+
+    A frozen kernel's time does not count for the CPU it may use with no execution
+    running: the allowance is for gVisor's idle work, which a frozen sandbox does not do,
+    so a thread that computes between freezes adds up as it would without them.
     """
     if look.deep:
         if look.exit_code is not None:
@@ -151,7 +165,7 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
                 f"ran out of memory (limit {limits.memory}) and hangs",
             )
         if limits.exec_timeout > 0:
-            untracked = watch.compute.observe(look.now, look.cpu, look.busy)
+            untracked = watch.compute.observe(look.now - look.frozen_seconds, look.cpu, look.busy)
             if exceeds_exec_timeout(untracked, limits.exec_timeout, limits.exec_kill_grace):
                 reason = (
                     f"killed: it kept computing for more than {limits.exec_timeout:g} s with no execution "
@@ -167,6 +181,13 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
         if look.deep and not look.busy:
             return Verdict(
                 Act.PAUSE, why=f"idle for {look.idle_for:.0f} s (pause_after {limits.pause_after:g} s)"
+            )
+        return NOTHING
+    if limits.freeze_after > 0 and not look.frozen and (look.quiet_for or 0) >= limits.freeze_after:
+        if look.deep and not look.busy:
+            return Verdict(
+                Act.FREEZE,
+                why=f"quiet for {look.quiet_for:.0f} s (freeze_idle_after {limits.freeze_after:g} s)",
             )
         return NOTHING
     limit, grace = limits.exec_timeout, limits.exec_kill_grace

@@ -591,6 +591,22 @@ class LifecycleSettings(HasTraits):
         help="""Ceiling for `pause_after`, in seconds or e.g. '1h' (0: none). When set,
         every kernel must pause at or below it when idle. Server config only.""",
     )
+    freeze_idle_after = Duration(
+        30.0,
+        config=True,
+        help="""Time without any execution or client message after which the kernel's sandbox
+        is frozen, in seconds or e.g. '2m' (0: never; at least 1 s). A frozen sandbox uses no
+        CPU and keeps its memory; the host answers heartbeats meanwhile, and any client's
+        request thaws it within milliseconds and is then delivered. Threads and timers of
+        the kernel's code, and processes it started, stop meanwhile (see
+        docs/administrators/idle-cost.md).""",
+    ).tag(kernelspec=True, ceiling="max_freeze_idle_after", bound="timeout")
+    max_freeze_idle_after = Duration(
+        0.0,
+        config=True,
+        help="""Ceiling for `freeze_idle_after`, in seconds or e.g. '5m' (0: none). When set,
+        every kernel must freeze at or below it when idle. Server config only.""",
+    )
     checkpoint_budget = Size(
         "32g",
         config=True,
@@ -630,6 +646,17 @@ class LifecycleSettings(HasTraits):
     @validate("pause_after", "max_pause_after", "persistent_ttl", "max_persistent_ttl")
     def _validate_lifetime_seconds(self, proposal: dict[str, Any]) -> float:
         return _at_most_a_week(proposal)
+
+    @validate("freeze_idle_after", "max_freeze_idle_after")
+    def _validate_freeze_seconds(self, proposal: dict[str, Any]) -> float:
+        value = _at_most_a_week(proposal)
+        if 0 < value < 1:
+            msg = (
+                f"{proposal['trait'].name}={value!r} is too short: a kernel would freeze between "
+                "the messages of one conversation. Use at least 1 second, or 0 for never."
+            )
+            raise TraitError(msg)
+        return value
 
 
 class SandboxSettings(

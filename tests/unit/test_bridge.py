@@ -745,6 +745,33 @@ def test_while_held_the_bridge_answers_heartbeats_keeps_requests_and_wakes_on_ea
     assert session.deserialize(reply)["msg_type"] == "execute_reply"
 
 
+def test_a_frozen_kernels_heartbeats_are_the_bridges_and_only_clients_requests_thaw_it(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    """The idle freeze's hook: called for every signed request (before it goes on, in
+    order), never for a heartbeat or a subscription; with ``echo_heartbeats`` the bridge
+    answers heartbeats itself."""
+    messages: list[bool] = []
+    bridge.on_client_message = lambda: messages.append(kernel["shell"].poll(0) == 0)
+    hb = client(ctx, zmq.REQ, bridge.endpoint("hb"))
+    hb.send(b"ping")
+    kernel["hb"].send_multipart(recv(kernel["hb"]))
+    assert recv(hb) == [b"ping"]
+    subscriber(ctx, bridge)
+    bridge.echo_heartbeats = True
+    hb.send(b"ping")
+    assert recv(hb) == [b"ping"], "answered by the bridge"
+    assert not kernel["hb"].poll(100), "the frozen kernel never sees it"
+    assert messages == [], "heartbeats and subscriptions do not count"
+    shell = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+    shell.send_multipart(request(session, "execute_request", code="print(x)"))
+    assert msg_type(recv(kernel["shell"])) == "execute_request"
+    assert messages == [True], "called before the request reached the kernel"
+    shell.send_multipart(request(Session(key=b"not the kernel's"), "execute_request", code="x"))
+    time.sleep(0.2)
+    assert messages == [True], "an unsigned message thaws nothing"
+
+
 def test_held_messages_wait_until_the_resumed_kernel_is_reachable_on_every_channel(
     ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge, tmp_path: Path
 ) -> None:

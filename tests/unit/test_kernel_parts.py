@@ -33,7 +33,7 @@ from sandbox_kernel.kernel.state import ReattachState
 from sandbox_kernel.kernel.watchdog import Watchdog
 from sandbox_kernel.lifecycle.judge import WatchLimits
 from sandbox_kernel.lifecycle.ownership import RELEASED_FILE, OrphanReaper, write_owner
-from sandbox_kernel.lifecycle.pausing import Paused
+from sandbox_kernel.lifecycle.pausing import Paused, ask_holder
 from sandbox_kernel.plan.sandbox_spec import kernel_sockets
 from sandbox_kernel.services import Services
 
@@ -51,6 +51,17 @@ class FakeBridge:
         self.in_flight = False
         self.injected: list[tuple[str, Any]] = []
         self.attached: dict[str, str] | None = None
+        self.echo_heartbeats = False
+        self.on_client_message: Callable[[], None] | None = None
+
+    @property
+    def holding(self) -> bool:
+        return self.held
+
+    def client_sends(self) -> None:
+        """A client's signed message comes (what the bridge thread does first)."""
+        if self.on_client_message is not None:
+            self.on_client_message()
 
     def hold(self) -> None:
         self.held = True
@@ -324,6 +335,133 @@ async def test_a_kernel_another_manager_took_over_is_let_go_untouched(parts: Par
     assert parts.bridge.attached is not None, "the bridge relays to nowhere; the ledger answers"
 
 
+# ---------------------------------------------------------------------- the freezer
+
+
+def events_of(parts: Parts, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """The audit log's lifecycle lines, as the channels write them."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(parts.channels, "lifecycle", lambda event, **details: events.append((event, details)))
+    return events
+
+
+def box_of(parts: Parts) -> Any:
+    return parts.backend.sandbox(parts.container_id)
+
+
+async def test_a_quiet_kernel_is_frozen_and_a_clients_message_thaws_it_at_once(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events, freezer = events_of(parts, monkeypatch), parts.watchdog.freezer
+    parts.watchdog.start(parts.container_id, WatchLimits(freeze_after=0.3))
+    await eventually(lambda: freezer.frozen)
+    assert box_of(parts).frozen
+    assert parts.bridge.echo_heartbeats, "while frozen, heartbeats are the bridge's to answer"
+    assert [event for event, _ in events] == ["freeze"]
+    parts.bridge.client_sends()  # the bridge thread, before it passes the message on
+    assert not box_of(parts).frozen, "thawed before the message reaches the kernel"
+    assert not parts.bridge.echo_heartbeats
+    assert events[-1][0] == "thaw"
+    assert events[-1][1]["reason"] == "a client's message"
+    assert freezer.frozen_seconds(asyncio.get_running_loop().time()) > 0
+    await eventually(lambda: freezer.frozen)  # quiet again as long: frozen again
+    assert parts.signals() == [], "nothing else was done to the sandbox"
+
+
+async def test_a_kernel_working_on_a_request_or_running_a_cell_is_never_frozen(parts: Parts) -> None:
+    freezer = parts.watchdog.freezer
+    parts.bridge.in_flight = True  # a completion awaits its reply
+    parts.watchdog.start(parts.container_id, WatchLimits(freeze_after=0.3))
+    await asyncio.sleep(2.0)
+    assert not freezer.frozen
+    session = Session(key=b"secret")  # a cell waiting on input(): its execution is pending
+    request = session.msg("execute_request", {"code": "input()", "silent": False, "allow_stdin": True})
+    assert parts.channels.ledger()("shell", True, session.serialize(request, ident=[b"client"]))
+    parts.bridge.in_flight = False
+    await asyncio.sleep(2.0)
+    assert not freezer.frozen
+    assert not box_of(parts).frozen
+
+
+async def test_a_clients_message_while_the_freeze_is_under_way_calls_it_off(parts: Parts) -> None:
+    freezer = parts.watchdog.freezer
+    freezer.watch()
+    freezing = asyncio.create_task(freezer.freeze("quiet", 0))
+    await eventually(lambda: parts.bridge.echo_heartbeats)  # heartbeats in flight come back first
+    parts.bridge.client_sends()
+    assert not await freezing
+    assert (freezer.frozen, box_of(parts).frozen, parts.bridge.echo_heartbeats) == (False, False, False)
+
+
+async def test_whatever_the_host_does_to_a_frozen_kernel_thaws_it_first(parts: Parts) -> None:
+    """A frozen gVisor sandbox takes no signal and cannot be saved (Docker's call waits
+    until it is thawed; the fake backend raises): the idle limit's kill, a pause."""
+    freezer = parts.watchdog.freezer
+    parts.watchdog.start(parts.container_id, WatchLimits(freeze_after=0.3, idle_timeout=2.5))
+    await eventually(lambda: freezer.frozen)
+    await eventually(lambda: parts.exits.noted == parts.container_id, timeout=8)
+    assert parts.exits.cause is not None
+    assert parts.exits.cause[0] == "IdleLimitExceeded"
+    assert signal.SIGKILL in parts.signals()
+
+
+async def test_a_frozen_kernel_is_thawed_then_paused_when_idle_long_or_asked(parts: Parts) -> None:
+    freezer = parts.watchdog.freezer
+    parts.watchdog.start(parts.container_id, WatchLimits(freeze_after=0.3))
+    await eventually(lambda: freezer.frozen)
+    runtime_dir = parts.site.runtime_dir
+    assert runtime_dir is not None
+    done, said = await asyncio.to_thread(ask_holder, runtime_dir, "pause", 10)  # `sandbox-kernel pause`
+    assert done, said
+    assert parts.pauser.paused is not None
+    assert parts.signals() == [signal.SIGUSR1]
+    assert not freezer.frozen
+    await parts.pauser.resume("asked")
+    parts.watchdog.stop()
+    parts.channels.accept()  # its idle clock begins again
+    parts.watchdog.start(parts.container_id, WatchLimits(freeze_after=0.3, pause_after=2.5))
+    await eventually(lambda: freezer.frozen)
+    await eventually(lambda: parts.pauser.paused is not None, timeout=8)
+    assert not box_of(parts).frozen
+
+
+async def test_a_kernel_kept_thawed_or_on_a_host_that_cannot_freeze_runs_on(parts: Parts) -> None:
+    freezer = parts.watchdog.freezer
+    freezer.watch()
+    with freezer.kept_thawed("signal"):
+        assert not await freezer.freeze("quiet", 0), "a signal, a pause is under way"
+    assert await freezer.freeze("quiet", 0)
+    assert freezer.thaw("asked")
+    box_of(parts).freezable = False
+    assert not await freezer.freeze("quiet", 0)
+    assert not box_of(parts).frozen
+    assert not parts.bridge.echo_heartbeats
+    box_of(parts).freezable = True
+    assert not await freezer.freeze("quiet", 0), "not tried again at once"
+
+
+async def test_a_kernel_is_thawed_when_no_longer_watched_but_not_once_another_took_it(parts: Parts) -> None:
+    freezer = parts.watchdog.freezer
+    freezer.watch()
+    assert await freezer.freeze("quiet", 0)
+    parts.watchdog.stop()  # a detach, a shutdown, a restart
+    assert not box_of(parts).frozen
+    assert not await freezer.freeze("quiet", 0), "nor frozen again, until watched anew"
+    freezer.watch()
+    assert await freezer.freeze("quiet", 0)
+    container_id = parts.container_id
+    parts.site.forget()  # taken over: the sandbox is another process's now
+    assert freezer.thaw("a client's message")
+    assert parts.backend.sandbox(container_id).frozen, "that process thaws it when it reattaches"
+    parts.site.container_id = container_id
+
+
+async def test_a_sandbox_another_process_froze_is_thawed_when_watched_anew(parts: Parts) -> None:
+    box_of(parts).frozen = True  # its last server froze it, then died
+    parts.watchdog.start(parts.container_id, WatchLimits())
+    await eventually(lambda: not box_of(parts).frozen)
+
+
 # ---------------------------------------------------------------------- the reattach state
 
 
@@ -456,6 +594,34 @@ async def test_a_paused_kernel_reattached_stays_paused_until_it_is_resumed(
     await second.resume()
     assert second.sleep_state == "running"
     assert second.backend.sandbox(second.container_id).signals[-1] == signal.SIGUSR2
+    await second.cleanup()
+
+
+async def test_a_frozen_kernel_is_running_takes_signals_and_is_thawed_for_its_next_holder(
+    fake_provisioners: Callable[..., Any], tmp_path: Path
+) -> None:
+    """poll() and the restarter see a running kernel; an interrupt thaws it first; a
+    persistent kernel frozen by one process and adopted by another is thawed there."""
+    from .test_provisioner import SERVER_ENV
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    first = fake_provisioners()
+    kwargs = await first.pre_launch(cwd=str(workspace), env=dict(SERVER_ENV))
+    await first.launch_kernel(**kwargs)
+    box = first.backend.sandbox(first.container_id)
+    assert await first.watchdog.freezer.freeze("quiet", 0)
+    assert await first.poll() is None
+    await first.send_signal(signal.SIGINT)
+    assert (box.frozen, box.signals) == (False, [signal.SIGINT])
+    saved = await first.get_provisioner_info()
+    await first.detach()
+    box.frozen = True  # as if the first had died with it frozen
+
+    second = fake_provisioners()
+    await second.load_provisioner_info(saved)
+    await eventually(lambda: not box.frozen)
+    assert await second.poll() is None
     await second.cleanup()
 
 

@@ -49,6 +49,7 @@ def test_a_sandboxed_kernel_is_described_by_its_policy_and_memory(provisioner: S
         },
         "memory": {"used": 100 * 1024**2, "limit": 512 * 1024**2},
         "state": "running",
+        "frozen": False,
         "stopped": None,
     }
 

@@ -125,6 +125,8 @@ SECONDS = (
     "max_idle_timeout",
     "pause_after",
     "max_pause_after",
+    "freeze_idle_after",
+    "max_freeze_idle_after",
     "persistent_ttl",
     "max_persistent_ttl",
     "startup_timeout",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sandbox_kernel.lifecycle.judge import UntrackedCompute, exceeds_exec_timeout
 
 
@@ -112,3 +114,43 @@ def test_an_idle_kernel_is_paused_past_pause_after_unless_a_request_awaits_its_r
     # Idle past both limits: the idle limit, which frees the memory for good, wins.
     both = WatchLimits(pause_after=30, idle_timeout=30)
     assert judge(Look(0, deep=True, idle_for=31.0), Watch(), both).act is Act.STOP_IDLE
+
+
+def test_a_quiet_kernel_is_frozen_once_nobody_used_it_for_freeze_after() -> None:
+    """Quiet: no execution and no client message for that long (the host's record, never
+    the kernel's word); decided on the once-a-second look, with no request awaiting its reply."""
+    limits = WatchLimits(freeze_after=30)
+    assert judge(Look(0, deep=True, idle_for=600.0, quiet_for=29.0), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, deep=True, idle_for=600.0, quiet_for=30.0), Watch(), limits).act is Act.FREEZE
+    assert judge(Look(0, deep=True, idle_for=None, quiet_for=None), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, deep=True, quiet_for=30.0, busy=True), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, quiet_for=30.0), Watch(), limits).act is Act.NOTHING
+    assert judge(Look(0, deep=True, quiet_for=60.0, frozen=True), Watch(), limits).act is Act.NOTHING
+    never = WatchLimits(freeze_after=0)
+    assert judge(Look(0, deep=True, idle_for=1e6, quiet_for=1e6), Watch(), never).act is Act.NOTHING
+
+
+def test_a_frozen_kernel_still_pauses_and_stops_at_its_idle_limits() -> None:
+    """The pause and the idle limit come before a freeze; the watchdog thaws it to carry them out."""
+    limits = WatchLimits(freeze_after=30, pause_after=600, idle_timeout=3600)
+    frozen = Look(0, deep=True, idle_for=600.0, quiet_for=600.0, frozen=True)
+    assert judge(frozen, Watch(), limits).act is Act.PAUSE
+    assert judge(replace(frozen, idle_for=3600.0), Watch(), limits).act is Act.STOP_IDLE
+    # A freeze after the pause would never come: the pause is first, as it frees more.
+    late = WatchLimits(freeze_after=900, pause_after=600)
+    assert judge(Look(0, deep=True, idle_for=900.0, quiet_for=900.0), Watch(), late).act is Act.PAUSE
+
+
+def test_frozen_time_neither_fills_nor_drains_the_untracked_compute() -> None:
+    """A thread that computes between freezes adds up as it would without them: the idle
+    allowance is for gVisor's idle work, which a frozen sandbox does not do."""
+    limits = WatchLimits(exec_timeout=20, exec_kill_grace=5, freeze_after=30)
+    watch, cpu, frozen_total, now, computed = Watch(), 0.0, 0.0, 0.0, 0
+    verdict = judge(Look(now, deep=True, cpu=cpu), watch, limits)
+    while verdict.act is not Act.KILL and computed < 100:
+        if computed and computed % 10 == 0:  # 10 s computing flat out, then 1000 s frozen
+            now, frozen_total = now + 1000, frozen_total + 1000
+        now, cpu, computed = now + 1, cpu + 1, computed + 1
+        verdict = judge(Look(now, deep=True, cpu=cpu, frozen_seconds=frozen_total), watch, limits)
+    assert (verdict.act, verdict.ename) == (Act.KILL, "WallClockLimitExceeded")
+    assert computed <= 30, "(exec_timeout + grace) / (1 - the idle allowance) seconds of computing"
