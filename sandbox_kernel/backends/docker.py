@@ -41,7 +41,13 @@ from sandbox_kernel.errors import (
 )
 from sandbox_kernel.host import mounts
 from sandbox_kernel.host.background import poll_until
-from sandbox_kernel.host.cgroups import CgroupFreezer, held_host_sockets, process_ended, thaw_container
+from sandbox_kernel.host.cgroups import (
+    CgroupFreezer,
+    held_host_sockets,
+    memory_usage,
+    process_ended,
+    thaw_container,
+)
 from sandbox_kernel.host.trees import delete_tree, tree_size
 from sandbox_kernel.plan.sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from sandbox_kernel.plan.settings import DATASCIENCE_IMAGE
@@ -478,7 +484,11 @@ class DockerBackend(SandboxBackend):
             return None
         image = gvisor_checkpoint.image_folder(container_folder, name)
         await asyncio.to_thread(image.mkdir, mode=0o700, parents=True, exist_ok=True)
-        direct = await asyncio.to_thread(gvisor_checkpoint.supports_direct_io, image)
+        in_use = await asyncio.to_thread(memory_usage, pid)
+        cached = gvisor_checkpoint.writes_through_cache(
+            in_use, await asyncio.to_thread(gvisor_checkpoint.dirty_room)
+        )
+        direct = not cached and await asyncio.to_thread(gvisor_checkpoint.supports_direct_io, image)
         args = [str(arg) for arg in runtime.get("runtimeArgs") or []]
         return gvisor_checkpoint.checkpoint_command(
             str(runtime["path"]), args, root, image, container_id, direct=direct

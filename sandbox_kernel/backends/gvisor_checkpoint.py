@@ -25,8 +25,8 @@ drop it when memory is short: then the resume reads the disk, as with O_DIRECT).
 resume is what a user waits for; the pause happens while nobody does. So the image is
 written through the page cache where it fits in the dirty memory the host's kernel
 allows (``vm.dirty_ratio`` of the memory available; past that the writer is held to the
-disk's pace, which made buffered writes 8 s for 1 GiB on a host short of memory), else
-with O_DIRECT where the file system takes it: :func:`writes_through_cache`.
+disk's pace: an earlier run here measured 8 s for 1 GiB written buffered), else with
+O_DIRECT where the file system takes it: :func:`writes_through_cache`.
 
 So, where this process may (it runs as root, like Docker's own runtime calls), the
 backend runs ``runsc checkpoint`` itself, with the flags Docker gives the container's
