@@ -59,6 +59,10 @@ import zmq
 
 USAGE = "usage: kernel_relay.py CHANNEL=IPC_PATH:PORT [...] -- CMD [ARGS...]"
 CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+#: The order in which waiting messages are passed on: the kernel sends a cell's output on
+#: IOPub before its reply on shell, so output waiting beside the reply goes first (the
+#: kernel's start-up code spares ipykernel's sleep before each reply that did this by luck).
+PASS_ORDER = ("iopub", "shell", "stdin", "control", "hb")
 #: The kernel-facing sockets share one identity: ipykernel answers a prompt on stdin to
 #: the identity its shell request came from.
 IDENTITY = b"sandbox-kernel-relay"
@@ -192,14 +196,14 @@ class Relay:
         return poller
 
     def pass_on(self, ready: dict[zmq.Socket[bytes], int]) -> None:
-        """Move what is waiting, a bounded batch per socket.
+        """Move what is waiting, a bounded batch per socket, IOPub first (PASS_ORDER).
 
         Heartbeats are echoed here, not passed to the kernel: this process lives exactly
         as long as the kernel (its child) does, which is what a heartbeat tells, as
         ipykernel's own echo thread does; passing each ping through this loop twice more
         cost an idle kernel with a connected client a whole percent of a core (ptrace).
         """
-        for name in self.channels:
+        for name in PASS_ORDER:
             kernel, host = self.kernel_side.get(name), self.host_side.get(name)
             for _ in range(100 if kernel is not None and kernel in ready else 0):
                 try:

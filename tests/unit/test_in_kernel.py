@@ -508,3 +508,116 @@ def test_a_restart_s_claim_hands_the_kernel_the_key_its_clients_hold(
     assert shell.kernel.session.key == b"the clients' key"
     assert os.getcwd() == str(work)
     assert shell.user_ns["__session__"] == "a.ipynb"
+
+
+# ---------------------------------------------------------------- fast_io (ipykernel's output path)
+
+
+@pytest.fixture
+def iopub() -> Any:
+    """A real IOPub thread and stdout stream of ipykernel on a PUB socket, a subscriber
+    reading what it sends, and a stand-in kernel holding them; fast_io is undone after."""
+    import zmq
+    from jupyter_client.session import Session
+
+    from sandbox_kernel.inside import fast_io
+
+    context = zmq.Context()
+    pub, sub = context.socket(zmq.PUB), context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}")
+    thread = iostream.IOPubThread(pub)
+    thread.start()
+    while not sub.poll(20):  # until the subscription is through
+        thread.send_multipart([b"probe"])
+    while sub.poll(50):
+        sub.recv_multipart()
+    scheduled: list[Any] = []
+
+    def schedule(work: Any) -> None:
+        scheduled.append(work)
+        iostream.IOPubThread.schedule(thread, work)
+
+    thread.schedule = schedule  # type: ignore[method-assign]
+    stream = iostream.OutStream(Session(key=b""), thread, "stdout", watchfd=False)
+    kernel = types.SimpleNamespace(iopub_thread=thread, _execute_sleep=0.0005)
+    yield types.SimpleNamespace(kernel=kernel, stream=stream, sub=sub, scheduled=scheduled, fast_io=fast_io)
+    fast_io.uninstall()
+    thread.stop()
+    thread.close()
+    sub.close(linger=0)
+    context.term()
+
+
+def received(sub: Any) -> list[list[bytes]]:
+    """Every message the subscriber has, waiting a moment for the first."""
+    messages = []
+    while sub.poll(1000 if not messages else 100):
+        messages.append(sub.recv_multipart())
+    return messages
+
+
+def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(iopub: Any) -> None:
+    """Under gVisor each hand-off to the IOPub thread and back costs a fraction of a
+    millisecond; ipykernel flushes six times for `1+1`, mostly with nothing to send."""
+    iopub.fast_io.install(iopub.kernel)
+    iopub.stream.flush()
+    assert iopub.scheduled == []
+    assert iopub.kernel._execute_sleep == 0
+    iopub.stream.write("line\n")
+    iopub.stream.flush()  # (ipykernel's own: the output goes now)
+    iopub.kernel.iopub_thread.send_multipart([b"sent after the flush"])
+    messages = received(iopub.sub)
+    assert [m[0] for m in messages] == [b"stream.stdout", b"sent after the flush"]
+    assert b'"text": "line\\n"' in b"".join(messages[0]).replace(b'":"', b'": "')
+
+
+def test_a_flush_still_waits_for_what_the_iopub_thread_has_not_sent(iopub: Any) -> None:
+    """Nothing to flush, yet a message handed to the IOPub thread is not out: the flush
+    waits for it, as ipykernel's does (the reply must not overtake its outputs)."""
+    iopub.fast_io.install(iopub.kernel)
+    busy = threading.Event()
+    iopub.kernel.iopub_thread.schedule(busy.wait)  # the IOPub thread is held
+    iopub.kernel.iopub_thread.send_multipart([b"in flight"])
+    flushing = REAL_THREAD(target=iopub.stream.flush)
+    flushing.start()
+    flushing.join(0.3)
+    assert flushing.is_alive(), "the flush returned before the message it should wait for went"
+    busy.set()
+    flushing.join(5)
+    assert not flushing.is_alive()
+    assert [m[0] for m in received(iopub.sub)] == [b"in flight"]
+
+
+def test_a_forked_child_is_told_apart_without_a_system_call_per_write(iopub: Any) -> None:
+    """Output of a forked child goes through the kernel's pipe, as ipykernel does it: the
+    child knows it is one (the fork hook), though a write asks no os.getpid()."""
+    iopub.fast_io.install(iopub.kernel)
+    stream = iopub.stream
+    assert stream._is_master_process()
+    calls = []
+    real_getpid = os.getpid
+    os.getpid = lambda: calls.append(1) or real_getpid()  # type: ignore[assignment]
+    try:
+        for _ in range(100):
+            stream.write("x")
+    finally:
+        os.getpid = real_getpid  # type: ignore[assignment]
+    assert calls == []
+    pid = os.fork()
+    if pid == 0:  # the child: only this thread, as after any fork
+        os._exit(0 if not stream._is_master_process() else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_undoing_the_shortcuts_gives_ipykernel_s_own_output_path_back(iopub: Any) -> None:
+    own = (iostream.OutStream.flush, iostream.OutStream._flush, iostream.OutStream._is_master_process)
+    schedule = iopub.kernel.iopub_thread.schedule
+    iopub.fast_io.install(iopub.kernel)
+    assert iostream.OutStream.flush is not own[0]
+    iopub.fast_io.uninstall()
+    assert (iostream.OutStream.flush, iostream.OutStream._flush, iostream.OutStream._is_master_process) == own
+    assert iopub.kernel.iopub_thread.schedule == schedule
+    assert iopub.kernel._execute_sleep == 0.0005
+    iopub.stream.flush()
+    assert len(iopub.scheduled) == 2  # ipykernel's flush: its _flush, then the event it waits for

@@ -1,0 +1,124 @@
+"""Every message of an execution, in Jupyter's order, from a real sandboxed kernel: the
+kernel's start-up code shortens ipykernel's output path (sandbox_kernel/inside/fast_io.py)
+and the channel relay passes IOPub first; what a client sees must be what a local kernel
+sends: busy, the input, the outputs (main thread, other threads, file descriptor 1, a
+forked child), the result, then idle last, all with the request as parent, and one reply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_client.blocking.client import BlockingKernelClient
+
+from .conftest import KernelStarter, run_ok, shell_reply
+
+#: Output from the main thread, another thread and file descriptor 1, then a value. The
+#: pipe behind fd 1 is read by ipykernel's own thread: the pause lets it catch up, as it
+#: would in any local kernel (ipykernel does not wait for it before the result).
+MIXED_CELL = """\
+import os, threading, time
+print("main")
+worker = threading.Thread(target=print, args=("thread",))
+worker.start(); worker.join()
+os.write(1, b"fd\\n")
+time.sleep(0.5)
+6 * 7"""
+
+
+def messages_of(kc: BlockingKernelClient, code: str, timeout: float = 60) -> tuple[list[dict[str, Any]], Any]:
+    """(the IOPub messages whose parent is the request for ``code``, up to and with its
+    idle status; the shell reply), and that no other IOPub message of it follows."""
+    msg_id = kc.execute(code)
+    seen: list[dict[str, Any]] = []
+    while not seen or seen[-1]["msg_type"] != "status" or seen[-1]["content"]["execution_state"] != "idle":
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            seen.append(msg)
+    reply = shell_reply(kc, timeout)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    late = []
+    while True:
+        try:
+            late.append(kc.get_iopub_msg(timeout=0.3))
+        except Exception:  # noqa: BLE001 (queue.Empty: nothing more)
+            break
+    assert [m for m in late if m["parent_header"].get("msg_id") == msg_id] == [], "output after idle"
+    return seen, reply
+
+
+def kinds(messages: list[dict[str, Any]]) -> list[str]:
+    return [
+        m["msg_type"] + (f":{m['content']['execution_state']}" if m["msg_type"] == "status" else "")
+        for m in messages
+    ]
+
+
+def test_output_from_every_source_comes_in_order_then_the_result_then_idle(
+    start_kernel: KernelStarter,
+) -> None:
+    _, kc = start_kernel()
+    for _ in range(5):  # the order must hold every time, not by luck once
+        messages, reply = messages_of(kc, MIXED_CELL)
+        order = kinds(messages)
+        streams = [i for i, kind in enumerate(order) if kind == "stream"]
+        assert order[:2] == ["status:busy", "execute_input"], order
+        assert order[-2:] == ["execute_result", "status:idle"], order
+        assert streams, order
+        assert streams == list(range(2, 2 + len(streams))), order
+        assert "".join(messages[i]["content"]["text"] for i in streams) == "main\nthread\nfd\n"
+        assert {messages[i]["content"]["name"] for i in streams} == {"stdout"}
+        result = messages[-2]["content"]
+        assert result["data"]["text/plain"] == "42"
+        assert reply["content"]["status"] == "ok"
+        assert reply["content"]["execution_count"] == result["execution_count"]
+
+
+def test_a_quick_cell_sends_exactly_busy_input_result_idle(start_kernel: KernelStarter) -> None:
+    _, kc = start_kernel()
+    for _ in range(30):
+        messages, reply = messages_of(kc, "1+1")
+        assert kinds(messages) == ["status:busy", "execute_input", "execute_result", "status:idle"]
+        assert messages[2]["content"]["data"]["text/plain"] == "2"
+        assert reply["content"]["status"] == "ok"
+
+
+def test_a_forked_child_s_output_reaches_the_client(start_kernel: KernelStarter) -> None:
+    """A child forked by the cell writes through the kernel's pipe for subprocess output,
+    as ipykernel does for a forked child (which the start-up code recognises without a
+    system call per write)."""
+    _, kc = start_kernel()
+    code = (
+        "import os, sys\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    print('child'); sys.stdout.flush(); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "import time; time.sleep(0.5)\n"
+        "print('parent')"
+    )
+    messages, reply = messages_of(kc, code)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+    assert text == "child\nparent\n"
+
+
+def test_an_interrupted_flood_of_prints_ends_cleanly_and_the_kernel_goes_on(
+    start_kernel: KernelStarter,
+) -> None:
+    """SIGINT lands while the cell prints as fast as it can: the reply is the interrupt's,
+    idle follows, and the next cell's messages are whole and in order."""
+    km, kc = start_kernel()
+    msg_id = kc.execute("i = 0\nwhile True:\n    print(i)\n    i += 1")
+    while True:  # printing has begun
+        msg = kc.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            break
+    km.interrupt_kernel()
+    reply = shell_reply(kc, 60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    messages, reply = messages_of(kc, "print('after'); 1+1")
+    assert kinds(messages) == ["status:busy", "execute_input", "stream", "execute_result", "status:idle"]
+    assert messages[2]["content"]["text"] == "after\n"
+    assert run_ok(kc, "print(i > 0)") == "True\n"
