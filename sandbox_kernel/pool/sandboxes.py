@@ -301,11 +301,15 @@ class SandboxPool:
             if self._closed or plan.size <= 0:
                 return
             running = self._fills.get(plan.fingerprint)
-            if running is not None and not running.done():
-                return
-            if time.monotonic() < self._failed.get(plan.fingerprint, 0.0):
-                return
-            self._fills[plan.fingerprint] = self.loop.submit(self._fill(plan, delay))
+            if running is None or running.done():
+                running = None
+                if time.monotonic() < self._failed.get(plan.fingerprint, 0.0):
+                    return
+                self._fills[plan.fingerprint] = self.loop.submit(self._fill(plan, delay))
+        if running is not None:
+            # It may have seen the pool full just before a claim: look again once it ends
+            # (outside the lock: a future done meanwhile runs the callback at once).
+            running.add_done_callback(lambda _: self._fill_soon(plan, delay))
 
     def _current(self, plan: PoolPlan) -> bool:
         """Whether ``plan`` is still what its kernelspec's pool is made from (lock held)."""
