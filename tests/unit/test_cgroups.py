@@ -70,6 +70,42 @@ def test_cpu_time_from_cgroup_v1_and_v2(fake_host: tuple[Path, Path]) -> None:
     assert cgroups.cpu_seconds(9, proc) is None
 
 
+def test_a_sandboxs_freezer_under_cgroup_v1_and_v2(fake_host: tuple[Path, Path]) -> None:
+    """What the idle freeze writes and reads: v1's freezer.state; v2's cgroup.freeze, and
+    cgroup.events for whether every process has stopped yet."""
+    proc, root = fake_host
+    _process(proc, 7, "7:freezer:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    v1 = root / "freezer" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "freezer.state").write_text("THAWED\n")
+    freezer = cgroups.CgroupFreezer.of_pid(7, proc)
+    assert freezer is not None
+    assert freezer.set(True)
+    assert (v1 / "freezer.state").read_text() == "FROZEN"
+    (v1 / "freezer.state").write_text("FREEZING\n")  # what the kernel says until all stopped
+    assert freezer.state() == "freezing"
+    assert freezer.set(False)
+    assert freezer.state() == "thawed"
+    _process(proc, 8, "0::/system.slice/docker-abc.scope\n")
+    v2 = root / "system.slice" / "docker-abc.scope"
+    v2.mkdir(parents=True)
+    (v2 / "cgroup.events").write_text("populated 1\nfrozen 0\n")
+    freezer = cgroups.CgroupFreezer.of_pid(8, proc)
+    assert freezer is not None
+    assert freezer.set(True)
+    assert (v2 / "cgroup.freeze").read_text() == "1"
+    assert freezer.state() == "freezing"
+    (v2 / "cgroup.events").write_text("populated 1\nfrozen 1\n")
+    assert freezer.state() == "frozen"
+    assert cgroups.freeze(8, False, proc)
+    assert freezer.state() == "thawed"
+    _process(proc, 9, "4:memory:/docker/gone\n")
+    assert cgroups.CgroupFreezer.of_pid(9, proc) is None, "no freezer: it never freezes"
+    (v1 / "freezer.state").unlink()
+    v1.rmdir()
+    assert not cgroups.CgroupFreezer(v1, 1).set(True), "the sandbox is gone"
+
+
 @pytest.mark.parametrize(
     ("layout", "state_file", "thawed"),
     [
