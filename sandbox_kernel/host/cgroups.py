@@ -71,6 +71,21 @@ def memory_usage(pid: int, proc: Path = Path("/proc")) -> int | None:
         return None
 
 
+def memory_limit(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The memory limit of ``pid``'s memory cgroup in bytes (what a pool claim narrowed it
+    to, which Docker's record of the container does not know); None if unknown or none."""
+    found = _cgroup(pid, "memory", proc)
+    if found is None:
+        return None
+    folder, version = found
+    try:
+        text = (folder / ("memory.limit_in_bytes" if version == 1 else "memory.max")).read_text().strip()
+        limit = int(text)
+    except (OSError, ValueError):
+        return None
+    return limit if limit < 2**62 else None  # v1's "no limit" is a page-rounded 2**63 - 1
+
+
 def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
     """CPU time used so far by ``pid``'s cgroup (the whole sandbox), in seconds; None if unknown."""
     found = _cgroup(pid, "cpuacct", proc) or _cgroup(pid, "cpu", proc)

@@ -39,7 +39,7 @@ from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.backends.docker import CHECKPOINTS_KEY, STOPPED
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.host.background import BackgroundLoop
-from sandbox_kernel.host.cgroups import memory_usage, stat_fields
+from sandbox_kernel.host.cgroups import CgroupFreezer, memory_limit, memory_usage, stat_fields
 from sandbox_kernel.host.mounts import detach_mounts
 from sandbox_kernel.host.trees import delete_tree
 from sandbox_kernel.plan.sandbox_spec import (
@@ -268,6 +268,8 @@ class SandboxedKernel:
     #: as every process with Docker access sees them; None: not known (it runs, or Docker
     #: would not say).
     checkpoints: tuple[str, ...] | None = None
+    #: Its sandbox frozen while the kernel is idle (see sandbox_kernel.kernel.freezer).
+    frozen: bool = False
 
     @property
     def persistent(self) -> bool:
@@ -339,7 +341,7 @@ class SandboxedKernel:
             return "paused, detached" if self.detached else "paused"
         if not self.owner_known and owner_is_gone(self.owner):
             return f"{self.state}, owner unknown"  # its starter is gone; who holds it now, unreadable here
-        return self.state
+        return f"{self.state}, frozen" if self.frozen else self.state
 
     @property
     def description(self) -> str:
@@ -380,6 +382,9 @@ class SandboxedKernel:
             else:
                 pooled, kernel_id = True, ""
                 pool_ready = runtime_dir is not None and (runtime_dir / POOL_READY_FILE).exists()
+        live = pid if isinstance(pid, int) and pid > 0 else None  # its host pid, while it runs
+        # The cgroup's own limit while it runs: a pool claim may have narrowed Docker's.
+        limit = memory_limit(live) if live is not None else None
         paused: dict[str, Any] | None = None
         images = attrs.get(CHECKPOINTS_KEY) if state.get("Status") in STOPPED else None
         checkpoints: dict[str, int | None] | None = None
@@ -405,8 +410,8 @@ class SandboxedKernel:
             runtime_dir=labels.get(LABEL_RUNTIME_DIR, ""),
             state=str(state.get("Status", "unknown")),
             created=str(attrs.get("Created", "")),
-            memory_limit=int((attrs.get("HostConfig") or {}).get("Memory") or 0),
-            memory_usage=memory_usage(pid) if isinstance(pid, int) and pid > 0 else None,
+            memory_limit=limit or int((attrs.get("HostConfig") or {}).get("Memory") or 0),
+            memory_usage=memory_usage(live) if live is not None else None,
             lifecycle=labels.get(LABEL_LIFECYCLE, "ephemeral"),
             ttl=ttl,
             server_uid=int(uid) if uid.isdigit() else None,
@@ -417,8 +422,14 @@ class SandboxedKernel:
             paused=paused is not None,
             checkpoint_size=paused.get("size") if paused is not None else None,
             checkpoints=tuple(sorted(checkpoints)) if checkpoints is not None else None,
-            pid=pid if isinstance(pid, int) and pid > 0 else None,
+            pid=live,
+            frozen=live is not None and not pooled and _frozen(live),
         )
+
+
+def _frozen(pid: int) -> bool:
+    freezer = CgroupFreezer.of_pid(pid)
+    return freezer is not None and freezer.state() == "frozen"
 
 
 def own_runtime_dir(launch_dir: str, runtime_parent: str | None = None) -> Path | None:

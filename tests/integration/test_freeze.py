@@ -271,7 +271,8 @@ def test_list_and_kill_reach_a_frozen_kernel(
     listing = subprocess.run(
         [str(sk), "list", "--json"], capture_output=True, text=True, timeout=60, check=True
     )
-    assert km.kernel_id in {row["kernel_id"] for row in json.loads(listing.stdout)}
+    (row,) = [row for row in json.loads(listing.stdout) if row["kernel_id"] == km.kernel_id]
+    assert (row["status"], row["frozen"]) == ("running, frozen", True)
     assert km.is_alive(), "poll() sees a running kernel"
     assert freezer_state(docker_client, km) == "frozen"
     km.shutdown_kernel(now=True)  # kill, then removal: each thaws it first

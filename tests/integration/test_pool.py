@@ -416,6 +416,12 @@ def test_a_narrowed_start_claims_from_the_pool_and_its_limits_hold(
     assert host_cgroup(km, "memory", "memory.limit_in_bytes") == str(512 * 2**20)
     assert host_cgroup(km, "memory", "memory.memsw.limit_in_bytes") == str(512 * 2**20)
     assert host_cgroup(km, "cpu", "cpu.cfs_quota_us") == "50000"
+    sk = Path(sys.executable).with_name("jupyter-sandbox-kernel")
+    listing = subprocess.run(
+        [str(sk), "list", "--json"], capture_output=True, text=True, timeout=60, check=True
+    )
+    (row,) = [row for row in json.loads(listing.stdout) if row["kernel_id"] == km.kernel_id]
+    assert row["memory_limit"] == 512 * 2**20, "list shows the narrowed limit, not the pool's"
     out = run_ok(
         kc,
         "import json, os, resource\n"
