@@ -12,9 +12,11 @@ cgroup freezer) uses none and keeps its memory. The watchdog decides when (the p
   the message reaches a kernel that runs and is read in order. Heartbeats are the
   bridge's to answer meanwhile, and never thaw it: a flood of them costs one echo each.
 - Whatever else the host does to the sandbox (a signal, a pause, a removal, letting it
-  go) thaws it first: a frozen gVisor sandbox can neither be signalled nor saved
-  (``runsc kill`` and ``runsc checkpoint`` wait for it) and, under cgroup v1, not even
-  killed. :meth:`Freezer.kept_thawed` keeps it so while that is under way.
+  go) thaws it first, and so does Docker wanting it stopped (``docker stop``, a daemon
+  restart: :mod:`~sandbox_kernel.host.stopping`), within a second or two: a frozen
+  gVisor sandbox can neither be signalled nor saved (``runsc kill`` and ``runsc
+  checkpoint`` wait for it) and, under cgroup v1, not even killed.
+  :meth:`Freezer.kept_thawed` keeps it so while that is under way.
 - A freeze and a client's message take one lock: the freeze looks again, under it, at
   the time of the last message and at requests in flight, so a message never meets a
   kernel that is being frozen after it came.
@@ -34,6 +36,7 @@ from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
 from sandbox_kernel.backends.base import SandboxBackend, SandboxFreezer
+from sandbox_kernel.host.stopping import being_stopped
 from sandbox_kernel.kernel.channels import SETTLE, KernelChannels
 from sandbox_kernel.kernel.site import KernelSite
 
@@ -145,9 +148,19 @@ class Freezer:
         return quiet and self._watched and not self._kept and not self._channels.busy()
 
     def check(self) -> None:
-        """Undo a freeze that has not taken hold (background loop, about once a second)."""
+        """Undo a freeze that has not taken hold, or that keeps Docker from stopping the
+        sandbox (background loop, about once a second)."""
         handle = self._handle
-        if handle is None or time.monotonic() - self._since < FREEZING_WAIT:
+        if handle is None:
+            return
+        if self._site.container_id in being_stopped():
+            # docker stop/kill/rm -f or a daemon shutting down: its runsc kill waits for a
+            # frozen sandbox (and with it the daemon), so let it go.
+            self._next_try = time.monotonic() + RETRY_INTERVAL
+            self._log.info("Sandboxed kernel %s: Docker is stopping its sandbox; thawed it", self.kernel_id)
+            self.thaw("Docker is stopping it")
+            return
+        if time.monotonic() - self._since < FREEZING_WAIT:
             return
         if handle.state() == "freezing":
             self._next_try = time.monotonic() + RETRY_INTERVAL

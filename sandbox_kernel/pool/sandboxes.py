@@ -17,7 +17,8 @@ else, as when a kernel is reattached).
   never-used sandbox can be narrowed to (lower limits, less network, variables set at
   the claim: :mod:`~.fit`); otherwise the kernel starts cold, with one log line saying why.
 - A waiting sandbox is frozen (its cgroup's freezer): under runsc 20240729 an idle
-  sandbox keeps ~6 % of a core busy, a frozen one nothing; a claim thaws it first.
+  sandbox keeps ~6 % of a core busy, a frozen one nothing; a claim thaws it first, and
+  so does Docker wanting it stopped (a daemon restart waits for a frozen sandbox).
 - Refilling runs on the background loop's thread after each claim, one sandbox at a
   time, and never blocks a server's event loop. The pool stops at ``max_pool_memory``
   (the sum of the waiting sandboxes' memory limits).
@@ -50,6 +51,7 @@ from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.host.background import BackgroundLoop
 from sandbox_kernel.host.cgroups import freeze, lower_limits
 from sandbox_kernel.host.mounts import make_shared
+from sandbox_kernel.host.stopping import being_stopped
 from sandbox_kernel.lifecycle.launch_folder import (
     expected_sockets,
     new_launch_dir,
@@ -217,6 +219,7 @@ class SandboxPool:
         self._failed: dict[str, float] = {}
         self._over_budget: set[str] = set()
         self._closed = False
+        self._watching: concurrent.futures.Future[None] | None = None  # _let_docker_stop
 
     @classmethod
     def instance(cls) -> SandboxPool:
@@ -368,6 +371,27 @@ class SandboxPool:
                 await self._remove(sandbox)
                 return
             log.info("Sandbox pool of %s: sandbox %s ready", plan.kernelspec, sandbox.container_id[:12])
+            if sandbox.frozen_pid is not None and (self._watching is None or self._watching.done()):
+                self._watching = self.loop.submit(self._let_docker_stop())
+
+    async def _let_docker_stop(self) -> None:
+        """While frozen sandboxes wait, thaw and drop any that Docker wants stopped (docker
+        stop, a daemon restart: its runsc kill waits for a frozen sandbox, and the daemon
+        with it; see :mod:`~sandbox_kernel.host.stopping`)."""
+        while True:
+            await asyncio.sleep(1.0)
+            stopped = await asyncio.to_thread(being_stopped)
+            with self._lock:
+                waiting = [s for ready in self._ready.values() for s in ready if s.frozen_pid is not None]
+                doomed = [s for s in waiting if s.container_id in stopped]
+                for fingerprint, ready in self._ready.items():
+                    self._ready[fingerprint] = [s for s in ready if s not in doomed]
+            for sandbox in doomed:
+                log.info("Sandbox pool: Docker is stopping sandbox %s; thawed it", sandbox.container_id[:12])
+                await asyncio.to_thread(sandbox.thaw)
+                await self._remove(sandbox)
+            if self._closed or len(waiting) == len(doomed):
+                return
 
     async def _start(self, plan: PoolPlan) -> PooledSandbox:
         """One sandbox of ``plan``, started and sealed; nothing left behind on failure."""

@@ -277,3 +277,24 @@ def test_list_and_kill_reach_a_frozen_kernel(
     assert freezer_state(docker_client, km) == "frozen"
     km.shutdown_kernel(now=True)  # kill, then removal: each thaws it first
     kc.stop_channels()
+
+
+def test_docker_stopping_a_frozen_kernel_is_not_held_up(
+    start_kernel: KernelStarter, freezing: Callable[..., str], docker_client: docker.DockerClient
+) -> None:
+    """`docker stop` of a frozen kernel's sandbox (what a daemon restart does to every
+    container) would wait for as long as it stays frozen, its runsc kill waiting on the
+    sandbox, and the daemon with it: the host sees the kill waiting and thaws it."""
+    km, kc = start_kernel(freezing())
+    run_ok(kc, "x = 1")
+    wait_frozen(docker_client, km)
+    started = time.monotonic()
+    subprocess.run(["docker", "stop", "-t", "1", km.provisioner.container_id], check=True, timeout=60)
+    took = time.monotonic() - started
+    assert took < 10, f"docker stop of a frozen kernel took {took:.1f} s"
+    thawed = [e for e in _audit(km.kernel_id) if e["event"] == "thaw"]
+    assert [e["reason"] for e in thawed][-1:] == ["Docker is stopping it"]
+    deadline = time.monotonic() + 30
+    while km.is_alive():
+        assert time.monotonic() < deadline, "the kernel's end was not noticed"
+        time.sleep(0.2)

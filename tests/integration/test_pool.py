@@ -199,6 +199,25 @@ def test_two_claims_never_share_a_sandbox_and_the_pool_refills(
     assert refilled.isdisjoint(claimed), "a claimed sandbox never returns to the pool"
 
 
+def test_docker_stopping_a_waiting_frozen_sandbox_is_not_held_up(
+    pooled: str, pool: SandboxPool, workspace: Path, docker_client: docker.DockerClient
+) -> None:
+    """A waiting sandbox is frozen; `docker stop` of it (what a daemon restart does to
+    every container) would wait as long as it stays so: the pool sees the kill waiting,
+    thaws it and lets it go."""
+    assert warm_pool(pooled, cwd=workspace) == 2
+    doomed, kept = waiting(docker_client)
+    started = time.monotonic()
+    subprocess.run(["docker", "stop", "-t", "1", doomed], check=True, timeout=60)
+    took = time.monotonic() - started
+    assert took < 10, f"docker stop of a waiting sandbox took {took:.1f} s"
+    deadline = time.monotonic() + 10
+    while pool.ready(pooled) > 1:
+        assert time.monotonic() < deadline, "the stopped sandbox is still in the pool"
+        time.sleep(0.1)
+    assert kept in waiting(docker_client)
+
+
 def test_a_kernelspec_without_a_pool_starts_cold_at_workspace(start_kernel: KernelStarter) -> None:
     km, kc = start_kernel()
     assert not km.provisioner.from_pool
