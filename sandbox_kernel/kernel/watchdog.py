@@ -201,9 +201,11 @@ class Watchdog:
             # The event stream says when it ends; ask now and then anyway.
             deep.next_state = now + STATE_CHECK_INTERVAL
             _, code = await self._backend.state(container_id)
-        # The CPU bounds computing outside executions only with a wall-clock limit.
+        # The CPU bounds computing outside executions (with a wall-clock limit), and a
+        # kernel computing is not one to freeze.
         pid = deep.pid
-        cpu = cpu_seconds(pid) if pid is not None and limits.exec_timeout > 0 else None
+        wanted = limits.exec_timeout > 0 or limits.freeze_after > 0
+        cpu = cpu_seconds(pid) if pid is not None and wanted else None
         if cpu is None and limits.exec_timeout > 0:
             # Perhaps a process of the sandbox's start that is gone: look again.
             deep.pid, deep.cpu_misses = None, deep.cpu_misses + 1

@@ -3,8 +3,9 @@
 The kernel's own messages are its word: code in it can forge an ``execute_reply`` for
 the running request and keep computing, and the host would see an idle kernel. The
 container's CPU time is not its word; it is read from the host's cgroup. Nor is whether it
-is idle enough to freeze: that is what clients sent (and the host's record of executions),
-never what the kernel says or does.
+is idle enough to freeze: that is what clients sent, the host's record of executions and
+the sandbox's CPU time (a kernel whose threads compute is not idle), never what the
+kernel says.
 """
 
 from __future__ import annotations
@@ -101,6 +102,23 @@ class Watch:
     oom_baseline: int | None = None
     interrupted: str | None = None
     compute: UntrackedCompute = field(default_factory=UntrackedCompute)
+    #: The CPU time last seen, and when: (monotonic, CPU-seconds).
+    cpu_seen: tuple[float, float] | None = None
+    #: When the sandbox last used more than :data:`IDLE_ALLOWANCE` (monotonic).
+    computed_at: float = float("-inf")
+
+    def note_cpu(self, now: float, cpu: float | None) -> None:
+        """Whether the sandbox computed since the last look (its threads, with no
+        execution running: a kernel doing work is not one to freeze)."""
+        if cpu is None:
+            return
+        if self.cpu_seen is None:
+            self.computed_at = now  # not known yet: as if it had just computed
+        elif now > self.cpu_seen[0]:
+            then, used = self.cpu_seen
+            if (cpu - used) / (now - then) > IDLE_ALLOWANCE:
+                self.computed_at = now
+        self.cpu_seen = (now, cpu)
 
 
 class Act(Enum):
@@ -145,7 +163,8 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
 
     In order: it ended; the host's OOM killer hit it without ending it (it hangs for
     good, see .cgroups); it keeps computing with no execution running; it is idle past
-    its limit; it is idle long enough to pause; quiet long enough to freeze; an
+    its limit; it is idle long enough to pause; quiet (no client's message, no execution,
+    no computing) long enough to freeze; an
     execution outran its wall-clock limit (interrupt, then kill).
 
     A frozen kernel's time does not count for the CPU it may use with no execution
@@ -164,6 +183,7 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
                 memory_reason(limits.memory),
                 f"ran out of memory (limit {limits.memory}) and hangs",
             )
+        watch.note_cpu(look.now, look.cpu)
         if limits.exec_timeout > 0:
             untracked = watch.compute.observe(look.now - look.frozen_seconds, look.cpu, look.busy)
             if exceeds_exec_timeout(untracked, limits.exec_timeout, limits.exec_kill_grace):
@@ -184,7 +204,7 @@ def judge(look: Look, watch: Watch, limits: WatchLimits) -> Verdict:
             )
         return NOTHING
     if limits.freeze_after > 0 and not look.frozen and (look.quiet_for or 0) >= limits.freeze_after:
-        if look.deep and not look.busy:
+        if look.deep and not look.busy and look.now - watch.computed_at >= limits.freeze_after:
             return Verdict(
                 Act.FREEZE,
                 why=f"quiet for {look.quiet_for:.0f} s (freeze_idle_after {limits.freeze_after:g} s)",

@@ -594,11 +594,12 @@ class LifecycleSettings(HasTraits):
     freeze_idle_after = Duration(
         30.0,
         config=True,
-        help="""Time without any execution or client message after which the kernel's sandbox
-        is frozen, in seconds or e.g. '2m' (0: never; at least 1 s). A frozen sandbox uses no
-        CPU and keeps its memory; the host answers heartbeats meanwhile, and any client's
-        request thaws it within milliseconds and is then delivered. Threads and timers of
-        the kernel's code, and processes it started, stop meanwhile (see
+        help="""Time without any execution, client message or computing (threads of the
+        kernel's code at work) after which the kernel's sandbox is frozen, in seconds or
+        e.g. '2m' (0: never; at least 1 s). A frozen sandbox uses no CPU and keeps its
+        memory; the host answers heartbeats meanwhile, and any client's request thaws it
+        within milliseconds and is then delivered. What mostly waits (a thread printing
+        now and then, timers, a process started in the background) stops meanwhile (see
         docs/administrators/idle-cost.md).""",
     ).tag(kernelspec=True, ceiling="max_freeze_idle_after", bound="timeout")
     max_freeze_idle_after = Duration(

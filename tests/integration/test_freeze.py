@@ -188,11 +188,12 @@ def test_a_persistent_kernel_left_frozen_is_thawed_by_the_next_holder(
 # ---------------------------------------------------------------------- its attacks
 
 
-def test_kernel_code_cannot_keep_itself_thawed_and_its_threads_stop_meanwhile(
+def test_a_thread_that_mostly_sleeps_stops_while_frozen_and_its_clock_jumps(
     start_kernel: KernelStarter, freezing: Callable[..., str], docker_client: docker.DockerClient
 ) -> None:
-    """Only clients' messages count: a thread printing every 0.2 s is frozen with its
-    kernel, and what it sees is a jump of its clock."""
+    """Neither a thread's output nor its timers keep a kernel thawed (it computes next to
+    nothing): a thread printing every 0.2 s is frozen with its kernel, and what it sees is
+    a jump of its clock."""
     km, kc = start_kernel(freezing())
     run_ok(
         kc,
@@ -242,22 +243,45 @@ def test_a_flood_of_heartbeats_is_answered_by_the_host_without_thawing_or_spinni
     )
 
 
-def test_a_thread_computing_between_freezes_still_runs_into_the_wall_clock_limit(
+def test_work_in_a_thread_goes_on_unfrozen_and_the_kernel_freezes_once_it_is_done(
     start_kernel: KernelStarter, freezing: Callable[..., str], docker_client: docker.DockerClient
 ) -> None:
-    """Frozen time does not drain the CPU it may use with no execution running: a thread
-    that computes whenever a client's message thaws it is killed as one that never stops."""
+    """An analyst's background computation (a thread, no cell running, no client talking)
+    is not stopped by the freeze: the sandbox's CPU keeps it thawed until the work ends."""
+    km, kc = start_kernel(freezing())
+    run_ok(
+        kc,
+        "import threading, time\n"
+        "done = []\n"
+        "def work():\n"
+        "    end = time.monotonic() + 6\n"
+        "    n = 0\n"
+        "    while time.monotonic() < end:\n"
+        "        n += 1\n"
+        "    done.append(n)\n"
+        "threading.Thread(target=work, daemon=True).start()",
+    )
+    time.sleep(5)
+    assert freezer_state(docker_client, km) == "thawed", "frozen while its thread computed"
+    wait_frozen(docker_client, km, timeout=30)
+    assert [e["event"] for e in _audit(km.kernel_id)].count("freeze") == 1
+    assert run_ok(kc, "print(len(done), done[0] > 0)").split() == ["1", "True"]
+
+
+def test_a_thread_computing_with_no_cell_running_still_runs_into_the_wall_clock_limit(
+    start_kernel: KernelStarter, freezing: Callable[..., str], docker_client: docker.DockerClient
+) -> None:
+    """The freeze changes nothing of the CPU a kernel may use with no execution running:
+    a thread that never stops computing is never frozen, and killed as without it."""
     km, kc = start_kernel(freezing(exec_timeout=3))
     run_ok(kc, "import threading\ndef spin():\n    while True:\n        pass\n")
     run_ok(kc, "threading.Thread(target=spin, daemon=True).start()")
     deadline = time.monotonic() + 120
     while km.provisioner.limit_stop is None:
         assert time.monotonic() < deadline, "the computing thread was never stopped"
-        kc.kernel_info()  # a client's message now and then: it thaws, and computes a while
-        time.sleep(2)
+        time.sleep(0.5)
     assert km.provisioner.limit_stop.ename == "WallClockLimitExceeded"
-    frozen = [e for e in _audit(km.kernel_id) if e["event"] == "freeze"]
-    assert frozen, "it was frozen between the messages"
+    assert "freeze" not in [e["event"] for e in _audit(km.kernel_id)], "frozen while computing"
 
 
 def test_list_and_kill_reach_a_frozen_kernel(

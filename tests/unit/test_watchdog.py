@@ -130,6 +130,24 @@ def test_a_quiet_kernel_is_frozen_once_nobody_used_it_for_freeze_after() -> None
     assert judge(Look(0, deep=True, idle_for=1e6, quiet_for=1e6), Watch(), never).act is Act.NOTHING
 
 
+def test_a_kernel_whose_threads_compute_is_not_frozen_until_they_stop() -> None:
+    """Work in a thread (a training loop, a local cluster) with no cell running and no
+    client talking goes on: the sandbox's CPU time over 0.15 cores (gVisor's own idle
+    work stays below) keeps it thawed, until it has been quiet that long too."""
+    limits = WatchLimits(freeze_after=30)
+    watch = Watch()
+    quiet = Look(0, deep=True, idle_for=600.0, quiet_for=600.0, cpu=0.0)
+    assert judge(quiet, watch, limits).act is Act.NOTHING  # what its threads do: not known yet
+    for second in range(1, 100):  # a thread computing flat out
+        computing = replace(quiet, now=float(second), cpu=float(second))
+        assert judge(computing, watch, limits).act is Act.NOTHING
+    idle_cpu = 99.0
+    for second in range(100, 129):  # it stopped; gVisor's idle work, 3 % of a core
+        idle_cpu += 0.03
+        assert judge(replace(quiet, now=float(second), cpu=idle_cpu), watch, limits).act is Act.NOTHING
+    assert judge(replace(quiet, now=129.0, cpu=idle_cpu + 0.03), watch, limits).act is Act.FREEZE
+
+
 def test_a_frozen_kernel_still_pauses_and_stops_at_its_idle_limits() -> None:
     """The pause and the idle limit come before a freeze; the watchdog thaws it to carry them out."""
     limits = WatchLimits(freeze_after=30, pause_after=600, idle_timeout=3600)
