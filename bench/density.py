@@ -38,8 +38,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jupyter_client import AsyncKernelManager, KernelManager
+from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
+from latency import sandbox_pid
 
 from sandbox_kernel.host.cgroups import cpu_seconds, memory_usage
 
@@ -82,19 +83,6 @@ def used_since(before: dict[int, float], after: dict[int, float]) -> float:
 
 
 DAEMONS = ("dockerd", "containerd")  # containerd-shim* too
-
-
-def sandbox_pid(manager: AsyncKernelManager | KernelManager) -> int | None:
-    import docker
-
-    container_id = getattr(manager.provisioner, "container_id", None)
-    if container_id is None:
-        return None
-    client = docker.from_env()
-    try:
-        return int(client.api.inspect_container(container_id)["State"]["Pid"]) or None
-    finally:
-        client.close()
 
 
 @dataclass

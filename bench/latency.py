@@ -86,6 +86,10 @@ CODE = "1+1"
 #: A cell writing to file descriptor 1, as C libraries and child processes do (its output
 #: reaches the client through ipykernel's pipe; over the output cap the sandbox drops it).
 FLOOD_MIB = 20
+#: A cell printing many short lines (each print a write to sys.stdout, through ipykernel's
+#: output path): the median of PRINT_RUNS.
+PRINTS = "for i in range(100_000):\n    print(i)"
+PRINT_RUNS = 3
 FLOOD = f"import os\nchunk = b'x' * 2**20\nfor _ in range({FLOOD_MIB}):\n    os.write(1, chunk)"
 
 
@@ -127,6 +131,7 @@ class Timings:
     idle_cpu_pct: float = math.nan
     session_run_ms: list[float] = field(default_factory=list)
     flood_s: float = math.nan
+    prints_s: list[float] = field(default_factory=list)
 
 
 def progress(message: str) -> None:
@@ -172,12 +177,12 @@ def execute_once(client: BlockingKernelClient) -> float:
     return elapsed
 
 
-def flood_once(client: BlockingKernelClient) -> float:
-    """Seconds from sending :data:`FLOOD` until its reply."""
+def timed_cell(client: BlockingKernelClient, code: str, what: str) -> float:
+    """Seconds from sending ``code`` (:data:`FLOOD`, :data:`PRINTS`) until its reply."""
     started = time.perf_counter()
-    reply = client.execute_interactive(FLOOD, timeout=EXECUTE_TIMEOUT * 4, output_hook=ignore_output)
+    reply = client.execute_interactive(code, timeout=EXECUTE_TIMEOUT * 4, output_hook=ignore_output)
     if reply["content"]["status"] != "ok":
-        msg = f"Writing {FLOOD_MIB} MiB to fd 1 failed: {reply['content']}"
+        msg = f"{what} failed: {reply['content']}"
         raise RuntimeError(msg)
     return time.perf_counter() - started
 
@@ -203,7 +208,10 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
         for _ in range(warmup):
             execute_once(kernel.client)
         timings.execute_ms = [execute_once(kernel.client) * 1000 for _ in range(runs)]
-        timings.flood_s = flood_once(kernel.client)
+        timings.flood_s = timed_cell(kernel.client, FLOOD, f"Writing {FLOOD_MIB} MiB to fd 1")
+        timings.prints_s = [
+            timed_cell(kernel.client, PRINTS, "Printing 100,000 lines") for _ in range(PRINT_RUNS)
+        ]
         timings.memory_idle_mib = host_memory_mib(kernel.manager)
         reply = kernel.client.execute_interactive(
             "import pandas", timeout=EXECUTE_TIMEOUT, output_hook=ignore_output
@@ -265,7 +273,7 @@ def sandbox_pid(manager: KernelManager | AsyncKernelManager) -> int | None:
         return None
     client = docker.from_env()
     try:
-        return int(client.api.inspect_container(container_id)["State"]["Pid"])
+        return int(client.api.inspect_container(container_id)["State"]["Pid"]) or None
     finally:
         client.close()
 
@@ -453,6 +461,7 @@ def summarize(t: Timings) -> dict[str, float]:
         "session_p50_ms": percentile(t.session_run_ms, 50),
         "session_p95_ms": percentile(t.session_run_ms, 95),
         "flood_s": t.flood_s,
+        "prints_s": statistics.median(t.prints_s) if t.prints_s else math.nan,
         "memory_idle_mib": t.memory_idle_mib,
         "memory_pandas_mib": t.memory_pandas_mib,
     }
@@ -471,6 +480,7 @@ ROWS = (
     ("session_p50_ms", f"SandboxSession.run({CODE!r}), p50", "ms"),
     ("session_p95_ms", f"SandboxSession.run({CODE!r}), p95", "ms"),
     ("flood_s", f"{FLOOD_MIB} MiB written to fd 1 -> reply", "s"),
+    ("prints_s", f"100,000 print() lines -> reply, median of {PRINT_RUNS}", "s"),
     ("memory_idle_mib", "host memory, idle kernel", "MiB"),
     ("memory_pandas_mib", "host memory, after import pandas", "MiB"),
     ("pooled_p50_s", "pooled start -> kernel_info reply, p50 (local: cold)", "s"),

@@ -634,6 +634,23 @@ def test_long_lines_are_read_through_and_replaced_by_a_stand_in() -> None:
     check_long_lines(lines, got, held)
 
 
+class LoopTicks:
+    """Counts the turns of the running event loop, to show it was never blocked."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.ticks += 1
+
+    def stop(self) -> int:
+        self._task.cancel()
+        return self.ticks
+
+
 async def test_a_pipe_is_read_on_the_event_loop_where_lines_arrive_in_pieces(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -654,24 +671,17 @@ async def test_a_pipe_is_read_on_the_event_loop_where_lines_arrive_in_pieces(
 
     reader = BoundedLines(read, limit=100_000)
     held = watch_drops(reader)
-    ticks = 0
-
-    async def tick() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0)
-            ticks += 1
 
     def no_thread(*args: object, **kwargs: object) -> None:
         raise AssertionError("a thread read the pipe")
 
     monkeypatch.setattr(anyio.to_thread, "run_sync", no_thread)
-    ticker = asyncio.create_task(tick())
+    ticker = LoopTicks()
     writer = threading.Thread(target=trickle)
     writer.start()
     got = [line async for line in reader]
     writer.join()
-    ticker.cancel()
+    ticks = ticker.stop()
     reader.close()
     assert os.get_blocking(read), "the pipe is blocking again"
     os.close(read)
@@ -695,18 +705,10 @@ async def test_a_message_larger_than_the_pipe_goes_out_whole_without_blocking_th
 
     reader = threading.Thread(target=slow_reader)
     reader.start()
-    ticks = 0
-
-    async def tick() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0)
-            ticks += 1
-
-    ticker = asyncio.create_task(tick())
+    ticker = LoopTicks()
     await out.write(message)
     await out.flush()
-    ticker.cancel()
+    ticks = ticker.stop()
     out.close()
     assert os.get_blocking(write), "the pipe is blocking again"
     os.close(write)
