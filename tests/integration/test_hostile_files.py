@@ -268,7 +268,13 @@ def test_a_kernel_whose_uid_has_no_account_in_the_image_works(
 def _expected_launch_entries(km: KernelManager) -> set[str]:
     launch_dir = km.provisioner.launch_dir  # type: ignore[union-attr]
     sockets = {path.name for path in kernel_sockets(launch_dir).values()}
-    return sockets | {"connection.json", "startup.py", "in_kernel_startup.py", "fast_io.py", "kernel_relay.py"}
+    return sockets | {
+        "connection.json",
+        "startup.py",
+        "in_kernel_startup.py",
+        "fast_io.py",
+        "kernel_relay.py",
+    }
 
 
 def _launch_dir_problems(km: KernelManager) -> list[str]:
