@@ -557,9 +557,19 @@ def received(sub: Any) -> list[list[bytes]]:
     return messages
 
 
-def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(iopub: Any) -> None:
+def test_a_flush_with_nothing_to_send_waits_as_ipykernel_s_own_while_the_shortcut_is_off(iopub: Any) -> None:
+    """The shortcut below is off (it raced the output cap's tail on a first cell)."""
+    iopub.fast_io.install(iopub.kernel)
+    iopub.stream.flush()
+    assert iopub.scheduled != [], "the flush was handed to the IOPub thread"
+
+
+def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(
+    iopub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under gVisor each hand-off to the IOPub thread and back costs a fraction of a
     millisecond; ipykernel flushes six times for `1+1`, mostly with nothing to send."""
+    monkeypatch.setattr(iopub.fast_io, "SKIP_EMPTY_FLUSHES", True)
     iopub.fast_io.install(iopub.kernel)
     iopub.stream.flush()
     assert iopub.scheduled == []
@@ -572,9 +582,12 @@ def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(iopub: 
     assert b'"text": "line\\n"' in b"".join(messages[0]).replace(b'":"', b'": "')
 
 
-def test_a_flush_still_waits_for_what_the_iopub_thread_has_not_sent(iopub: Any) -> None:
+def test_a_flush_still_waits_for_what_the_iopub_thread_has_not_sent(
+    iopub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Nothing to flush, yet a message handed to the IOPub thread is not out: the flush
     waits for it, as ipykernel's does (the reply must not overtake its outputs)."""
+    monkeypatch.setattr(iopub.fast_io, "SKIP_EMPTY_FLUSHES", True)
     iopub.fast_io.install(iopub.kernel)
     busy = threading.Event()
     iopub.kernel.iopub_thread.schedule(busy.wait)  # the IOPub thread is held
