@@ -39,8 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jupyter_client import AsyncKernelManager
-from jupyter_client.kernelspec import KernelSpecManager
-from latency import sandbox_pid
+from latency import kernelspec_variant, sandbox_pid
 
 from sandbox_kernel.host.cgroups import cpu_seconds, memory_usage
 
@@ -245,13 +244,7 @@ async def alone(kernel_name: str, runs: int, cwd: str) -> float:
 
 def variant(kernel_name: str, freeze_after: float, folder: Path) -> str:
     """A kernelspec like ``kernel_name`` whose kernels freeze after ``freeze_after`` s."""
-    spec = KernelSpecManager().get_kernel_spec(kernel_name)
-    data = spec.to_dict()
-    data["metadata"]["kernel_provisioner"].setdefault("config", {})["freeze_idle_after"] = freeze_after
-    name = f"{kernel_name}-density"
-    (folder / "kernels" / name).mkdir(parents=True)
-    (folder / "kernels" / name / "kernel.json").write_text(json.dumps(data))
-    return name
+    return kernelspec_variant(kernel_name, "density", {"freeze_idle_after": freeze_after}, folder)
 
 
 def table(rows: list[Row], single_ms: float, local_ms: float) -> str:

@@ -295,14 +295,21 @@ def host_memory_mib(manager: KernelManager) -> float:
     return math.nan
 
 
-def pooled_kernelspec(kernel_name: str, pool_size: int, folder: Path) -> str:
-    """A variant of ``kernel_name`` with a pool, in ``folder`` (put first on JUPYTER_PATH)."""
+def kernelspec_variant(kernel_name: str, suffix: str, config: dict[str, Any], folder: Path) -> str:
+    """A variant of ``kernel_name`` named ``kernel_name-suffix`` with ``config`` added to its
+    provisioner's, written in ``folder``'s kernels; its name."""
     spec = KernelSpecManager().get_kernel_spec(kernel_name)
     data = spec.to_dict()
-    data["metadata"]["kernel_provisioner"].setdefault("config", {})["pool_size"] = pool_size
-    name = f"{kernel_name}-bench-pool"
+    data["metadata"]["kernel_provisioner"].setdefault("config", {}).update(config)
+    name = f"{kernel_name}-{suffix}"
     (folder / "kernels" / name).mkdir(parents=True)
     (folder / "kernels" / name / "kernel.json").write_text(json.dumps(data))
+    return name
+
+
+def pooled_kernelspec(kernel_name: str, pool_size: int, folder: Path) -> str:
+    """A variant of ``kernel_name`` with a pool, in ``folder`` (put first on JUPYTER_PATH)."""
+    name = kernelspec_variant(kernel_name, "bench-pool", {"pool_size": pool_size}, folder)
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("JUPYTER_PATH")]))
     return name
 
