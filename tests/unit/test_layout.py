@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sandbox_kernel"
 LAYERS = [
     {"__init__", "server", "lab", "launch"},  # the package's face and the paths configs name
     {"cli"},
+    {"gateway"},  # the sandbox gateway: kernels served to other users' servers
     {"agents", "jupyter"},
     {"warming", "reattach"},
     {"provisioner"},
