@@ -149,6 +149,11 @@ class MemoryGauge:
         return memory_usage(pid)
 
 
+#: The kernel status route. The group is named, as jupyter_server's kernel routes name
+#: theirs, so that an Authorizer sees whose kernel is asked for (``path_kwargs``).
+KERNEL_STATUS_PATH = r"api/sandbox-kernel/kernels/(?P<kernel_id>[^/]+)"
+
+
 class KernelSandboxHandler(APIHandler):
     """``GET /api/sandbox-kernel/kernels/<kernel_id>``: see the module's docstring."""
 
@@ -182,7 +187,7 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 
 def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     web_app = serverapp.web_app
-    pattern = url_path_join(web_app.settings["base_url"], "api/sandbox-kernel/kernels/([^/]+)")
+    pattern = url_path_join(web_app.settings["base_url"], KERNEL_STATUS_PATH)
     handlers = [(pattern, KernelSandboxHandler, {"gauge": MemoryGauge()})]
     web_app.add_handlers(".*$", handlers)  # type: ignore[no-untyped-call]  # untyped upstream
     serverapp.log.info("sandbox-kernel: kernel status at %s", pattern)
