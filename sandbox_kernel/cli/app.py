@@ -43,6 +43,7 @@ from sandbox_kernel.errors import (
     ImageBuildError,
     SandboxKernelError,
 )
+from sandbox_kernel.gateway.app import SandboxGatewayApp
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from sandbox_kernel.plan.admission import CONFIG_FILE_NAME, require_sandboxed, sandboxed_manager
 from sandbox_kernel.plan.plan import ceiling_violations, validate_kernelspec_config, volume_name
@@ -995,6 +996,10 @@ class SandboxKernelApp(JupyterApp):
         "resume": (ResumeApp, "Resume paused sandboxed kernels by kernel id."),
         "prune": (PruneApp, "Remove sandboxed kernels whose Jupyter server is gone."),
         "mcp": (McpApp, "Serve sandboxed kernels to an AI assistant over MCP (stdio)."),
+        "gateway": (
+            SandboxGatewayApp,
+            "Serve sandboxed kernels to other users' Jupyter servers (a kernel gateway).",
+        ),
     }
 
     def start(self) -> None:

@@ -1,0 +1,160 @@
+"""The gateway's routes: jupyter_server's kernel API, with each kernel its owner's.
+
+Loaded as the gateway's ``extra_services``, so these come before jupyter_server's own
+routes of the same paths. ``POST /api/kernels`` reads the body a user's server sends
+(``{"name", "env": {"KERNEL_WORKING_DIR": ...}}``, see jupyter_server's
+``GatewayKernelManager.start_kernel``), takes the folder as a request that
+:func:`~.users.check_cwd` judges, and starts the kernel for the authenticated user. None of
+the client's ``env`` reaches the kernel. An optional ``"sandbox"`` object narrows the
+kernel's policy as ``start_kernel(memory=...)`` does (``memory``, ``cpus``, ``network`` ...).
+
+Every route on one kernel checks its owner again, whatever Authorizer is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from jupyter_client.jsonutil import json_default
+from jupyter_client.kernelspec import NoSuchKernel
+from jupyter_core.utils import ensure_async
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import JupyterHandler
+from jupyter_server.kernelspecs.handlers import KernelSpecResourceHandler
+from jupyter_server.services.kernels.handlers import KernelActionHandler, KernelHandler, MainKernelHandler
+from jupyter_server.services.kernels.websocket import KernelWebsocketHandler
+from jupyter_server.services.kernelspecs.handlers import kernel_name_regex
+from jupyter_server.utils import url_escape, url_path_join
+from tornado import web
+
+from sandbox_kernel.errors import ConfigurationError, SandboxKernelError, WorkspaceError
+from sandbox_kernel.gateway.authorizer import owns
+from sandbox_kernel.gateway.users import GatewayUser, UserRefused, check_cwd
+from sandbox_kernel.jupyter.lab import KERNEL_STATUS_PATH, KernelSandboxHandler, MemoryGauge
+from sandbox_kernel.plan.plan import NARROWABLE
+
+#: As jupyter_server's kernel routes have it (``services/kernels/handlers.py``).
+KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
+
+
+class _OwnerOnly(JupyterHandler):
+    """A route on one kernel: only its owner gets past ``prepare`` (403 for anyone else,
+    and for an unknown id, so a refusal tells nothing of other users' kernels)."""
+
+    async def prepare(self, *args: Any, **kwargs: Any) -> None:
+        await super().prepare(*args, **kwargs)
+        kernel_id = self.path_kwargs.get("kernel_id")
+        if kernel_id is not None and not owns(self, self.current_user, kernel_id):
+            raise web.HTTPError(403, f"you have no kernel {kernel_id}")
+
+
+class OwnKernelHandler(_OwnerOnly, KernelHandler):
+    """``GET``/``DELETE /api/kernels/<id>``, the owner's only."""
+
+
+class OwnKernelActionHandler(_OwnerOnly, KernelActionHandler):
+    """``POST /api/kernels/<id>/{interrupt,restart}``, the owner's only."""
+
+
+class OwnKernelWebsocketHandler(_OwnerOnly, KernelWebsocketHandler):
+    """``GET /api/kernels/<id>/channels`` (the websocket), the owner's only."""
+
+
+class OwnKernelSandboxHandler(_OwnerOnly, KernelSandboxHandler):
+    """``GET /api/sandbox-kernel/kernels/<id>`` (see :mod:`sandbox_kernel.jupyter.lab`), the owner's only."""
+
+
+class GatewayKernelSpecResourceHandler(KernelSpecResourceHandler):
+    """``GET /kernelspecs/<name>/<file>`` (logos): 403 without a token, as every route,
+    rather than jupyter_server's redirect to a login page the gateway does not have."""
+
+    def get_login_url(self) -> str:
+        raise web.HTTPError(403)
+
+
+def _start_request(model: Any) -> tuple[str | None, str | None, str | None, dict[str, Any]]:
+    """(kernel name, folder asked for, kernel id, narrowing) of a POST body.
+
+    Raises:
+        HTTPError: 400 for a body that is not one.
+    """
+    if model is None:
+        model = {}
+    if not isinstance(model, dict):
+        raise web.HTTPError(400, "the body must be a JSON object")
+    env = model.get("env") or {}
+    narrowing = model.get("sandbox") or {}
+    if not isinstance(env, dict) or not isinstance(narrowing, dict):
+        raise web.HTTPError(400, '"env" and "sandbox" must be JSON objects')
+    unknown = sorted(set(narrowing) - set(NARROWABLE))
+    if unknown:
+        raise web.HTTPError(
+            400, f'"sandbox" may narrow only {", ".join(NARROWABLE)}; not {", ".join(unknown)}'
+        )
+    fields = (model.get("name"), env.get("KERNEL_WORKING_DIR"), model.get("kernel_id"))
+    if not all(value is None or isinstance(value, str) for value in fields):
+        raise web.HTTPError(400, '"name", "kernel_id" and env.KERNEL_WORKING_DIR must be strings')
+    return (*fields, narrowing)
+
+
+class GatewayMainKernelHandler(MainKernelHandler):
+    """``GET /api/kernels`` (the caller's kernels) and ``POST /api/kernels`` (start one)."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        """The caller's kernels."""
+        kernels = await ensure_async(self.kernel_manager.list_kernels())  # type: ignore[no-untyped-call]
+        mine = [model for model in kernels if owns(self, self.current_user, model["id"])]
+        self.finish(json.dumps(mine, default=json_default))
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        """Start a kernel for the caller (or, with ``kernel_id``, return one of theirs).
+
+        Raises:
+            HTTPError: 400 for a bad body or policy; 403 for a folder, kernel id or user
+                the gateway refuses; 404 for a kernelspec that is not a sandboxed one.
+        """
+        km = self.kernel_manager
+        name, requested, kernel_id, narrowing = _start_request(self.get_json_body())
+        user = self.current_user
+        if not isinstance(user, GatewayUser):
+            raise web.HTTPError(403, "the gateway starts kernels only for its own authenticated users")
+        if kernel_id is not None:
+            if not owns(self, user, kernel_id):
+                raise web.HTTPError(403, f"you have no kernel {kernel_id}")
+        else:
+            name = name or km.default_kernel_name
+            try:
+                await ensure_async(self.kernel_spec_manager.get_kernel_spec(name))
+            except NoSuchKernel:
+                raise web.HTTPError(404, f"no sandboxed kernelspec {name!r} on this gateway") from None
+            try:
+                cwd = await asyncio.to_thread(check_cwd, user.sandbox_user, requested)
+                kernel_id = await km.start_kernel(
+                    kernel_name=name, cwd=str(cwd), sandbox_user=user.sandbox_user, **narrowing
+                )
+            except (UserRefused, WorkspaceError) as exc:
+                raise web.HTTPError(403, str(exc)) from None
+            except ConfigurationError as exc:
+                raise web.HTTPError(400, str(exc)) from None
+            except SandboxKernelError as exc:
+                raise web.HTTPError(500, str(exc)) from None
+        model = await ensure_async(km.kernel_model(kernel_id))  # type: ignore[no-untyped-call]
+        self.set_header("Location", url_path_join(self.base_url, "api", "kernels", url_escape(kernel_id)))
+        self.set_status(201)
+        self.finish(json.dumps(model, default=json_default))
+
+
+default_handlers: list[tuple[Any, ...]] = [
+    (r"/api/kernels", GatewayMainKernelHandler),
+    (rf"/api/kernels/{KERNEL_ID}", OwnKernelHandler),
+    (rf"/api/kernels/{KERNEL_ID}/(?P<action>restart|interrupt)", OwnKernelActionHandler),
+    (rf"/api/kernels/{KERNEL_ID}/channels", OwnKernelWebsocketHandler),
+    (f"/{KERNEL_STATUS_PATH}", OwnKernelSandboxHandler, {"gauge": MemoryGauge()}),
+    (rf"/kernelspecs/{kernel_name_regex}/(?P<path>.*)", GatewayKernelSpecResourceHandler),
+]

@@ -1,0 +1,117 @@
+"""The gateway's kernel manager: every kernel has an owner, and each user sees their own.
+
+A kernel is started for an authenticated user (``start_kernel(sandbox_user=...)``, see
+:mod:`sandbox_kernel.plan.users`); the manager records whose it is, and:
+
+- ``list_kernels`` lists, during a request, only the caller's kernels (nothing outside one);
+- ``start_kernel(kernel_id=...)`` returns an existing kernel only to its owner (jupyter_server
+  would return anyone's) and never starts one under an id the client picked;
+- a user has at most ``UserPolicy.max_kernels_per_user`` kernels at once.
+
+jupyter_client keeps the start's arguments for restarts, so a restarted kernel is started
+for the same user again and keeps its owner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_server.base.call_context import CallContext
+from traitlets import default
+
+from sandbox_kernel.gateway.users import UserPolicy, UserRefused
+from sandbox_kernel.jupyter.server import SandboxMappingKernelManager
+from sandbox_kernel.plan.users import START_ARGUMENT, KernelUser
+
+
+def request_user() -> Any:
+    """The user of the request being served, or None outside one."""
+    handler = CallContext.get(CallContext.JUPYTER_HANDLER)
+    return getattr(handler, "current_user", None) if handler is not None else None
+
+
+class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
+    """jupyter_server's kernel manager (with sandbox-kernel's persistence), per user."""
+
+    @default("adopt_persistent_kernels")
+    def _adopt_default(self) -> bool:
+        return False  # adopted kernels need their owner from their label: not yet there
+
+    @default("keep_sessions")
+    def _keep_sessions_default(self) -> bool:
+        return False  # the gateway has no sessions: its clients keep theirs
+
+    @default("warm_pools")
+    def _warm_pools_default(self) -> bool:
+        return False  # a pool of the gateway's own would fit no user's kernels
+
+    @default("default_kernel_name")
+    def _default_kernel_name_default(self) -> str:
+        return "sandboxed-python"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._owners: dict[str, str] = {}
+
+    def owner(self, kernel_id: str) -> str | None:
+        """The name of the user kernel ``kernel_id`` was started for, or None (no such
+        kernel, or one no user owns)."""
+        if kernel_id not in self._kernels:
+            return None
+        recorded = self._owners.get(kernel_id)
+        if recorded is not None:
+            return recorded
+        launch = getattr(getattr(self._kernels[kernel_id], "provisioner", None), "launch", None)
+        user = getattr(launch, "user", None)
+        return user.name if isinstance(user, KernelUser) else None
+
+    def kernels_of(self, name: str) -> list[str]:
+        """The ids of user ``name``'s kernels."""
+        return [kernel_id for kernel_id in list(self._kernels) if self.owner(kernel_id) == name]
+
+    def list_kernels(self) -> list[dict[str, Any]]:
+        """The models of the calling user's kernels (none outside a request)."""
+        user = request_user()
+        if user is None:
+            return []
+        mine = set(self.kernels_of(user.username))
+        models: list[dict[str, Any]] = super().list_kernels()  # type: ignore[no-untyped-call]
+        return [model for model in models if model["id"] in mine]
+
+    async def _async_start_kernel(
+        self, *, kernel_id: str | None = None, path: Any = None, **kwargs: Any
+    ) -> str:
+        """Start a kernel for ``kwargs["sandbox_user"]`` (a :class:`KernelUser`), or, with
+        ``kernel_id``, return that kernel if it is theirs.
+
+        Raises:
+            UserRefused: no user; a ``kernel_id`` that is not one of theirs; or they have
+                as many kernels as they may.
+        """
+        user = kwargs.get(START_ARGUMENT)
+        if not isinstance(user, KernelUser):
+            msg = f"the gateway starts kernels only for an authenticated user ({START_ARGUMENT}=KernelUser)"
+            raise UserRefused(msg)
+        if kernel_id is not None:
+            if self.owner(kernel_id) != user.name:
+                msg = f"you have no kernel {kernel_id}"
+                raise UserRefused(msg)
+            return kernel_id
+        limit = UserPolicy(config=self.config).max_kernels_per_user
+        if limit and len(self.kernels_of(user.name)) >= limit:
+            msg = (
+                f"you have {limit} kernels, as many as this gateway allows one user "
+                "(UserPolicy.max_kernels_per_user): shut one down first"
+            )
+            raise UserRefused(msg)
+        started = await super()._async_start_kernel(path=None, **kwargs)
+        self._owners[started] = user.name
+        self.log.info("Kernel %s started for user %s", started, user.name)
+        return started
+
+    start_kernel = _async_start_kernel  # type: ignore[assignment]
+
+    def remove_kernel(self, kernel_id: str) -> Any:
+        """Forget kernel ``kernel_id`` and its owner."""
+        self._owners.pop(kernel_id, None)
+        return super().remove_kernel(kernel_id)

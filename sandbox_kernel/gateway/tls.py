@@ -1,0 +1,121 @@
+"""The gateway's TLS: a certificate authority of its own and the server certificate it signs.
+
+``jupyter sandbox-kernel gateway init-tls`` writes them; the users' servers trust the CA
+(``JUPYTER_GATEWAY_CA_CERTS``), the gateway serves with the certificate. Unlike the
+egress proxy's per-kernel CAs (:mod:`sandbox_kernel.egress.ca`), this one signs for IP
+addresses as well as names (a sandbox host is often reached by its address) and is not
+name-constrained: it signs the gateway's certificates only, and its key stays with root.
+
+Pure crypto (``cryptography``), no I/O but :func:`write_private`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+#: Clocks disagree a little; certificates start this much before they are made.
+BACKDATE = datetime.timedelta(hours=1)
+CA_LIFETIME = datetime.timedelta(days=10 * 365)
+SERVER_LIFETIME = datetime.timedelta(days=2 * 365)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _usage(*, signs: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=not signs,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=signs,
+        crl_sign=signs,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def make_ca(common_name: str = "sandbox-kernel gateway CA") -> tuple[bytes, bytes]:
+    """A new CA: (certificate PEM, key PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + CA_LIFETIME)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_usage(signs=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def make_server_cert(
+    ca_cert_pem: bytes, ca_key_pem: bytes, hostnames: Iterable[str], ips: Iterable[str]
+) -> tuple[bytes, bytes]:
+    """A server certificate for ``hostnames`` and ``ips``, signed by the CA: (certificate
+    chain PEM, key PEM).
+
+    Raises:
+        ValueError: no name or address is given, an address is not one, or the key is
+            not the CA's kind.
+    """
+    names: list[x509.GeneralName] = [x509.DNSName(h) for h in hostnames]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    if not names:
+        msg = "a server certificate needs at least one host name or IP address"
+        raise ValueError(msg)
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        msg = "the gateway CA's key is not an EC key"
+        raise ValueError(msg)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    first = names[0].value
+    ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(first))]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(min(now + SERVER_LIFETIME, ca_cert.not_valid_after_utc))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_usage(signs=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert.public_bytes(serialization.Encoding.PEM) + ca_cert_pem, _key_pem(key)
+
+
+def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` with ``mode``, replaced atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp.replace(path)

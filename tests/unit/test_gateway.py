@@ -1,0 +1,400 @@
+"""The sandbox gateway served for real (in this process, over HTTP and websockets), with the
+fake backend for its kernels: the routes it serves, who it lets in, and whose kernels
+each user may touch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from traitlets.config import Config
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
+from tornado.websocket import websocket_connect
+
+from sandbox_kernel.backends.fake import FakeBackend
+from sandbox_kernel.gateway.app import SandboxGatewayApp
+from sandbox_kernel.gateway.identity import add_token
+from sandbox_kernel.gateway.manager import GatewayKernelManagerForUsers
+from sandbox_kernel.lifecycle.startup_mark import STARTED_MARK
+from sandbox_kernel.plan.sandbox_spec import SandboxSpec
+
+from .test_provisioner import ARGV
+
+UIDS = {"alice": 15001, "bob": 15002}
+
+
+class StartingBackend(FakeBackend):
+    """The fake backend, whose sandboxes' start-up code says it ran (as a kernel's does)."""
+
+    async def create(self, spec: SandboxSpec) -> str:
+        sandbox_id = await super().create(spec)
+        (spec.runtime_dir / STARTED_MARK).write_text("ok\n")
+        return sandbox_id
+
+
+def write_kernelspec(kernels: Path, name: str, sandboxed: bool) -> None:
+    folder = kernels / name
+    folder.mkdir(parents=True)
+    metadata = (
+        {"kernel_provisioner": {"provisioner_name": "sandbox-provisioner", "config": {}}} if sandboxed else {}
+    )
+    spec = {"argv": ARGV, "display_name": name, "language": "python", "metadata": metadata}
+    (folder / "kernel.json").write_text(json.dumps(spec))
+    (folder / "logo-64x64.png").write_bytes(b"\x89PNG fake")
+
+
+@dataclass
+class Gateway:
+    app: SandboxGatewayApp
+    url: str
+    tokens: dict[str, str]
+    roots: dict[str, Path]
+
+    @property
+    def km(self) -> GatewayKernelManagerForUsers:
+        km = self.app.kernel_manager
+        assert isinstance(km, GatewayKernelManagerForUsers)
+        return km
+
+    async def fetch(self, path: str, user: str | None = None, **kwargs: Any) -> HTTPResponse:
+        """The gateway's answer (errors too) to a request as ``user`` (None: no token)."""
+        headers = dict(kwargs.pop("headers", {}))
+        if user is not None:
+            headers["Authorization"] = f"token {self.tokens[user]}"
+        if kwargs.get("body") is not None and not isinstance(kwargs["body"], str | bytes):
+            kwargs["body"] = json.dumps(kwargs["body"])
+        try:
+            return await AsyncHTTPClient().fetch(
+                self.url + path, headers=headers, raise_error=True, follow_redirects=False, **kwargs
+            )
+        except HTTPClientError as exc:
+            assert exc.response is not None
+            return exc.response
+
+    async def start(self, user: str, **body: Any) -> str:
+        body.setdefault("env", {"KERNEL_WORKING_DIR": str(self.roots[user] / "proj")})
+        response = await self.fetch("/api/kernels", user, method="POST", body=body)
+        assert response.code == 201, response.body
+        return str(json.loads(response.body)["id"])
+
+
+def message(response: HTTPResponse) -> str:
+    return str(json.loads(response.body)["message"])
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder short enough for the kernels' unix socket paths (pytest's are not)."""
+    folder = Path(tempfile.mkdtemp(prefix="sk-gw-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+async def gateway(
+    short_tmp: Path, jupyter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Gateway]:
+    kernels = jupyter_dirs["JUPYTER_DATA_DIR"] / "kernels"
+    write_kernelspec(kernels, "sandboxed-python", sandboxed=True)
+    write_kernelspec(kernels, "python3", sandboxed=False)
+    tokens_file = short_tmp / "tokens.json"
+    tokens = {name: add_token(tokens_file, name) for name in UIDS}
+    roots = {}
+    for name, uid in UIDS.items():
+        root = short_tmp / "home" / name
+        (root / "proj").mkdir(parents=True)
+        for folder in (root, root / "proj"):
+            os.chown(folder, uid, uid)
+        roots[name] = root
+    monkeypatch.setattr(SandboxGatewayApp, "init_signal", lambda self: None)
+    (short_tmp / "rt").mkdir()
+    port = free_port()
+    app = SandboxGatewayApp(config=Config({"UserPolicy": {"uids": UIDS}}))
+    app.initialize(
+        [
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--SandboxGatewayApp.allow_plain_http=True",
+            f"--ServerApp.root_dir={short_tmp}",
+            f"--TokensFileIdentityProvider.path={tokens_file}",
+            "--UserPolicy.uid_source=map",
+            f"--UserPolicy.workspace_root={short_tmp}/home/{{username}}",
+            "--UserPolicy.max_kernels_per_user=2",
+            f"--SandboxProvisioner.backend_class={__name__}.StartingBackend",
+            f"--SandboxProvisioner.runtime_parent={short_tmp}/rt",
+            "--SandboxProvisioner.image=img:1",
+        ]
+    )
+    made = Gateway(app, f"http://127.0.0.1:{port}", tokens, roots)
+    yield made
+    app.http_server.stop()
+    await made.km.shutdown_all(now=True)
+    SandboxGatewayApp.clear_instance()
+
+
+async def connect(gateway: Gateway, kernel_id: str, user: str | None, query: str = "") -> int:
+    """The status of the websocket handshake to kernel ``kernel_id``'s channels as ``user``
+    (101 when it connects)."""
+    headers = {"Authorization": f"token {gateway.tokens[user]}"} if user else {}
+    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels{query}"
+    try:
+        ws = await websocket_connect(HTTPRequest(url, headers=headers))
+    except HTTPClientError as exc:
+        return exc.code
+    ws.close()
+    return 101
+
+
+#: Every other route a jupyter_server has (and the gateway must not).
+NOT_SERVED = [
+    "/api/contents",
+    "/api/contents/tokens.json",
+    "/files/tokens.json",
+    "/api/sessions",
+    "/api/terminals",
+    "/terminals/1",
+    "/api/status",
+    "/api/me",
+    "/api/config/notebook",
+    "/api/security/csp-report",
+    "/api/events/subscribe",
+    "/api/nbconvert",
+    "/nbconvert/html/x.ipynb",
+    "/view/x.html",
+    "/api/shutdown",
+    "/lab",
+    "/tree",
+    "/login",
+    "/logout",
+    "/metrics",
+    "/static/style/index.css",
+    "/robots.txt",
+    "/favicon.ico",
+    "/api/kernels/",
+    "/",
+]
+
+
+async def test_the_gateway_serves_the_kernel_api_and_nothing_else(gateway: Gateway) -> None:
+    (Path(gateway.app.root_dir) / "x.ipynb").write_text("{}")
+    for path in NOT_SERVED:
+        for user in (None, "alice"):
+            response = await gateway.fetch(path, user)
+            assert response.code == 404, f"{path} as {user}: {response.code}"
+    served = {
+        "/api": 200,
+        "/api/kernels": 200,
+        "/api/kernelspecs": 200,
+        "/api/kernelspecs/sandboxed-python": 200,
+        "/kernelspecs/sandboxed-python/logo-64x64.png": 200,
+    }
+    for path, code in served.items():
+        assert (await gateway.fetch(path, "alice")).code == code, path
+    assert (await gateway.fetch("/api/kernels", "alice", method="POST", body="{}")).code == 201
+
+
+async def test_metrics_are_served_only_when_asked(gateway: Gateway) -> None:
+    assert not gateway.app.metrics
+    assert (await gateway.fetch("/metrics", "alice")).code == 404
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "token not-a-token"},
+        {"Authorization": "Basic YWxpY2U6eA=="},
+        {"Cookie": "username-127-0-0-1=alice"},
+        {"X-Forwarded-User": "alice", "KERNEL_USERNAME": "alice"},
+    ],
+    ids=["none", "wrong", "basic", "cookie", "claimed"],
+)
+async def test_a_request_without_a_users_token_in_its_header_is_refused(
+    gateway: Gateway, headers: dict[str, str]
+) -> None:
+    kernel_id = await gateway.start("alice")
+    for path, method, body in [
+        ("/api/kernels", "GET", None),
+        ("/api/kernels", "POST", "{}"),
+        ("/api/kernelspecs", "GET", None),
+        ("/api/kernelspecs/sandboxed-python", "GET", None),
+        ("/kernelspecs/sandboxed-python/logo-64x64.png", "GET", None),
+        (f"/api/kernels/{kernel_id}", "GET", None),
+        (f"/api/kernels/{kernel_id}", "DELETE", None),
+        (f"/api/kernels/{kernel_id}/interrupt", "POST", ""),
+        (f"/api/sandbox-kernel/kernels/{kernel_id}", "GET", None),
+    ]:
+        response = await gateway.fetch(path, headers=headers, method=method, body=body)
+        assert response.code == 403, f"{method} {path}: {response.code}"
+    assert await connect(gateway, kernel_id, None) == 403
+    assert gateway.km.owner(kernel_id) == "alice", "still there"
+
+
+async def test_a_token_counts_only_in_the_authorization_header(gateway: Gateway) -> None:
+    token = gateway.tokens["alice"]
+    assert (await gateway.fetch(f"/api/kernels?token={token}")).code == 403
+    kernel_id = await gateway.start("alice")
+    assert await connect(gateway, kernel_id, None, f"?token={token}") == 403
+    bearer = await gateway.fetch("/api/kernels", headers={"Authorization": f"Bearer {token}"})
+    assert bearer.code == 200
+    assert "Set-Cookie" not in bearer.headers, "no login cookie: the next request needs its token again"
+
+
+async def test_the_tokens_file_is_read_again_when_it_changes(gateway: Gateway) -> None:
+    provider = gateway.app.identity_provider
+    path = Path(provider.path)  # type: ignore[attr-defined]
+    new = add_token(path, "bob")
+    assert (await gateway.fetch("/api/kernels", headers={"Authorization": f"token {new}"})).code == 200
+    path.chmod(0o644)  # anyone may read it now: nobody gets in
+    assert (await gateway.fetch("/api/kernels", "alice")).code == 403
+    path.chmod(0o600)
+    assert (await gateway.fetch("/api/kernels", "alice")).code == 200
+    os.utime(path, ns=(1, 1))
+    path.write_text(json.dumps({"users": {}}))  # tokens revoked
+    assert (await gateway.fetch("/api/kernels", "alice")).code == 403
+
+
+async def test_a_user_the_policy_refuses_gets_a_reason(gateway: Gateway) -> None:
+    path = Path(gateway.app.identity_provider.path)  # type: ignore[attr-defined]
+    token = add_token(path, "daemon", uid=2)
+    response = await gateway.fetch("/api/kernels", headers={"Authorization": f"token {token}"})
+    assert response.code == 403
+    assert "system accounts" in message(response)
+
+
+async def test_only_sandboxed_kernelspecs_exist(gateway: Gateway) -> None:
+    listed = json.loads((await gateway.fetch("/api/kernelspecs", "alice")).body)
+    assert "sandboxed-python" in listed["kernelspecs"]
+    assert "python3" not in listed["kernelspecs"], "this test's, and the environment's ipykernel spec"
+    for spec in listed["kernelspecs"].values():
+        assert spec["spec"]["metadata"]["kernel_provisioner"]["provisioner_name"] == "sandbox-provisioner"
+    assert listed["default"] == "sandboxed-python"
+    assert (await gateway.fetch("/api/kernelspecs/python3", "alice")).code == 404
+    assert (await gateway.fetch("/kernelspecs/python3/logo-64x64.png", "alice")).code == 404
+    started = await gateway.fetch("/api/kernels", "alice", method="POST", body={"name": "python3"})
+    assert (started.code, message(started)) == (404, "no sandboxed kernelspec 'python3' on this gateway")
+    assert gateway.km.list_kernel_ids() == []
+
+
+async def test_another_users_kernel_is_refused_on_every_route(gateway: Gateway) -> None:
+    mine = await gateway.start("alice")
+    unknown = "00000000-0000-4000-8000-000000000000"
+    for kernel_id in (mine, unknown):
+        for path, method, body in [
+            (f"/api/kernels/{kernel_id}", "GET", None),
+            (f"/api/kernels/{kernel_id}", "DELETE", None),
+            (f"/api/kernels/{kernel_id}/interrupt", "POST", ""),
+            (f"/api/kernels/{kernel_id}/restart", "POST", ""),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}", "GET", None),
+        ]:
+            response = await gateway.fetch(path, "bob", method=method, body=body)
+            assert response.code == 403, f"bob: {method} {path}: {response.code}"
+        assert await connect(gateway, kernel_id, "bob") == 403
+        taken = await gateway.fetch("/api/kernels", "bob", method="POST", body={"kernel_id": kernel_id})
+        assert taken.code == 403, "jupyter_server itself would hand over anyone's kernel by its id"
+    assert json.loads((await gateway.fetch("/api/kernels", "bob")).body) == []
+    assert gateway.km.list_kernel_ids() == [mine], "bob started nothing, stopped nothing"
+    assert (await gateway.fetch(f"/api/kernels/{unknown}", "alice")).code == 403, "no existence oracle"
+
+    # Its owner may do all of it.
+    assert (await gateway.fetch(f"/api/kernels/{mine}", "alice")).code == 200
+    status = await gateway.fetch(f"/api/sandbox-kernel/kernels/{mine}", "alice")
+    assert json.loads(status.body)["sandboxed"] is True
+    assert (
+        await gateway.fetch(f"/api/kernels/{mine}/interrupt", "alice", method="POST", body="")
+    ).code == 204
+    again = await gateway.fetch("/api/kernels", "alice", method="POST", body={"kernel_id": mine})
+    assert (again.code, json.loads(again.body)["id"]) == (201, mine)
+    assert (await gateway.fetch(f"/api/kernels/{mine}/restart", "alice", method="POST", body="")).code == 200
+    assert gateway.km.owner(mine) == "alice", "a restart keeps the owner"
+    assert gateway.km.get_kernel(mine)._launch_args["sandbox_user"].name == "alice", "and the user"
+    assert (await gateway.fetch(f"/api/kernels/{mine}", "alice", method="DELETE")).code == 204
+    assert gateway.km.list_kernel_ids() == []
+    assert gateway.km.owner(mine) is None
+
+
+async def test_each_user_lists_only_their_own_kernels(gateway: Gateway) -> None:
+    alices = {await gateway.start("alice"), await gateway.start("alice")}
+    bobs = await gateway.start("bob")
+    assert {k["id"] for k in json.loads((await gateway.fetch("/api/kernels", "alice")).body)} == alices
+    assert [k["id"] for k in json.loads((await gateway.fetch("/api/kernels", "bob")).body)] == [bobs]
+    assert gateway.km.list_kernels() == [], "outside a request: nobody's"
+
+
+async def test_a_user_has_at_most_max_kernels_per_user(gateway: Gateway) -> None:
+    await gateway.start("alice")
+    await gateway.start("alice")
+    third = await gateway.fetch(
+        "/api/kernels",
+        "alice",
+        method="POST",
+        body={"env": {"KERNEL_WORKING_DIR": str(gateway.roots["alice"])}},
+    )
+    assert third.code == 403
+    assert "max_kernels_per_user" in message(third)
+    await gateway.start("bob")  # another user's count
+
+
+async def test_a_kernel_starts_in_the_folder_asked_for_as_its_user(gateway: Gateway) -> None:
+    kernel_id = await gateway.start("alice")
+    launch = gateway.km.get_kernel(kernel_id)._launch_args
+    assert launch["cwd"] == str((gateway.roots["alice"] / "proj").resolve())
+    user = launch["sandbox_user"]
+    assert (user.name, user.uid, user.root) == ("alice", UIDS["alice"], gateway.roots["alice"])
+    assert "KERNEL_WORKING_DIR" not in (launch.get("env") or {}), "nothing of the client's env"
+
+
+async def test_a_folder_outside_the_users_own_is_refused(gateway: Gateway, short_tmp: Path) -> None:
+    bob = gateway.roots["bob"]
+    (bob / "to-alice").symlink_to(gateway.roots["alice"] / "proj")
+    os.chown(bob / "to-alice", UIDS["bob"], UIDS["bob"], follow_symlinks=False)
+    elsewhere = short_tmp / "elsewhere"
+    elsewhere.mkdir()
+    os.chown(elsewhere, UIDS["bob"], UIDS["bob"])
+    (bob / "out").symlink_to(elsewhere)
+    os.chown(bob / "out", UIDS["bob"], UIDS["bob"], follow_symlinks=False)
+    (bob / "roots").mkdir()  # root's, in bob's home
+    cases = {
+        str(gateway.roots["alice"] / "proj"): "is outside your sandbox workspace",
+        str(bob / "to-alice"): "Refusing the kernel's folder",
+        str(bob / "out"): "is outside your sandbox workspace",
+        str(bob / "roots"): "is owned by uid 0, not by you",
+        str(bob / "missing"): "does not exist",
+        "proj": "is not an absolute path",
+    }
+    for folder, reason in cases.items():
+        response = await gateway.fetch(
+            "/api/kernels", "bob", method="POST", body={"env": {"KERNEL_WORKING_DIR": folder}}
+        )
+        assert response.code == 403, folder
+        assert reason in message(response), message(response)
+        assert "\n" not in message(response)
+    assert gateway.km.list_kernel_ids() == []
+
+
+async def test_a_start_may_narrow_the_kernels_policy_and_nothing_else(gateway: Gateway) -> None:
+    kernel_id = await gateway.start("alice", sandbox={"memory": "1g"})
+    assert gateway.km.get_kernel(kernel_id).provisioner.policy.memory == "1g"
+    for body, reason in [
+        ({"sandbox": {"image": "evil:1"}}, '"sandbox" may narrow only'),
+        ({"env": "x"}, "must be JSON objects"),
+        ({"name": 3}, "must be strings"),
+        ([1], "must be a JSON object"),
+    ]:
+        response = await gateway.fetch("/api/kernels", "alice", method="POST", body=body)
+        assert (response.code, reason in message(response)) == (400, True), message(response)
