@@ -41,12 +41,16 @@ def freezer_state(docker_client: docker.DockerClient, km: KernelManager) -> str 
 
 
 def wait_frozen(docker_client: docker.DockerClient, km: KernelManager, timeout: float = 30) -> float:
-    """Seconds until the kernel's sandbox is frozen, or fail."""
+    """Seconds until the kernel's sandbox is frozen, as the host's cgroup says and the
+    provisioner knows, or fail. (The cgroup can say so a moment before the provisioner's
+    thread, whose write froze it, has noted it.)"""
     started = time.monotonic()
-    while freezer_state(docker_client, km) != "frozen":
-        assert time.monotonic() - started < timeout, f"not frozen within {timeout} s"
+    while freezer_state(docker_client, km) != "frozen" or not km.provisioner.watchdog.freezer.frozen:
+        assert time.monotonic() - started < timeout, (
+            f"not frozen within {timeout} s: the cgroup says {freezer_state(docker_client, km)}, "
+            f"the provisioner {'frozen' if km.provisioner.watchdog.freezer.frozen else 'not frozen'}"
+        )
         time.sleep(0.1)
-    assert km.provisioner.watchdog.freezer.frozen
     return time.monotonic() - started
 
 
