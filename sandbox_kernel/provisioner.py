@@ -37,9 +37,11 @@ from sandbox_kernel.lifecycle.ownership import NO_HOLDER, remove_tree, write_own
 from sandbox_kernel.lifecycle.pausing import Paused
 from sandbox_kernel.plan.admission import with_server_config
 from sandbox_kernel.plan.limits import size_bytes
+from sandbox_kernel.plan.plan import kernelspec_config
 from sandbox_kernel.plan.policy import SandboxPolicy, policy_for
 from sandbox_kernel.plan.sandbox_spec import SandboxSpec, is_launcher
 from sandbox_kernel.plan.settings import SandboxSettings
+from sandbox_kernel.plan.users import KernelUser
 from sandbox_kernel.services import PROCESS, Services
 
 __all__ = ["LimitStop", "SandboxProvisioner"]
@@ -86,6 +88,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self._cwd: str | None = None
         self._narrowed: dict[str, Any] = {}  # what this start narrowed of the kernelspec's policy
         self._sandbox_env: dict[str, str] = {}
+        self._user: KernelUser | None = None
         self._host_checked = False
         self._policy: SandboxPolicy | None = None
 
@@ -109,6 +112,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
     has_process: bool = property(lambda self: self.site.container_id is not None)  # type: ignore[assignment]
     #: The running kernel's settings: its own, narrowed by its start (before one: its own).
     policy: SandboxSettings = property(lambda self: self._policy or self)  # type: ignore[assignment]
+    #: The user a sandbox gateway started the kernel for (``start_kernel(sandbox_user=...)``),
+    #: or None; an adopted kernel's, as its saved state says.
+    user: KernelUser | None = property(lambda self: self._user)  # type: ignore[assignment]
 
     @property
     def approval_handler(self) -> Any:
@@ -149,6 +155,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             self, self.kernel_spec, self.kernel_name, kwargs, self.link, super().pre_launch
         )
         self._policy, self._narrowed, self._sandbox_env = start.policy, start.narrowed, start.sandbox_env
+        self._user = start.user
         self._curve = start.curve
         self._cwd, self._launch_env = str(start.launch.cwd), start.launch_env
         for warning in plan.warnings:
@@ -247,6 +254,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             msg = "the kernel's sandbox is not started"
             raise RuntimeError(msg)
         self.channels.accept()
+        self.channels.ledger().user = self._user.name if self._user is not None else None
         self.link.start_restarter()
         self.watchdog.start(container_id, watch_limits(self.policy))
         self.channels.audit_start(spec, container_id, restart, self.from_pool)
@@ -401,6 +409,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
             cwd=self._cwd, launch_env=self._launch_env, image=self.image, narrowed=self._narrowed,
             sandbox_env=self._sandbox_env, credential_expiry=egress.expiry,
             revoked_credentials=sorted(egress.revoked), paused=self.pauser.saved(), layout=site.layout(),
+            user=self._user,
         )  # fmt: skip
         return {**await super().get_provisioner_info(), **state.to_dict()}
 
@@ -410,9 +419,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         state, site = ReattachState.from_dict(provisioner_info), self.site
         site.loaded_layout = state.layout
         # The limits the running kernel has, for the watchdog and a later restart.
-        self._narrowed, self._sandbox_env = state.narrowed, state.sandbox_env
+        self._narrowed, self._sandbox_env, self._user = state.narrowed, state.sandbox_env, state.user
         self.egress.restore(state.credential_expiry, state.revoked_credentials)
-        self._policy = policy_for(self, self._narrowed, self.kernel_name)
+        config = kernelspec_config(self.kernel_spec) if self.kernel_spec is not None else {}
+        self._policy = policy_for(self, self._narrowed, self.kernel_name, self._user, config)
         self.connection_info = state.connection_info  # type: ignore[assignment]
         site.container_id, site.runtime_dir = state.container_id, state.runtime_dir
         site.launch_dir, site.launches = state.launch_dir, state.launches
@@ -436,6 +446,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         moved = await self.channels.reopen(
             launch_dir, site.runtime_dir, session, self._curve, info, self.log.info
         )
+        self.channels.ledger().user = self._user.name if self._user is not None else None
         self.connection_info = moved  # type: ignore[assignment]
         await self.egress.open(launch_dir, site.runtime_dir)
         await self.pauser.adopt(state.paused)

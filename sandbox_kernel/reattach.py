@@ -56,6 +56,7 @@ from sandbox_kernel.lifecycle.ownership import (
     write_owner,
 )
 from sandbox_kernel.lifecycle.pausing import ask_holder, describe
+from sandbox_kernel.plan.users import START_ARGUMENT
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 M = TypeVar("M", bound=KernelManager)
@@ -167,6 +168,8 @@ async def attach_manager(km: KernelManager, state: Mapping[str, Any], take_over:
     launch_args: dict[str, Any] = {"cwd": info.get("cwd") or os.getcwd(), "env": env, **provisioner._narrowed}
     if provisioner._sandbox_env:
         launch_args["sandbox_env"] = provisioner._sandbox_env
+    if provisioner.user is not None:  # a gateway's kernel restarts for the same user
+        launch_args[START_ARGUMENT] = provisioner.user
     km._launch_args = launch_args
     # As if started here: later shutdowns and restarts each get a fresh "ready" future.
     km._attempted_start = True

@@ -19,6 +19,10 @@ of the whole), so a few huge cells cannot rotate earlier lines out of the files.
 and ``client_pid`` are what the host's kernel says about a unix-socket peer (null over
 tcp), ``server_uid`` the uid of the process that writes the log.
 
+The kernel's own lines (``start``, ``restart``, ``exit``, ``shutdown``, ``pause``...) say
+what the host did to it; those of its start and end carry ``"user": "alice"`` when a
+sandbox gateway started it for alice (the user the gateway authenticated).
+
 Requests the bridge refuses (:func:`~.bridge.refusal`: ``debug_request``, code on the
 control channel) get a ``refused`` line, with what they would have run.
 
@@ -100,6 +104,8 @@ NO_CELL = "no cell is running"
 NO_STDIN = "its cell was run with allow_stdin false"
 NOT_ITS_CLIENT = "not to the client running the cell"
 PROMPT_WAITING = "a prompt already waits for its answer"
+#: The kernel's lifecycle lines that name the user a sandbox gateway started it for.
+_USER_EVENTS = frozenset({"start", "restart", "exit", "shutdown"})
 #: What of an egress decision goes into the execution's "finished" line.
 _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 #: Why an execution the kernel went past has no reply (the audit line, and its client).
@@ -280,6 +286,9 @@ class ExecutionAuditor:
         self._egress_suppressed_since = ""
         self._egress_timer: threading.Timer | None = None
         self._server_uid = os.getuid()
+        #: The user a sandbox gateway started the kernel for (their name): on the lines
+        #: of its start, restart, exit and shutdown.
+        self.user: str | None = None
         #: The execution whose prompt waits for its client's answer, if any.
         self._prompting: str | None = None
         #: A refused prompt got its line since the last execution ended.
@@ -665,6 +674,8 @@ class ExecutionAuditor:
         the checkpoint's size, why, or what failed), ``files`` (the files API)."""
         wall = _now()
         record = {"event": event, "time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
+        if self.user is not None and event in _USER_EVENTS:
+            record["user"] = self.user
         self._write({**record, **details})
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -1,9 +1,11 @@
 """One start of a kernel, read from what jupyter_client hands the provisioner.
 
-:func:`read_start` checks the kernelspec's settings against the ceilings, takes the policy
+:func:`read_start` checks the kernelspec's settings against the ceilings, takes the user
+a sandbox gateway starts it for (``sandbox_user``, see :mod:`~.plan.users`), the policy
 the start narrows (``start_kernel(memory=..., network="none")``, see :mod:`~.plan`) and
 the variables it sets in the sandbox out of the start's arguments, and says what of its
-launch environment does not reach the sandbox.
+launch environment does not reach the sandbox. jupyter_client keeps the arguments for
+restarts (its own restarter's too), so a restart is read the same way: for the same user.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from sandbox_kernel.plan.plan import (
 )
 from sandbox_kernel.plan.policy import SandboxPolicy, policy_for
 from sandbox_kernel.plan.settings import SandboxSettings
+from sandbox_kernel.plan.users import START_ARGUMENT, KernelUser, check_user
 
 #: Launch variables a kernel needs again when a reattached manager restarts it.
 RELAUNCH_ENV = ("JPY_SESSION_NAME", "JUPYTERHUB_USER")
@@ -61,10 +64,16 @@ class Start:
         return plan_sandbox(self.policy, self.launch, env, [*kernelspec_env, *self.sandbox_env])
 
     @property
+    def user(self) -> KernelUser | None:
+        """The user a sandbox gateway starts the kernel for, if any."""
+        return self.launch.user
+
+    @property
     def own(self) -> bool:
-        """The start has a policy or environment of its own: a pooled sandbox is narrowed to
-        it as it is claimed, when it can be (see :mod:`~sandbox_kernel.pool.fit`)."""
-        return bool(self.narrowed or self.sandbox_env)
+        """The start has a policy, environment or user of its own: a pooled sandbox is
+        narrowed to it as it is claimed, when it can be (see :mod:`~sandbox_kernel.pool.fit`),
+        and its plan never becomes the pool's."""
+        return bool(self.narrowed or self.sandbox_env or self.launch.user is not None)
 
 
 def read_start(
@@ -77,9 +86,12 @@ def read_start(
     Raises:
         ConfigurationError, WorkspaceError: the kernelspec, a setting or an argument is invalid.
     """
-    check_settings(settings, kernelspec_config(kernel_spec), kernel_name)
+    config = kernelspec_config(kernel_spec)
+    check_settings(settings, config, kernel_name)
+    user = kwargs.pop(START_ARGUMENT, None)
+    user = None if user is None else check_user(user)
     narrowed = start_policy(kwargs)
-    policy = policy_for(settings, narrowed, kernel_name)
+    policy = policy_for(settings, narrowed, kernel_name, user, config)
     curve = link.curve_keys(kwargs.pop("transport_encryption", None))
     env = kwargs.get("env")
     launch = Launch(
@@ -93,6 +105,7 @@ def read_start(
         owner=server_identity(),
         scope=link.adoption_scope(),
         server_root=link.server_root(),
+        user=user,
     )
     sandbox_env = check_sandbox_env(kwargs.pop("sandbox_env", None))
     dropped = unpassed_env(policy, launch.env)

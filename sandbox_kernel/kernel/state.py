@@ -19,6 +19,7 @@ from typing import Any
 from sandbox_kernel.kernel.site import LAYOUT_KEYS
 from sandbox_kernel.lifecycle.ownership import write_state
 from sandbox_kernel.lifecycle.pausing import Paused
+from sandbox_kernel.plan.users import KernelUser
 
 #: The layout of the state written now.
 VERSION = 1
@@ -45,6 +46,8 @@ class ReattachState:
     paused: Paused | None = None
     #: The workspace (see :meth:`~.site.KernelSite.layout`).
     layout: dict[str, Any] = field(default_factory=dict)
+    #: The user a sandbox gateway started the kernel for: a restart starts it for them again.
+    user: KernelUser | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +63,7 @@ class ReattachState:
             "credential_expiry": self.credential_expiry,
             "revoked_credentials": sorted(self.revoked_credentials),
             "paused": self.paused.to_dict() if self.paused is not None else None,
+            "user": self.user.to_dict() if self.user is not None else None,
             **self.layout,
             "connection_info": {
                 k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()
@@ -83,6 +87,7 @@ class ReattachState:
             revoked_credentials=list(info.get("revoked_credentials") or []),
             paused=Paused.from_dict(info.get("paused")),
             layout={key: info.get(key) for key in LAYOUT_KEYS},
+            user=KernelUser.from_dict(info["user"]) if info.get("user") else None,
         )
 
     @property

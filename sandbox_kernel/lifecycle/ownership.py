@@ -52,6 +52,7 @@ from sandbox_kernel.plan.sandbox_spec import (
     LABEL_SCOPE,
     LABEL_SERVER_UID,
     LABEL_TTL,
+    LABEL_USER,
     LABEL_WORKSPACE,
     POOL_NAME_PREFIX,
 )
@@ -270,6 +271,8 @@ class SandboxedKernel:
     checkpoints: tuple[str, ...] | None = None
     #: Its sandbox frozen while the kernel is idle (see sandbox_kernel.kernel.freezer).
     frozen: bool = False
+    #: The user a sandbox gateway started it for ("" for every other kernel).
+    user: str = ""
 
     @property
     def persistent(self) -> bool:
@@ -424,6 +427,7 @@ class SandboxedKernel:
             checkpoints=tuple(sorted(checkpoints)) if checkpoints is not None else None,
             pid=live,
             frozen=live is not None and not pooled and _frozen(live),
+            user=labels.get(LABEL_USER, ""),
         )
 
 

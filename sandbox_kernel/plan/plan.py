@@ -17,7 +17,7 @@ import pwd
 import re
 import stat
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from sandbox_kernel.plan.sandbox_spec import (
     LABEL_SCOPE,
     LABEL_SERVER_UID,
     LABEL_TTL,
+    LABEL_USER,
     NEVER_PASSED_ENV,
     POLICY_ENV,
     SandboxSpec,
@@ -46,6 +47,7 @@ from sandbox_kernel.plan.sandbox_spec import (
     sandbox_env,
 )
 from sandbox_kernel.plan.settings import SandboxSettings, kernelspec_keys
+from sandbox_kernel.plan.users import KernelUser
 
 #: The uid (and gid) a kernel runs as when neither the server user nor the workspace
 #: owner is a usable (non-root) uid. Files the kernel writes belong to it on the host, so
@@ -301,6 +303,40 @@ def refuse_foreign_links(path: str | os.PathLike[str]) -> None:
         current = target
 
 
+def check_user_folder(cwd: str | os.PathLike[str], user: KernelUser) -> Path:
+    """The folder a gateway's ``user`` starts a kernel in, resolved, once sure it is theirs:
+    it lies under their root, no link on the way is another user's (see
+    :func:`refuse_foreign_links`), and every folder from their root down to it belongs to
+    them. What the kernel may see is never chosen by a path alone: a kernel of theirs that
+    could not start there does not start anywhere else either.
+
+    Raises:
+        WorkspaceError: in one line, why the folder is not theirs.
+    """
+    refuse_foreign_links(cwd)
+    root = Path(user.root).resolve()
+    start = Path(cwd).resolve()
+    if not start.is_dir():
+        msg = f"The kernel's folder {str(start)!r} does not exist or is not a folder."
+        raise WorkspaceError(msg)
+    if not start.is_relative_to(root):
+        msg = (
+            f"The kernel's folder {str(start)!r} is outside your sandbox workspace {str(root)!r}: "
+            f"kernels of {user.name} run only in folders under it."
+        )
+        raise WorkspaceError(msg)
+    below = start.relative_to(root).parts
+    for folder in [root.joinpath(*below[:depth]) for depth in range(len(below) + 1)]:
+        owner = folder.stat().st_uid
+        if owner != user.uid:
+            msg = (
+                f"Refusing the kernel's folder {str(start)!r}: {str(folder)!r} belongs to uid {owner}, "
+                f"not to {user.name} (uid {user.uid}); a sandbox workspace holds only its user's folders."
+            )
+            raise WorkspaceError(msg)
+    return start
+
+
 def ensure_outside_workspace(path: str | os.PathLike[str], workspace: Path, setting: str) -> None:
     """Refuse a host file the sandbox must not reach (e.g. the audit log) inside its workspace.
 
@@ -449,8 +485,12 @@ def _within_any(folder: str, roots: Sequence[str]) -> bool:
     return any(resolved.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
 
 
-def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str, Any]) -> list[str]:
+def ceiling_violations(
+    settings: SandboxSettings, kernelspec_config: Mapping[str, Any], user: KernelUser | None = None
+) -> list[str]:
     """Every setting beyond the administrator's ceiling, each in words that say how to fix it.
+    With a ``user`` (``settings`` bound to their ceilings, see :func:`bind_to_user`), a
+    ceiling of theirs that is narrower than the server's is named as theirs.
 
     Which setting each ``max_*`` bounds, and how, is declared on the setting itself
     (``ceiling=`` and ``bound=`` tags, see :mod:`~.settings`):
@@ -468,12 +508,15 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
     for name, trait in sorted(settings.traits(bound=lambda bound: bound is not None).items()):
         kind, ceiling_name = trait.metadata["bound"], trait.metadata["ceiling"]
         ceiling, setting = getattr(settings, ceiling_name), f"SandboxProvisioner.{ceiling_name}"
+        whose = "the server's"
+        if user is not None and ceiling_name in user.ceilings:
+            whose, setting = f"{user.name}'s", f"{ceiling_name} of the gateway's ceilings for {user.name}"
         if kind in ("amount", "size", "timeout", "lifetime"):
-            violation = _setting_beyond(settings, kind, name, ceiling, setting)
+            violation = _setting_beyond(settings, kind, name, ceiling, setting, whose)
         elif kind in ("names", "images", "roots", "credentials"):
-            violation = _request_beyond(kernelspec_config, kind, name, ceiling, setting)
+            violation = _request_beyond(kernelspec_config, kind, name, ceiling, setting, whose)
         elif kind == "domains":
-            violation = _domains_beyond(settings)
+            violation = _domains_beyond(settings, setting, whose)
         else:  # a tag this function does not know: a programming error, never a pass
             msg = f"{name}: unknown ceiling bound {kind!r}"
             raise ValueError(msg)
@@ -483,7 +526,7 @@ def ceiling_violations(settings: SandboxSettings, kernelspec_config: Mapping[str
 
 
 def _setting_beyond(
-    settings: SandboxSettings, kind: str, name: str, ceiling: Any, setting: str
+    settings: SandboxSettings, kind: str, name: str, ceiling: Any, setting: str, whose: str = "the server's"
 ) -> str | None:
     """The setting ``name`` (an amount, a size or a limit in seconds) beyond its ceiling."""
     if kind == "lifetime" and settings.lifecycle != "persistent":
@@ -493,19 +536,24 @@ def _setting_beyond(
         return None
     if kind in ("amount", "size"):
         return (
-            f"{name}={asked!r} exceeds the server's ceiling of {ceiling!r} ({setting}). "
+            f"{name}={asked!r} exceeds {whose} ceiling of {ceiling!r} ({setting}). "
             f"Ask for at most {ceiling!r} in the kernelspec, or have the server's administrator "
             "raise the ceiling."
         )
     what = "no limit" if asked <= 0 else f"{asked:g} s"
     return (
-        f"{name}={asked!r} ({what}) exceeds the server's ceiling of {ceiling:g} s ({setting}). "
+        f"{name}={asked!r} ({what}) exceeds {whose} ceiling of {ceiling:g} s ({setting}). "
         "Ask for at most that in the kernelspec, or have the server's administrator raise the ceiling."
     )
 
 
 def _request_beyond(
-    kernelspec_config: Mapping[str, Any], kind: str, name: str, ceiling: Any, setting: str
+    kernelspec_config: Mapping[str, Any],
+    kind: str,
+    name: str,
+    ceiling: Any,
+    setting: str,
+    whose: str = "the server's",
 ) -> str | None:
     """What the kernelspec itself asks of ``name`` (names, an image, a root, credentials)
     beyond its ceiling."""
@@ -513,22 +561,24 @@ def _request_beyond(
         beyond = sorted(set(kernelspec_config.get(name, [])) - set(ceiling))
         if beyond:
             return (
-                f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond the "
-                f"server's ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
+                f"{name} would pass the server's {', '.join(beyond)} into the sandbox, beyond "
+                f"{whose} ceiling ({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, "
                 "set a value in its `env` instead, or have the administrator widen the ceiling."
             )
     elif kind == "images":
         image = kernelspec_config.get(name)
         if image is not None and not any(fnmatch.fnmatchcase(str(image), p) for p in ceiling):
+            allows = "the server allows" if whose == "the server's" else f"{whose} ceiling allows"
             return (
-                f"image={image!r} is not among the images the server allows kernelspecs to name "
+                f"image={image!r} is not among the images {allows} kernelspecs to name "
                 f"({setting}={list(ceiling)!r}). Use one of those, or have the administrator add it."
             )
     elif kind == "roots":
         root = kernelspec_config.get(name)
         if root is not None and not _within_any(str(root), ceiling):
+            lets = "the server lets" if whose == "the server's" else f"{whose} ceiling lets"
             return (
-                f"workspace_root={root!r} is not within the folders the server lets kernelspecs "
+                f"workspace_root={root!r} is not within the folders {lets} kernelspecs "
                 f"mount ({setting}={list(ceiling)!r}). Remove it from the kernelspec (the notebook's "
                 "folder is the workspace), or have the administrator allow that folder."
             )
@@ -543,19 +593,19 @@ def _request_beyond(
         beyond = sorted(set(named) - set(ceiling))
         if beyond:
             return (
-                f"credentials names {beyond}, beyond the server's ceiling "
+                f"credentials names {beyond}, beyond {whose} ceiling "
                 f"({setting}={sorted(ceiling)!r}). Remove them from the kernelspec, or have the "
                 "administrator add them to the ceiling."
             )
     return None
 
 
-def _domains_beyond(settings: SandboxSettings) -> str | None:
+def _domains_beyond(settings: SandboxSettings, setting: str, whose: str) -> str | None:
     """The allowed domains beyond their ceiling's patterns."""
     rules = settings.egress_rules()
     try:
         if rules is not None:
-            settings.check_domains(rules)
+            settings.check_domains(rules, setting, whose)
     except ConfigurationError as exc:
         return str(exc)
     return None
@@ -573,15 +623,107 @@ def exceeds(kind: str, name: str, value: Any, bound: Any) -> bool:
     return bool(value > bound)
 
 
-def check_ceilings(settings: SandboxSettings, kernelspec_config: Mapping[str, Any]) -> None:
-    """Refuse any setting beyond the administrator's ceilings.
+def check_ceilings(
+    settings: SandboxSettings, kernelspec_config: Mapping[str, Any], user: KernelUser | None = None
+) -> None:
+    """Refuse any setting beyond the administrator's ceilings (see :func:`ceiling_violations`).
 
     Raises:
         ConfigurationError: naming the first such setting, its ceiling and who can raise it.
     """
-    found = ceiling_violations(settings, kernelspec_config)
+    found = ceiling_violations(settings, kernelspec_config, user)
     if found:
         raise ConfigurationError(found[0])
+
+
+def _pattern_within(pattern: str, patterns: Sequence[str]) -> bool:
+    """Whether every image name ``pattern`` matches, one of ``patterns`` matches too: it is
+    one of them, a name one matches, or a prefix wildcard within one's (``team/py*`` within
+    ``team/*``). Anything else is not known to be within, so it counts as not."""
+    if pattern in patterns:
+        return True
+    magic = re.compile(r"[*?\[]")
+    if not magic.search(pattern):
+        return any(fnmatch.fnmatchcase(pattern, p) for p in patterns)
+    head = pattern[:-1]
+    return (
+        pattern.endswith("*")
+        and not magic.search(head)
+        and any(p.endswith("*") and not magic.search(p[:-1]) and head.startswith(p[:-1]) for p in patterns)
+    )
+
+
+def narrower_ceiling(kind: str, name: str, server: Any, user: Any) -> Any:
+    """Of the server's ceiling ``name`` and a user's, what lies within both, as settings of
+    its ``bound=`` kind compare (see :func:`ceiling_violations`): the lower amount, size or
+    limit; the names, images, folders or domains both allow. A user's ceiling never widens
+    the server's: where it is wider, the server's is the answer.
+
+    Raises:
+        ConfigurationError: the user's ceiling is not a value of its kind.
+    """
+    if kind in ("amount", "size", "timeout", "lifetime"):
+        return server if exceeds(kind, name, user, server) else user
+    if not isinstance(user, list | tuple) or not all(isinstance(item, str) for item in user):
+        msg = f"{name}={user!r} is not a list of {kind}"
+        raise ConfigurationError(msg)
+    if kind in ("names", "credentials"):
+        return [item for item in server if item in user]
+    if kind == "images":
+        both = [p for p in server if _pattern_within(p, user)]
+        return both + [p for p in user if p not in both and _pattern_within(p, server)]
+    if kind == "roots":
+        both = [root for root in server if _within_any(root, user)]
+        return both + [root for root in user if root not in both and _within_any(root, server)]
+    # domains
+    server_rules, user_rules = EgressRules.parse(server, name), EgressRules.parse(user, name)
+    both = [p for p in server_rules.patterns if p not in server_rules.uncovered_by(user_rules)]
+    return both + [
+        p for p in user_rules.patterns if p not in both and p not in user_rules.uncovered_by(server_rules)
+    ]
+
+
+def bind_to_user(policy: SandboxSettings, kernelspec_config: Mapping[str, Any], user: KernelUser) -> None:
+    """Bind one start's ``policy`` (already checked against the server's ceilings) to the
+    ceilings of the user a gateway starts it for: each ceiling of theirs that is narrower
+    takes the server's place; a limit the kernelspec does not set (the server's default)
+    beyond it becomes it, and so do allowed domains beyond theirs (no network at all when
+    none is left); then everything is checked against the ceilings as they now are.
+
+    Raises:
+        ConfigurationError: a ceiling of the user's is not valid, or what the kernelspec
+            asks is beyond it, naming the setting and the user's ceiling.
+    """
+    bounds = {
+        trait.metadata["ceiling"]: (name, trait.metadata["bound"])
+        for name, trait in policy.traits(bound=lambda bound: bound is not None).items()
+    }
+    theirs = {}  # the user's ceilings that are narrower than the server's
+    for ceiling_name, value in sorted(user.ceilings.items()):
+        name, kind = bounds[ceiling_name]
+        server = getattr(policy, ceiling_name)
+        try:
+            setattr(policy, ceiling_name, value)  # read as the server's config is
+            ceiling = narrower_ceiling(kind, ceiling_name, server, getattr(policy, ceiling_name))
+        except (TraitError, ConfigurationError) as exc:
+            msg = f"The gateway's ceiling {ceiling_name}={value!r} for {user.name} is not valid: {exc}"
+            raise ConfigurationError(msg) from None
+        setattr(policy, ceiling_name, ceiling)
+        if ceiling == server:
+            continue
+        theirs[ceiling_name] = ceiling
+        if name in kernelspec_config:
+            continue  # asked for: checked below
+        if kind in ("amount", "size", "timeout", "lifetime"):
+            if _setting_beyond(policy, kind, name, ceiling, ceiling_name) is not None:
+                setattr(policy, name, ceiling)
+        elif kind == "domains" and "network" not in kernelspec_config:
+            rules = EgressRules.parse(ceiling, ceiling_name)
+            kept = [p for p in policy.allowed_domains if not EgressRules.parse([p]).uncovered_by(rules)]
+            policy.allowed_domains = kept
+            if not kept:
+                policy.network = "none"
+    check_ceilings(policy, kernelspec_config, replace(user, ceilings=theirs))
 
 
 @dataclass(frozen=True)
@@ -601,6 +743,9 @@ class Launch:
     scope: str = ""
     #: The Jupyter server's root folder (its ``root_dir``), when a server starts the kernel.
     server_root: Path | None = None
+    #: The user a sandbox gateway starts the kernel for (``start_kernel(sandbox_user=...)``):
+    #: it runs as them, in a folder under their root, within their ceilings too.
+    user: KernelUser | None = None
 
 
 @dataclass(frozen=True)
@@ -793,31 +938,42 @@ def place_workspace(settings: SandboxSettings, launch: Launch) -> Placement:
     Raises:
         ConfigurationError, WorkspaceError: the start cannot go ahead as asked.
     """
-    cwd, env = launch.cwd, launch.env
+    cwd, env, user = launch.cwd, launch.env, launch.user
+    if user is not None:
+        cwd = check_user_folder(cwd, user)
     volume = None
     if settings.workspace_volume:
         volume = volume_name(
             settings.workspace_volume,
-            user=env.get("JUPYTERHUB_USER") or getpass.getuser(),
+            # A gateway's client names a user of its own choosing: the gateway's user is known.
+            user=user.name if user is not None else env.get("JUPYTERHUB_USER") or getpass.getuser(),
             kernelspec=launch.kernel_name,
             notebook=env.get("JPY_SESSION_NAME", "").removesuffix(".ipynb"),
             project=cwd.name,
         )
         workspace, workdir = cwd, CONTAINER_WORKSPACE
-        uid, gid = volume_user(settings.kernel_uid)
+        uid, gid = volume_user(settings.kernel_uid) if user is None else (user.uid, user.gid)
     else:
         root: str | Path | None = settings.workspace_root
-        if root is None and settings.workspace_scope == "server_root" and launch.server_root is not None:
-            root = shared_root(cwd, launch.server_root, settings.runtime_parent, [settings.audit_log])
+        top = launch.server_root
+        if user is not None:  # the user's own root stands for the server's, whatever is configured
+            root, top = None, user.root
+        if root is None and settings.workspace_scope == "server_root" and top is not None:
+            root = shared_root(cwd, top, settings.runtime_parent, [settings.audit_log])
         workspace, workdir = resolve_workspace(cwd, root, settings.runtime_parent)
         if settings.audit_log:
             ensure_outside_workspace(settings.audit_log, workspace, "SandboxProvisioner.audit_log")
-        uid, gid = kernel_user(workspace, settings.kernel_uid)
+        uid, gid = kernel_user(workspace, settings.kernel_uid) if user is None else (user.uid, user.gid)
     if os.getuid() not in (0, uid):
         msg = (
             f"kernel_uid={uid} differs from the server's uid {os.getuid()}; only a server "
             "running as root can run kernels as another user. Unset kernel_uid."
         )
+        if user is not None:
+            msg = (
+                f"The kernel of {user.name} would run as their uid {uid}, but this server runs as "
+                f"uid {os.getuid()}; only a server running as root starts kernels for other users."
+            )
         raise ConfigurationError(msg)
     if volume is None and not can_write(workspace, uid, gid):
         raise WorkspaceError(unwritable_workspace(workspace, uid, gid, settings.kernel_uid))
@@ -894,6 +1050,7 @@ def plan_sandbox(
             LABEL_TTL: f"{settings.persistent_ttl:g}",
             LABEL_SERVER_UID: str(os.getuid()),
             LABEL_SCOPE: launch.scope,
+            **({LABEL_USER: launch.user.name} if launch.user is not None else {}),
         },
     )
     return Plan(spec, egress, credentials)

@@ -3,7 +3,9 @@
 A kernel's settings are the provisioner's traits: the server's config, the kernelspec's
 (checked against the ceilings), never changed by a start. What one start narrows
 (``start_kernel(memory="1g", network="none")``, see :func:`~.plan.narrow_settings`) goes
-into a :class:`SandboxPolicy` of its own, made once per start by :func:`policy_for`;
+into a :class:`SandboxPolicy` of its own, made once per start by :func:`policy_for`,
+bound first to the ceilings of the user a gateway starts it for (see
+:func:`~.plan.bind_to_user`);
 the sandbox's plan, its watchdog and what a front end shows read that, so a setting has
 one source of truth for the running kernel, and a restart starts from the kernelspec's
 settings again, not from the last start's.
@@ -18,8 +20,9 @@ from traitlets.config import LoggingConfigurable
 
 from sandbox_kernel.egress.credentials import CredentialSpec
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.plan.plan import narrow_settings
+from sandbox_kernel.plan.plan import bind_to_user, narrow_settings
 from sandbox_kernel.plan.settings import SandboxSettings
+from sandbox_kernel.plan.users import KernelUser
 
 #: The traits a policy holds: every setting (not the configurable's own: config, parent, log).
 POLICY_TRAITS = tuple(
@@ -55,14 +58,25 @@ class SandboxPolicy(SandboxSettings):
         return self._source.credential_catalog()
 
 
-def policy_for(settings: SandboxSettings, narrowed: Mapping[str, Any], kernel_name: str) -> SandboxPolicy:
+def policy_for(
+    settings: SandboxSettings,
+    narrowed: Mapping[str, Any],
+    kernel_name: str,
+    user: KernelUser | None = None,
+    kernelspec_config: Mapping[str, Any] | None = None,
+) -> SandboxPolicy:
     """``settings`` narrowed to what one start asked for (``narrowed``, as
     :func:`~.plan.start_policy` took it), in a policy of its own; ``settings`` unchanged.
+    With a ``user``, bound to their ceilings first (``kernelspec_config``: what the
+    kernelspec itself asks, see :func:`~.plan.bind_to_user`).
 
     Raises:
-        ConfigurationError: a value is invalid or would widen the policy, naming the key.
+        ConfigurationError: a value is invalid, beyond the user's ceilings or would widen
+            the policy, naming the key.
     """
     policy = SandboxPolicy(settings)
+    if user is not None:
+        bind_to_user(policy, kernelspec_config or {}, user)
     narrow_settings(policy, narrowed, kernel_name)
     policy.freeze()
     return policy

@@ -51,6 +51,9 @@ LABEL_SERVER_UID = "io.sandbox-kernel.server-uid"
 #: Which server may adopt a persistent kernel: its kernel manager's scope (root folder).
 LABEL_SCOPE = "io.sandbox-kernel.scope"
 
+#: The user a sandbox gateway started the kernel for (their name; none outside a gateway).
+LABEL_USER = "io.sandbox-kernel.user"
+
 #: On a named volume's labels: the volume was made for sandbox-kernel workspaces, by
 #: a server of this uid; no other volume is ever mounted.
 LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"

@@ -443,8 +443,14 @@ class EgressSettings(HasTraits):
             raise ConfigurationError(msg)
         return rules
 
-    def check_domains(self, rules: EgressRules) -> None:
-        """Refuse domains beyond this server's ``max_allowed_domains``.
+    def check_domains(
+        self,
+        rules: EgressRules,
+        setting: str = "SandboxProvisioner.max_allowed_domains",
+        whose: str = "the server's",
+    ) -> None:
+        """Refuse domains beyond this server's ``max_allowed_domains`` (``setting``, the
+        ceiling of ``whose``: a gateway's user's, when it is theirs).
 
         Raises:
             ConfigurationError: naming the domains and the ceiling.
@@ -453,8 +459,8 @@ class EgressSettings(HasTraits):
         beyond = rules.uncovered_by(ceiling)
         if beyond:
             msg = (
-                f"allowed_domains {beyond!r} exceed the server's ceiling "
-                f"(SandboxProvisioner.max_allowed_domains={list(ceiling.patterns)!r}). Ask only for "
+                f"allowed_domains {beyond!r} exceed {whose} ceiling "
+                f"({setting}={list(ceiling.patterns)!r}). Ask only for "
                 "domains within it, or have the server's administrator widen it."
             )
             raise ConfigurationError(msg)
@@ -850,3 +856,10 @@ class SandboxSettings(
 def kernelspec_keys() -> frozenset[str]:
     """The settings a kernelspec may choose (tagged ``kernelspec=True``)."""
     return frozenset(SandboxSettings.class_trait_names(kernelspec=True))
+
+
+def ceiling_names() -> frozenset[str]:
+    """The administrator's ceilings (``max_memory``, ``allowed_images``...): the traits a
+    setting names as its ``ceiling``."""
+    traits = SandboxSettings.class_traits(ceiling=lambda name: name is not None).values()
+    return frozenset(trait.metadata["ceiling"] for trait in traits)

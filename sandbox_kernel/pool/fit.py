@@ -169,7 +169,11 @@ def narrowing(pool: SandboxSpec, start: SandboxSpec) -> Narrowing | str:
     for name in fixed_pool:
         if fixed_pool[name] != fixed_start.get(name):
             if name == "extra_labels":
-                return "the sandbox's labels (lifecycle, scope, server uid) differ from the pool's"
+                pool_labels, start_labels = fixed_pool[name], fixed_start[name]
+                differ = sorted(
+                    k for k in {*pool_labels, *start_labels} if pool_labels.get(k) != start_labels.get(k)
+                )
+                return f"the sandbox's labels {', '.join(differ)} differ from the pool's"
             return f"{name} {fixed_start.get(name)!r} differs from the pool's {fixed_pool[name]!r}"
     pool_policy = json.loads(pool.env.get(POLICY_ENV) or "{}")
     start_policy = json.loads(start.env.get(POLICY_ENV) or "{}")
