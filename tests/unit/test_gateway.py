@@ -8,15 +8,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from traitlets.config import Config
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
 from tornado.websocket import websocket_connect
+from traitlets.config import Config
 
 from sandbox_kernel.backends.fake import FakeBackend
 from sandbox_kernel.gateway.app import SandboxGatewayApp
@@ -70,13 +70,9 @@ class Gateway:
             headers["Authorization"] = f"token {self.tokens[user]}"
         if kwargs.get("body") is not None and not isinstance(kwargs["body"], str | bytes):
             kwargs["body"] = json.dumps(kwargs["body"])
-        try:
-            return await AsyncHTTPClient().fetch(
-                self.url + path, headers=headers, raise_error=True, follow_redirects=False, **kwargs
-            )
-        except HTTPClientError as exc:
-            assert exc.response is not None
-            return exc.response
+        return await AsyncHTTPClient().fetch(
+            self.url + path, headers=headers, raise_error=False, follow_redirects=False, **kwargs
+        )
 
     async def start(self, user: str, **body: Any) -> str:
         body.setdefault("env", {"KERNEL_WORKING_DIR": str(self.roots[user] / "proj")})
@@ -106,45 +102,66 @@ def free_port() -> int:
 
 
 @pytest.fixture
-async def gateway(
-    short_tmp: Path, jupyter_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Gateway]:
+def gateway_args(short_tmp: Path, jupyter_dirs: dict[str, Path]) -> list[str]:
+    """The command line of a gateway serving alice and bob (a tokens file, their folders,
+    the kernelspecs), on plain HTTP on loopback, with the fake backend."""
     kernels = jupyter_dirs["JUPYTER_DATA_DIR"] / "kernels"
     write_kernelspec(kernels, "sandboxed-python", sandboxed=True)
     write_kernelspec(kernels, "python3", sandboxed=False)
-    tokens_file = short_tmp / "tokens.json"
-    tokens = {name: add_token(tokens_file, name) for name in UIDS}
-    roots = {}
     for name, uid in UIDS.items():
         root = short_tmp / "home" / name
         (root / "proj").mkdir(parents=True)
         for folder in (root, root / "proj"):
             os.chown(folder, uid, uid)
-        roots[name] = root
-    monkeypatch.setattr(SandboxGatewayApp, "init_signal", lambda self: None)
     (short_tmp / "rt").mkdir()
-    port = free_port()
-    app = SandboxGatewayApp(config=Config({"UserPolicy": {"uids": UIDS}}))
-    app.initialize(
-        [
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            "--SandboxGatewayApp.allow_plain_http=True",
-            f"--ServerApp.root_dir={short_tmp}",
-            f"--TokensFileIdentityProvider.path={tokens_file}",
-            "--UserPolicy.uid_source=map",
-            f"--UserPolicy.workspace_root={short_tmp}/home/{{username}}",
-            "--UserPolicy.max_kernels_per_user=2",
-            f"--SandboxProvisioner.backend_class={__name__}.StartingBackend",
-            f"--SandboxProvisioner.runtime_parent={short_tmp}/rt",
-            "--SandboxProvisioner.image=img:1",
-        ]
-    )
-    made = Gateway(app, f"http://127.0.0.1:{port}", tokens, roots)
-    yield made
-    app.http_server.stop()
-    await made.km.shutdown_all(now=True)
+    return [
+        "--ip=127.0.0.1",  # the first: a test may take it out
+        "--SandboxGatewayApp.allow_plain_http=True",
+        f"--ServerApp.root_dir={short_tmp}",
+        f"--TokensFileIdentityProvider.path={short_tmp / 'tokens.json'}",
+        "--UserPolicy.uid_source=map",
+        f"--UserPolicy.workspace_root={short_tmp}/home/{{username}}",
+        "--UserPolicy.max_kernels_per_user=2",
+        f"--SandboxProvisioner.backend_class={__name__}.StartingBackend",
+        f"--SandboxProvisioner.runtime_parent={short_tmp}/rt",
+        "--SandboxProvisioner.image=img:1",
+    ]
+
+
+def new_app(args: list[str]) -> SandboxGatewayApp:
+    """A gateway app initialized with ``args`` (its port bound, not yet serving)."""
     SandboxGatewayApp.clear_instance()
+    app = SandboxGatewayApp(config=Config({"UserPolicy": {"uids": UIDS}}))
+    app.initialize(args)
+    return app
+
+
+@pytest.fixture
+async def serve(
+    short_tmp: Path, gateway_args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
+    """Serve a gateway with the given extra arguments."""
+    monkeypatch.setattr(SandboxGatewayApp, "init_signal", lambda self: None)
+    tokens = {name: add_token(short_tmp / "tokens.json", name) for name in UIDS}
+    served: list[Gateway] = []
+
+    async def start(*extra: str) -> Gateway:
+        port = free_port()
+        app = new_app([*gateway_args, f"--port={port}", *extra])
+        roots = {name: short_tmp / "home" / name for name in UIDS}
+        served.append(Gateway(app, f"http://127.0.0.1:{port}", tokens, roots))
+        return served[-1]
+
+    yield start
+    for made in served:
+        made.app.http_server.stop()
+        await made.km.shutdown_all(now=True)
+    SandboxGatewayApp.clear_instance()
+
+
+@pytest.fixture
+async def gateway(serve: Callable[..., Awaitable[Gateway]]) -> Gateway:
+    return await serve()
 
 
 async def connect(gateway: Gateway, kernel_id: str, user: str | None, query: str = "") -> int:
@@ -208,9 +225,65 @@ async def test_the_gateway_serves_the_kernel_api_and_nothing_else(gateway: Gatew
     assert (await gateway.fetch("/api/kernels", "alice", method="POST", body="{}")).code == 201
 
 
-async def test_metrics_are_served_only_when_asked(gateway: Gateway) -> None:
-    assert not gateway.app.metrics
-    assert (await gateway.fetch("/metrics", "alice")).code == 404
+async def test_metrics_are_served_only_when_asked(serve: Callable[..., Awaitable[Gateway]]) -> None:
+    plain = await serve()
+    assert (await plain.fetch("/metrics", "alice")).code == 404
+    metered = await serve("--SandboxGatewayApp.metrics=True")
+    assert (await metered.fetch("/metrics", "alice")).code == 200
+    assert (await metered.fetch("/metrics")).code in (401, 403), "with a token only"
+
+
+async def test_the_handlers_check_the_owner_whatever_authorizer_is_configured(
+    serve: Callable[..., Awaitable[Gateway]],
+) -> None:
+    gateway = await serve("--ServerApp.authorizer_class=jupyter_server.auth.authorizer.AllowAllAuthorizer")
+    mine = await gateway.start("alice")
+    for path, method in [
+        (f"/api/kernels/{mine}", "GET"),
+        (f"/api/kernels/{mine}", "DELETE"),
+        (f"/api/sandbox-kernel/kernels/{mine}", "GET"),
+    ]:
+        assert (await gateway.fetch(path, "bob", method=method)).code == 403, path
+    assert (await gateway.fetch(f"/api/kernels/{mine}/restart", "bob", method="POST", body="")).code == 403
+    assert await connect(gateway, mine, "bob") == 403
+    taken = await gateway.fetch("/api/kernels", "bob", method="POST", body={"kernel_id": mine})
+    assert taken.code == 403
+    assert json.loads((await gateway.fetch("/api/kernels", "bob")).body) == []
+
+
+def test_the_gateway_does_not_start_as_another_user_than_root(
+    gateway_args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_token(Path(gateway_args[3].partition("=")[2]), "alice")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit):
+        new_app([*gateway_args, f"--port={free_port()}"])
+    assert "must run as root (it runs as uid 1000)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ip", ["0.0.0.0", "10.77.0.2", ""])
+def test_the_gateway_does_not_serve_plain_http_off_loopback(
+    gateway_args: list[str], ip: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    add_token(Path(gateway_args[3].partition("=")[2]), "alice")
+    with pytest.raises(SystemExit):
+        new_app([*gateway_args[1:], f"--ip={ip}", f"--port={free_port()}"])
+    err = capsys.readouterr().err
+    assert "serves TLS only" in err
+    assert "Traceback" not in err
+
+
+def test_the_gateway_does_not_start_with_a_tokens_file_others_may_read(
+    gateway_args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = Path(gateway_args[3].partition("=")[2])
+    add_token(path, "alice")
+    path.chmod(0o640)
+    with pytest.raises(SystemExit):
+        new_app([*gateway_args, f"--port={free_port()}"])
+    err = capsys.readouterr().err
+    assert "must be a file of root's with mode 0600 (it is uid 0, mode 0640)" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(
