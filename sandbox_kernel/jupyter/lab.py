@@ -46,6 +46,7 @@ from sandbox_kernel.egress import EgressProxy
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.host.cgroups import memory_usage
 from sandbox_kernel.jupyter.contents import own_the_servers_files
+from sandbox_kernel.jupyter.gateway_client import GatewayKernelStatusHandler, use_gateway_client
 from sandbox_kernel.jupyter.server_audit import use_audited_connections
 from sandbox_kernel.plan.limits import size_bytes
 from sandbox_kernel.provisioner import LimitStop, SandboxProvisioner
@@ -188,9 +189,15 @@ def _jupyter_server_extension_points() -> list[dict[str, str]]:
 def _load_jupyter_server_extension(serverapp: ServerApp) -> None:
     web_app = serverapp.web_app
     pattern = url_path_join(web_app.settings["base_url"], KERNEL_STATUS_PATH)
-    handlers = [(pattern, KernelSandboxHandler, {"gauge": MemoryGauge()})]
+    handlers: list[tuple[str, type[APIHandler], dict[str, Any]]]
+    if serverapp.gateway_config.gateway_enabled:  # the kernels, and their sandboxes, are the gateway's
+        use_gateway_client(serverapp)
+        handlers = [(pattern, GatewayKernelStatusHandler, {})]
+        serverapp.log.info("sandbox-kernel: kernel status at %s, from the sandbox gateway", pattern)
+    else:
+        handlers = [(pattern, KernelSandboxHandler, {"gauge": MemoryGauge()})]
+        serverapp.log.info("sandbox-kernel: kernel status at %s", pattern)
     web_app.add_handlers(".*$", handlers)  # type: ignore[no-untyped-call]  # untyped upstream
-    serverapp.log.info("sandbox-kernel: kernel status at %s", pattern)
     if use_audited_connections(web_app.settings):
         serverapp.log.info("sandbox-kernel: the audit log names each kernel connection's authenticated user")
     if os.geteuid() == 0:
