@@ -429,6 +429,61 @@ async def test_an_adopted_kernel_keeps_its_user_for_its_next_restart(
         ReattachState.from_dict({**saved, "user": {"name": "alice"}})
 
 
+async def test_a_kernel_adopted_by_a_new_manager_restarts_for_its_user(
+    alice: KernelUser, short_runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a server (a gateway) that adopts the kernel does: ``attach_manager`` from the
+    kernel's saved state; the manager's next restart is for the same user."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    from sandbox_kernel.reattach import attach_manager
+
+    shared = FakeBackend()
+
+    class SharedFakeBackend(FakeBackend):
+        """The one backend's sandboxes, for the provisioner the adopting manager makes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sandboxes, self.calls, self._ids = shared.sandboxes, shared.calls, shared._ids
+
+    monkeypatch.setattr("sandbox_kernel.provisioner.PROCESS", Services(reaper=cast(OrphanReaper, NoReaper())))
+    first = SandboxProvisioner(
+        kernel_id="k-user",
+        kernel_spec=kernel_spec(),
+        parent=None,
+        runtime_parent=str(short_runtime),
+        backend=shared,
+    )
+    kwargs = await first.pre_launch(cwd=str(alice.root / "project"), env=dict(SERVER_ENV), sandbox_user=alice)
+    await first.launch_kernel(**kwargs)
+    state = {
+        "kernel_id": "k-user",
+        "kernel_name": "sandboxed-python",
+        "provisioner_info": await first.get_provisioner_info(),
+        "kernelspec": kernel_spec().to_dict(),
+    }
+    await first.detach()
+
+    config = Config(
+        {"SandboxProvisioner": {"backend_class": SharedFakeBackend, "runtime_parent": str(short_runtime)}}
+    )
+    km = AsyncKernelManager(kernel_name="sandboxed-python", config=config)
+    await attach_manager(km, state)
+    adopted = km.provisioner
+    assert isinstance(adopted, SandboxProvisioner)
+    try:
+        assert km._launch_args is not None
+        assert km._launch_args[START_ARGUMENT] == alice
+        await km.restart_kernel(now=True)
+        box = shared.sandbox(str(adopted.container_id))
+        assert (adopted.user, box.spec.uid, box.spec.labels[LABEL_USER]) == (alice, UID, "alice")
+    finally:
+        await km.shutdown_kernel(now=True)
+        adopted.watchdog.stop()
+        first.watchdog.stop()
+
+
 def test_a_kernels_listing_names_its_user() -> None:
     attrs = {"Id": "c1", "Config": {"Labels": {LABEL_USER: "alice"}}, "State": {"Status": "exited"}}
     assert SandboxedKernel.from_inspect(attrs).user == "alice"
