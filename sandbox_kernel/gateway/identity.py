@@ -31,6 +31,7 @@ from tornado import web
 from traitlets import Instance, Unicode, default
 
 from sandbox_kernel.errors import ConfigurationError
+from sandbox_kernel.gateway.tls import write_private
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
 
 DEFAULT_TOKENS_FILE = "/etc/sandbox-kernel/gateway/tokens.json"
@@ -119,13 +120,7 @@ def add_token(path: Path, name: str, groups: tuple[str, ...] = (), uid: int | No
         entry["groups"] = sorted({*entry.get("groups", ()), *groups})
     if uid is not None:
         entry["uid"] = uid
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    tmp.replace(path)
+    write_private(path, (json.dumps(data, indent=2) + "\n").encode())
     return token
 
 

@@ -1,0 +1,246 @@
+"""The sandbox gateway as an administrator runs it: ``jupyter sandbox-kernel gateway`` as root
+over TLS (``init-tls``), two real local users with tokens (``add-token``), a real gVisor
+kernel started through its REST API and run over its websocket, and the other user refused."""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import pwd
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
+from tornado.websocket import websocket_connect
+
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
+
+from .conftest import KERNEL, HostState
+
+pytestmark = pytest.mark.integration
+
+USERS = ("sk-gw-alice", "sk-gw-bob")
+COMMAND = str(Path(sys.executable).with_name("jupyter-sandbox-kernel"))
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, pwd.struct_passwd]]:
+    """Two real local users (homes 0700, a project folder each), in no privileged group;
+    removed afterwards."""
+    made = {}
+    try:
+        for name in USERS:
+            subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+            account = pwd.getpwnam(name)
+            Path(account.pw_dir).chmod(0o700)
+            project = Path(account.pw_dir) / "proj"
+            project.mkdir()
+            os.chown(project, account.pw_uid, account.pw_gid)
+            made[name] = account
+        docker_group = grp.getgrnam("docker")
+        assert not set(USERS) & set(docker_group.gr_mem), "a docker-group user is root-equivalent"
+        yield made
+    finally:
+        for name in made:
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str, env: dict[str, str]) -> str:
+    done = subprocess.run([COMMAND, *args], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@dataclass
+class Served:
+    url: str
+    tokens: dict[str, str]
+    tls: ssl.SSLContext
+    log: Path
+
+    async def fetch(self, path: str, user: str | None, method: str = "GET", body: Any = None) -> HTTPResponse:
+        headers = {"Authorization": f"token {self.tokens[user]}"} if user else {}
+        request = HTTPRequest(
+            self.url + path,
+            method=method,
+            headers=headers,
+            body=None if body is None else json.dumps(body),
+            ssl_options=self.tls,
+            request_timeout=120,
+        )
+        return await AsyncHTTPClient().fetch(request, raise_error=False)
+
+    async def channels(self, kernel_id: str, user: str | None) -> Any:
+        """The kernel's websocket, as ``user``."""
+        headers = {"Authorization": f"token {self.tokens[user]}"} if user else {}
+        url = self.url.replace("https", "wss", 1) + f"/api/kernels/{kernel_id}/channels"
+        return await websocket_connect(HTTPRequest(url, headers=headers, ssl_options=self.tls))
+
+
+@pytest.fixture
+def gateway(users: dict[str, pwd.struct_passwd], tmp_path: Path, jupyter_dirs: Path) -> Iterator[Served]:
+    """The gateway, started as the docs say, as a process of its own on loopback with TLS."""
+    private = tmp_path / "gw"
+    private.mkdir(mode=0o700)
+    env = {**os.environ, "JUPYTER_PATH": str(jupyter_dirs)}
+    cli("gateway", "init-tls", f"--dir={private / 'pki'}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
+    tokens_file = private / "tokens.json"
+    tokens = {
+        name: cli("gateway", "add-token", name, f"--tokens-file={tokens_file}", env=env).strip()
+        for name in users
+    }
+    port = free_port()
+    config = private / "jupyter_sandbox_gateway_config.py"
+    config.write_text(
+        "\n".join(
+            [
+                'c.ServerApp.ip = "127.0.0.1"',
+                f"c.ServerApp.port = {port}",
+                f'c.ServerApp.certfile = "{private / "pki" / "server.pem"}"',
+                f'c.ServerApp.keyfile = "{private / "pki" / "server-key.pem"}"',
+                f'c.ServerApp.root_dir = "{private}"',
+                f'c.TokensFileIdentityProvider.path = "{tokens_file}"',
+                'c.UserPolicy.workspace_root = "/home/{username}"',
+                "c.UserPolicy.max_kernels_per_user = 2",
+                "",
+            ]
+        )
+    )
+    log = private / "gateway.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(  # our own command
+            [COMMAND, "gateway", f"--config={config}"], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    tls = ssl.create_default_context(cafile=str(private / "pki" / "ca.pem"))
+    served = Served(f"https://127.0.0.1:{port}", tokens, tls, log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        yield served
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        print(log.read_text())  # shown when a test fails
+
+
+async def run_code(ws: Any, code: str, timeout: float = 60) -> str:
+    """Run ``code`` over a kernel websocket (jupyter_server's JSON protocol); its stdout."""
+    msg_id = uuid.uuid4().hex
+    header = {
+        "msg_id": msg_id,
+        "msg_type": "execute_request",
+        "username": "test",
+        "session": uuid.uuid4().hex,
+    }
+    request = {
+        "header": {**header, "version": "5.3", "date": ""},
+        "parent_header": {},
+        "metadata": {},
+        "content": {"code": code, "silent": False, "store_history": False, "allow_stdin": False},
+        "channel": "shell",
+        "buffers": [],
+    }
+    await ws.write_message(json.dumps(request))
+    out = []
+    async with asyncio.timeout(timeout):
+        while True:
+            raw = await ws.read_message()
+            assert raw is not None, "the gateway closed the websocket"
+            message = json.loads(raw)
+            if message.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = message["msg_type"]
+            if kind == "stream":
+                out.append(message["content"]["text"])
+            elif kind == "error":
+                pytest.fail("\n".join(message["content"]["traceback"]))
+            elif kind == "status" and message["content"]["execution_state"] == "idle":
+                return "".join(out)
+
+
+def containers_of(kernel_id: str) -> list[Any]:
+    client = docker.from_env()
+    try:
+        return list(client.containers.list(all=True, filters={"label": f"{LABEL_KERNEL_ID}={kernel_id}"}))
+    finally:
+        client.close()
+
+
+async def test_a_user_runs_code_in_their_kernel_through_the_gateway_and_no_one_else_can(
+    gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    before = HostState(docker_client)
+    alice, bob = USERS
+    home = Path(users[alice].pw_dir)
+    started = await gateway.fetch(
+        "/api/kernels", alice, "POST", {"name": KERNEL, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+    )
+    assert started.code == 201, started.body
+    kernel_id = json.loads(started.body)["id"]
+    try:
+        ws = await gateway.channels(kernel_id, alice)
+        out = await run_code(
+            ws, "import os; open('made-here.txt', 'w').write('x'); print(1 + 1, os.getuid())"
+        )
+        ws.close()
+        assert out.split() == ["2", str(users[alice].pw_uid)], "1+1, as alice's uid"
+        assert (home / "proj" / "made-here.txt").stat().st_uid == users[alice].pw_uid, "her file is hers"
+
+        # Bob, with his own valid token: nothing of alice's.
+        assert json.loads((await gateway.fetch("/api/kernels", bob)).body) == []
+        for path, method in [
+            (f"/api/kernels/{kernel_id}", "GET"),
+            (f"/api/kernels/{kernel_id}", "DELETE"),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}", "GET"),
+        ]:
+            assert (await gateway.fetch(path, bob, method)).code == 403, path
+        assert (await gateway.fetch(f"/api/kernels/{kernel_id}/interrupt", bob, "POST", {})).code == 403
+        taken = await gateway.fetch("/api/kernels", bob, "POST", {"kernel_id": kernel_id})
+        assert taken.code == 403
+        with pytest.raises(HTTPClientError) as refused:
+            await gateway.channels(kernel_id, bob)
+        assert refused.value.code == 403
+        into_hers = await gateway.fetch(
+            "/api/kernels", bob, "POST", {"name": KERNEL, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+        )
+        assert into_hers.code == 403
+        assert "outside your sandbox workspace" in json.loads(into_hers.body)["message"]
+        assert (await gateway.fetch("/api/kernels", None)).code == 403, "no token"
+        assert (await gateway.fetch(f"/api/kernels?token={gateway.tokens[alice]}", None)).code == 403
+
+        labels = containers_of(kernel_id)[0].labels
+        assert labels.get("io.sandbox-kernel.user") == alice
+    finally:
+        deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204
+    assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
