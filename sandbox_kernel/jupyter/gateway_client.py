@@ -11,7 +11,8 @@ sandboxed kernels in several places, and this module puts each right:
   the browser's as text, which the gateway drops (ipywidgets#3798). When the gateway is lost
   for good (``GatewayClient.gateway_retry_max`` redials failed) or refuses the connection
   (401/403/404), the browser's socket is closed with code 1011 and a one-line reason, where the
-  stock class leaves it open and silent (see :mod:`~.gateway_link`).
+  stock class leaves it open and silent (see :mod:`~.gateway_link`). What the browser sends
+  while the gateway is being redialled is held, and sent once it answers.
 - :func:`honour_ca_certs`: ``GatewayClient.ca_certs`` is used without a client certificate
   too (the stock ``init_connection_args`` uses it only with ``client_cert``).
 - :class:`GatewayKernelStatusHandler`: ``GET /api/sandbox-kernel/kernels/<kernel_id>`` asks the
@@ -22,8 +23,9 @@ sandboxed kernels in several places, and this module puts each right:
   persistent kernels and does not hang while the gateway is down.
 - :class:`SandboxGatewayKernelManager` and :class:`SandboxGatewayKernelClient`, for programs
   (nbclient, papermill): the kernel's websocket carries the auth header and verifies the
-  gateway's certificate, so ``NotebookClient(nb, km=SandboxGatewayKernelManager(kernel_name=...))``
-  runs against an authenticated gateway.
+  gateway's certificate, and a kernel message with buffers no longer ends the client's reads,
+  so ``NotebookClient(nb, km=SandboxGatewayKernelManager(kernel_name=...))`` runs against an
+  authenticated gateway.
 
 The package's server extension (:mod:`~.lab`) puts the connection class, the CA fix and the
 status route in place when gateway mode is on. The kernel manager is configured::
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections import deque
 from threading import Thread
 from typing import Any, cast
 
@@ -52,6 +55,7 @@ from jupyter_server.gateway.managers import (
     GatewayMappingKernelManager,
 )
 from jupyter_server.serverapp import ServerApp
+from jupyter_server.services.kernels.connection.base import deserialize_binary_message
 from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado import websocket as tornado_websocket
@@ -73,6 +77,8 @@ STATUS_ENDPOINT = "api/sandbox-kernel/kernels"
 #: HTTP answers (``gateway_request``'s, 599 being tornado's for no answer) that mean the gateway
 #: cannot be reached, rather than that it refused.
 UNREACHABLE = frozenset({502, 503, 504, 599})
+#: Browser messages a kernel's relay holds at most while it dials the gateway (then the oldest go).
+MAX_HELD = 1000
 
 
 def lifecycle(model: dict[str, Any] | None) -> str | None:
@@ -116,6 +122,7 @@ class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         client = GatewayClient.instance()
+        self._held: deque[str | bytes] = deque(maxlen=MAX_HELD)
         self._link = GatewayLink(
             client.gateway_retry_max, client.gateway_retry_interval, client.gateway_retry_interval_max
         )
@@ -147,6 +154,10 @@ class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
             self.ws = future.result()
             self.retry = 0
             self._link.dialled()
+            held = list(self._held)
+            self._held.clear()
+            for message in held:
+                self._write_message(message)
             IOLoop.current().spawn_callback(self._relay)
             return
         status = exc.code if isinstance(exc, HTTPClientError) else None
@@ -185,6 +196,7 @@ class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
             if self._link.wait_over() and not self.disconnected:
                 await self.connect()
         elif isinstance(step, GiveUp):
+            self._held.clear()
             self.log.warning(
                 "Closing the browser's socket of kernel %s: %s (%s)",
                 self.kernel_id,
@@ -206,25 +218,29 @@ class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
             self.log.debug("The browser closed the socket of kernel %s: a message is dropped", self.kernel_id)
 
     def handle_incoming_message(self, message: str | bytes) -> None:
-        """Send the browser's frame to the gateway (once connected), binary if it came binary."""
+        """Send the browser's frame to the gateway, binary if it came binary; while the gateway is
+        being dialled, hold it (as JupyterLab holds messages while its own socket reconnects)."""
         if self.ws is not None:
             self._write_message(message)
-        elif self.ws_future is not None and not self.ws_future.done():
-            IOLoop.current().add_future(self.ws_future, lambda _: self.handle_incoming_message(message))
+        elif self._link.state in ("dialling", "waiting"):
+            self._hold(message)
         else:
             self.log.warning(
                 "No connection to the sandbox gateway: dropped a message to kernel %s", self.kernel_id
             )
+
+    def _hold(self, message: str | bytes) -> None:
+        if len(self._held) == self._held.maxlen:
+            self.log.warning("Holding too many messages for kernel %s: dropped the oldest", self.kernel_id)
+        self._held.append(message)
 
     def _write_message(self, message: str | bytes) -> None:
         if self.disconnected or self.ws is None:
             return
         try:
             self.ws.write_message(message, binary=isinstance(message, bytes))
-        except tornado_websocket.WebSocketClosedError:
-            self.log.warning(
-                "The sandbox gateway's socket closed: dropped a message to kernel %s", self.kernel_id
-            )
+        except tornado_websocket.WebSocketClosedError:  # lost: the relay redials, then sends it
+            self._hold(message)
 
 
 async def gateway_status(kernel_id: str) -> dict[str, Any]:
@@ -432,6 +448,34 @@ class SandboxGatewayKernelClient(GatewayKernelClient):
         )
         self.response_router = Thread(target=self._route_responses, daemon=True)
         self.response_router.start()
+
+    def _route_responses(self) -> None:
+        """Put each message from the gateway on its channel's queue until the channels stop.
+
+        GatewayKernelClient's router (jupyter_server 2.21.1 ``gateway/managers.py``) decodes every
+        frame as JSON text, so the first binary one (a message with buffers: a widget's image,
+        say) ends it and the client waits for replies that never come.
+        """
+        queues, ws = self._channel_queues, self.channel_socket
+        if queues is None or ws is None:
+            return
+        try:
+            while not self._channels_stopped:
+                frame = ws.recv()
+                if not frame:
+                    break
+                if isinstance(frame, bytes):
+                    message = deserialize_binary_message(frame)  # type: ignore[no-untyped-call]
+                else:
+                    message = json_decode(frame)
+                queues[message["channel"]].put_nowait(message)
+        except websocket.WebSocketConnectionClosedException:
+            pass  # the channels stopped
+        except Exception as exc:  # noqa: BLE001  # the thread must end telling the queues
+            if not self._channels_stopped:
+                self.log.warning("Reading the sandbox gateway's kernel messages stopped: %s", exc)
+        for queue in queues.values():
+            queue.response_router_finished = True
 
 
 def channel_sslopt(client: GatewayClient) -> dict[str, Any]:

@@ -10,14 +10,17 @@ JupyterLab and nbclient do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -96,10 +99,16 @@ class Server:
     """A ``jupyter server`` subprocess on loopback."""
 
     def __init__(
-        self, name: str, tmp: Path, args: list[str], scheme: str = "http", ca: Path | None = None
+        self,
+        name: str,
+        tmp: Path,
+        args: list[str],
+        scheme: str = "http",
+        ca: Path | None = None,
+        like: Server | None = None,
     ) -> None:
-        self.token = secrets.token_hex(16)
-        self.port = free_port()
+        self.token = like.token if like else secrets.token_hex(16)
+        self.port = like.port if like else free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.verify: str | bool = str(ca) if ca else True
         self.log = tmp / f"{name}.log"
@@ -217,6 +226,61 @@ def make_tls(folder: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
+class Proxy:
+    """A TCP relay on loopback to ``port`` whose connections can be cut: a network blip between
+    the user's server and the gateway."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.lock = threading.Lock()
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.open += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """End every connection relayed now (new ones still get through)."""
+        with self.lock:
+            cut, self.open = self.open, []
+        for end in cut:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.cut()
+
+
 class Setup:
     """Kernelspecs, the gateway's manager module, and the servers started (all stopped at the end)."""
 
@@ -234,27 +298,29 @@ class Setup:
         (tmp / "modules" / "marking.py").write_text(MARKING_MANAGER)
         self.tls: tuple[Path, Path, Path] | None = None
 
-    def gateway(self, tls: bool = False) -> Server:
+    def gateway(self, tls: bool = False, like: Server | None = None) -> Server:
+        """A gateway (``like`` an earlier one: its port and token, its kernels gone)."""
         args = ["--ServerApp.kernel_manager_class=marking.MarkingKernelManager"]
         if tls:
             self.tls = self.tls or make_tls(self.tmp / "pki")
             args += [f"--ServerApp.certfile={self.tls[1]}", f"--ServerApp.keyfile={self.tls[2]}"]
-        server = Server(
-            "gateway", self.tmp, args, "https" if tls else "http", self.tls[0] if tls and self.tls else None
-        )
+        ca = self.tls[0] if tls and self.tls else None
+        server = Server("gateway", self.tmp, args, "https" if tls else "http", ca, like)
         self.servers.append(server)
         return server
 
-    def user_server(self, gateway: Server, *extra: str, name: str = "user") -> Server:
+    def user_server(
+        self, gateway: Server, name: str = "user", retry_max: int = 2, via: Proxy | None = None
+    ) -> Server:
+        url = f"http://127.0.0.1:{via.port}" if via else gateway.url
         args = [
-            f"--gateway-url={gateway.url}",
+            f"--gateway-url={url}",
             f"--GatewayClient.auth_token={gateway.token}",
             f"--ServerApp.kernel_manager_class={CLIENT_MANAGER}",
-            "--GatewayClient.gateway_retry_max=2",
+            f"--GatewayClient.gateway_retry_max={retry_max}",
             "--GatewayClient.gateway_retry_interval=0.2",
             "--GatewayClient.gateway_retry_interval_max=1",
             "--SandboxGatewayMappingKernelManager.gateway_wait=3",
-            *extra,
         ]
         if gateway.url.startswith("https") and self.tls:
             args.append(f"--GatewayClient.ca_certs={self.tls[0]}")
@@ -373,11 +439,16 @@ def test_nbclient_runs_a_notebook_against_the_token_protected_gateway(
     GatewayClient.clear_instance()
     GatewayClient.instance(url=gateway.url, auth_token=gateway.token, ca_certs=str(setup.tls[0]))
     km = SandboxGatewayKernelManager(kernel_name=PLAIN)
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import sys; print('ran', 6 * 7)")])
+    cells = [
+        # A message with buffers (a widget's image, say) comes as a binary frame.
+        "import comm; c = comm.create_comm(target_name='nobody', data={}, buffers=[b'\\x00\\xff'])",
+        "print('ran', 6 * 7)",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
     client = NotebookClient(nb, km=km, timeout=60)
     try:
         client.execute()
-        assert nb.cells[0].outputs[0]["text"] == "ran 42\n"
+        assert nb.cells[1].outputs[0]["text"] == "ran 42\n"
         assert [k["name"] for k in gateway.api("GET", "/api/kernels")] == [PLAIN]
     finally:
         if client.kc is not None:
@@ -419,6 +490,42 @@ async def test_a_lost_gateway_closes_the_browsers_socket_with_a_reason(setup: Se
     assert "refused" in status["gateway"]["reason"].lower(), status
 
 
+async def test_a_dropped_gateway_connection_is_redialled_and_what_the_browser_sent_meanwhile_arrives(
+    setup: Setup,
+) -> None:
+    gateway = setup.gateway()
+    proxy = Proxy(gateway.port)
+    try:
+        user = setup.user_server(gateway, via=proxy)
+        kernel = user.api("POST", "/api/kernels", json={"name": PLAIN})
+        conn = await open_kernel_socket(user, kernel["id"])
+        await execute(conn, "x = 41")
+        proxy.cut()
+        wait_for(lambda: "Lost the connection to the sandbox gateway" in user.log.read_text(), "the loss")
+        await execute(conn, "x += 1; assert x == 42")  # sent before the redial, held until it
+        assert conn.close_code is None
+        conn.close()
+    finally:
+        proxy.close()
+
+
+async def test_a_gateway_back_without_the_kernel_refuses_it_and_the_browser_is_told(setup: Setup) -> None:
+    gateway = setup.gateway()
+    user = setup.user_server(gateway, retry_max=60)  # about a minute: time for the gateway to restart
+    kernel = user.api("POST", "/api/kernels", json={"name": PLAIN})
+    conn = await open_kernel_socket(user, kernel["id"])
+    await execute(conn, "x = 1")
+    gateway.stop(signal.SIGKILL)
+    setup.gateway(like=gateway)  # same port and token, no kernels
+    deadline = time.monotonic() + 30
+    while await asyncio.wait_for(conn.read_message(), deadline - time.monotonic()) is not None:
+        pass
+    assert (conn.close_code, conn.close_reason) == (
+        CLOSE_CODE,
+        "the sandbox gateway refused the kernel's connection (HTTP 404)",
+    )
+
+
 def test_a_user_server_stops_at_once_while_its_gateway_is_down(setup: Setup) -> None:
     gateway = setup.gateway()
     user = setup.user_server(gateway)
@@ -439,7 +546,7 @@ def test_a_restarted_user_server_finds_its_kernels_on_the_gateway(setup: Setup) 
     assert [k["id"] for k in gateway.api("GET", "/api/kernels")] == [persistent], (
         "a stopping server shuts its ephemeral kernels down and lets go of persistent ones"
     )
-    again = setup.user_server(gateway, name="user-again")
+    again = setup.user_server(gateway, "user-again")
     assert [k["id"] for k in again.api("GET", "/api/kernels")] == [persistent]
     status = again.api("GET", f"/api/sandbox-kernel/kernels/{persistent}")
     assert status == {"sandboxed": False}
