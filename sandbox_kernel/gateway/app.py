@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from jupyter_core.application import JupyterApp, base_aliases
+from jupyter_server import serverapp
 from jupyter_server.base.handlers import APIVersionHandler, PrometheusMetricsHandler, Template404
 from jupyter_server.serverapp import ServerApp
 from jupyter_server.services.kernelspecs.handlers import KernelSpecHandler, MainKernelSpecHandler
@@ -209,6 +210,9 @@ class SandboxGatewayApp(ServerApp):
         "init-tls": (InitTlsApp, InitTlsApp.description.splitlines()[0]),
     }
     classes = [*ServerApp.classes, TokensFileIdentityProvider, UserPolicy, GatewayKernelManagerForUsers]
+    # ServerApp's, as plain dicts (as every other command's are), not its traits.
+    aliases = dict(serverapp.aliases)
+    flags = dict(serverapp.flags)
 
     allow_plain_http = Bool(
         False,

@@ -299,3 +299,31 @@ def test_the_authorizer_lets_a_user_at_their_own_kernels_only() -> None:
         assert not authorizer.is_authorized(request(None), alice, "read", resource)  # type: ignore[arg-type]
     unowned = SimpleNamespace(path_kwargs={"kernel_id": "k-alice"}, settings={"kernel_manager": object()})
     assert not authorizer.is_authorized(unowned, alice, "read", "kernels"), "a manager that records no owners"  # type: ignore[arg-type]
+
+
+def test_the_documented_config_is_the_gateways() -> None:
+    """docs/administrators/gateway.md's config: every setting is one of the classes the
+    gateway configures, and its values are accepted."""
+    from sandbox_kernel.gateway.app import SandboxGatewayApp
+    from sandbox_kernel.gateway.identity import TokensFileIdentityProvider
+    from sandbox_kernel.provisioner import SandboxProvisioner
+
+    page = (Path(__file__).parents[2] / "docs" / "administrators" / "gateway.md").read_text()
+    marker = "test_gateway_users.py::test_the_documented_config_is_the_gateways -->\n```python\n"
+    code = page.split(marker, 1)[1].split("```", 1)[0]
+    config = Config()
+    exec(compile(code, "gateway.md", "exec"), {"c": config})  # noqa: S102  # our own docs
+    classes = {
+        "ServerApp": SandboxGatewayApp,
+        "SandboxGatewayApp": SandboxGatewayApp,
+        "TokensFileIdentityProvider": TokensFileIdentityProvider,
+        "UserPolicy": UserPolicy,
+        "SandboxProvisioner": SandboxProvisioner,
+    }
+    assert set(config) <= set(classes)
+    for section, values in config.items():
+        traits = classes[section].class_traits(config=True)
+        assert set(values) <= set(traits), f"{section}: {set(values) - set(traits)}"
+    user_policy = UserPolicy(config=config)  # a refused value raises here
+    assert user_policy.ceilings["group:interns"]["max_memory"] == "1g"
+    assert SandboxProvisioner(config=config).max_memory == "8g"
