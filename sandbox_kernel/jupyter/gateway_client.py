@@ -338,7 +338,11 @@ class SandboxGatewayMappingKernelManager(GatewayMappingKernelManager):
 
     async def take_back_kernels(self) -> list[str]:
         """Manage every kernel the gateway lists that this server does not know yet; their ids.
-        A gateway that does not answer within ``gateway_wait`` is logged: the server starts anyway."""
+
+        Only kernels whose model has :data:`SANDBOX_MODEL_KEY` are taken: a sandbox gateway lists
+        only the caller's kernels, while another gateway (Enterprise Gateway, Kernel Gateway) lists
+        everyone's, which this server would then shut down when it stops. A gateway that does not
+        answer within ``gateway_wait`` is logged: the server starts anyway."""
         try:
             response = await asyncio.wait_for(
                 gateway_request(self.kernels_url, method="GET"), self.gateway_wait
@@ -353,7 +357,7 @@ class SandboxGatewayMappingKernelManager(GatewayMappingKernelManager):
         taken = []
         for model in json_decode(response.body):
             kernel_id = str(model.get("id", ""))
-            if not kernel_id or kernel_id in self._kernels:
+            if not kernel_id or kernel_id in self._kernels or SANDBOX_MODEL_KEY not in model:
                 continue
             km = self.kernel_manager_factory(parent=self, log=self.log)
             km.kernel_id = kernel_id

@@ -310,8 +310,14 @@ class Setup:
         return server
 
     def user_server(
-        self, gateway: Server, name: str = "user", retry_max: int = 2, via: Proxy | None = None
+        self,
+        gateway: Server,
+        name: str = "user",
+        retry_max: int = 2,
+        via: Proxy | None = None,
+        like: Server | None = None,
     ) -> Server:
+        """A user's server on ``gateway`` (``like`` an earlier one: its port, token and folders)."""
         url = f"http://127.0.0.1:{via.port}" if via else gateway.url
         args = [
             f"--gateway-url={url}",
@@ -324,7 +330,7 @@ class Setup:
         ]
         if gateway.url.startswith("https") and self.tls:
             args.append(f"--GatewayClient.ca_certs={self.tls[0]}")
-        server = Server(name, self.tmp, args)
+        server = Server(name, self.tmp, args, like=like)
         self.servers.append(server)
         return server
 
@@ -536,17 +542,23 @@ def test_a_user_server_stops_at_once_while_its_gateway_is_down(setup: Setup) -> 
     assert took < 5, f"the user's server took {took:.1f} s to stop"
 
 
-def test_a_restarted_user_server_finds_its_kernels_on_the_gateway(setup: Setup) -> None:
+def test_a_restarted_user_server_finds_its_kernels_and_sessions_again(setup: Setup) -> None:
     gateway = setup.gateway()
     user = setup.user_server(gateway)
-    persistent = user.api("POST", "/api/kernels", json={"name": PERSISTENT})["id"]
+    notebook = {"path": "analysis.ipynb", "name": "analysis.ipynb", "type": "notebook"}
+    session = user.api("POST", "/api/sessions", json={**notebook, "kernel": {"name": PERSISTENT}})
+    persistent = session["kernel"]["id"]
     ephemeral = user.api("POST", "/api/kernels", json={"name": PLAIN})["id"]
     assert {k["id"] for k in user.api("GET", "/api/kernels")} == {persistent, ephemeral}
     user.stop()
     assert [k["id"] for k in gateway.api("GET", "/api/kernels")] == [persistent], (
         "a stopping server shuts its ephemeral kernels down and lets go of persistent ones"
     )
-    again = setup.user_server(gateway, "user-again")
+    again = setup.user_server(gateway, like=user)
     assert [k["id"] for k in again.api("GET", "/api/kernels")] == [persistent]
+    sessions = again.api("GET", "/api/sessions")
+    assert [(s["path"], s["kernel"]["id"]) for s in sessions] == [("analysis.ipynb", persistent)], (
+        "the notebook's session still names its kernel"
+    )
     status = again.api("GET", f"/api/sandbox-kernel/kernels/{persistent}")
     assert status == {"sandboxed": False}
