@@ -77,6 +77,9 @@ STATUS_ENDPOINT = "api/sandbox-kernel/kernels"
 #: HTTP answers (``gateway_request``'s, 599 being tornado's for no answer) that mean the gateway
 #: cannot be reached, rather than that it refused.
 UNREACHABLE = frozenset({502, 503, 504, 599})
+#: Seconds the status route waits for the gateway (GatewayClient's own request timeout, 42 s by
+#: default, is sized for starting kernels): JupyterLab's status bar asks again soon.
+STATUS_WAIT = 10.0
 #: Browser messages a kernel's relay holds at most while it dials the gateway (then the oldest go).
 MAX_HELD = 1000
 
@@ -111,8 +114,10 @@ def _reason(exc: BaseException) -> str:
     """One line on why a gateway request failed (the cause ``gateway_request`` wrapped, if any)."""
     cause = exc.__cause__ or exc
     if isinstance(cause, web.HTTPError) and cause.log_message:
-        return str(cause.log_message % cause.args if cause.args else cause.log_message)
-    return str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        text = str(cause.log_message % cause.args if cause.args else cause.log_message)
+    else:
+        text = str(cause)
+    return text.strip().splitlines()[0] if text.strip() else type(cause).__name__
 
 
 class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
@@ -254,11 +259,13 @@ async def gateway_status(kernel_id: str) -> dict[str, Any]:
     client = GatewayClient.instance()
     url = url_path_join(client.url or "", STATUS_ENDPOINT, url_escape(kernel_id))
     try:
-        response = await gateway_request(url, method="GET")
+        response = await asyncio.wait_for(gateway_request(url, method="GET"), STATUS_WAIT)
     except web.HTTPError as exc:
         if exc.status_code not in UNREACHABLE:
             raise
         reason = _reason(exc)
+    except asyncio.TimeoutError:
+        reason = f"no answer within {STATUS_WAIT:g} s"
     except OSError as exc:  # TLS (a certificate it cannot verify), name resolution ...
         reason = _reason(exc)
     else:

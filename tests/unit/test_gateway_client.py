@@ -20,6 +20,7 @@ from jupyter_server.gateway.gateway_client import GatewayClient
 from tornado import web
 from tornado.httpserver import HTTPServer
 
+from sandbox_kernel.jupyter import gateway_client as gateway_client_module
 from sandbox_kernel.jupyter.gateway_client import (
     SANDBOX_MODEL_KEY,
     SandboxGatewayKernelManager,
@@ -367,3 +368,16 @@ async def test_a_kernel_manager_for_programs_starts_the_kernel_it_names(gateway_
     assert started[0]["name"] == "sandboxed-python", "stock GatewayKernelManager asks for python3"
     assert km.kernel_id == "new"
     assert asyncio.iscoroutinefunction(km.client().start_channels)
+
+
+async def test_a_gateway_that_does_not_answer_is_unreachable_too(
+    gateway_client: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gateway_client_module, "STATUS_WAIT", 0.3)
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        GatewayClient.instance(url=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        status = await gateway_status("k1")
+    assert status["gateway"]["reachable"] is False
+    assert status["gateway"]["reason"] == "no answer within 0.3 s"
