@@ -60,6 +60,8 @@ ROWS = (
     ("event_idle", "threading.Event ping-pong, after 2 ms idle", "round (2 wakes)"),
     ("inproc_idle", "zmq inproc PAIR ping-pong, after 2 ms idle", "round (2 wakes)"),
     ("tcp_process_idle", "zmq tcp REQ/REP, 2 processes, after 2 ms idle", "round trip"),
+    ("ipc_process", "zmq ipc (unix socket) REQ/REP, 2 processes", "round trip"),
+    ("ipc_process_idle", "zmq ipc REQ/REP, 2 processes, after 2 ms idle", "round trip"),
 )
 #: Seconds of quiet before each operation of the "after idle" rows.
 IDLE = 0.002
@@ -192,32 +194,44 @@ def tcp_threads(context: zmq.Context[zmq.Socket[bytes]]) -> Callable[[int], None
     return req_rep(req)
 
 
-def tcp_process(
-    context: zmq.Context[zmq.Socket[bytes]],
-) -> tuple[Callable[[int], None], subprocess.Popen[bytes]]:
+def echo_process(
+    context: zmq.Context[zmq.Socket[bytes]], folder: str
+) -> tuple[Callable[[int], None], Callable[[int], None], subprocess.Popen[bytes]]:
+    """Round trips to another process: over zmq tcp loopback, and over a zmq ipc (unix)
+    socket in ``folder``; and that process."""
     echo = subprocess.Popen(  # noqa: S603 (this very file, as the echo server)
-        [sys.executable, os.path.abspath(__file__), "--echo"], stdout=subprocess.PIPE
+        [sys.executable, os.path.abspath(__file__), "--echo", folder], stdout=subprocess.PIPE
     )
     assert echo.stdout is not None  # noqa: S101 (stdout=PIPE)
-    port = int(echo.stdout.readline())
-    req = context.socket(zmq.REQ)
-    req.connect(f"tcp://127.0.0.1:{port}")
-    return req_rep(req), echo
+    port, path = echo.stdout.readline().split()
+    tcp, ipc = context.socket(zmq.REQ), context.socket(zmq.REQ)
+    tcp.connect(f"tcp://127.0.0.1:{int(port)}")
+    ipc.connect(f"ipc://{path.decode()}")
+    return req_rep(tcp), req_rep(ipc), echo
 
 
-def serve_echo() -> int:
-    """The other process of ``tcp_process``: a REP socket echoing until killed."""
-    rep = zmq.Context().socket(zmq.REP)
-    print(rep.bind_to_random_port("tcp://127.0.0.1"), flush=True)
-    echo_forever(rep)
-    return 0
+def serve_echo(folder: str) -> int:
+    """The other process of ``echo_process``: REP sockets (tcp, ipc in ``folder``) echoing
+    until killed."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    tcp, ipc = context.socket(zmq.REP), context.socket(zmq.REP)
+    path = os.path.join(folder, "echo")
+    ipc.bind(f"ipc://{path}")
+    print(tcp.bind_to_random_port("tcp://127.0.0.1"), path, flush=True)
+    poller = zmq.Poller()
+    poller.register(tcp, zmq.POLLIN)
+    poller.register(ipc, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll():
+            sock.send(sock.recv())
 
 
 def measure_here(count: int, batches: int) -> dict[str, float]:
     """Every row's microseconds per operation, in this process."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     devnull = os.open(os.devnull, os.O_WRONLY)
-    remote, echo = tcp_process(context)
+    folder = tempfile.TemporaryDirectory(prefix="wakeups-")
+    remote, remote_ipc, echo = echo_process(context, folder.name)
     try:
         event, inproc = event_ping_pong(), inproc_ping_pong(context)
         runs: dict[str, tuple[Callable[[int], None], int]] = {
@@ -228,17 +242,20 @@ def measure_here(count: int, batches: int) -> dict[str, float]:
             "inproc": (inproc, count),
             "tcp_threads": (tcp_threads(context), count),
             "tcp_process": (remote, count),
+            "ipc_process": (remote_ipc, count),
         }
         result = {key: per_op_us(run, n, batches) for key, (run, n) in runs.items()}
         idle_count = max(1, count // 10)
         result["event_idle"] = after_idle_us(event, idle_count)
         result["inproc_idle"] = after_idle_us(inproc, idle_count)
         result["tcp_process_idle"] = after_idle_us(remote, idle_count)
+        result["ipc_process_idle"] = after_idle_us(remote_ipc, idle_count)
         return result
     finally:
         echo.kill()
         echo.wait()
         os.close(devnull)
+        folder.cleanup()
 
 
 def where() -> str:
@@ -313,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--here", action="store_true", help="measure only where this runs")
     parser.add_argument("--json", action="store_true", help="with --here: print JSON, not a table")
-    parser.add_argument("--echo", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--echo", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=2000, help="rounds per batch (system calls: 10x)")
     parser.add_argument("--batches", type=int, default=7, help="timed batches per row")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every column")
@@ -327,7 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.echo:
-        return serve_echo()
+        return serve_echo(args.echo)
     if args.here:
         result = measure_here(args.count, args.batches)
         print(json.dumps(result) if args.json else format_table({where(): result}))

@@ -1,0 +1,22 @@
+"""One timed ``1+1`` for bench/roundtrip.py, on the host and inside the sandbox (the
+image's Python runs this file's text, so: the standard library and jupyter_client only)."""
+
+import time
+
+
+def once(client):  # type: ignore[no-untyped-def]  # (runs in the image's Python too)
+    """[ms from sending ``1+1`` to its reply and idle status, ms the kernel itself took:
+    from its ``busy`` status to its ``idle`` one, both stamped by the kernel's clock]."""
+    stamps = {}
+
+    def note(msg):  # type: ignore[no-untyped-def]
+        if msg["header"]["msg_type"] == "status":
+            stamps[msg["content"]["execution_state"]] = msg["header"]["date"]
+
+    started = time.perf_counter()
+    reply = client.execute_interactive("1+1", timeout=30, output_hook=note)
+    total = (time.perf_counter() - started) * 1000
+    if reply["content"]["status"] != "ok":
+        msg = f"1+1 failed: {reply['content']}"
+        raise RuntimeError(msg)
+    return [total, (stamps["idle"] - stamps["busy"]).total_seconds() * 1000]
