@@ -61,8 +61,8 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
         recorded = self._owners.get(kernel_id)
         if recorded is not None:
             return recorded
-        launch = getattr(getattr(self._kernels[kernel_id], "provisioner", None), "launch", None)
-        user = getattr(launch, "user", None)
+        # Not started here (adopted): the user its provisioner was started for.
+        user = getattr(getattr(self._kernels[kernel_id], "provisioner", None), "user", None)
         return user.name if isinstance(user, KernelUser) else None
 
     def kernels_of(self, name: str) -> list[str]:
@@ -98,14 +98,22 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
                 raise UserRefused(msg)
             return kernel_id
         limit = UserPolicy(config=self.config).max_kernels_per_user
-        if limit and len(self.kernels_of(user.name)) >= limit:
+        # Kernels still starting count too (a start takes seconds; the owner is recorded first).
+        theirs = {k for k, name in self._owners.items() if name == user.name}
+        theirs |= set(self.kernels_of(user.name))
+        if limit and len(theirs) >= limit:
             msg = (
                 f"you have {limit} kernels, as many as this gateway allows one user "
                 "(UserPolicy.max_kernels_per_user): shut one down first"
             )
             raise UserRefused(msg)
-        started = await super()._async_start_kernel(path=None, **kwargs)
-        self._owners[started] = user.name
+        kernel_id = self.new_kernel_id()
+        self._owners[kernel_id] = user.name
+        try:
+            started = await super()._async_start_kernel(kernel_id=kernel_id, path=None, **kwargs)
+        except BaseException:
+            self._owners.pop(kernel_id, None)
+            raise
         self.log.info("Kernel %s started for user %s", started, user.name)
         return started
 

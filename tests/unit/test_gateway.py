@@ -4,6 +4,7 @@ each user may touch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -31,9 +32,11 @@ UIDS = {"alice": 15001, "bob": 15002}
 
 
 class StartingBackend(FakeBackend):
-    """The fake backend, whose sandboxes' start-up code says it ran (as a kernel's does)."""
+    """The fake backend, whose sandboxes take a moment to start and whose start-up code
+    says it ran (as a kernel's does)."""
 
     async def create(self, spec: SandboxSpec) -> str:
+        await asyncio.sleep(0.1)
         sandbox_id = await super().create(spec)
         (spec.runtime_dir / STARTED_MARK).write_text("ok\n")
         return sandbox_id
@@ -410,14 +413,12 @@ async def test_each_user_lists_only_their_own_kernels(gateway: Gateway) -> None:
 
 
 async def test_a_user_has_at_most_max_kernels_per_user(gateway: Gateway) -> None:
-    await gateway.start("alice")
-    await gateway.start("alice")
-    third = await gateway.fetch(
-        "/api/kernels",
-        "alice",
-        method="POST",
-        body={"env": {"KERNEL_WORKING_DIR": str(gateway.roots["alice"])}},
-    )
+    here = {"env": {"KERNEL_WORKING_DIR": str(gateway.roots["alice"])}}
+    at_once = [gateway.fetch("/api/kernels", "alice", method="POST", body=here) for _ in range(3)]
+    codes = sorted(response.code for response in await asyncio.gather(*at_once))
+    assert codes == [201, 201, 403], "starts still under way count"
+    assert len(gateway.km.list_kernel_ids()) == 2
+    third = await gateway.fetch("/api/kernels", "alice", method="POST", body=here)
     assert third.code == 403
     assert "max_kernels_per_user" in message(third)
     await gateway.start("bob")  # another user's count
@@ -471,3 +472,23 @@ async def test_a_start_may_narrow_the_kernels_policy_and_nothing_else(gateway: G
     ]:
         response = await gateway.fetch("/api/kernels", "alice", method="POST", body=body)
         assert (response.code, reason in message(response)) == (400, True), message(response)
+
+
+async def test_the_manager_starts_kernels_only_for_a_user_and_hands_over_only_their_own(
+    gateway: Gateway,
+) -> None:
+    from sandbox_kernel.gateway.users import UserRefused
+    from sandbox_kernel.plan.users import KernelUser
+
+    km = gateway.km
+    with pytest.raises(UserRefused, match="only for an authenticated user"):
+        await km.start_kernel(kernel_name="sandboxed-python")
+    alices = await gateway.start("alice")
+    bob = KernelUser("bob", UIDS["bob"], UIDS["bob"], gateway.roots["bob"])
+    with pytest.raises(UserRefused, match="you have no kernel"):
+        await km.start_kernel(kernel_id=alices, sandbox_user=bob)
+    with pytest.raises(UserRefused, match="you have no kernel"):
+        await km.start_kernel(kernel_id="a-new-id-of-bobs-choosing", sandbox_user=bob)
+    alice = KernelUser("alice", UIDS["alice"], UIDS["alice"], gateway.roots["alice"])
+    assert await km.start_kernel(kernel_id=alices, sandbox_user=alice) == alices
+    assert km.list_kernel_ids() == [alices]
