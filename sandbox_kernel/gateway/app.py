@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from jupyter_core.application import JupyterApp, base_aliases
 from jupyter_server import serverapp
@@ -39,7 +40,12 @@ from sandbox_kernel._version import __version__
 from sandbox_kernel.errors import ConfigurationError
 from sandbox_kernel.gateway import handlers
 from sandbox_kernel.gateway.authorizer import KernelOwnerAuthorizer
-from sandbox_kernel.gateway.identity import DEFAULT_TOKENS_FILE, TokensFileIdentityProvider, add_token
+from sandbox_kernel.gateway.identity import (
+    DEFAULT_TOKENS_FILE,
+    TokensFileIdentityProvider,
+    add_token,
+    revoke_tokens,
+)
 from sandbox_kernel.gateway.kernelspecs import SandboxedOnlyKernelSpecManager
 from sandbox_kernel.gateway.manager import GatewayKernelManagerForUsers
 from sandbox_kernel.gateway.tls import make_ca, make_server_cert, write_private
@@ -105,6 +111,37 @@ class _GatewayCommand(JupyterApp):
         print(f"error: {message}", file=sys.stderr)
         self.exit(1)
 
+    def parse_command_line(self, argv: Any = None) -> None:
+        """Parse the command line; an unknown option is a one-line error (traitlets would
+        only warn, and ``--tokens-fle=...`` would write the default file).
+
+        Raises:
+            SystemExit: for an unknown option.
+        """
+        known = {
+            name
+            for key in (*self.aliases, *self.flags)
+            for name in (key if isinstance(key, tuple) else (key,))
+        }
+        for arg in sys.argv[1:] if argv is None else argv:
+            if arg == "--":
+                break
+            name = arg[2:].partition("=")[0] if arg.startswith("--") else ""
+            if name and "." not in name and name not in known:
+                self.fail(f"unknown option --{name}; see --help")
+        super().parse_command_line(argv)
+
+    def tokens_file(self) -> Path:
+        """The gateway's tokens file, as its config (or ``--tokens-file``) names it."""
+        return Path(self.config.get("TokensFileIdentityProvider", {}).get("path", DEFAULT_TOKENS_FILE))
+
+    def user_name(self) -> str:
+        """The one user name the command line gives."""
+        if len(self.extra_args) != 1:
+            command = self.name.rpartition("gateway-")[2]
+            self.fail(f"give one user name: jupyter sandbox-kernel gateway {command} USER")
+        return str(self.extra_args[0])
+
 
 class AddTokenApp(_GatewayCommand):
     """Make a token for a user of the gateway."""
@@ -127,21 +164,40 @@ class AddTokenApp(_GatewayCommand):
     }
 
     def start(self) -> None:
-        if len(self.extra_args) != 1:
-            self.fail("give one user name: jupyter sandbox-kernel gateway add-token USER")
-        name = self.extra_args[0]
+        name = self.user_name()
         uid = None if self.uid < 0 else self.uid
         try:
             UserPolicy(config=self.config).resolve(name, self.groups, uid)
         except UserRefused as exc:
             self.fail(f"{exc}; no token made")
-        path = Path(self.config.get("TokensFileIdentityProvider", {}).get("path", DEFAULT_TOKENS_FILE))
+        path = self.tokens_file()
         try:
             token = add_token(path, name, tuple(self.groups), uid)
         except (ConfigurationError, OSError) as exc:
             self.fail(str(exc))
         print(f"A new token for {name} (shown once; {path} keeps its sha256 only):", file=sys.stderr)
         print(token)
+
+
+class RevokeTokenApp(_GatewayCommand):
+    """Remove every token of a user of the gateway."""
+
+    name = "jupyter-sandbox-kernel-gateway-revoke-token"
+    description = """Remove every token of USER from the gateway's tokens file
+    (TokensFileIdentityProvider.path). The gateway refuses them from its next request on;
+    the user's kernels keep running until they or an administrator shut them down."""
+    examples = "jupyter sandbox-kernel gateway revoke-token alice"
+    classes = [TokensFileIdentityProvider]
+    aliases = {**base_aliases, "tokens-file": "TokensFileIdentityProvider.path"}
+
+    def start(self) -> None:
+        name = self.user_name()
+        path = self.tokens_file()
+        try:
+            removed = revoke_tokens(path, name)
+        except (ConfigurationError, OSError) as exc:
+            self.fail(str(exc))
+        print(f"Revoked {removed} token(s) of {name} in {path}")
 
 
 class InitTlsApp(_GatewayCommand):
@@ -151,8 +207,8 @@ class InitTlsApp(_GatewayCommand):
     description = """Make a certificate authority for the gateway (ca.pem, and its key
     ca-key.pem) unless --dir has one, and a server certificate it signs for the given host
     names and addresses (server.pem, server-key.pem). Keys are written 0600. Give the
-    gateway --certfile and --keyfile, and the users' servers the CA
-    (JUPYTER_GATEWAY_CA_CERTS=DIR/ca.pem)."""
+    gateway --certfile and --keyfile, and the users' servers the CA (SSL_CERT_FILE=DIR/ca.pem:
+    jupyter_server 2.21 ignores JUPYTER_GATEWAY_CA_CERTS without a client certificate)."""
     examples = "jupyter sandbox-kernel gateway init-tls --hostname gw.example --ip 10.77.0.2"
     directory = Unicode(DEFAULT_TLS_DIR, config=True, help="Where to write the CA and the certificate.")
     hostnames = List(Unicode(), config=True, help="Host names of the gateway (default: this host's); repeat.")
@@ -201,12 +257,14 @@ class SandboxGatewayApp(ServerApp):
     examples = """
     jupyter sandbox-kernel gateway init-tls --hostname gw.example --ip 10.77.0.2
     jupyter sandbox-kernel gateway add-token alice
+    jupyter sandbox-kernel gateway revoke-token alice
     jupyter sandbox-kernel gateway --ip 10.77.0.2 --certfile /etc/sandbox-kernel/gateway/server.pem \\
         --keyfile /etc/sandbox-kernel/gateway/server-key.pem
     """
     default_services = ("kernels", "kernelspecs")  # type: ignore[assignment]  # a subset, as the base invites
     subcommands = {
         "add-token": (AddTokenApp, AddTokenApp.description.splitlines()[0]),
+        "revoke-token": (RevokeTokenApp, RevokeTokenApp.description.splitlines()[0]),
         "init-tls": (InitTlsApp, InitTlsApp.description.splitlines()[0]),
     }
     classes = [*ServerApp.classes, TokensFileIdentityProvider, UserPolicy, GatewayKernelManagerForUsers]

@@ -11,7 +11,7 @@ file holds the sha256 of each token, never a token::
 ``uid`` is optional (for ``UserPolicy.uid_source = "map"``; with "passwd" it must agree
 with the account). The file must be root's and private (0600): whoever can write it can
 be anyone. It is read again whenever it changes, so ``jupyter sandbox-kernel gateway
-add-token USER`` takes effect at once.
+add-token USER`` (and ``revoke-token USER``) takes effect at once.
 """
 
 from __future__ import annotations
@@ -122,6 +122,21 @@ def add_token(path: Path, name: str, groups: tuple[str, ...] = (), uid: int | No
         entry["uid"] = uid
     write_private(path, (json.dumps(data, indent=2) + "\n").encode())
     return token
+
+
+def revoke_tokens(path: Path, name: str) -> int:
+    """Remove every token of ``name`` from the tokens file; how many there were.
+
+    Raises:
+        ConfigurationError: the file is missing, not private, or not a tokens file.
+    """
+    read_tokens(path)
+    data: dict[str, Any] = json.loads(path.read_text())
+    entry = data["users"].pop(name, None)
+    if entry is None:
+        return 0
+    write_private(path, (json.dumps(data, indent=2) + "\n").encode())
+    return len(entry.get("sha256", ()))
 
 
 class TokensFileIdentityProvider(IdentityProvider):

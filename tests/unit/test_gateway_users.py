@@ -17,9 +17,9 @@ from traitlets import TraitError
 from traitlets.config import Config
 
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
-from sandbox_kernel.gateway.app import AddTokenApp, InitTlsApp, serving_refusal
+from sandbox_kernel.gateway.app import AddTokenApp, InitTlsApp, RevokeTokenApp, serving_refusal
 from sandbox_kernel.gateway.authorizer import KernelOwnerAuthorizer
-from sandbox_kernel.gateway.identity import read_tokens, token_hash
+from sandbox_kernel.gateway.identity import add_token, read_tokens, token_hash
 from sandbox_kernel.gateway.tls import make_ca, make_server_cert
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused, check_cwd, narrowest
 from sandbox_kernel.plan.users import KernelUser
@@ -327,3 +327,28 @@ def test_the_documented_config_is_the_gateways() -> None:
     user_policy = UserPolicy(config=config)  # a refused value raises here
     assert user_policy.ceilings["group:interns"]["max_memory"] == "1g"
     assert SandboxProvisioner(config=config).max_memory == "8g"
+
+
+def test_revoke_token_removes_a_users_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tokens.json"
+    for _ in range(2):
+        add_token(path, "alice", uid=ALICE)
+    bobs = add_token(path, "bob", uid=ALICE + 1)
+    app = RevokeTokenApp()
+    app.initialize(["alice", f"--tokens-file={path}"])
+    app.start()
+    assert "Revoked 2 token(s) of alice" in capsys.readouterr().out
+    assert {entry.name for entry in read_tokens(path).values()} == {"bob"}
+    assert token_hash(bobs) in read_tokens(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("app_class", [AddTokenApp, RevokeTokenApp, InitTlsApp])
+def test_a_gateway_command_refuses_an_unknown_option(
+    app_class: type[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app = app_class()
+    with pytest.raises(SystemExit):
+        app.initialize(["alice", f"--tokens-fle={tmp_path / 'x.json'}"])
+    assert "unknown option --tokens-fle" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
