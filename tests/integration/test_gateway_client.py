@@ -129,7 +129,7 @@ class Server:
             "--ip=127.0.0.1",
             f"--port={self.port}",
             "--ServerApp.port_retries=0",
-            f"--ServerApp.token={self.token}",
+            f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={tmp / f'root-{name}'}",
             *args,
         ]
