@@ -239,6 +239,12 @@ async def test_a_user_runs_code_in_their_kernel_through_the_gateway_and_no_one_e
 
         labels = containers_of(kernel_id)[0].labels
         assert labels.get("io.sandbox-kernel.user") == alice
+
+        # Her restart starts the kernel for her again.
+        assert (await gateway.fetch(f"/api/kernels/{kernel_id}/restart", alice, "POST", {})).code == 200
+        ws = await gateway.channels(kernel_id, alice)
+        assert (await run_code(ws, "import os; print(os.getuid())")).split() == [str(users[alice].pw_uid)]
+        ws.close()
     finally:
         deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
     assert deleted.code == 204
