@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
+import pydantic_core
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 from typing_extensions import TypedDict
 
@@ -223,10 +223,67 @@ def tool_result(structured: Mapping[str, Any], extra: Sequence[ContentBlock] = (
 
     Every string in it is made valid UTF-8 first (see :func:`~.files.printable`): one
     that is not (a file name kernel code chose) cannot be sent, and would end the server.
+    The JSON text is ``json.dumps(structured, indent=2, ensure_ascii=False)``'s, made by
+    pydantic's serializer (a tenth of the time); it refuses such a string, which is how
+    one is found without walking every result.
     """
-    structured = _printable_strings(structured)
-    text = TextContent(type="text", text=json.dumps(structured, indent=2, ensure_ascii=False))
-    return CallToolResult(content=[text, *extra], structured_content=dict(structured))
+    try:
+        text = pydantic_core.to_json(structured, indent=2).decode()
+    except pydantic_core.PydanticSerializationError:
+        structured = _printable_strings(structured)
+        text = pydantic_core.to_json(structured, indent=2).decode()
+    content = TextContent(type="text", text=text)
+    return CallToolResult(content=[content, *extra], structured_content=dict(structured))
+
+
+#: Keywords that hold for every instance, not only for those of the schema's ``type``.
+_FOR_EVERY_TYPE = frozenset({"enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if", "then", "else"})
+
+
+def plain_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``schema`` (pydantic's, of a result type) as one that takes exactly the same
+    results and is cheaper to check: each ``$ref`` to its ``$defs`` written in place, and
+    each "this or null" (``anyOf`` of one typed schema and ``{"type": "null"}``) one
+    schema whose ``type`` lists both.
+
+    A client checks every structured result against the tool's output schema (the mcp
+    package's does it with ``jsonschema``, which pays for each subschema and reference it
+    follows): for ``run_code`` that took ~0.13 ms of a call, and a third less so. A
+    schema with a recursive type (none here) is left as it is.
+    """
+    definitions = schema.get("$defs", {})
+    kept_refs: list[str] = []
+
+    def plain(node: Any, seen: frozenset[str]) -> Any:
+        if isinstance(node, list):
+            return [plain(item, seen) for item in node]
+        if not isinstance(node, Mapping):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            name = ref.removeprefix("#/$defs/")
+            definition = definitions.get(name) if ref.startswith("#/$defs/") else None
+            siblings = {key: value for key, value in node.items() if key != "$ref"}
+            if not isinstance(definition, Mapping) or name in seen or set(siblings) & set(definition):
+                kept_refs.append(ref)
+                return dict(node)
+            return plain({**definition, **siblings}, seen | {name})
+        done = {key: plain(value, seen) for key, value in node.items() if key != "$defs"}
+        choices = done.get("anyOf")
+        if isinstance(choices, list) and len(choices) == 2 and {"type": "null"} in choices:
+            typed = choices[0] if choices[1] == {"type": "null"} else choices[1]
+            if (
+                isinstance(typed, dict)
+                and isinstance(typed.get("type"), str)
+                and not _FOR_EVERY_TYPE & set(typed)
+                and not set(typed) & set(done)
+            ):
+                others = {key: value for key, value in done.items() if key != "anyOf"}
+                done = {**typed, **others, "type": [typed["type"], "null"]}
+        return done
+
+    flat = plain(schema, frozenset())
+    return dict(schema) if kept_refs else flat
 
 
 def _printable_strings(value: Any) -> Any:

@@ -78,6 +78,7 @@ from sandbox_kernel.agents.mcp_results import (
     command_output,
     one_line,
     over_budget,
+    plain_schema,
     run_images,
     run_output,
     run_texts,
@@ -869,6 +870,10 @@ def build_server(tools: KernelTools) -> MCPServer[Any]:
     ]
     for tool, hints in registered:
         server.add_tool(tool, description=inspect.cleandoc(tool.__doc__ or ""), annotations=hints)
+        # The schema the package publishes, read live (its model still checks each result).
+        added = server._tool_manager.get_tool(tool.__name__)
+        if added is not None and added.fn_metadata.output_schema is not None:
+            added.fn_metadata.output_schema = plain_schema(added.fn_metadata.output_schema)
     return server
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 import pytest
 from mcp import Client, ClientSession, StdioServerParameters, stdio_client
-from mcp.types import CallToolResult, ImageContent, TextContent
+from mcp.shared.message import SessionMessage
+from mcp.types import CallToolResult, ImageContent, JSONRPCResponse, TextContent
 
 from sandbox_kernel.agents.commands import CommandResult
 from sandbox_kernel.agents.files import FileTooLargeError, FolderNotEmptyError, MissingFileError
@@ -33,7 +34,13 @@ from sandbox_kernel.agents.mcp_server import (
     build_server,
     strip_ansi,
 )
-from sandbox_kernel.agents.mcp_transport import OVERSIZED, BoundedLines, LineWriter
+from sandbox_kernel.agents.mcp_transport import (
+    OVERSIZED,
+    BoundedLines,
+    LineWriter,
+    WireMessages,
+    WireWriter,
+)
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 
 
@@ -489,6 +496,74 @@ async def test_control_sequences_leave_no_text_of_a_result(tools: KernelTools) -
         assert "\\u001b" not in text(result)
 
 
+async def test_a_result_is_its_structured_content_as_indented_json_text(tools: KernelTools) -> None:
+    FakeSession.scripted["café"] = FakeExecution(stdout="café ☕\n", duration=1.5)
+    async with connect(tools) as client:
+        result = await client.call_tool("run_code", {"code": "café"})
+        assert text(result) == json.dumps(structured(result), indent=2, ensure_ascii=False)
+
+
+async def test_output_that_is_not_utf8_comes_back_escaped_not_as_a_broken_result(tools: KernelTools) -> None:
+    """A lone surrogate (kernel code can print one: JSON carries it) cannot be sent: the
+    result holds each such character as \\xNN, in its text and its structured content."""
+    FakeSession.scripted["bad"] = FakeExecution(stdout="bad\udcff\n")
+    async with connect(tools) as client:
+        result = await client.call_tool("run_code", {"code": "bad"})
+        assert structured(result)["stdout"] == "bad\\xff\n"
+        assert json.loads(text(result)) == structured(result)
+        result.model_dump_json()  # as the transport sends it
+
+
+RUN_CODE_SAMPLES: list[Any] = [
+    {},
+    {"error": None},
+    {"error": {"ename": "E", "evalue": "v", "traceback": []}},
+    {"error": {"ename": "E", "evalue": "v"}},
+    {"error": "E"},
+    {"text": None, "cpu_time": None, "peak_memory": None, "restart_reason": None},
+    {"text": 2, "cpu_time": "1", "peak_memory": 1.5, "restart_reason": False},
+    {"results": [{"text": "2", "mime_types": ["text/plain"], "is_main_result": True}]},
+    {"results": [{"text": "2", "mime_types": ["text/plain"]}]},
+    {"results": [None]},
+    {"status": None},
+    {"status": "maybe"},
+    {"full_output": {"stdout": 1}},
+]
+
+
+async def test_the_published_output_schemas_take_exactly_the_results_pydantics_take(
+    tools: KernelTools,
+) -> None:
+    """They are written without references and with "this or null" as one type list, which
+    a client checks a third faster; every sample is accepted, or refused, by both alike."""
+    from jsonschema import Draft202012Validator
+    from pydantic import TypeAdapter
+
+    from sandbox_kernel.agents.mcp_results import RunCodeOutput, plain_schema
+
+    FakeSession.scripted["ok"] = FakeExecution(results=[FakeResult({"text/plain": "2"}, is_main_result=True)])
+    async with connect(tools) as client:
+        published = {tool.name: tool.output_schema for tool in (await client.list_tools()).tools}
+        base = structured(await client.call_tool("run_code", {"code": "ok"}))
+    assert "$ref" not in json.dumps(published)
+    assert "$defs" not in json.dumps(published)
+    assert published["run_code"]["properties"]["text"]["type"] == ["string", "null"]
+    original = TypeAdapter(RunCodeOutput).json_schema()
+    assert plain_schema(original) == published["run_code"]
+    verdicts = []
+    for sample in RUN_CODE_SAMPLES:
+        instance = {**base, **sample}
+        verdict = Draft202012Validator(original).is_valid(instance)
+        assert Draft202012Validator(published["run_code"]).is_valid(instance) == verdict, sample
+        verdicts.append(verdict)
+    assert set(verdicts) == {True, False}
+    recursive = {
+        "$defs": {"Node": {"properties": {"next": {"$ref": "#/$defs/Node"}}}},
+        "$ref": "#/$defs/Node",
+    }
+    assert plain_schema(recursive) == recursive, "a recursive type keeps its references"
+
+
 # ---------------------------------------------------------------- bounds: kernels
 
 
@@ -716,6 +791,61 @@ async def test_a_message_larger_than_the_pipe_goes_out_whole_without_blocking_th
     os.close(read)
     assert received.decode() == message
     assert ticks > 10, "the loop ran while the pipe was full"
+
+
+async def test_the_wire_hands_on_each_line_as_a_message_or_as_what_is_wrong_with_it() -> None:
+    read, write = os.pipe()
+    os.write(write, b'{"jsonrpc": "2.0", "id": 1, "method": "ping"}\nnot json\n')
+    os.close(write)
+    lines = BoundedLines(read, limit=1000)
+    got = [item async for item in WireMessages(lines)]
+    lines.close()
+    os.close(read)
+    assert len(got) == 2
+    assert isinstance(got[0], SessionMessage)
+    assert got[0].message.model_dump(exclude_unset=True) == {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    assert isinstance(got[1], ValueError), "a line that is no message comes as its error"
+
+
+async def test_a_reply_whose_sender_is_cancelled_midway_still_goes_out_whole() -> None:
+    """A message once begun is written to its end (the client reads slowly here): the rest
+    of a line left for the next message to push out would keep the client waiting for
+    an answer that may never come."""
+    read, write = os.pipe()
+    out = LineWriter(write)
+    wire = WireWriter(out)
+    big = JSONRPCResponse(jsonrpc="2.0", id=1, result={"text": "x" * 1_000_000})
+    received = bytearray()
+
+    def slow_reader() -> None:
+        threading.Event().wait(0.2)  # long after the sender was cancelled
+        while piece := os.read(read, 65536):
+            received.extend(piece)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    with anyio.move_on_after(0.02) as scope:
+        await wire.send(SessionMessage(big))  # the pipe holds 64 KiB: this waits for the reader
+    out.close()
+    os.close(write)
+    reader.join()
+    os.close(read)
+    assert scope.cancel_called, "the sender was cancelled while the message was written"
+    assert received.endswith(b"\n"), "the whole line went out"
+    assert json.loads(received)["result"]["text"] == "x" * 1_000_000
+
+
+async def test_a_client_gone_is_a_broken_stream_to_the_session_not_a_crash() -> None:
+    read, write = os.pipe()
+    os.close(read)
+    out = LineWriter(write)
+    wire = WireWriter(out)
+    with pytest.raises(anyio.BrokenResourceError):
+        await wire.send(SessionMessage(JSONRPCResponse(jsonrpc="2.0", id=1, result={})))
+    with pytest.raises(anyio.ClosedResourceError):
+        await wire.send(SessionMessage(JSONRPCResponse(jsonrpc="2.0", id=2, result={})))
+    out.close()
+    os.close(write)
 
 
 def rss_peak(pid: int) -> int:
