@@ -1,8 +1,9 @@
 """What the assistants' ways in add to one round trip: the session API and the MCP server
 against a raw jupyter_client client, all on sandboxed kernels, in one run.
 
-Four paths, each on a kernel of its own, timed in turns (every round runs each path once,
-in an order shuffled per round, so that the machine's load falls on all of them alike):
+Five paths, each on a kernel of its own (the last on none), timed in turns (every round
+runs each path once, in an order shuffled per round, so that the machine's load falls on
+all of them alike):
 
 * ``local raw``: ``BlockingKernelClient.execute_interactive("1+1")`` on a local ipykernel
   (``--baseline``, default ``python3``): the reference for the ratios;
@@ -12,10 +13,15 @@ in an order shuffled per round, so that the machine's load falls on all of them 
   reads the sandbox's CPU time and peak memory on the host, per run);
 * ``MCP run_code``: the ``mcp`` package's own client calling ``run_code`` on
   ``jupyter sandbox-kernel mcp`` over stdio, to its structured result (JSON-RPC both
-  ways, the server's session API, the result's rendering).
+  ways, the server's session API, the result's rendering);
+* ``MCP empty tool``: the same client calling a tool that returns at once on a server
+  made with the ``mcp`` package alone (its ``MCPServer`` on its own stdio transport): the
+  floor of the package's client and server over stdio, which ``MCP run_code`` cannot go
+  under.
 
 The table gives p50 and p95 in milliseconds, each path's p50 minus the sandboxed raw p50
-(what the way in adds), and the ratio to the local raw p50.
+(what the way in adds), and the ratio to the local raw p50; under it, what MCP adds to
+``SandboxSession.run`` and how much of that is the floor.
 
 Run from the project root::
 
@@ -44,16 +50,37 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from sandbox_kernel import SandboxSession
 
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
-PATHS = ("local raw", "sandboxed raw", "SandboxSession.run", "MCP run_code")
+PATHS = ("local raw", "sandboxed raw", "SandboxSession.run", "MCP run_code", "MCP empty tool")
+#: The paths on a kernel: the rest have no "p50 - sandboxed raw" of their own.
+ON_KERNELS = PATHS[:4]
+
+#: The floor's server: one tool that returns at once, the mcp package alone.
+EMPTY_SERVER = """
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("empty")
+
+
+@server.tool()
+async def empty() -> str:
+    \"\"\"Returns at once.\"\"\"
+    return "ok"
+
+
+server.run("stdio")
+"""
 
 
 class McpClient:
-    """``jupyter-sandbox-kernel mcp --cwd CWD`` as a subprocess, driven by the ``mcp`` client
-    on an event loop of its own thread (anyio wants the client entered and left in one
-    task: that task serves the calls, each timed on the loop, not across threads)."""
+    """An MCP server over stdio as a subprocess, driven by the ``mcp`` client on an event
+    loop of its own thread (anyio wants the client entered and left in one task: that task
+    serves the calls, each timed on the loop, not across threads). Its ``call`` is a
+    ``run_code`` of :data:`CODE` on ``jupyter-sandbox-kernel mcp --cwd CWD``, or with
+    ``empty`` the tool of :data:`EMPTY_SERVER`."""
 
-    def __init__(self, cwd: str) -> None:
-        self._cwd = cwd
+    def __init__(self, cwd: str, empty: bool = False) -> None:
+        self._empty = empty
+        self._command = [sys.executable, "-c", EMPTY_SERVER] if empty else [str(SK), "mcp", "--cwd", cwd]
         self._loop = asyncio.new_event_loop()
         self._calls: asyncio.Queue[Future[float] | None] | None = None
         self._ready: Future[None] = Future()
@@ -72,8 +99,8 @@ class McpClient:
         self._thread.join(timeout=120)
         self._loop.close()
 
-    def run_code(self) -> float:
-        """Milliseconds for one ``run_code`` of :data:`CODE`."""
+    def call(self) -> float:
+        """Milliseconds for one call."""
         if self._calls is None:
             msg = "the MCP client is not running"
             raise RuntimeError(msg)
@@ -82,9 +109,8 @@ class McpClient:
         return done.result(timeout=300)
 
     async def _serve(self) -> None:
-        params = StdioServerParameters(
-            command=str(SK), args=["mcp", "--cwd", self._cwd], env=dict(os.environ)
-        )
+        command, *args = self._command
+        params = StdioServerParameters(command=command, args=args, env=dict(os.environ))
         try:
             async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
                 await session.initialize()
@@ -100,8 +126,15 @@ class McpClient:
                 self._ready.set_exception(exc)
             raise
 
-    @staticmethod
-    async def _once(session: ClientSession) -> float:
+    async def _once(self, session: ClientSession) -> float:
+        if self._empty:
+            started = time.perf_counter()
+            result = await session.call_tool("empty", {}, read_timeout_seconds=None)
+            elapsed = (time.perf_counter() - started) * 1000
+            if result.is_error:
+                msg = f"the empty tool gave {result.content}"
+                raise RuntimeError(msg)
+            return elapsed
         started = time.perf_counter()
         result = await session.call_tool("run_code", {"code": CODE}, read_timeout_seconds=None)
         elapsed = (time.perf_counter() - started) * 1000
@@ -128,16 +161,21 @@ def session_run(session: SandboxSession) -> Callable[[], float]:
 def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dict[str, list[float]]:
     """Milliseconds per path, ``runs`` each, the paths in a shuffled order every round."""
     with ExitStack() as stack:
-        progress(f"starting a local {baseline} kernel, a {kernel} kernel, a SandboxSession, an MCP server")
+        progress(
+            f"starting a local {baseline} kernel, a {kernel} kernel, a SandboxSession, an MCP server, "
+            "an empty MCP server"
+        )
         local = stack.enter_context(running_kernel(baseline, cwd))
         sandboxed = stack.enter_context(running_kernel(kernel, cwd))
         session = stack.enter_context(SandboxSession(kernel, cwd))
         mcp = stack.enter_context(McpClient(cwd))
+        empty = stack.enter_context(McpClient(cwd, empty=True))
         calls: dict[str, Callable[[], float]] = {
             "local raw": lambda: execute_once(local.client) * 1000,
             "sandboxed raw": lambda: execute_once(sandboxed.client) * 1000,
             "SandboxSession.run": session_run(session),
-            "MCP run_code": mcp.run_code,
+            "MCP run_code": mcp.call,
+            "MCP empty tool": empty.call,
         }
         for _ in range(warmup):
             for call in calls.values():
@@ -160,7 +198,10 @@ def format_table(times: dict[str, list[float]]) -> str:
     lines = [("path", "p50 ms", "p95 ms", "p50 - sandboxed raw", "p50 / local raw")]
     for path in PATHS:
         p50, p95 = percentile(times[path], 50), percentile(times[path], 95)
-        lines.append((path, f"{p50:.2f}", f"{p95:.2f}", f"{p50 - raw:+.2f} ms", f"{p50 / local:.2f}x"))
+        if path in ON_KERNELS:
+            lines.append((path, f"{p50:.2f}", f"{p95:.2f}", f"{p50 - raw:+.2f} ms", f"{p50 / local:.2f}x"))
+        else:
+            lines.append((path, f"{p50:.2f}", f"{p95:.2f}", "", ""))
     widths = [max(len(line[col]) for line in lines) for col in range(5)]
     rendered = [
         "  ".join(
@@ -168,7 +209,14 @@ def format_table(times: dict[str, list[float]]) -> str:
         )
         for line in lines
     ]
-    return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:]])
+    session = percentile(times["SandboxSession.run"], 50)
+    added = percentile(times["MCP run_code"], 50) - session
+    floor = percentile(times["MCP empty tool"], 50)
+    footer = (
+        f"MCP run_code adds {added:.2f} ms to SandboxSession.run (p50s); the mcp package's own "
+        f"client and server over stdio, calling a tool that returns at once, take {floor:.2f} ms"
+    )
+    return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:], "", footer])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
