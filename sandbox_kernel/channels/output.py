@@ -11,7 +11,8 @@ Of an execution past its budget, the beginning and the end reach clients:
 
 - messages pass whole until the budget, less a reserve for the tail
   (:func:`tail_reserve`: 64 KiB, or a quarter of a smaller budget), is spent;
-- the stdout/stderr message that crosses that line is cut, and its head passes;
+- the stdout/stderr message that crosses that line is cut, and its head passes (cut to
+  the size of its message as sent: JSON writes a newline in two bytes);
 - from then on stdout/stderr text is held back in a ring that keeps only its last
   ``reserve`` bytes; other output that does not fit is dropped, with one notice on stderr;
 - the held tail is sent, after a marker saying how much was dropped
@@ -306,14 +307,23 @@ class OutputLimiter:
         of stdout/stderr goes to the tail."""
         out: list[Message] = []
         if budget.tail is None:
-            # What the head's message costs besides its text (more if JSON escapes some of it).
+            room = budget.head_room - budget.passed
+            # What the head's message costs besides its text.
             overhead = _size(stream_message(self._session, name, "", budget.parent))
-            head = "" if budget.over else _utf8_prefix(text, budget.head_room - budget.passed - overhead)
-            if head:
+            head = "" if budget.over else _utf8_prefix(text, room - overhead)
+            while head:
                 message = stream_message(self._session, name, _printable(head), budget.parent)
-                budget.passed += _size(message)
-                out.append(message)
-                text = text[len(head) :]
+                # JSON writes some characters longer than UTF-8 does (a newline in two bytes,
+                # a control character in six): a head of many short lines would spend the
+                # tail's reserve. Each character costs at least its UTF-8 bytes, so cutting
+                # the excess in UTF-8 bytes off its end makes it fit (once, as a rule).
+                excess = _size(message) - room
+                if excess <= 0:
+                    budget.passed += _size(message)
+                    out.append(message)
+                    text = text[len(head) :]
+                    break
+                head = _utf8_prefix(head, _utf8_len(head) - excess)
             budget.tail = _Tail(max(0, min(tail_reserve(budget.limit), budget.limit - budget.passed)))
             self._held = key
         budget.tail.add(name, text)

@@ -76,14 +76,38 @@ def test_a_run_may_narrow_its_output_limit_in_its_request_metadata(start_kernel:
         assert result.stderr == ""
 
 
+#: 300,000 numbered lines, as the cells below print them.
+NUMBERED_LINES = "".join(f"{i}\n" for i in range(300_000))
+
+
+def assert_head_marker_and_whole_tail(stdout: str) -> None:
+    """``stdout`` is the start of :data:`NUMBERED_LINES`, the marker, then its last 64 KiB:
+    the tail's whole reserve, though JSON writes each newline in two bytes."""
+    head, rest = stdout.split("\n[... ", 1)
+    marker, tail = rest.split(" ...]\n", 1)
+    assert NUMBERED_LINES.startswith(head)
+    assert head.startswith("0\n1\n2\n")
+    assert marker.endswith("of output dropped: over this kernel's output limit of 1 MiB per execution")
+    assert tail == NUMBERED_LINES[-64 * 1024 :]
+    assert len(stdout) <= 2**20
+
+
 def test_many_small_prints_end_with_their_last_lines(start_kernel: KernelStarter) -> None:
     _, kc = start_kernel(config=ONE_MIB)
     result = run(kc, "for i in range(300_000):\n    print(i)", timeout=180)
     assert result.status == "ok"
-    assert result.stdout.startswith("0\n1\n2\n")
-    assert result.stdout.endswith("\n299998\n299999\n")
-    assert "of output dropped" in result.stdout
-    assert len(result.stdout) <= 2**20
+    assert_head_marker_and_whole_tail(result.stdout)
+
+
+def test_one_print_of_many_short_lines_ends_with_its_last_lines(start_kernel: KernelStarter) -> None:
+    """Issue #25: the head was cut by its text's size, not its message's: JSON writes each
+    newline in two bytes, so a head of short lines spent the tail's reserve, and the
+    client read the marker and none of the last lines (a kernel's first cell printing
+    line by line did so one run in three: it depends on where ipykernel's flushes fall)."""
+    _, kc = start_kernel(config=ONE_MIB)
+    result = run(kc, "print(''.join(f'{i}\\n' for i in range(300_000)), end='')", timeout=120)
+    assert result.status == "ok"
+    assert_head_marker_and_whole_tail(result.stdout)
 
 
 async def test_the_tail_reaches_the_client_when_the_kernel_dies_mid_run(

@@ -241,6 +241,22 @@ def test_text_is_cut_on_utf8_character_boundaries(limit: int) -> None:
     assert len(tail.encode()) > tail_reserve(limit) - 4
 
 
+@pytest.mark.parametrize("line", ["{i}\n", '"{i}"\\', "{i}\x01"])
+def test_a_head_that_json_writes_longer_leaves_the_tail_its_room(line: str) -> None:
+    """Issue #25: the head was cut to the head room by its text's UTF-8 size, but JSON
+    writes a newline, a quote or a backslash in two bytes and a control character in six.
+    A head of many short lines passed the head room by more than the tail's reserve, and
+    the cell's last lines were dropped whole: the client read the marker, then nothing."""
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(20_000, Session(key=KEY), Running())
+    text = "".join(line.format(i=i) for i in range(10_000))
+    head = limiter.admit(printed(kernel, text))
+    assert sum(len(frame) for frame in head[0]) <= 20_000 - tail_reserve(20_000)
+    out = streams(read(head + limiter.admit(status(kernel, "idle"))))
+    assert text.startswith(out.split("\n[... ", 1)[0])
+    assert out.endswith(" ...]\n" + text[-tail_reserve(20_000) :])
+
+
 def test_a_lone_surrogate_in_the_text_does_not_break_the_cut() -> None:
     """JSON can carry one (``"\\ud800"``), UTF-8 cannot: it is shown as U+FFFD."""
     kernel = Session(key=KEY)
