@@ -15,8 +15,8 @@ that sleeps costs ten times as much or more (``bench/wakeups.py`` measures both)
   the IOPub thread for ``1+1``. Here a flush returns at once when the stream holds nothing
   and nothing handed to the IOPub thread is still in its queue or being sent: then
   everything written before is on the IOPub socket already, which is what the wait is for.
-  Otherwise the flush is ipykernel's own. **Off** for now (:data:`SKIP_EMPTY_FLUSHES`):
-  it raced the output cap's held tail on a kernel's first cell, cause not found yet.
+  Otherwise the flush is ipykernel's own. (:data:`SKIP_EMPTY_FLUSHES` turns it off, as
+  for a benchmark's "before".)
 - Before each ``execute_reply`` ipykernel sleeps 0.5 ms ("on rare occasions, the flush
   doesn't seem to make it to the clients"), 1.1 ms under gVisor. Here it does not: the flush
   before it has handed every output to the IOPub socket, and the channel relay
@@ -37,8 +37,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-#: Whether a flush with nothing to send returns at once (off: see ``flush`` in :func:`install`).
-SKIP_EMPTY_FLUSHES = False
+#: Whether a flush with nothing to send returns at once (read at each flush).
+SKIP_EMPTY_FLUSHES = True
 #: This process's pid, as the fork hook keeps it.
 _pid = [os.getpid()]
 _hooked = [False]
@@ -122,14 +122,11 @@ def install(kernel: Any) -> Callable[[], None]:
             in_flight.add(-1)
 
     def flush(self: Any) -> None:
-        # Off for now: returning early raced the output cap's held tail on a kernel's first
-        # cell (tests/integration/test_output_cap.py, about one run in three), cause not
-        # found yet. What it would skip: an empty flush's wait for the IOPub thread.
         if (
             SKIP_EMPTY_FLUSHES
             and self.echo is None
             and self.pub_thread is pub_thread
-            and (_nothing_to_wait_for(self, in_flight))
+            and _nothing_to_wait_for(self, in_flight)
         ):
             return
         originals["flush"](self)

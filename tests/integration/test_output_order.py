@@ -82,6 +82,22 @@ def test_a_quick_cell_sends_exactly_busy_input_result_idle(start_kernel: KernelS
         assert reply["content"]["status"] == "ok"
 
 
+def test_a_cell_ending_in_a_print_sends_it_before_idle_every_time(start_kernel: KernelStarter) -> None:
+    """The last print is still in the stream's buffer when the cell ends: the flush before
+    the reply hands it to the IOPub thread, and the flush before idle, with nothing left
+    to take, is where fast_io's shortcut returns at once if nothing is in flight: idle
+    must never overtake the print."""
+    _, kc = start_kernel()
+    shortcut = "import sys; print(sys.modules['sandbox_kernel_fast_io'].SKIP_EMPTY_FLUSHES)"
+    assert run_ok(kc, shortcut) == "True\n"
+    for i in range(30):
+        text = "x" * 100_000 + f"{i}\n"
+        messages, reply = messages_of(kc, f"print({text!r}, end='')")
+        assert kinds(messages) == ["status:busy", "execute_input", "stream", "status:idle"]
+        assert messages[2]["content"]["text"] == text
+        assert reply["content"]["status"] == "ok"
+
+
 def test_a_forked_child_s_output_reaches_the_client(start_kernel: KernelStarter) -> None:
     """A child forked by the cell writes through the kernel's pipe for subprocess output,
     as ipykernel does for a forked child (which the start-up code recognises without a

@@ -557,19 +557,9 @@ def received(sub: Any) -> list[list[bytes]]:
     return messages
 
 
-def test_a_flush_with_nothing_to_send_waits_as_ipykernel_s_own_while_the_shortcut_is_off(iopub: Any) -> None:
-    """The shortcut below is off (it raced the output cap's tail on a first cell)."""
-    iopub.fast_io.install(iopub.kernel)
-    iopub.stream.flush()
-    assert iopub.scheduled != [], "the flush was handed to the IOPub thread"
-
-
-def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(
-    iopub: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(iopub: Any) -> None:
     """Under gVisor each hand-off to the IOPub thread and back costs a fraction of a
     millisecond; ipykernel flushes six times for `1+1`, mostly with nothing to send."""
-    monkeypatch.setattr(iopub.fast_io, "SKIP_EMPTY_FLUSHES", True)
     iopub.fast_io.install(iopub.kernel)
     iopub.stream.flush()
     assert iopub.scheduled == []
@@ -582,12 +572,19 @@ def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(
     assert b'"text": "line\\n"' in b"".join(messages[0]).replace(b'":"', b'": "')
 
 
-def test_a_flush_still_waits_for_what_the_iopub_thread_has_not_sent(
+def test_with_the_switch_off_a_flush_with_nothing_to_send_is_ipykernel_s_own(
     iopub: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """SKIP_EMPTY_FLUSHES off (a benchmark's "before"): the flush goes to the IOPub thread."""
+    iopub.fast_io.install(iopub.kernel)
+    monkeypatch.setattr(iopub.fast_io, "SKIP_EMPTY_FLUSHES", False)  # read at each flush
+    iopub.stream.flush()
+    assert iopub.scheduled != [], "the flush was not handed to the IOPub thread"
+
+
+def test_a_flush_still_waits_for_what_the_iopub_thread_has_not_sent(iopub: Any) -> None:
     """Nothing to flush, yet a message handed to the IOPub thread is not out: the flush
     waits for it, as ipykernel's does (the reply must not overtake its outputs)."""
-    monkeypatch.setattr(iopub.fast_io, "SKIP_EMPTY_FLUSHES", True)
     iopub.fast_io.install(iopub.kernel)
     busy = threading.Event()
     iopub.kernel.iopub_thread.schedule(busy.wait)  # the IOPub thread is held
