@@ -35,7 +35,7 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
 
     @default("adopt_persistent_kernels")
     def _adopt_default(self) -> bool:
-        return False  # adopted kernels need their owner from their label: not yet there
+        return False  # not yet: a gateway adopts only kernels with a user, by their label
 
     @default("keep_sessions")
     def _keep_sessions_default(self) -> bool:
