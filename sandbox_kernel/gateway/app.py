@@ -358,9 +358,14 @@ class SandboxGatewayApp(ServerApp):
         for rule in dropped:
             self.log.debug("Sandbox gateway: not serving %s", getattr(rule.matcher, "regex", rule.matcher))
 
-    def start_app(self) -> None:
-        super().start_app()
-        self.log.info("Sandbox gateway: serving sandboxed kernels to token-authenticated users")
+    def running_server_info(self, kernel_count: bool = True) -> str:
+        """What the gateway serves, where (its start-up lines)."""
+        kernels = f"{len(self.kernel_manager.list_kernel_ids())} kernels; " if kernel_count else ""
+        users = getattr(self.identity_provider, "path", type(self.identity_provider).__name__)
+        return (
+            f"Sandbox gateway {__version__} (Jupyter Server {ServerApp.version}): {kernels}serving "
+            f"sandboxed kernels to the users of {users} at:\n{self.display_url}"
+        )
 
 
 main = SandboxGatewayApp.launch_instance
