@@ -492,3 +492,25 @@ async def test_the_manager_starts_kernels_only_for_a_user_and_hands_over_only_th
     alice = KernelUser("alice", UIDS["alice"], UIDS["alice"], gateway.roots["alice"])
     assert await km.start_kernel(kernel_id=alices, sandbox_user=alice) == alices
     assert km.list_kernel_ids() == [alices]
+
+
+async def test_jupyter_servers_own_gateway_client_drives_it(gateway: Gateway) -> None:
+    """What a user's ``jupyter lab --gateway-url`` does: start (the notebook's folder as
+    KERNEL_WORKING_DIR), list, interrupt, restart, shut down, with the user's token."""
+    from jupyter_server.gateway.gateway_client import GatewayClient
+    from jupyter_server.gateway.managers import GatewayMappingKernelManager
+
+    GatewayClient.clear_instance()
+    GatewayClient.instance(url=gateway.url, auth_token=gateway.tokens["alice"]).init_connection_args()
+    try:
+        km = GatewayMappingKernelManager(root_dir=str(gateway.roots["alice"]))
+        kernel_id = await km.start_kernel(kernel_name="sandboxed-python", path="proj")
+        launch = gateway.km.get_kernel(kernel_id)._launch_args
+        assert (launch["sandbox_user"].name, launch["cwd"]) == ("alice", str(gateway.roots["alice"] / "proj"))
+        assert [k["id"] for k in await km.list_kernels()] == [kernel_id]
+        await km.interrupt_kernel(kernel_id)
+        await km.restart_kernel(kernel_id)
+        await km.shutdown_kernel(kernel_id)
+        assert gateway.km.list_kernel_ids() == []
+    finally:
+        GatewayClient.clear_instance()
