@@ -42,6 +42,7 @@ def users() -> Iterator[dict[str, pwd.struct_passwd]]:
     made = {}
     try:
         for name in USERS:
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)  # a crashed run's
             subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
             account = pwd.getpwnam(name)
             Path(account.pw_dir).chmod(0o700)

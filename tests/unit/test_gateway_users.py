@@ -101,6 +101,8 @@ def privileged_account() -> Iterator[str]:
     """A real account in a group named like a privileged one (made for the test, removed)."""
     if os.geteuid() != 0:
         pytest.skip("needs root (useradd)")
+    subprocess.run(["userdel", "sk-ut-user"], check=False, capture_output=True)  # a crashed run's
+    subprocess.run(["groupdel", "sk-ut-priv"], check=False, capture_output=True)
     subprocess.run(["groupadd", "sk-ut-priv"], check=True)
     subprocess.run(["useradd", "-M", "-N", "-g", "users", "-G", "sk-ut-priv", "sk-ut-user"], check=True)
     try:
