@@ -54,13 +54,15 @@ class TokenEntry:
 
 
 def check_private(path: Path) -> os.stat_result:
-    """``path``'s stat, if it is a regular file of root's that only root may read.
+    """``path``'s stat, if it is a regular file of root's that only root may read, in a
+    folder of root's that no one else may write (who could swap the file).
 
     Raises:
-        ConfigurationError: it is missing, or someone else could read or write it.
+        ConfigurationError: it is missing, or someone else could read, write or replace it.
     """
     try:
         st = os.stat(path)
+        folder = os.stat(path.parent)
     except OSError as exc:
         msg = f"the gateway's tokens file {path} cannot be read: {exc.strerror or exc}"
         raise ConfigurationError(msg) from None
@@ -69,6 +71,13 @@ def check_private(path: Path) -> os.stat_result:
             f"the gateway's tokens file {path} must be a file of root's with mode 0600 "
             f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): whoever can change it "
             "can be anyone"
+        )
+        raise ConfigurationError(msg)
+    if folder.st_uid != 0 or folder.st_mode & 0o022:
+        msg = (
+            f"the gateway's tokens file {path} must be in a folder only root may write (its folder "
+            f"is uid {folder.st_uid}, mode {stat.S_IMODE(folder.st_mode):04o}): whoever can replace "
+            "the file can be anyone"
         )
         raise ConfigurationError(msg)
     return st

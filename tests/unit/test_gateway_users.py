@@ -205,6 +205,10 @@ def test_the_tokens_file_keeps_hashes_and_must_be_private(
     with pytest.raises(ConfigurationError, match="mode 0604"):
         read_tokens(path)
     path.chmod(0o600)
+    path.parent.chmod(0o777)
+    with pytest.raises(ConfigurationError, match="in a folder only root may write"):
+        read_tokens(path)
+    path.parent.chmod(0o700)
     path.write_text("[]")
     with pytest.raises(ConfigurationError, match="is not a gateway tokens file"):
         read_tokens(path)
