@@ -4,6 +4,11 @@
  * 1.2/2.0 GiB"), or that it is paused or resuming. A click shows the kernel's policy; a
  * limit that stops the kernel gets a notice. And the sandbox's approval questions close
  * once nobody waits for their answer. The server side is sandbox_kernel/lab.py.
+ *
+ * On a user's server whose kernels run on a sandbox gateway (another machine), the item
+ * says when that host does not answer, and once it answers again, reconnects a kernel
+ * connection JupyterLab gave up on (it stops after 7 tries), so the notebook runs on
+ * without a reload.
  */
 import {
   JupyterFrontEnd,
@@ -88,11 +93,23 @@ interface IStop {
   current: boolean;
 }
 
-/** The sandbox of kernel `kernelId`; null if it is not sandboxed or gone. */
+/**
+ * What the route answers on a user's server when the sandbox gateway, where the kernel
+ * runs, cannot be reached (sandbox_kernel/jupyter/gateway_client.py).
+ */
+interface IGatewayLost {
+  sandboxed: true;
+  gateway: { reachable: false; url: string; reason: string };
+}
+
+/**
+ * The sandbox of kernel `kernelId`, or that its sandbox host cannot be reached; null if
+ * it is not sandboxed or gone.
+ */
 async function fetchSandbox(
   settings: ServerConnection.ISettings,
   kernelId: string
-): Promise<ISandbox | null> {
+): Promise<ISandbox | IGatewayLost | null> {
   const url = URLExt.join(
     settings.baseUrl,
     'api/sandbox-kernel/kernels',
@@ -106,7 +123,24 @@ async function fetchSandbox(
     throw new ServerConnection.ResponseError(response);
   }
   const data = await response.json();
-  return data.sandboxed ? (data as ISandbox) : null;
+  if (!data.sandboxed) {
+    return null;
+  }
+  return data.gateway?.reachable === false
+    ? (data as IGatewayLost)
+    : (data as ISandbox);
+}
+
+/** The status bar's text while the sandbox host does not answer. */
+const LOST_TEXT = 'sandbox host unreachable: retrying';
+
+/** The status bar's tooltip while the sandbox host does not answer. */
+function lostTitle({ gateway }: IGatewayLost): string {
+  return (
+    `The sandbox host (${gateway.url}) that runs this kernel does not answer: ` +
+    `${gateway.reason}. This notebook reconnects once it answers again; a persistent ` +
+    'kernel keeps its variables meanwhile.'
+  );
 }
 
 function memoryText({ used, limit }: ISandbox['memory']): string {
@@ -288,7 +322,7 @@ class SandboxStatus extends Widget {
 
   /** Whether the current kernel is sandboxed (the item shows only then). */
   get active(): boolean {
-    return this._sandbox !== null;
+    return this._sandbox !== null || this._lost !== null;
   }
 
   get activeChanged(): ISignal<this, void> {
@@ -339,12 +373,18 @@ class SandboxStatus extends Widget {
 
   private async _check(): Promise<void> {
     const kernelId = this._kernelId;
-    const sandbox = kernelId
+    const answer = kernelId
       ? await fetchSandbox(this._settings, kernelId)
       : null;
     if (kernelId !== this._kernelId) {
       return; // another kernel meanwhile: its own check follows
     }
+    if (answer !== null && 'gateway' in answer) {
+      this._showLost(answer);
+      return; // asked again at the usual interval
+    }
+    this._reconnect();
+    const sandbox = answer;
     if (sandbox?.state === 'paused' && Date.now() - this._wokenAt < WAKING) {
       sandbox.state = 'resuming'; // our message is on its way to the kernel
     }
@@ -364,6 +404,27 @@ class SandboxStatus extends Widget {
     }
   }
 
+  /**
+   * The server answers for the kernel again: if JupyterLab gave up reconnecting its
+   * connection meanwhile (after 7 tries, some two minutes), try again, as "Reconnect to
+   * Kernel" does.
+   */
+  private _reconnect(): void {
+    const kernel = this._kernel;
+    if (
+      kernel === null ||
+      kernel.isDisposed ||
+      kernel.status === 'dead' ||
+      kernel.connectionStatus !== 'disconnected'
+    ) {
+      return;
+    }
+    console.info(`sandbox-kernel: reconnecting kernel ${kernel.id}`);
+    kernel.reconnect().catch(reason => {
+      console.warn(`sandbox-kernel: kernel ${kernel.id} did not reconnect`, reason);
+    });
+  }
+
   /** Once per stop: a notice, unless the stop is older than this page and over. */
   private _notice(kernelId: string, sandbox: ISandbox, stop: IStop): void {
     const key = `${kernelId} ${stop.time}`;
@@ -380,8 +441,24 @@ class SandboxStatus extends Widget {
     });
   }
 
+  /** Say that the sandbox host does not answer, instead of figures it cannot update. */
+  private _showLost(lost: IGatewayLost): void {
+    const wasActive = this.active;
+    this._lost = lost;
+    this._sandbox = null;
+    this.node.textContent = LOST_TEXT;
+    this.node.title = lostTitle(lost);
+    this.toggleClass('sandbox-kernel-mod-stopped', true);
+    this.toggleClass('sandbox-kernel-mod-near-limit', false);
+    this.toggleClass('sandbox-kernel-mod-asleep', false);
+    if (this.active !== wasActive) {
+      this._activeChanged.emit();
+    }
+  }
+
   private _show(sandbox: ISandbox | null): void {
     const wasActive = this.active;
+    this._lost = null;
     this._sandbox = sandbox;
     if (sandbox === null) {
       this.node.textContent = '';
@@ -419,6 +496,8 @@ class SandboxStatus extends Widget {
   /** When this page last sent a message to the kernel while it was paused (ms). */
   private _wokenAt = 0;
   private _sandbox: ISandbox | null = null;
+  /** What the server said while the sandbox host did not answer. */
+  private _lost: IGatewayLost | null = null;
   private _poll: Poll;
   private _noticed = new Set<string>();
   private _since = Date.now();
