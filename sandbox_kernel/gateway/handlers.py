@@ -9,6 +9,20 @@ the client's ``env`` reaches the kernel. An optional ``"sandbox"`` object narrow
 kernel's policy as ``start_kernel(memory=...)`` does (``memory``, ``cpus``, ``network`` ...).
 
 Every route on one kernel checks its owner again, whatever Authorizer is configured.
+
+The owner's own routes on a kernel, under ``/api/sandbox-kernel/kernels/<id>/`` (beside the
+status bar's ``GET /api/sandbox-kernel/kernels/<id>``), for programs (the session API, MCP):
+
+- ``POST .../pause``: save the idle kernel to disk, memory included, and stop its sandbox
+  (the provisioner's pause, as ``jupyter sandbox-kernel pause`` and an idle timeout do); any
+  client's next message resumes it. 409 if it cannot be paused now (it keeps running).
+- ``POST .../resume``: start a paused kernel again, variables and all.
+  Both answer ``{"state": "running"|"paused", "paused": {"checkpoint", "size", "since"}|null}``.
+- ``GET .../usage``: ``{"state", "cpu_seconds", "memory": {"used", "peak", "limit"}}`` from
+  the host cgroups of its sandbox (see :mod:`~.readings`; null while it has no process).
+- ``GET .../audit?since=ISO-TIME``: ``{"lines": [...], "more": bool}``, this kernel's lines of
+  the gateway's audit log later than ``since`` (at most :data:`~.readings.MAX_AUDIT_LINES`;
+  with ``"more": true``, ask again from the last line's ``time``).
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ from jupyter_client.jsonutil import json_default
 from jupyter_client.kernelspec import NoSuchKernel
 from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized
-from jupyter_server.base.handlers import JupyterHandler
+from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.kernelspecs.handlers import KernelSpecResourceHandler
 from jupyter_server.services.kernels.handlers import KernelActionHandler, KernelHandler, MainKernelHandler
 from jupyter_server.services.kernels.websocket import KernelWebsocketHandler
@@ -29,14 +43,19 @@ from jupyter_server.services.kernelspecs.handlers import kernel_name_regex
 from jupyter_server.utils import url_escape, url_path_join
 from tornado import web
 
-from sandbox_kernel.errors import ConfigurationError, SandboxKernelError, WorkspaceError
+from sandbox_kernel.errors import ConfigurationError, PauseError, SandboxKernelError, WorkspaceError
 from sandbox_kernel.gateway.authorizer import owns
+from sandbox_kernel.gateway.readings import audit_lines, parse_since, usage
 from sandbox_kernel.gateway.users import GatewayUser, UserRefused, check_cwd
 from sandbox_kernel.jupyter.lab import KERNEL_STATUS_PATH, KernelSandboxHandler, MemoryGauge
+from sandbox_kernel.plan.limits import size_bytes
 from sandbox_kernel.plan.plan import NARROWABLE
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 #: As jupyter_server's kernel routes have it (``services/kernels/handlers.py``).
 KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
+#: Where the owner's own routes on a kernel are (``.../<id>/pause`` ...).
+SANDBOX_KERNELS = "api/sandbox-kernel/kernels"
 
 
 class _OwnerOnly(JupyterHandler):
@@ -64,6 +83,96 @@ class OwnKernelWebsocketHandler(_OwnerOnly, KernelWebsocketHandler):
 
 class OwnKernelSandboxHandler(_OwnerOnly, KernelSandboxHandler):
     """``GET /api/sandbox-kernel/kernels/<id>`` (see :mod:`sandbox_kernel.jupyter.lab`), the owner's only."""
+
+
+class _OwnSandboxHandler(_OwnerOnly, APIHandler):
+    """A route of the owner's on one sandboxed kernel (see the module's docstring)."""
+
+    auth_resource = "kernels"
+
+    def sandbox(self, kernel_id: str) -> SandboxProvisioner:
+        """The provisioner of the owner's kernel ``kernel_id``.
+
+        Raises:
+            HTTPError: 404 if it has none (it is starting, or gone meanwhile).
+        """
+        kernels = self.kernel_manager
+        km = kernels.get_kernel(kernel_id) if kernel_id in kernels else None
+        provisioner = getattr(km, "provisioner", None)
+        if not isinstance(provisioner, SandboxProvisioner):
+            raise web.HTTPError(404, f"kernel {kernel_id} has no sandbox now")
+        return provisioner
+
+
+class KernelPauseHandler(_OwnSandboxHandler):
+    """``POST /api/sandbox-kernel/kernels/<id>/{pause,resume}``."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str, action: str) -> None:
+        """Pause or resume the kernel.
+
+        Raises:
+            HTTPError: 409 if it could not be paused (it keeps running) or resumed (it is
+                stopped, its workspace intact; a restart starts it fresh); 404 without a sandbox.
+        """
+        provisioner = self.sandbox(kernel_id)
+        try:
+            if action == "pause":
+                await provisioner.pause()
+            else:
+                await provisioner.resume()
+        except PauseError as exc:
+            raise web.HTTPError(409, str(exc)) from None
+        except SandboxKernelError as exc:
+            raise web.HTTPError(500, str(exc)) from None
+        paused = provisioner.paused
+        self.finish({"state": provisioner.sleep_state, "paused": paused.to_dict() if paused else None})
+
+
+class KernelUsageHandler(_OwnSandboxHandler):
+    """``GET /api/sandbox-kernel/kernels/<id>/usage``."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        """The kernel's use of CPU and memory (see :func:`~.readings.usage`)."""
+        provisioner = self.sandbox(kernel_id)
+        container_id, pid = provisioner.container_id, None
+        if container_id is not None and provisioner.paused is None and provisioner.exit_code is None:
+            try:
+                pid = await provisioner.backend.main_pid(container_id)
+            except SandboxKernelError:
+                pid = None
+        used = await asyncio.to_thread(usage, pid)
+        used["memory"]["limit"] = size_bytes("memory", provisioner.policy.memory)
+        self.finish({"state": provisioner.sleep_state, **used})
+
+
+class KernelAuditHandler(_OwnSandboxHandler):
+    """``GET /api/sandbox-kernel/kernels/<id>/audit?since=``."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        """The kernel's audit lines after ``since``.
+
+        Raises:
+            HTTPError: 400 for a ``since`` that is not a time with its zone; 404 if the
+                gateway keeps no audit log.
+        """
+        provisioner = self.sandbox(kernel_id)
+        try:
+            since = parse_since(self.get_query_argument("since", None))
+        except ValueError as exc:
+            raise web.HTTPError(400, f"since: {exc}") from None
+        policy = provisioner.policy
+        if not policy.audit_log:
+            raise web.HTTPError(404, "the gateway keeps no audit log (SandboxProvisioner.audit_log is empty)")
+        lines, more = await asyncio.to_thread(
+            audit_lines, policy.audit_log, policy.audit_log_backups, kernel_id, since
+        )
+        self.finish(json.dumps({"lines": lines, "more": more}, default=json_default))
 
 
 class GatewayKernelSpecResourceHandler(KernelSpecResourceHandler):
@@ -156,5 +265,8 @@ default_handlers: list[tuple[Any, ...]] = [
     (rf"/api/kernels/{KERNEL_ID}/(?P<action>restart|interrupt)", OwnKernelActionHandler),
     (rf"/api/kernels/{KERNEL_ID}/channels", OwnKernelWebsocketHandler),
     (f"/{KERNEL_STATUS_PATH}", OwnKernelSandboxHandler, {"gauge": MemoryGauge()}),
+    (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/(?P<action>pause|resume)", KernelPauseHandler),
+    (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/usage", KernelUsageHandler),
+    (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/audit", KernelAuditHandler),
     (rf"/kernelspecs/{kernel_name_regex}/(?P<path>.*)", GatewayKernelSpecResourceHandler),
 ]

@@ -10,6 +10,19 @@ A kernel is started for an authenticated user (``start_kernel(sandbox_user=...)`
 
 jupyter_client keeps the start's arguments for restarts, so a restarted kernel is started
 for the same user again and keeps its owner.
+
+Each kernel's model (``GET /api/kernels``...) says how the gateway keeps it, under
+:data:`~sandbox_kernel.jupyter.gateway_client.SANDBOX_MODEL_KEY`:
+``"sandbox": {"lifecycle": "persistent"}`` (or ``"ephemeral"``); a user's server takes back
+only kernels so marked after its own restart.
+
+Persistent kernels outlive the gateway: stopped (or killed), it leaves them running, and
+started again it adopts those it started for its users (their ``io.sandbox-kernel.user``
+label; never a kernel started for no user), each with its owner from the kernel's saved
+state, before it serves a request. What it adopts is what its root folder's scope holds
+(see :class:`~sandbox_kernel.jupyter.server.SandboxMappingKernelManager`): two gateways on
+one Docker host need different root folders (``root_dir``). Neither prunes the other's kernels while it
+lives (a kernel is pruned only once its holder is gone).
 """
 
 from __future__ import annotations
@@ -20,8 +33,10 @@ from jupyter_server.base.call_context import CallContext
 from traitlets import default
 
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
+from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
 from sandbox_kernel.jupyter.server import SandboxMappingKernelManager
 from sandbox_kernel.plan.users import START_ARGUMENT, KernelUser
+from sandbox_kernel.provisioner import SandboxProvisioner
 
 
 def request_user() -> Any:
@@ -33,9 +48,7 @@ def request_user() -> Any:
 class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
     """jupyter_server's kernel manager (with sandbox-kernel's persistence), per user."""
 
-    @default("adopt_persistent_kernels")
-    def _adopt_default(self) -> bool:
-        return False  # not yet: a gateway adopts only kernels with a user, by their label
+    adopts_users_kernels = True
 
     @default("keep_sessions")
     def _keep_sessions_default(self) -> bool:
@@ -64,6 +77,21 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
         # Not started here (adopted): the user its provisioner was started for.
         user = getattr(getattr(self._kernels[kernel_id], "provisioner", None), "user", None)
         return user.name if isinstance(user, KernelUser) else None
+
+    def kernel_model(self, kernel_id: str) -> dict[str, Any]:
+        """jupyter_server's model of the kernel, with how the gateway keeps it
+        (``"sandbox": {"lifecycle": ...}``)."""
+        model: dict[str, Any] = super().kernel_model(kernel_id)  # type: ignore[no-untyped-call]
+        provisioner = self.sandbox_of(kernel_id)
+        lifecycle = provisioner.lifecycle if provisioner is not None else "ephemeral"
+        model[SANDBOX_MODEL_KEY] = {"lifecycle": lifecycle}
+        return model
+
+    def sandbox_of(self, kernel_id: str) -> SandboxProvisioner | None:
+        """The provisioner of kernel ``kernel_id``, or None (no such kernel, or not yet one)."""
+        km = self._kernels.get(kernel_id)
+        provisioner = getattr(km, "provisioner", None)
+        return provisioner if isinstance(provisioner, SandboxProvisioner) else None
 
     def kernels_of(self, name: str) -> list[str]:
         """The ids of user ``name``'s kernels."""

@@ -36,7 +36,7 @@ from traitlets import Bool
 
 from sandbox_kernel.backends import configured_backend
 from sandbox_kernel.errors import SandboxKernelError
-from sandbox_kernel.lifecycle.ownership import list_kernels, prune_orphans
+from sandbox_kernel.lifecycle.ownership import SandboxedKernel, list_kernels, prune_orphans
 from sandbox_kernel.pool.sandboxes import SandboxPool
 from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.reattach import attach_manager, load_state
@@ -65,6 +65,10 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         help="""At start, fill the pool of every sandboxed kernelspec with a pool_size (see
         SandboxProvisioner.pool_size), so the first notebooks' kernels are ready at once.""",
     )
+
+    #: Whether the kernels this server adopts are those a sandbox gateway started for its
+    #: users (a gateway's), rather than those started for no user (every other server's).
+    adopts_users_kernels = False
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)  # type: ignore[no-untyped-call]
@@ -157,13 +161,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
             return []
         adopted = []
         for kernel in kernels:
-            if not (
-                kernel.detached
-                and (kernel.state == "running" or kernel.paused)
-                and kernel.server_uid == os.getuid()
-                and kernel.scope == self.adoption_scope
-                and kernel.kernel_id not in self
-            ):
+            if not self.adoptable(kernel):
                 continue
             state = await asyncio.to_thread(load_state, kernel, runtime_parent)
             if state is None:
@@ -180,6 +178,19 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         if adopted and not self._initialized_culler:
             self.initialize_culler()  # type: ignore[no-untyped-call]
         return adopted
+
+    def adoptable(self, kernel: SandboxedKernel) -> bool:
+        """Whether this server adopts ``kernel``: a persistent kernel no live server holds,
+        running or paused, of this server's uid and scope, and a sandbox gateway's (for one
+        of its users) exactly when this server is one (:attr:`adopts_users_kernels`)."""
+        return (
+            kernel.detached
+            and (kernel.state == "running" or kernel.paused)
+            and kernel.server_uid == os.getuid()
+            and kernel.scope == self.adoption_scope
+            and kernel.kernel_id not in self
+            and bool(kernel.user) == self.adopts_users_kernels
+        )
 
     async def _adopt(self, state: dict[str, Any]) -> None:
         kernel_id = str(state["kernel_id"])

@@ -9,12 +9,14 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tornado.escape import url_escape
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
 from tornado.websocket import websocket_connect
 from traitlets.config import Config
@@ -23,6 +25,10 @@ from sandbox_kernel.backends.fake import FakeBackend
 from sandbox_kernel.gateway.app import SandboxGatewayApp
 from sandbox_kernel.gateway.identity import add_token
 from sandbox_kernel.gateway.manager import GatewayKernelManagerForUsers
+from sandbox_kernel.gateway.readings import audit_lines, parse_since
+from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY, lifecycle
+from sandbox_kernel.jupyter.server import SandboxMappingKernelManager
+from sandbox_kernel.lifecycle.ownership import SandboxedKernel, server_identity
 from sandbox_kernel.lifecycle.startup_mark import STARTED_MARK
 from sandbox_kernel.plan.sandbox_spec import SandboxSpec
 
@@ -245,9 +251,15 @@ async def test_the_handlers_check_the_owner_whatever_authorizer_is_configured(
         (f"/api/kernels/{mine}", "GET"),
         (f"/api/kernels/{mine}", "DELETE"),
         (f"/api/sandbox-kernel/kernels/{mine}", "GET"),
+        (f"/api/sandbox-kernel/kernels/{mine}/usage", "GET"),
+        (f"/api/sandbox-kernel/kernels/{mine}/audit", "GET"),
     ]:
         assert (await gateway.fetch(path, "bob", method=method)).code == 403, path
     assert (await gateway.fetch(f"/api/kernels/{mine}/restart", "bob", method="POST", body="")).code == 403
+    for action in ("pause", "resume"):
+        path = f"/api/sandbox-kernel/kernels/{mine}/{action}"
+        assert (await gateway.fetch(path, "bob", method="POST", body="")).code == 403, path
+    assert gateway.km.get_kernel(mine).provisioner.paused is None
     assert await connect(gateway, mine, "bob") == 403
     taken = await gateway.fetch("/api/kernels", "bob", method="POST", body={"kernel_id": mine})
     assert taken.code == 403
@@ -314,6 +326,10 @@ async def test_a_request_without_a_users_token_in_its_header_is_refused(
         (f"/api/kernels/{kernel_id}", "DELETE", None),
         (f"/api/kernels/{kernel_id}/interrupt", "POST", ""),
         (f"/api/sandbox-kernel/kernels/{kernel_id}", "GET", None),
+        (f"/api/sandbox-kernel/kernels/{kernel_id}/pause", "POST", ""),
+        (f"/api/sandbox-kernel/kernels/{kernel_id}/resume", "POST", ""),
+        (f"/api/sandbox-kernel/kernels/{kernel_id}/usage", "GET", None),
+        (f"/api/sandbox-kernel/kernels/{kernel_id}/audit", "GET", None),
     ]:
         response = await gateway.fetch(path, headers=headers, method=method, body=body)
         assert response.code == 403, f"{method} {path}: {response.code}"
@@ -377,6 +393,11 @@ async def test_another_users_kernel_is_refused_on_every_route(gateway: Gateway) 
             (f"/api/kernels/{kernel_id}/interrupt", "POST", ""),
             (f"/api/kernels/{kernel_id}/restart", "POST", ""),
             (f"/api/sandbox-kernel/kernels/{kernel_id}", "GET", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/pause", "POST", ""),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/resume", "POST", ""),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/usage", "GET", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/audit", "GET", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/audit?since=2026-01-01T00:00:00%2B00:00", "GET", None),
         ]:
             response = await gateway.fetch(path, "bob", method=method, body=body)
             assert response.code == 403, f"bob: {method} {path}: {response.code}"
@@ -514,3 +535,151 @@ async def test_jupyter_servers_own_gateway_client_drives_it(gateway: Gateway) ->
         assert gateway.km.list_kernel_ids() == []
     finally:
         GatewayClient.clear_instance()
+
+
+async def test_each_kernel_model_says_how_the_gateway_keeps_the_kernel(
+    serve: Callable[..., Awaitable[Gateway]], make_persistent_spec: str
+) -> None:
+    gateway = await serve()
+    started = await gateway.fetch(
+        "/api/kernels",
+        "alice",
+        method="POST",
+        body={"name": make_persistent_spec, "env": {"KERNEL_WORKING_DIR": str(gateway.roots["alice"])}},
+    )
+    assert started.code == 201, started.body
+    persistent = json.loads(started.body)
+    assert persistent[SANDBOX_MODEL_KEY] == {"lifecycle": "persistent"}
+    ephemeral = await gateway.start("alice")
+    one = json.loads((await gateway.fetch(f"/api/kernels/{ephemeral}", "alice")).body)
+    assert one[SANDBOX_MODEL_KEY] == {"lifecycle": "ephemeral"}
+    listed = json.loads((await gateway.fetch("/api/kernels", "alice")).body)
+    assert {k["id"]: lifecycle(k) for k in listed} == {persistent["id"]: "persistent", ephemeral: "ephemeral"}
+    for kernel_id in (persistent["id"], ephemeral):  # persistent ones would outlive the test
+        assert (await gateway.fetch(f"/api/kernels/{kernel_id}", "alice", method="DELETE")).code == 204
+
+
+@pytest.fixture
+def make_persistent_spec(jupyter_dirs: dict[str, Path]) -> str:
+    """A sandboxed kernelspec whose kernels are persistent."""
+    folder = jupyter_dirs["JUPYTER_DATA_DIR"] / "kernels" / "sandboxed-python-persistent"
+    folder.mkdir(parents=True)
+    spec = {
+        "argv": ARGV,
+        "display_name": "persistent",
+        "language": "python",
+        "metadata": {
+            "kernel_provisioner": {
+                "provisioner_name": "sandbox-provisioner",
+                "config": {"lifecycle": "persistent"},
+            }
+        },
+    }
+    (folder / "kernel.json").write_text(json.dumps(spec))
+    return folder.name
+
+
+async def test_its_owner_pauses_and_resumes_a_kernel(gateway: Gateway) -> None:
+    kernel_id = await gateway.start("alice")
+    provisioner = gateway.km.get_kernel(kernel_id).provisioner
+    route = f"/api/sandbox-kernel/kernels/{kernel_id}"
+    paused = await gateway.fetch(f"{route}/pause", "alice", method="POST", body="")
+    assert paused.code == 200, paused.body
+    answer = json.loads(paused.body)
+    assert answer["state"] == "paused"
+    assert answer["paused"]["checkpoint"] == provisioner.paused.checkpoint
+    status = json.loads((await gateway.fetch(route, "alice")).body)
+    assert status["state"] == "paused"
+    assert json.loads((await gateway.fetch(f"{route}/usage", "alice")).body)["cpu_seconds"] is None
+    resumed = await gateway.fetch(f"{route}/resume", "alice", method="POST", body="")
+    assert (resumed.code, json.loads(resumed.body)) == (200, {"state": "running", "paused": None})
+    assert provisioner.paused is None
+    gateway.km.get_kernel(kernel_id).provisioner.backend.can_checkpoint = False
+    refused = await gateway.fetch(f"{route}/pause", "alice", method="POST", body="")
+    assert refused.code == 409, "the host cannot checkpoint: it keeps running"
+    assert provisioner.paused is None
+
+
+async def test_its_owner_reads_a_kernels_usage(gateway: Gateway) -> None:
+    kernel_id = await gateway.start("alice", sandbox={"memory": "1g"})
+    usage = json.loads((await gateway.fetch(f"/api/sandbox-kernel/kernels/{kernel_id}/usage", "alice")).body)
+    # The fake backend's sandboxes have no host process: nothing to read, and it says so.
+    assert usage == {
+        "state": "running",
+        "cpu_seconds": None,
+        "memory": {"used": None, "peak": None, "limit": 1024**3},
+    }
+
+
+async def test_its_owner_reads_only_their_kernels_audit_lines(gateway: Gateway, short_tmp: Path) -> None:
+    mine, other = await gateway.start("alice"), await gateway.start("bob")
+    log = Path(gateway.km.get_kernel(mine).provisioner.policy.audit_log)
+    assert log.is_file()
+    route = f"/api/sandbox-kernel/kernels/{mine}/audit"
+    lines = json.loads((await gateway.fetch(route, "alice")).body)
+    assert lines["more"] is False
+    assert {line["kernel_id"] for line in lines["lines"]} == {mine}, "none of bob's"
+    assert any(line["event"] == "start" and line.get("user") == "alice" for line in lines["lines"])
+    assert other in log.read_text(), "his are in the same log"
+    last = lines["lines"][-1]["time"]
+    later = await gateway.fetch(f"{route}?since={url_escape(last)}", "alice")
+    assert json.loads(later.body) == {"lines": [], "more": False}
+    for since in ("yesterday", "2026-01-01T00:00:00"):
+        bad = await gateway.fetch(f"{route}?since={since}", "alice")
+        assert bad.code == 400, since
+        assert "since" in message(bad)
+
+
+def test_audit_lines_are_paged_without_splitting_a_time(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    times = ["2026-01-01T00:00:00.001+00:00"] * 2 + ["2026-01-01T00:00:00.002+00:00"] * 2
+    records = [{"event": "x", "time": t, "kernel_id": "k", "n": n} for n, t in enumerate(times)]
+    records.insert(1, {"event": "x", "time": times[0], "kernel_id": "other"})
+    (tmp_path / "audit.jsonl.1").write_text(json.dumps(records[0]) + "\n" + "not json\n")
+    log.write_text("".join(json.dumps(r) + "\n" for r in records[1:]))
+    page, more = audit_lines(str(log), 2, "k", None, limit=3)
+    assert ([r["n"] for r in page], more) == ([0, 1], True), "the third shares the fourth's time"
+    rest, more = audit_lines(str(log), 2, "k", parse_since(page[-1]["time"]), limit=3)
+    assert ([r["n"] for r in rest], more) == ([2, 3], False)
+
+
+async def test_a_gateway_adopts_only_its_users_kernels_no_live_gateway_holds(gateway: Gateway) -> None:
+    """What a gateway starting again adopts, and prunes, of what a Docker host runs."""
+    km = gateway.km
+    gone = server_identity().rsplit("/", 1)[0] + "/1"  # this pid, started at another time: gone
+    alive = server_identity(os.getppid())  # another live process: a gateway still serving
+
+    def kernel(**fields: Any) -> SandboxedKernel:
+        found: dict[str, Any] = {
+            "container_id": "c1",
+            "kernel_id": "00000000-0000-4000-8000-000000000001",
+            "kernelspec": "sandboxed-python",
+            "owner": gone,
+            "workspace": "/home/alice",
+            "runtime_dir": "/nonexistent/rt",
+            "state": "running",
+            "created": "",
+            "memory_limit": 0,
+            "lifecycle": "persistent",
+            "server_uid": os.getuid(),
+            "owner_seen": time.time(),
+            "scope": km.adoption_scope,
+            "user": "alice",
+        }
+        return SandboxedKernel(**{**found, **fields})
+
+    assert km.adoptable(kernel())
+    assert km.adoptable(kernel(state="exited", paused=True))
+    assert not km.adoptable(kernel(user="")), "a kernel started for no user is no gateway's"
+    assert not km.adoptable(kernel(scope="0123456789abcdef")), "another gateway's (its root_dir)"
+    assert not km.adoptable(kernel(lifecycle="ephemeral"))
+    assert kernel(lifecycle="ephemeral").removable, "an ephemeral kernel of a gateway that is gone"
+    for lifecycle_ in ("persistent", "ephemeral"):
+        held = kernel(owner=alive, lifecycle=lifecycle_)
+        assert not km.adoptable(held), "held by a live gateway"
+        assert not held.removable, "nor pruned while that gateway lives"
+    server = SandboxMappingKernelManager(
+        adopt_persistent_kernels=False, warm_pools=False, keep_sessions=False, root_dir=km.root_dir
+    )
+    assert not server.adoptable(kernel()), "a notebook server never adopts a user's kernel of a gateway"
+    assert server.adoptable(kernel(user=""))
