@@ -65,7 +65,7 @@ from sandbox_kernel.channels.approval import ApprovalHandler
 from sandbox_kernel.channels.output import amount
 from sandbox_kernel.errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
 from sandbox_kernel.host.background import BackgroundLoop
-from sandbox_kernel.host.cgroups import PeakMemory, cpu_seconds
+from sandbox_kernel.host.cgroups import SandboxUsage
 from sandbox_kernel.lifecycle.pausing import Paused
 from sandbox_kernel.plan.admission import sandboxed_manager
 from sandbox_kernel.provisioner import SandboxProvisioner
@@ -335,7 +335,7 @@ class AsyncSandboxSession:
         self.files = AsyncSessionFiles(self)
         self._workspace: WorkspaceFiles | None = None
         # (container, its host pid): what the CPU and peak-memory readings are taken of.
-        self._sandbox_pid: tuple[str, int] | None = None
+        self._sandbox_usage: tuple[str, SandboxUsage] | None = None
         self.lifetime = _check_lifetime(lifetime)
         self._deadline: float | None = None
         self._lifetime_changed = asyncio.Event()
@@ -802,17 +802,18 @@ class AsyncSandboxSession:
         if not isinstance(provisioner, SandboxProvisioner) or provisioner.container_id is None:
             return None
         container_id = provisioner.container_id
-        if self._sandbox_pid is None or self._sandbox_pid[0] != container_id:
+        if self._sandbox_usage is None or self._sandbox_usage[0] != container_id:
             try:
                 pid = await provisioner.backend.main_pid(container_id)
             except SandboxKernelError:
                 return None
             if pid is None:
                 return None
-            self._sandbox_pid = (container_id, pid)  # one Docker call per sandbox, not per run
-        # On the loop: a few reads of /proc and cgroup files (microseconds, never waiting on
-        # a disk), where a thread would cost a wake-up each way on every run.
-        return _Meter(self._sandbox_pid[1])
+            # One Docker call and one look at its cgroups per sandbox, not per run.
+            self._sandbox_usage = (container_id, SandboxUsage(pid))
+        # On the loop: a few reads of cgroup files (microseconds, never waiting on a
+        # disk), where a thread would cost a wake-up each way on every run.
+        return _Meter(self._sandbox_usage[1])
 
     # ------------------------------------------------------------------ plumbing
 
@@ -849,13 +850,13 @@ class AsyncSandboxSession:
 class _Meter:
     """The sandbox's CPU time and peak memory over one run (its host cgroup's files)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.cpu = cpu_seconds(pid)
-        self.peak = PeakMemory(pid)
+    def __init__(self, usage: SandboxUsage) -> None:
+        self.usage = usage
+        self.cpu = usage.cpu_seconds()
+        self.peak = usage.peak_memory()
 
     def stop(self) -> tuple[float | None, int | None]:
-        now = cpu_seconds(self.pid)
+        now = self.usage.cpu_seconds()
         cpu = None if now is None or self.cpu is None else max(0.0, now - self.cpu)
         peak = self.peak.read()
         self.peak.close()

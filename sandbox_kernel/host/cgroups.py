@@ -88,7 +88,10 @@ def memory_limit(pid: int, proc: Path = Path("/proc")) -> int | None:
 
 def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
     """CPU time used so far by ``pid``'s cgroup (the whole sandbox), in seconds; None if unknown."""
-    found = _cgroup(pid, "cpuacct", proc) or _cgroup(pid, "cpu", proc)
+    return _cpu_seconds_in(_cgroup(pid, "cpuacct", proc) or _cgroup(pid, "cpu", proc))
+
+
+def _cpu_seconds_in(found: tuple[Path, int] | None) -> float | None:
     if found is None:
         return None
     folder, version = found
@@ -240,22 +243,14 @@ class PeakMemory:
     """
 
     def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
-        self._fd: int | None = None
-        found = _cgroup(pid, "memory", proc)
-        if found is None:
-            return
-        folder, version = found
-        name, reset = ("memory.peak", b"reset") if version == 2 else ("memory.max_usage_in_bytes", b"0")
-        try:
-            fd = os.open(folder / name, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            return
-        try:
-            os.write(fd, reset)
-        except OSError:  # an older kernel: that would be the peak since the sandbox started
-            os.close(fd)
-            return
-        self._fd = fd
+        self._fd = _reset_peak(_cgroup(pid, "memory", proc))
+
+    @classmethod
+    def in_cgroup(cls, found: tuple[Path, int] | None) -> PeakMemory:
+        """The same, of the memory cgroup ``found`` (folder, version) already."""
+        peak = cls.__new__(cls)
+        peak._fd = _reset_peak(found)
+        return peak
 
     def read(self) -> int | None:
         if self._fd is None:
@@ -269,6 +264,44 @@ class PeakMemory:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _reset_peak(found: tuple[Path, int] | None) -> int | None:
+    """A descriptor of the memory cgroup ``found``'s peak, reset for it; None if none."""
+    if found is None:
+        return None
+    folder, version = found
+    name, reset = ("memory.peak", b"reset") if version == 2 else ("memory.max_usage_in_bytes", b"0")
+    try:
+        fd = os.open(folder / name, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        os.write(fd, reset)
+    except OSError:  # an older kernel: that would be the peak since the sandbox started
+        os.close(fd)
+        return None
+    return fd
+
+
+class SandboxUsage:
+    """The CPU time and peak memory of one sandbox (``pid``'s cgroups), its cgroup folders
+    found once: a process stays in its cgroup while it lives, and reading
+    ``/proc/PID/cgroup`` for each of them took ~0.17 ms a time on a loaded 2-core host
+    (three a measured run)."""
+
+    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
+        self.pid = pid
+        self._cpu = _cgroup(pid, "cpuacct", proc) or _cgroup(pid, "cpu", proc)
+        self._memory = _cgroup(pid, "memory", proc)
+
+    def cpu_seconds(self) -> float | None:
+        """As :func:`cpu_seconds`."""
+        return _cpu_seconds_in(self._cpu)
+
+    def peak_memory(self) -> PeakMemory:
+        """A new measurement of the most memory the sandbox uses (see :class:`PeakMemory`)."""
+        return PeakMemory.in_cgroup(self._memory)
 
 
 def stat_fields(text: str) -> list[str]:

@@ -78,6 +78,29 @@ def test_cpu_time_from_cgroup_v1_and_v2(fake_host: tuple[Path, Path]) -> None:
     assert cgroups.cpu_seconds(9, proc) is None
 
 
+def test_a_sandboxs_usage_reads_its_cgroups_found_once(fake_host: tuple[Path, Path]) -> None:
+    """What a session reads around each run: the CPU time and the peak memory, from the
+    folders found when it first met the sandbox (/proc/PID/cgroup is not read again)."""
+    proc, root = fake_host
+    _process(proc, 8, "0::/system.slice/docker-abc.scope\n")
+    folder = root / "system.slice" / "docker-abc.scope"
+    folder.mkdir(parents=True)
+    (folder / "cpu.stat").write_text("usage_usec 1500000\n")
+    (folder / "memory.peak").write_text("4096\n")
+    usage = cgroups.SandboxUsage(8, proc)
+    (proc / "8" / "cgroup").unlink()
+    assert usage.cpu_seconds() == 1.5
+    (folder / "cpu.stat").write_text("usage_usec 2000000\n")
+    assert usage.cpu_seconds() == 2.0
+    peak = usage.peak_memory()
+    assert (folder / "memory.peak").read_bytes().startswith(b"reset"), "reset for this run"
+    (folder / "memory.peak").write_text("8192\n")
+    assert peak.read() == 8192
+    peak.close()
+    assert cgroups.SandboxUsage(9, proc).cpu_seconds() is None
+    assert cgroups.SandboxUsage(9, proc).peak_memory().read() is None
+
+
 def test_a_sandboxs_freezer_under_cgroup_v1_and_v2(fake_host: tuple[Path, Path]) -> None:
     """What the idle freeze writes and reads: v1's freezer.state; v2's cgroup.freeze, and
     cgroup.events for whether every process has stopped yet."""
