@@ -334,7 +334,7 @@ class AsyncSandboxSession:
         self.kc: AsyncKernelClient | None = None
         self.files = AsyncSessionFiles(self)
         self._workspace: WorkspaceFiles | None = None
-        # (container, its host pid): what the CPU and peak-memory readings are taken of.
+        # (container, its cgroups): what the CPU and peak-memory readings are taken of.
         self._sandbox_usage: tuple[str, SandboxUsage] | None = None
         self.lifetime = _check_lifetime(lifetime)
         self._deadline: float | None = None
