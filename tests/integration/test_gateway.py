@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
 from tornado.websocket import websocket_connect
 
+from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
 from .conftest import KERNEL, HostState
@@ -76,6 +77,43 @@ class Served:
     tokens: dict[str, str]
     tls: ssl.SSLContext
     log: Path
+    command: list[str]
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the gateway; return once it listens."""
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(  # our own command
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env
+            )
+        port = int(self.url.rpartition(":")[2])
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """``kill -9`` the gateway: it lets go of nothing."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        """Stop the gateway as its service manager would (SIGTERM)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
     async def fetch(self, path: str, user: str | None, method: str = "GET", body: Any = None) -> HTTPResponse:
         headers = {"Authorization": f"token {self.tokens[user]}"} if user else {}
@@ -125,32 +163,16 @@ def gateway(users: dict[str, pwd.struct_passwd], tmp_path: Path, jupyter_dirs: P
             ]
         )
     )
-    log = private / "gateway.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(  # our own command
-            [COMMAND, "gateway", f"--config={config}"], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
     tls = ssl.create_default_context(cafile=str(private / "pki" / "ca.pem"))
-    served = Served(f"https://127.0.0.1:{port}", tokens, tls, log)
+    command = [COMMAND, "gateway", f"--config={config}"]
+    served = Served(f"https://127.0.0.1:{port}", tokens, tls, private / "gateway.log", command, env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log.read_text()
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+        served.start()
         yield served
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        print(log.read_text())  # shown when a test fails
+        served.stop()
+        if served.log.exists():
+            print(served.log.read_text())  # shown when a test fails
 
 
 async def run_code(ws: Any, code: str, timeout: float = 60) -> str:
@@ -245,6 +267,78 @@ async def test_a_user_runs_code_in_their_kernel_through_the_gateway_and_no_one_e
         assert (await gateway.fetch(f"/api/kernels/{kernel_id}/restart", alice, "POST", {})).code == 200
         ws = await gateway.channels(kernel_id, alice)
         assert (await run_code(ws, "import os; print(os.getuid())")).split() == [str(users[alice].pw_uid)]
+        ws.close()
+    finally:
+        deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204
+    assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+async def test_a_persistent_kernel_outlives_the_gateway_killed_and_pauses_for_its_owner(
+    gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    docker_client: docker.DockerClient,
+    make_kernelspec: Callable[..., str],
+) -> None:
+    before = HostState(docker_client)
+    alice, bob = USERS
+    uid = users[alice].pw_uid
+    name = make_kernelspec("sandboxed-python-gw-persistent", config={"lifecycle": "persistent"})
+    home = Path(users[alice].pw_dir)
+    started = await gateway.fetch(
+        "/api/kernels", alice, "POST", {"name": name, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+    )
+    assert started.code == 201, started.body
+    model = json.loads(started.body)
+    kernel_id = model["id"]
+    assert model[SANDBOX_MODEL_KEY] == {"lifecycle": "persistent"}
+    try:
+        ws = await gateway.channels(kernel_id, alice)
+        assert (await run_code(ws, "x = 41; print('set')")).split() == ["set"]
+        ws.close()
+
+        gateway.kill()  # kill -9: nothing let go of, nothing saved on the way out
+        assert containers_of(kernel_id)[0].status == "running"
+        gateway.start()
+        listed = json.loads((await gateway.fetch("/api/kernels", alice)).body)
+        assert [(k["id"], k[SANDBOX_MODEL_KEY]["lifecycle"]) for k in listed] == [(kernel_id, "persistent")]
+        assert json.loads((await gateway.fetch("/api/kernels", bob)).body) == [], "hers only"
+        for path, method in [
+            (f"/api/kernels/{kernel_id}", "GET"),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/usage", "GET"),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/pause", "POST"),
+        ]:
+            response = await gateway.fetch(path, bob, method, {} if method == "POST" else None)
+            assert response.code == 403, path
+        ws = await gateway.channels(kernel_id, alice)
+        assert (await run_code(ws, "print(x + 1, __import__('os').getuid())")).split() == ["42", str(uid)]
+
+        # Paused through the gateway; her next message resumes it, x and all.
+        route = f"/api/sandbox-kernel/kernels/{kernel_id}"
+        paused = await gateway.fetch(f"{route}/pause", alice, "POST", {})
+        assert paused.code == 200, paused.body
+        assert json.loads(paused.body)["state"] == "paused"
+        assert containers_of(kernel_id)[0].status == "exited", "its sandbox stopped, saved to disk"
+        assert json.loads((await gateway.fetch(route, alice)).body)["state"] == "paused"
+        assert (await run_code(ws, "print(x)", timeout=120)).split() == ["41"]
+        ws.close()
+        # And paused again, resumed by her asking.
+        assert (await gateway.fetch(f"{route}/pause", alice, "POST", {})).code == 200
+        resumed = await gateway.fetch(f"{route}/resume", alice, "POST", {})
+        assert (resumed.code, json.loads(resumed.body)["state"]) == (200, "running")
+        usage = json.loads((await gateway.fetch(f"{route}/usage", alice)).body)
+        assert usage["cpu_seconds"] > 0
+        assert 0 < usage["memory"]["used"] <= usage["memory"]["peak"]
+        audit = json.loads((await gateway.fetch(f"{route}/audit", alice)).body)
+        events = [line["event"] for line in audit["lines"]]
+        assert {"start", "pause", "resume", "finished"} <= set(events), events
+        assert {line["kernel_id"] for line in audit["lines"]} == {kernel_id}
+
+        # The adopted kernel restarts as her.
+        assert (await gateway.fetch(f"/api/kernels/{kernel_id}/restart", alice, "POST", {})).code == 200
+        ws = await gateway.channels(kernel_id, alice)
+        assert (await run_code(ws, "import os; print(os.getuid())")).split() == [str(uid)]
         ws.close()
     finally:
         deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
