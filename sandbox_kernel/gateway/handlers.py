@@ -23,13 +23,25 @@ status bar's ``GET /api/sandbox-kernel/kernels/<id>``), for programs (the sessio
 - ``GET .../audit?since=ISO-TIME``: ``{"lines": [...], "more": bool}``, this kernel's lines of
   the gateway's audit log later than ``since`` (at most :data:`~.readings.MAX_AUDIT_LINES`;
   with ``"more": true``, ask again from the last line's ``time``).
+- ``GET|PUT|DELETE .../files?path=P`` (download the file's bytes; upload the request's body,
+  answering ``{"path": where the kernel sees it}``; delete, ``&recursive=true`` for a
+  folder that is not empty) and ``GET .../files/list?path=P`` (``{"files": [{"name",
+  "path", "size", "is_dir", "modified", "undecodable"}]}``): the kernel's workspace through
+  :class:`~sandbox_kernel.agents.files.WorkspaceFiles`, with all its checks (no link
+  followed, no ``..``, no special file; what it writes is the kernel's uid's). ``P`` is
+  relative to the kernel's working folder, or absolute in the sandbox; a name that is not
+  UTF-8 is listed with ``\\xNN`` escapes (``undecodable``), accepted back as listed.
+  A refused path is 400, a missing file 404, a folder not empty 409, a file over
+  :data:`~sandbox_kernel.agents.files.DEFAULT_MAX_BYTES` 413.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from jupyter_client.jsonutil import json_default
 from jupyter_client.kernelspec import NoSuchKernel
@@ -43,7 +55,16 @@ from jupyter_server.services.kernelspecs.handlers import kernel_name_regex
 from jupyter_server.utils import url_escape, url_path_join
 from tornado import web
 
-from sandbox_kernel.errors import ConfigurationError, PauseError, SandboxKernelError, WorkspaceError
+from sandbox_kernel.agents.files import WorkspaceFiles, from_printable, printable, workspace_files
+from sandbox_kernel.errors import (
+    ConfigurationError,
+    FileTooLargeError,
+    FolderNotEmptyError,
+    MissingFileError,
+    PauseError,
+    SandboxKernelError,
+    WorkspaceError,
+)
 from sandbox_kernel.gateway.authorizer import owns
 from sandbox_kernel.gateway.readings import audit_lines, parse_since, usage
 from sandbox_kernel.gateway.users import GatewayUser, UserRefused, check_cwd
@@ -54,6 +75,7 @@ from sandbox_kernel.provisioner import SandboxProvisioner
 
 #: As jupyter_server's kernel routes have it (``services/kernels/handlers.py``).
 KERNEL_ID = r"(?P<kernel_id>\w+-\w+-\w+-\w+-\w+)"
+T = TypeVar("T")
 #: Where the owner's own routes on a kernel are (``.../<id>/pause`` ...).
 SANDBOX_KERNELS = "api/sandbox-kernel/kernels"
 
@@ -175,6 +197,93 @@ class KernelAuditHandler(_OwnSandboxHandler):
         self.finish(json.dumps({"lines": lines, "more": more}, default=json_default))
 
 
+#: The HTTP status of each refusal of the files API (any other: 400).
+FILE_ERRORS: tuple[tuple[type[WorkspaceError], int], ...] = (
+    (MissingFileError, 404),
+    (FolderNotEmptyError, 409),
+    (FileTooLargeError, 413),
+)
+
+
+class _KernelFilesBase(_OwnSandboxHandler):
+    async def in_workspace(self, kernel_id: str, call: Callable[[WorkspaceFiles, str], T]) -> T:
+        """``call(files, path)`` in a thread, for the kernel's workspace and the query's
+        ``path``; where that fails and the path has ``\\xNN`` escapes (as a listing shows a
+        name that is not UTF-8), ``call`` of the path they stand for.
+
+        Raises:
+            HTTPError: the files API's refusal (see :data:`FILE_ERRORS`), as it words it.
+        """
+        provisioner = self.sandbox(kernel_id)
+        path = self.get_query_argument("path", ".")
+        try:
+            files = await workspace_files(await provisioner.get_provisioner_info(), provisioner.backend)
+            try:
+                return await asyncio.to_thread(call, files, path)
+            except WorkspaceError:
+                raw = from_printable(path)
+                if raw == path:
+                    raise
+                with contextlib.suppress(WorkspaceError):
+                    return await asyncio.to_thread(call, files, raw)
+                raise
+        except WorkspaceError as exc:
+            status = next((code for kind, code in FILE_ERRORS if isinstance(exc, kind)), 400)
+            raise web.HTTPError(status, str(exc)) from None
+
+
+class KernelFilesHandler(_KernelFilesBase):
+    """``GET|PUT|DELETE /api/sandbox-kernel/kernels/<id>/files?path=``."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        """The file's bytes."""
+        content = await self.in_workspace(kernel_id, lambda files, path: files.download(path))
+        self.finish(content, set_content_type="application/octet-stream")
+
+    @web.authenticated
+    @authorized
+    async def put(self, kernel_id: str) -> None:
+        """Write the request's body to the file (replacing it at once); where the kernel sees it."""
+        body = self.request.body
+        where = await self.in_workspace(kernel_id, lambda files, path: files.upload(path, body))
+        self.finish({"path": printable(where)})
+
+    @web.authenticated
+    @authorized
+    async def delete(self, kernel_id: str) -> None:
+        """Remove the file, or the folder (with ``recursive=true``, and all it holds)."""
+        recursive = self.get_query_argument("recursive", "false").lower() in ("1", "true", "yes")
+        await self.in_workspace(kernel_id, lambda files, path: files.delete(path, recursive))
+        self.set_status(204)
+        self.finish()
+
+
+class KernelFileListHandler(_KernelFilesBase):
+    """``GET /api/sandbox-kernel/kernels/<id>/files/list?path=``."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        """The folder's files and folders, by name."""
+        infos = await self.in_workspace(kernel_id, lambda files, path: files.list(path))
+        entries = []
+        for info in infos:
+            name, path = printable(info.name), printable(info.path)
+            entries.append(
+                {
+                    "name": name,
+                    "path": path,
+                    "size": info.size,
+                    "is_dir": info.is_dir,
+                    "modified": info.modified,
+                    "undecodable": info.undecodable,
+                }
+            )
+        self.finish({"files": entries})
+
+
 class GatewayKernelSpecResourceHandler(KernelSpecResourceHandler):
     """``GET /kernelspecs/<name>/<file>`` (logos): 403 without a token, as every route,
     rather than jupyter_server's redirect to a login page the gateway does not have."""
@@ -268,5 +377,7 @@ default_handlers: list[tuple[Any, ...]] = [
     (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/(?P<action>pause|resume)", KernelPauseHandler),
     (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/usage", KernelUsageHandler),
     (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/audit", KernelAuditHandler),
+    (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/files", KernelFilesHandler),
+    (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/files/list", KernelFileListHandler),
     (rf"/kernelspecs/{kernel_name_regex}/(?P<path>.*)", GatewayKernelSpecResourceHandler),
 ]

@@ -253,8 +253,16 @@ async def test_the_handlers_check_the_owner_whatever_authorizer_is_configured(
         (f"/api/sandbox-kernel/kernels/{mine}", "GET"),
         (f"/api/sandbox-kernel/kernels/{mine}/usage", "GET"),
         (f"/api/sandbox-kernel/kernels/{mine}/audit", "GET"),
+        (f"/api/sandbox-kernel/kernels/{mine}/files?path=a.txt", "GET"),
+        (f"/api/sandbox-kernel/kernels/{mine}/files?path=a.txt", "DELETE"),
+        (f"/api/sandbox-kernel/kernels/{mine}/files/list", "GET"),
     ]:
         assert (await gateway.fetch(path, "bob", method=method)).code == 403, path
+    put = await gateway.fetch(
+        f"/api/sandbox-kernel/kernels/{mine}/files?path=a.txt", "bob", method="PUT", body="x"
+    )
+    assert put.code == 403
+    assert not (gateway.roots["alice"] / "proj" / "a.txt").exists()
     assert (await gateway.fetch(f"/api/kernels/{mine}/restart", "bob", method="POST", body="")).code == 403
     for action in ("pause", "resume"):
         path = f"/api/sandbox-kernel/kernels/{mine}/{action}"
@@ -398,6 +406,11 @@ async def test_another_users_kernel_is_refused_on_every_route(gateway: Gateway) 
             (f"/api/sandbox-kernel/kernels/{kernel_id}/usage", "GET", None),
             (f"/api/sandbox-kernel/kernels/{kernel_id}/audit", "GET", None),
             (f"/api/sandbox-kernel/kernels/{kernel_id}/audit?since=2026-01-01T00:00:00%2B00:00", "GET", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/files?path=a.txt", "GET", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/files?path=a.txt", "PUT", "bob's"),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/files?path=a.txt", "DELETE", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/files/list", "GET", None),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}/files/list?path=.", "GET", None),
         ]:
             response = await gateway.fetch(path, "bob", method=method, body=body)
             assert response.code == 403, f"bob: {method} {path}: {response.code}"
@@ -683,3 +696,65 @@ async def test_a_gateway_adopts_only_its_users_kernels_no_live_gateway_holds(gat
     )
     assert not server.adoptable(kernel()), "a notebook server never adopts a user's kernel of a gateway"
     assert server.adoptable(kernel(user=""))
+
+
+async def test_its_owner_reads_and_writes_the_kernels_workspace_through_the_files_api(
+    gateway: Gateway,
+) -> None:
+    kernel_id = await gateway.start("alice")
+    proj = gateway.roots["alice"] / "proj"
+    files = f"/api/sandbox-kernel/kernels/{kernel_id}/files"
+
+    put = await gateway.fetch(f"{files}?path=notes/a.txt", "alice", method="PUT", body=b"\x00bytes")
+    assert (put.code, json.loads(put.body)) == (200, {"path": "/workspace/proj/notes/a.txt"})
+    made = proj / "notes" / "a.txt"
+    assert (made.read_bytes(), made.stat().st_uid, (proj / "notes").stat().st_uid) == (
+        b"\x00bytes",
+        UIDS["alice"],
+        UIDS["alice"],
+    ), "what the host writes is the kernel's uid's"
+    got = await gateway.fetch(f"{files}?path=/workspace/proj/notes/a.txt", "alice")
+    assert (got.code, got.body, got.headers["Content-Type"]) == (
+        200,
+        b"\x00bytes",
+        "application/octet-stream",
+    )
+    listed = json.loads((await gateway.fetch(f"{files}/list?path=notes", "alice")).body)["files"]
+    assert [(f["name"], f["path"], f["size"], f["is_dir"]) for f in listed] == [
+        ("a.txt", "notes/a.txt", 6, False)
+    ]
+
+    # Names kernel code may choose: not UTF-8, listed escaped and taken back as listed.
+    (proj / "notes").joinpath(os.fsdecode(b"caf\xe9")).write_bytes(b"latin")
+    listed = json.loads((await gateway.fetch(f"{files}/list?path=notes", "alice")).body)["files"]
+    odd = next(f for f in listed if f["undecodable"])
+    assert odd["path"] == "notes/caf\\xe9"
+    assert (await gateway.fetch(f"{files}?path={url_escape(odd['path'])}", "alice")).body == b"latin"
+
+    # What the files API refuses, as it words it.
+    (proj / "link").symlink_to("/etc/passwd")
+    (proj / "fifo").parent.mkdir(exist_ok=True)
+    os.mkfifo(proj / "fifo")
+    for path, code, words in [
+        ("link", 400, "link"),
+        ("fifo", 400, "fifo"),
+        ("../../bob/proj/x", 400, ".."),
+        ("/etc/passwd", 400, "outside"),
+        ("missing.txt", 404, "missing.txt"),
+        ("notes", 400, "folder"),
+    ]:
+        response = await gateway.fetch(f"{files}?path={url_escape(path)}", "alice")
+        assert (response.code, words in message(response)) == (code, True), (path, message(response))
+        assert "\n" not in message(response)
+    assert (await gateway.fetch(f"{files}?path=link", "alice", method="PUT", body=b"x")).code == 400
+    assert (proj / "link").is_symlink(), "not replaced"
+    deep = "/".join(["d"] * 2100)  # over the 4095 bytes of a path the kernel could open
+    assert (await gateway.fetch(f"{files}?path={deep}/x", "alice", method="PUT", body=b"x")).code == 400
+
+    tree = "notes/" + "/".join(["d"] * 1000) + "/x"
+    assert (await gateway.fetch(f"{files}?path={tree}", "alice", method="PUT", body=b"x")).code == 200
+    full = await gateway.fetch(f"{files}?path=notes", "alice", method="DELETE")
+    assert full.code == 409
+    gone = await gateway.fetch(f"{files}?path=notes&recursive=true", "alice", method="DELETE")
+    assert gone.code == 204
+    assert not (proj / "notes").exists()
