@@ -121,7 +121,7 @@ class Served:
             self.url + path,
             method=method,
             headers=headers,
-            body=None if body is None else json.dumps(body),
+            body=body if body is None or isinstance(body, bytes) else json.dumps(body),
             ssl_options=self.tls,
             request_timeout=120,
         )
@@ -313,6 +313,19 @@ async def test_a_persistent_kernel_outlives_the_gateway_killed_and_pauses_for_it
             assert response.code == 403, path
         ws = await gateway.channels(kernel_id, alice)
         assert (await run_code(ws, "print(x + 1, __import__('os').getuid())")).split() == ["42", str(uid)]
+
+        # Her kernel's files, through the gateway: what it writes is hers, and the kernel's to read.
+        files = f"/api/sandbox-kernel/kernels/{kernel_id}/files"
+        put = await gateway.fetch(f"{files}?path=sent/in.txt", alice, "PUT", b"from the API")
+        assert put.code == 200, put.body
+        assert (home / "proj" / "sent" / "in.txt").stat().st_uid == uid
+        code = "print(open('sent/in.txt').read()); open('out.txt', 'w').write('from the kernel')"
+        assert (await run_code(ws, code)).strip() == "from the API"
+        assert (await gateway.fetch(f"{files}?path=out.txt", alice)).body == b"from the kernel"
+        listed = json.loads((await gateway.fetch(f"{files}/list", alice)).body)["files"]
+        assert {"sent", "out.txt"} <= {f["name"] for f in listed}
+        assert (await gateway.fetch(f"{files}?path=out.txt", bob)).code == 403
+        assert (await gateway.fetch(f"{files}?path=sent&recursive=true", alice, "DELETE")).code == 204
 
         # Paused through the gateway; her next message resumes it, x and all.
         route = f"/api/sandbox-kernel/kernels/{kernel_id}"
