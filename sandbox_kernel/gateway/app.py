@@ -6,13 +6,17 @@ protocol has it (``jupyter lab --gateway-url=https://sandbox-host:8870``), and n
 - ``GET/POST /api/kernels``, ``GET/DELETE /api/kernels/<id>``,
   ``POST /api/kernels/<id>/{interrupt,restart}``, ``GET /api/kernels/<id>/channels``
   (the websocket), ``GET /api/kernelspecs[/<name>]``, ``GET /kernelspecs/<name>/<file>``,
-  ``GET /api/sandbox-kernel/kernels/<id>`` (the status bar's), and ``GET /api`` (the version).
+  ``GET /api/sandbox-kernel/kernels/<id>`` (the status bar's) and the owner's routes below it
+  (``pause``, ``resume``, ``usage``, ``audit``, ``files``: see :mod:`~.handlers`), and
+  ``GET /api`` (the version).
   Everything else is 404: no contents, files, terminals, sessions, login pages, metrics
   (unless ``c.SandboxGatewayApp.metrics = True``), no server extensions.
 - Users authenticate with their own token in the ``Authorization`` header (the tokens file,
   :mod:`~.identity`); each user's kernels are theirs alone (:mod:`~.authorizer`,
   :mod:`~.manager`), run as their uid, under their folder (:mod:`~.users`).
 - Only sandboxed kernelspecs exist for it (:mod:`~.kernelspecs`).
+- Persistent kernels outlive it, killed or stopped; started again, it adopts those it
+  started for its users, each for its owner (:mod:`~.manager`).
 - It runs as root (to run kernels as its users' uids), and refuses to start otherwise; it
   serves TLS only, unless on a loopback address with ``allow_plain_http``.
 
