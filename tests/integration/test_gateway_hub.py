@@ -1,0 +1,480 @@
+"""The sandbox gateway behind a real JupyterHub, on one host, as docs/administrators/gateway-hub.md
+sets it up: the hub as root (LocalProcessSpawner, configurable-http-proxy from
+``/opt/sk-chp``), two real local users whose servers run as their own uids from
+``/opt/sk-user-venv`` (both from ``bash .ci/setup``), and the gateway as root over TLS on
+loopback with :class:`~sandbox_kernel.gateway.hub.HubIdentityProvider`. The hub's and the
+gateway's configs and the setup commands are the page's own, with this test's paths and ports.
+
+A user logs in at the hub in a real browser and plots in a sandboxed notebook; then the
+other user's real server token is tried on everything of the first user's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+import requests
+from playwright.sync_api import Page, expect, sync_playwright
+from tornado.httpclient import HTTPClientError
+
+from .conftest import KERNEL, REPORTS, HostState
+from .test_gateway import Served, containers_of, run_code
+from .test_jupyter_server import free_port
+from .test_lab_browser import ARTIFACTS, CHROMIUM
+
+pytestmark = pytest.mark.integration
+
+USERS = ("sk-hub-alice", "sk-hub-bob")
+PASSWORD = secrets.token_urlsafe(12)
+CHP = Path("/opt/sk-chp/node_modules/.bin/configurable-http-proxy")
+USER_VENV = Path("/opt/sk-user-venv")
+BIN = Path(sys.executable).parent
+PAGE = Path(__file__).parents[2] / "docs" / "administrators" / "gateway-hub.md"
+SERVICE = "sandbox-gateway"
+ADMIN_SERVICE = "sk-test-admin"
+
+
+def documented_blocks() -> dict[str, str]:
+    """The page's setup commands, hub config and gateway config."""
+    text = PAGE.read_text()
+    blocks = re.findall(r"^```(bash|python)\n(.*?)^```", text, re.M | re.S)
+    found = {}
+    for lang, code in blocks:
+        if lang == "bash":
+            found["commands"] = code
+        elif "jupyterhub_config.py" in code:
+            found["hub"] = code
+        elif "jupyter_sandbox_gateway_config.py" in code:
+            found["gateway"] = code
+    assert set(found) == {"commands", "hub", "gateway"}, f"{PAGE} changed its examples: {sorted(found)}"
+    return found
+
+
+def substituted(blocks: dict[str, str], replacements: list[tuple[str, str]]) -> dict[str, str]:
+    """The blocks with the page's paths and ports made this test's; each must occur."""
+    for old, new in replacements:
+        assert any(old in code for code in blocks.values()), f"{PAGE} no longer says {old!r}"
+        blocks = {name: code.replace(old, new) for name, code in blocks.items()}
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, pwd.struct_passwd]]:
+    """Two real local users (homes 0700, a project folder each), in no privileged group;
+    removed afterwards, with their homes."""
+    made = {}
+    try:
+        for name in USERS:
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)  # a crashed run's
+            subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+            account = pwd.getpwnam(name)
+            Path(account.pw_dir).chmod(0o700)
+            project = Path(account.pw_dir) / "proj"
+            project.mkdir(mode=0o700)
+            os.chown(project, account.pw_uid, account.pw_gid)
+            made[name] = account
+        assert not set(USERS) & set(grp.getgrnam("docker").gr_mem), "a docker-group user is root-equivalent"
+        assert all(grp.getgrgid(a.pw_gid).gr_name != "docker" for a in made.values())
+        yield made
+    finally:
+        for name in made:
+            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+            assert not Path(made[name].pw_dir).exists()
+
+
+class HubServed(Served):
+    """The gateway, asked with any token."""
+
+    async def fetch_as(self, path: str, token: str, method: str = "GET") -> Any:
+        self.tokens["_"] = token
+        return await self.fetch(path, "_", method)
+
+
+@dataclass
+class Hub:
+    url: str
+    api: str
+    admin_token: str
+    gateway: HubServed
+    shared: Path
+    private: Path
+    audit: Path
+
+    def call(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        """The hub's REST API, as the test's admin service."""
+        headers = {"Authorization": f"token {self.admin_token}"}
+        return requests.request(method, self.api + path, headers=headers, timeout=60, **kwargs)
+
+    def ask_gateway(self, method: str, path: str, token: str) -> requests.Response:
+        """The gateway's answer to a request with ``token`` (blocking: for the browser's test)."""
+        return requests.request(
+            method,
+            self.gateway.url + path,
+            headers={"Authorization": f"token {token}"},
+            verify=str(self.shared / "ca.pem"),
+            timeout=120,
+        )
+
+    def start_server(self, name: str) -> None:
+        """Start ``name``'s server (if it is not running) and wait until it is ready."""
+        self.call("POST", f"/users/{name}")  # 409 if the hub has them already
+        self.call("POST", f"/users/{name}/server")
+        deadline = time.monotonic() + 120
+        while not self.call("GET", f"/users/{name}").json().get("servers", {}).get("", {}).get("ready"):
+            assert time.monotonic() < deadline, f"{name}'s server did not start"
+            time.sleep(0.5)
+
+    def server_token(self, name: str) -> str:
+        """The token the hub gave ``name``'s server, read from its process's environment."""
+        uid = pwd.getpwnam(name).pw_uid
+        for pid in server_pids(uid):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            env = dict(item.decode().partition("=")[::2] for item in environ if b"=" in item)
+            if "JUPYTER_GATEWAY_AUTH_TOKEN" in env:
+                assert env["JUPYTER_GATEWAY_AUTH_TOKEN"] == env["JUPYTERHUB_API_TOKEN"]
+                return env["JUPYTER_GATEWAY_AUTH_TOKEN"]
+        pytest.fail(f"no server of {name} runs")
+
+
+def server_pids(uid: int) -> list[int]:
+    """The pids of the single-user servers running as ``uid``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid == uid and b"jupyterhub-singleuser" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def processes_of(uid: int) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and proc.stat().st_uid == uid:
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_until(answers: Any, process: subprocess.Popen[bytes], log: Path, timeout: float = 90) -> None:
+    """Wait until ``answers()`` is true, while ``process`` lives."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, log.read_text()
+        try:
+            if answers():
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.3)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[Hub]:
+    """JupyterHub, its proxy and the gateway, as the page sets them up; afterwards every
+    process, server, kernel and file of theirs is gone."""
+    for needed in (CHP, USER_VENV / "bin" / "jupyterhub-singleuser"):
+        if not needed.exists():
+            pytest.fail(f"{needed} is missing: run `bash .ci/setup` (as root)", pytrace=False)
+    shared = Path(tempfile.mkdtemp(prefix="sk-hub-", dir="/tmp"))
+    shared.chmod(0o755)  # the users' servers read the CA here
+    private = shared / "private"
+    private.mkdir(mode=0o700)
+    hub_port, proxy_port, gw_port, chp_api_port = (free_port() for _ in range(4))
+    blocks = substituted(
+        documented_blocks(),
+        [
+            ("/etc/sandbox-kernel/gateway-ca.pem", str(shared / "ca.pem")),
+            ("/etc/sandbox-kernel/gateway", str(private / "pki")),
+            ("/opt/jupyterhub-user", str(USER_VENV)),
+            ("8870", str(gw_port)),
+            (":8081", f":{hub_port}"),
+            ("/etc/jupyter/jupyter_sandbox_gateway_config.py", str(private / "gateway_config.py")),
+            ("/etc/jupyterhub/jupyterhub_config.py", str(private / "jupyterhub_config.py")),
+        ],
+    )
+    env = {**os.environ, "JUPYTER_PATH": str(kernelspec_root), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    commands = blocks["commands"].strip().splitlines()
+    starts = [
+        line for line in commands if line.startswith(("jupyter sandbox-kernel gateway --", "jupyterhub "))
+    ]
+    for line in commands:
+        if line not in starts:
+            subprocess.run(["bash", "-c", line], check=True, env=env, timeout=120)
+    assert len(starts) == 2
+    audit = private / "audit.jsonl"
+    (private / "gateway_config.py").write_text(
+        blocks["gateway"]
+        + f'c.ServerApp.root_dir = "{private}"\n'
+        + "c.UserPolicy.max_kernels_per_user = 2\n"
+        + f'c.SandboxProvisioner.audit_log = "{audit}"\n'
+    )
+    admin_token = secrets.token_hex(32)
+    (private / "jupyterhub_config.py").write_text(
+        blocks["hub"]
+        + f"""
+# The test's own: ports, state files, a password login, an admin service for the test.
+c.JupyterHub.bind_url = "http://127.0.0.1:{proxy_port}"
+c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.hub_port = {hub_port}
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{chp_api_port}"
+c.ConfigurableHTTPProxy.command = [{str(CHP)!r}]
+c.ConfigurableHTTPProxy.pid_file = {str(private / "chp.pid")!r}
+c.JupyterHub.db_url = "sqlite:///{private / "jupyterhub.sqlite"}"
+c.JupyterHub.cookie_secret_file = {str(private / "cookie_secret")!r}
+c.JupyterHub.pid_file = {str(private / "hub.pid")!r}
+c.JupyterHub.authenticator_class = "dummy"
+c.DummyAuthenticator.password = {PASSWORD!r}
+c.Authenticator.allowed_users = {set(users)!r}
+c.Spawner.start_timeout = 120
+c.Spawner.http_timeout = 120
+c.Spawner.args.append("--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")
+c.JupyterHub.services.append({{"name": {ADMIN_SERVICE!r}, "api_token": {admin_token!r}}})
+c.JupyterHub.load_roles.append(
+    {{
+        "name": {ADMIN_SERVICE!r},
+        "scopes": ["admin:users", "admin:servers", "tokens"],
+        "services": [{ADMIN_SERVICE!r}],
+    }}
+)
+"""
+    )
+    gateway_line, hub_line = starts  # the page's own command lines
+    tls = ssl.create_default_context(cafile=str(shared / "ca.pem"))
+    served = HubServed(
+        f"https://127.0.0.1:{gw_port}",
+        {},
+        tls,
+        private / "gateway.log",
+        ["bash", "-c", f"exec {gateway_line}"],
+        env,
+    )
+    hub_log = private / "hub.log"
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        served.start()
+        with hub_log.open("wb") as out:
+            process = subprocess.Popen(
+                ["bash", "-c", f"exec {hub_line}"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=private
+            )
+        wait_until(
+            lambda: requests.get(f"http://127.0.0.1:{proxy_port}/hub/api/", timeout=2).ok, process, hub_log
+        )
+        yield Hub(
+            f"http://127.0.0.1:{proxy_port}",
+            f"http://127.0.0.1:{proxy_port}/hub/api",
+            admin_token,
+            served,
+            shared,
+            private,
+            audit,
+        )
+    finally:
+        if process is not None:
+            for name in users:
+                requests.delete(
+                    f"http://127.0.0.1:{proxy_port}/hub/api/users/{name}/server",
+                    headers={"Authorization": f"token {admin_token}"},
+                    timeout=60,
+                )
+            stop(process)
+        served.stop()
+        chp_pid = private / "chp.pid"
+        if chp_pid.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(chp_pid.read_text()), signal.SIGKILL)
+        for account in users.values():
+            for pid in processes_of(account.pw_uid):  # a server the hub did not stop
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        for name, log in {"gateway": served.log, "hub": hub_log}.items():
+            if log.exists():
+                print(f"--- {name} log\n{log.read_text()[-20000:]}")  # shown when a test fails
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+NOTEBOOK = {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+PLOT = """\
+import matplotlib.pyplot as plt
+import pandas as pd
+sales = pd.DataFrame({"region": ["north", "south", "east"], "revenue": [3, 5, 2]})
+sales.plot.bar(x="region", y="revenue", title="revenue by region")
+plt.savefig("revenue.png")
+plt.show()
+print(int(sales.revenue.sum()))"""
+
+
+@pytest.fixture
+def page(request: pytest.FixtureRequest, hub: Hub) -> Iterator[Page]:
+    """A browser page; its screenshot is kept if the test fails."""
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            yield page
+        finally:
+            report = request.node.stash.get(REPORTS, {}).get("call")
+            if report is not None and report.failed:
+                ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
+            browser.close()
+
+
+def test_a_hub_user_plots_in_a_sandboxed_notebook_as_themselves(
+    hub: Hub, page: Page, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    before = HostState(docker_client)
+    alice = USERS[0]
+    account = users[alice]
+    project = Path(account.pw_dir) / "proj"
+    notebook = project / "analysis.ipynb"
+    notebook.write_text(json.dumps(NOTEBOOK))
+    os.chown(notebook, account.pw_uid, account.pw_gid)
+
+    page.goto(f"{hub.url}/hub/login")
+    page.locator("#username_input").fill(alice)
+    page.locator("#password_input").fill(PASSWORD)
+    page.locator("#login_submit").click()
+    page.wait_for_url(re.compile(rf"/user/{alice}/lab"), timeout=120_000)
+    assert server_pids(account.pw_uid), "her server runs as her own uid"
+
+    page.goto(f"{hub.url}/user/{alice}/lab/tree/proj/analysis.ipynb?reset")
+    dialog = page.locator(".jp-Dialog")
+    expect(dialog).to_contain_text("Select Kernel", timeout=60_000)
+    dialog.locator("select").select_option(label="Sandboxed Python")
+    dialog.locator(".jp-mod-accept").click()
+    status = page.locator(".jp-StatusBar-TextItem", has_text="Sandboxed Python | Idle")
+    expect(status).to_be_visible(timeout=120_000)
+    kernels = hub.ask_gateway("GET", "/api/kernels", hub.server_token(alice)).json()
+    assert len(kernels) == 1, kernels
+    kernel_id = kernels[0]["id"]
+
+    cell = page.locator(
+        ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-CodeCell"
+    ).first  # the empty notebook's one
+    cell.locator(".cm-content").click()
+    page.keyboard.insert_text(PLOT)
+    page.keyboard.press("Shift+Enter")
+    expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\d+\]:"), timeout=120_000)
+    expect(cell.locator(".jp-OutputArea img")).to_have_attribute(
+        "src", re.compile(r"^data:image/png;base64,")
+    )
+    assert cell.locator(".jp-OutputArea-output pre").last.inner_text().strip() == "10"
+    result = project / "revenue.png"
+    assert result.read_bytes().startswith(b"\x89PNG")
+    assert (result.stat().st_uid, result.stat().st_gid) == (account.pw_uid, account.pw_gid), "hers"
+
+    # In gVisor: the status bar says so (through the gateway), and so does Docker.
+    expect(page.locator("#sandbox-kernel-status")).to_have_text(re.compile(r"^gVisor · "), timeout=30_000)
+    (container,) = containers_of(kernel_id)
+    assert container.attrs["HostConfig"]["Runtime"].startswith("runsc")
+    assert container.labels.get("io.sandbox-kernel.user") == alice
+
+    token = hub.server_token(alice)
+    assert hub.ask_gateway("DELETE", f"/api/kernels/{kernel_id}", token).status_code == 204
+    assert containers_of(kernel_id) == []
+    with ThreadPoolExecutor(1) as thread:  # out of Playwright's event loop
+        assert thread.submit(before.new_leftovers).result() == []
+
+
+async def test_another_hub_user_and_other_tokens_get_nothing_of_a_users_kernel(
+    hub: Hub, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    before = HostState(docker_client)
+    alice, bob = USERS
+    for name in USERS:
+        await asyncio.to_thread(hub.start_server, name)
+    tokens = {name: await asyncio.to_thread(hub.server_token, name) for name in USERS}
+    hub.gateway.tokens = tokens
+    gw = hub.gateway
+    project = Path(users[alice].pw_dir) / "proj"
+    started = await gw.fetch(
+        "/api/kernels", alice, "POST", {"name": KERNEL, "env": {"KERNEL_WORKING_DIR": str(project)}}
+    )
+    assert started.code == 201, started.body
+    kernel_id = json.loads(started.body)["id"]
+    try:
+        ws = await gw.channels(kernel_id, alice)
+        out = await run_code(ws, "import os; print(os.getuid())")
+        ws.close()
+        assert out.split() == [str(users[alice].pw_uid)]
+
+        # bob, with his own real server token
+        assert json.loads((await gw.fetch("/api/kernels", bob)).body) == []
+        for path, method, body in [
+            (f"/api/kernels/{kernel_id}", "GET", None),
+            (f"/api/kernels/{kernel_id}", "DELETE", None),
+            (f"/api/kernels/{kernel_id}/interrupt", "POST", {}),
+            (f"/api/kernels/{kernel_id}/restart", "POST", {}),
+            (f"/api/sandbox-kernel/kernels/{kernel_id}", "GET", None),
+            ("/api/kernels", "POST", {"kernel_id": kernel_id}),
+        ]:
+            assert (await gw.fetch(path, bob, method, body)).code == 403, f"{method} {path}"
+        with pytest.raises(HTTPClientError) as refused:
+            await gw.channels(kernel_id, bob)
+        assert refused.value.code == 403
+        into_hers = await gw.fetch(
+            "/api/kernels", bob, "POST", {"name": KERNEL, "env": {"KERNEL_WORKING_DIR": str(project)}}
+        )
+        assert into_hers.code == 403
+        assert "outside your sandbox workspace" in json.loads(into_hers.body)["message"]
+
+        # other tokens: one of hers without the gateway's scope, a service's, none, one in the URL
+        minted = await asyncio.to_thread(
+            hub.call, "POST", f"/users/{alice}/tokens", json={"scopes": [f"read:users:name!user={alice}"]}
+        )
+        assert minted.status_code == 201, minted.text
+        for token, why in [
+            (minted.json()["token"], "lacks the scope"),
+            (hub.admin_token, "not a service's"),
+        ]:
+            refused_token = await gw.fetch_as("/api/kernels", token)
+            assert refused_token.code == 403
+            assert why in json.loads(refused_token.body)["message"]
+        assert (await gw.fetch("/api/kernels", None)).code == 403
+        assert (await gw.fetch(f"/api/kernels?token={tokens[alice]}", None)).code == 403
+        assert (await gw.fetch(f"/api/kernels/{kernel_id}", alice)).code == 200, "hers, still"
+    finally:
+        deleted = await gw.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204
+    lines = [json.loads(line) for line in hub.audit.read_text().splitlines()]
+    ran = [line for line in lines if line.get("kernel_id") == kernel_id and line["event"] == "finished"]
+    assert ran, lines[-5:]
+    assert {line.get("user_authenticated") for line in ran} == {alice}
+    assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
