@@ -71,6 +71,7 @@ from sandbox_kernel.gateway.users import GatewayUser, UserRefused, check_cwd
 from sandbox_kernel.jupyter.lab import KERNEL_STATUS_PATH, KernelSandboxHandler, MemoryGauge
 from sandbox_kernel.plan.limits import size_bytes
 from sandbox_kernel.plan.plan import NARROWABLE
+from sandbox_kernel.plan.users import START_ARGUMENT
 from sandbox_kernel.provisioner import SandboxProvisioner
 
 #: As jupyter_server's kernel routes have it (``services/kernels/handlers.py``).
@@ -96,7 +97,19 @@ class OwnKernelHandler(_OwnerOnly, KernelHandler):
 
 
 class OwnKernelActionHandler(_OwnerOnly, KernelActionHandler):
-    """``POST /api/kernels/<id>/{interrupt,restart}``, the owner's only."""
+    """``POST /api/kernels/<id>/{interrupt,restart}``, the owner's only. A restart starts
+    the kernel for its user as the gateway's policy has them now (their ceilings, their
+    groups'), not as when it first started (long ago, for a kernel adopted since)."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str, action: str) -> None:
+        user = self.current_user
+        km = self.kernel_manager.get_kernel(kernel_id)
+        launch = getattr(km, "_launch_args", None)  # jupyter_client's: what a restart starts with
+        if action == "restart" and isinstance(user, GatewayUser) and isinstance(launch, dict):
+            launch[START_ARGUMENT] = user.sandbox_user
+        await ensure_async(super().post(kernel_id, action))  # typed "Awaitable or None" upstream
 
 
 class OwnKernelWebsocketHandler(_OwnerOnly, KernelWebsocketHandler):

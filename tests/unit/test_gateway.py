@@ -758,3 +758,21 @@ async def test_its_owner_reads_and_writes_the_kernels_workspace_through_the_file
     gone = await gateway.fetch(f"{files}?path=notes&recursive=true", "alice", method="DELETE")
     assert gone.code == 204
     assert not (proj / "notes").exists()
+
+
+async def test_a_restart_starts_the_kernel_for_its_user_as_the_policy_has_them_now(gateway: Gateway) -> None:
+    from dataclasses import replace
+
+    kernel_id = await gateway.start("alice")
+    km = gateway.km.get_kernel(kernel_id)
+    now = km._launch_args["sandbox_user"]
+    km._launch_args["sandbox_user"] = replace(now, groups=("since-removed",), ceilings={"max_memory": "64g"})
+    assert (
+        await gateway.fetch(f"/api/kernels/{kernel_id}/interrupt", "alice", method="POST", body="")
+    ).code == 204
+    assert km._launch_args["sandbox_user"] != now, "an interrupt starts nothing"
+    assert (
+        await gateway.fetch(f"/api/kernels/{kernel_id}/restart", "alice", method="POST", body="")
+    ).code == 200
+    assert km._launch_args["sandbox_user"] == now
+    assert km.provisioner.user == now
