@@ -115,6 +115,14 @@ class Served:
             self.process.kill()
             self.process.wait()
 
+    def twin(self, root_dir: Path) -> Served:
+        """Another gateway on this Docker host, with the same config and users but its own
+        root folder (so its own persistent kernels) and port; not started."""
+        port = free_port()
+        command = [*self.command, f"--port={port}", f"--ServerApp.root_dir={root_dir}"]
+        log = root_dir / "gateway.log"
+        return Served(f"https://127.0.0.1:{port}", self.tokens, self.tls, log, command, self.env)
+
     async def fetch(self, path: str, user: str | None, method: str = "GET", body: Any = None) -> HTTPResponse:
         headers = {"Authorization": f"token {self.tokens[user]}"} if user else {}
         request = HTTPRequest(
@@ -354,6 +362,55 @@ async def test_a_persistent_kernel_outlives_the_gateway_killed_and_pauses_for_it
         assert (await run_code(ws, "import os; print(os.getuid())")).split() == [str(uid)]
         ws.close()
     finally:
+        deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204
+    assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+async def test_two_gateways_on_one_docker_host_neither_adopts_nor_prunes_the_others_kernels(
+    gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    docker_client: docker.DockerClient,
+    make_kernelspec: Callable[..., str],
+    tmp_path: Path,
+) -> None:
+    before = HostState(docker_client)
+    alice = USERS[0]
+    name = make_kernelspec("sandboxed-python-gw-persistent", config={"lifecycle": "persistent"})
+    folder = str(Path(users[alice].pw_dir) / "proj")
+    started = await gateway.fetch(
+        "/api/kernels", alice, "POST", {"name": name, "env": {"KERNEL_WORKING_DIR": folder}}
+    )
+    assert started.code == 201, started.body
+    kernel_id = json.loads(started.body)["id"]
+    other_root = tmp_path / "gw2"
+    other_root.mkdir(mode=0o700)
+    other = gateway.twin(other_root)
+    try:
+        ws = await gateway.channels(kernel_id, alice)
+        await run_code(ws, "x = 7")
+        ws.close()
+        other.start()  # its start prunes what nobody will use again: not a live gateway's kernel
+        assert json.loads((await other.fetch("/api/kernels", alice)).body) == []
+        assert containers_of(kernel_id)[0].status == "running"
+
+        gateway.kill()
+        other.stop()
+        other.start()  # gateway 1 is gone: its kernel is detached, but of another root folder
+        assert json.loads((await other.fetch("/api/kernels", alice)).body) == []
+        assert (await other.fetch(f"/api/kernels/{kernel_id}", alice)).code == 403
+        assert containers_of(kernel_id)[0].status == "running", "kept for the gateway it belongs to"
+
+        gateway.start()
+        assert [k["id"] for k in json.loads((await gateway.fetch("/api/kernels", alice)).body)] == [kernel_id]
+        ws = await gateway.channels(kernel_id, alice)
+        assert (await run_code(ws, "print(x)")).split() == ["7"]
+        ws.close()
+    finally:
+        other.stop()
+        if other.log.exists():
+            print(other.log.read_text())
         deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
     assert deleted.code == 204
     assert containers_of(kernel_id) == []
