@@ -15,6 +15,7 @@ kernel's audit lines.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,8 @@ def parse_since(text: str | None) -> datetime | None:
     """
     if not text:
         return None
-    when = datetime.fromisoformat(text)
+    # A "+" left unescaped in a query string arrives as a space: "...05.678 00:00".
+    when = datetime.fromisoformat(re.sub(r" (\d\d:\d\d)$", r"+\1", text))
     if when.tzinfo is None:
         msg = f"since={text!r} has no time zone; give it as audit lines do (2026-01-02T03:04:05.678+00:00)"
         raise ValueError(msg)

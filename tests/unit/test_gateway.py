@@ -637,6 +637,8 @@ async def test_its_owner_reads_only_their_kernels_audit_lines(gateway: Gateway, 
     last = lines["lines"][-1]["time"]
     later = await gateway.fetch(f"{route}?since={url_escape(last)}", "alice")
     assert json.loads(later.body) == {"lines": [], "more": False}
+    unescaped = await gateway.fetch(f"{route}?since={last}", "alice")  # its "+" arrives as a space
+    assert json.loads(unescaped.body) == {"lines": [], "more": False}
     for since in ("yesterday", "2026-01-01T00:00:00"):
         bad = await gateway.fetch(f"{route}?since={since}", "alice")
         assert bad.code == 400, since
