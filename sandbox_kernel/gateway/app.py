@@ -41,6 +41,7 @@ from jupyter_server.services.kernelspecs.handlers import KernelSpecHandler, Main
 from traitlets import Bool, Int, List, Unicode, default
 
 from sandbox_kernel._version import __version__
+from sandbox_kernel.agents.files import DEFAULT_MAX_BYTES
 from sandbox_kernel.errors import ConfigurationError
 from sandbox_kernel.gateway import handlers
 from sandbox_kernel.gateway.authorizer import KernelOwnerAuthorizer
@@ -329,6 +330,16 @@ class SandboxGatewayApp(ServerApp):
         # Only the adoption scope of persistent kernels hashes it; kernels run under their users' folders.
         os.makedirs(DEFAULT_ROOT_DIR, mode=0o700, exist_ok=True)
         return DEFAULT_ROOT_DIR
+
+    @default("max_body_size")
+    def _gateway_max_body_size_default(self) -> int:
+        # The largest body a route takes is a file upload, which the files API caps; tornado
+        # buffers a body before anyone is authenticated (jupyter_server's default: 512 MiB).
+        return DEFAULT_MAX_BYTES
+
+    @default("max_buffer_size")
+    def _gateway_max_buffer_size_default(self) -> int:
+        return DEFAULT_MAX_BYTES
 
     @default("terminals_enabled")
     def _gateway_terminals_default(self) -> bool:

@@ -21,6 +21,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HT
 from tornado.websocket import websocket_connect
 from traitlets.config import Config
 
+from sandbox_kernel.agents.files import DEFAULT_MAX_BYTES
 from sandbox_kernel.backends.fake import FakeBackend
 from sandbox_kernel.gateway.app import SandboxGatewayApp
 from sandbox_kernel.gateway.identity import add_token
@@ -750,6 +751,7 @@ async def test_its_owner_reads_and_writes_the_kernels_workspace_through_the_file
         assert "\n" not in message(response)
     assert (await gateway.fetch(f"{files}?path=link", "alice", method="PUT", body=b"x")).code == 400
     assert (proj / "link").is_symlink(), "not replaced"
+    assert gateway.app.max_body_size == DEFAULT_MAX_BYTES, "no upload larger than a download may be"
     deep = "/".join(["d"] * 2100)  # over the 4095 bytes of a path the kernel could open
     assert (await gateway.fetch(f"{files}?path={deep}/x", "alice", method="PUT", body=b"x")).code == 400
 
