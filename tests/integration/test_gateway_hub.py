@@ -52,6 +52,8 @@ BIN = Path(sys.executable).parent
 PAGE = Path(__file__).parents[2] / "docs" / "administrators" / "gateway-hub.md"
 SERVICE = "sandbox-gateway"
 ADMIN_SERVICE = "sk-test-admin"
+#: The gateway's cache of the hub's answers here (60 s by default): a revoked token's time to fail.
+CACHE_MAX_AGE = 2
 
 
 def documented_blocks() -> dict[str, str]:
@@ -60,7 +62,7 @@ def documented_blocks() -> dict[str, str]:
     blocks = re.findall(r"^```(bash|python)\n(.*?)^```", text, re.M | re.S)
     found = {}
     for lang, code in blocks:
-        if lang == "bash":
+        if lang == "bash" and "init-tls" in code:
             found["commands"] = code
         elif "jupyterhub_config.py" in code:
             found["hub"] = code
@@ -142,6 +144,14 @@ class Hub:
         deadline = time.monotonic() + 120
         while not self.call("GET", f"/users/{name}").json().get("servers", {}).get("", {}).get("ready"):
             assert time.monotonic() < deadline, f"{name}'s server did not start"
+            time.sleep(0.5)
+
+    def stop_server(self, name: str) -> None:
+        """Stop ``name``'s server and wait until the hub says it stopped."""
+        self.call("DELETE", f"/users/{name}/server")
+        deadline = time.monotonic() + 60
+        while self.call("GET", f"/users/{name}").json().get("servers"):
+            assert time.monotonic() < deadline, f"{name}'s server did not stop"
             time.sleep(0.5)
 
     def server_token(self, name: str) -> str:
@@ -242,6 +252,7 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
         blocks["gateway"]
         + f'c.ServerApp.root_dir = "{private}"\n'
         + "c.UserPolicy.max_kernels_per_user = 2\n"
+        + f"c.HubIdentityProvider.cache_max_age = {CACHE_MAX_AGE}\n"
         + f'c.SandboxProvisioner.audit_log = "{audit}"\n'
     )
     admin_token = secrets.token_hex(32)
@@ -469,6 +480,11 @@ async def test_another_hub_user_and_other_tokens_get_nothing_of_a_users_kernel(
         assert (await gw.fetch("/api/kernels", None)).code == 403
         assert (await gw.fetch(f"/api/kernels?token={tokens[alice]}", None)).code == 403
         assert (await gw.fetch(f"/api/kernels/{kernel_id}", alice)).code == 200, "hers, still"
+
+        # A stopped server's token is revoked by the hub: the gateway refuses it once its cache expires.
+        await asyncio.to_thread(hub.stop_server, bob)
+        await asyncio.sleep(CACHE_MAX_AGE + 1)
+        assert (await gw.fetch("/api/kernels", bob)).code == 403
     finally:
         deleted = await gw.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
     assert deleted.code == 204
