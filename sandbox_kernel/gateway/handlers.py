@@ -104,8 +104,8 @@ class OwnKernelActionHandler(_OwnerOnly, KernelActionHandler):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str, action: str) -> None:
-        user = self.current_user
-        km = self.kernel_manager.get_kernel(kernel_id)
+        user, kernels = self.current_user, self.kernel_manager
+        km = kernels.get_kernel(kernel_id) if kernel_id in kernels else None
         launch = getattr(km, "_launch_args", None)  # jupyter_client's: what a restart starts with
         if action == "restart" and isinstance(user, GatewayUser) and isinstance(launch, dict):
             launch[START_ARGUMENT] = user.sandbox_user
