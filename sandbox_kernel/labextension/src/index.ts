@@ -7,8 +7,7 @@
  *
  * On a user's server whose kernels run on a sandbox gateway (another machine), the item
  * says when that host does not answer, and once it answers again, reconnects a kernel
- * connection JupyterLab gave up on (it stops after 7 tries), so the notebook runs on
- * without a reload.
+ * connection JupyterLab gave up on, so the notebook runs on without a reload.
  */
 import {
   JupyterFrontEnd,
@@ -405,9 +404,9 @@ class SandboxStatus extends Widget {
   }
 
   /**
-   * The server answers for the kernel again: if JupyterLab gave up reconnecting its
-   * connection meanwhile (after 7 tries, some two minutes), try again, as "Reconnect to
-   * Kernel" does.
+   * The server answers for the kernel again: if JupyterLab gave its connection up
+   * meanwhile ("disconnected": a socket closed as going away, 1000 or 1001, or 7 failed
+   * tries in a row), try again, as "Reconnect to Kernel" does.
    */
   private _reconnect(): void {
     const kernel = this._kernel;
