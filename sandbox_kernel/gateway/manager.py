@@ -21,8 +21,8 @@ started again it adopts those it started for its users (their ``io.sandbox-kerne
 label; never a kernel started for no user), each with its owner from the kernel's saved
 state, before it serves a request. What it adopts is what its root folder's scope holds
 (see :class:`~sandbox_kernel.jupyter.server.SandboxMappingKernelManager`): two gateways on
-one Docker host need different root folders (``root_dir``). Neither prunes the other's kernels while it
-lives (a kernel is pruned only once its holder is gone).
+one Docker host need different root folders (``root_dir``). Neither prunes the other's
+kernels while it lives (a kernel is pruned only once its holder is gone).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
         return "sandboxed-python"
 
     def __init__(self, **kwargs: Any) -> None:
+        self._owners: dict[str, str] = {}  # before the base's adoption, which may ask for owners
         super().__init__(**kwargs)
-        self._owners: dict[str, str] = {}
 
     def owner(self, kernel_id: str) -> str | None:
         """The name of the user kernel ``kernel_id`` was started for, or None (no such
