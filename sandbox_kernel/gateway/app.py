@@ -212,8 +212,8 @@ class InitTlsApp(_GatewayCommand):
     description = """Make a certificate authority for the gateway (ca.pem, and its key
     ca-key.pem) unless --dir has one, and a server certificate it signs for the given host
     names and addresses (server.pem, server-key.pem). Keys are written 0600. Give the
-    gateway --certfile and --keyfile, and the users' servers the CA (SSL_CERT_FILE=DIR/ca.pem:
-    jupyter_server 2.21 ignores JUPYTER_GATEWAY_CA_CERTS without a client certificate)."""
+    gateway --certfile and --keyfile, and the users' servers the CA
+    (JUPYTER_GATEWAY_CA_CERTS=DIR/ca.pem, with sandbox-kernel installed on their side)."""
     examples = "jupyter sandbox-kernel gateway init-tls --hostname gw.example --ip 10.77.0.2"
     directory = Unicode(DEFAULT_TLS_DIR, config=True, help="Where to write the CA and the certificate.")
     hostnames = List(Unicode(), config=True, help="Host names of the gateway (default: this host's); repeat.")
