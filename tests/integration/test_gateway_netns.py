@@ -15,7 +15,6 @@ Docker" needs; only the network between them is what a second machine would have
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pwd
 import re
@@ -36,10 +35,8 @@ import requests
 from playwright.sync_api import Browser, WebSocketRoute, expect
 
 from sandbox_kernel.backends.docker import DockerBackend
-from sandbox_kernel.cli.resources import data_path
 from sandbox_kernel.lifecycle.ownership import list_kernels, remove_kernel
 
-from .conftest import KERNEL
 from .test_gateway import cli
 from .test_jupyter_server import Server, free_port
 from .test_lab_browser import ARTIFACTS, LAB_CONFIG, Lab
@@ -164,21 +161,18 @@ class Gateway:
 @pytest.fixture
 def gateway(sandbox_host: str, user: pwd.struct_passwd, tmp_path: Path) -> Iterator[tuple[Gateway, str]]:
     """The gateway's files as on the sandbox host (TLS for 10.77.0.2, a token for the user,
-    the persistent variant of the shipped kernelspec); and the user's token."""
+    the persistent variant of the shipped kernelspec), the gateway started; and the token."""
     private = tmp_path / "gw"
     private.mkdir(mode=0o700)
-    kernels = private / "data" / "kernels" / KERNEL
-    shutil.copytree(data_path("kernelspecs") / KERNEL, kernels)
-    spec = json.loads((kernels / "kernel.json").read_text())
-    spec["metadata"]["kernel_provisioner"].setdefault("config", {})["lifecycle"] = "persistent"
-    (kernels / "kernel.json").write_text(json.dumps(spec))
     env = {
         **os.environ,
-        "JUPYTER_PATH": str(private / "data"),
+        "JUPYTER_PATH": str(private / "prefix" / "share" / "jupyter"),
         "JUPYTER_CONFIG_DIR": str(private / "config"),
         "JUPYTER_DATA_DIR": str(private / "data-home"),
         "JUPYTER_RUNTIME_DIR": str(private / "runtime"),
     }
+    # The persistent variant of the shipped kernelspec, as the docs install it (into a prefix).
+    cli("install", f"--prefix={private / 'prefix'}", "--lifecycle=persistent", env=env)
     cli(
         "gateway",
         "init-tls",
@@ -200,7 +194,6 @@ def gateway(sandbox_host: str, user: pwd.struct_passwd, tmp_path: Path) -> Itera
                 f'c.ServerApp.root_dir = "{private}"',
                 f'c.TokensFileIdentityProvider.path = "{tokens_file}"',
                 'c.UserPolicy.workspace_root = "/home/{username}"',
-                "c.GatewayKernelManagerForUsers.adopt_persistent_kernels = True",
                 "",
             ]
         )
