@@ -20,23 +20,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sandbox_kernel.host.cgroups import _cgroup, cpu_seconds, memory_usage
+from sandbox_kernel.host.cgroups import cpu_seconds, memory_usage, peak_memory
 
 #: Lines :func:`audit_lines` returns at most at once (the client asks again from the last one's time).
 MAX_AUDIT_LINES = 1000
-
-
-def peak_memory(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The most bytes ``pid``'s memory cgroup was charged (since it was made, or its peak
-    last reset), without resetting it; None if unknown."""
-    found = _cgroup(pid, "memory", proc)
-    if found is None:
-        return None
-    folder, version = found
-    try:
-        return int((folder / ("memory.max_usage_in_bytes" if version == 1 else "memory.peak")).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def usage(pid: int | None) -> dict[str, Any]:

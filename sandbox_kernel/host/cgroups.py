@@ -71,6 +71,19 @@ def memory_usage(pid: int, proc: Path = Path("/proc")) -> int | None:
         return None
 
 
+def peak_memory(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The most bytes ``pid``'s memory cgroup was charged (since it was made, or its peak
+    last reset), without resetting it; None if unknown."""
+    found = _cgroup(pid, "memory", proc)
+    if found is None:
+        return None
+    folder, version = found
+    try:
+        return int((folder / ("memory.max_usage_in_bytes" if version == 1 else "memory.peak")).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def memory_limit(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The memory limit of ``pid``'s memory cgroup in bytes (what a pool claim narrowed it
     to, which Docker's record of the container does not know); None if unknown or none."""

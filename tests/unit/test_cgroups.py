@@ -32,7 +32,10 @@ def test_cgroup_v1_memory_controller(fake_host: tuple[Path, Path]) -> None:
     (folder / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
     (folder / "memory.usage_in_bytes").write_text("535252992\n")
     (folder / "memory.limit_in_bytes").write_text("536870912\n")
+    (folder / "memory.max_usage_in_bytes").write_text("600000000\n")
     assert cgroups.oom_kills(7, proc) == 2
+    assert cgroups.peak_memory(7, proc) == 600000000
+    assert (folder / "memory.max_usage_in_bytes").read_text() == "600000000\n"  # read, not reset
     assert cgroups.memory_usage(7, proc) == 535252992
     assert cgroups.memory_limit(7, proc) == 512 * 2**20
     (folder / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "none"
@@ -47,7 +50,9 @@ def test_cgroup_v2_unified(fake_host: tuple[Path, Path]) -> None:
     (folder / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n")
     (folder / "memory.current").write_text("1048576\n")
     (folder / "memory.max").write_text("1073741824\n")
+    (folder / "memory.peak").write_text("2097152\n")
     assert cgroups.oom_kills(8, proc) == 1
+    assert cgroups.peak_memory(8, proc) == 2097152
     assert cgroups.memory_usage(8, proc) == 1048576
     assert cgroups.memory_limit(8, proc) == 2**30
     (folder / "memory.max").write_text("max\n")
