@@ -382,8 +382,10 @@ class SandboxStatus extends Widget {
       this._showLost(answer);
       return; // asked again at the usual interval
     }
-    this._reconnect();
     const sandbox = answer;
+    if (sandbox !== null) {
+      this._reconnect(); // the kernel is there: a connection given up on can come back
+    }
     if (sandbox?.state === 'paused' && Date.now() - this._wokenAt < WAKING) {
       sandbox.state = 'resuming'; // our message is on its way to the kernel
     }
@@ -404,7 +406,7 @@ class SandboxStatus extends Widget {
   }
 
   /**
-   * The server answers for the kernel again: if JupyterLab gave its connection up
+   * The server answers for the kernel, and has it: if JupyterLab gave its connection up
    * meanwhile ("disconnected": a socket closed as going away, 1000 or 1001, or 7 failed
    * tries in a row), try again, as "Reconnect to Kernel" does.
    */
