@@ -63,6 +63,7 @@ from traitlets.config import Config, LoggingConfigurable
 from sandbox_kernel._version import __version__
 from sandbox_kernel.agents import mcp_files, mcp_transport, workspaces
 from sandbox_kernel.agents.commands import DEFAULT_TIMEOUT
+from sandbox_kernel.agents.gateway_session import GatewaySettings
 from sandbox_kernel.agents.mcp_results import (
     DeleteOutput,
     DownloadOutput,
@@ -916,6 +917,7 @@ def serve_stdio(
     cwd: str | None = None,
     config: Mapping[str, Any] | None = None,
     keep_workspace: bool = False,
+    gateway: GatewaySettings | None = None,
 ) -> None:
     """Run the MCP server on stdin and stdout (``jupyter sandbox-kernel mcp``).
 
@@ -926,12 +928,25 @@ def serve_stdio(
     own (see :mod:`~.workspaces`), removed at the end unless ``keep_workspace``. Returns
     when the client closes stdin, after shutting every kernel down.
 
+    With ``gateway``, the kernels run on that sandbox gateway (see
+    :mod:`~.gateway_session`): ``cwd`` is a folder on its host (none: the user's root there),
+    and no fresh workspace is made here.
+
     Raises:
         WorkspaceError: no ``cwd``, and the administrator's ``workspace_root`` decides
             the workspace (the message says what to pass).
     """
     factory = functools.partial(AsyncSandboxSession, config=config)
     limits = McpLimits(config=Config(config or {}))
+    if gateway is not None:
+        factory = functools.partial(
+            AsyncSandboxSession,
+            gateway_url=gateway.url,
+            gateway_token=gateway.token,
+            ca_certs=gateway.ca_certs,
+        )
+        anyio.run(serve_stdio_async, kernel_name, cwd or "", factory, limits, False)
+        return
     fresh = not cwd
     if cwd:
         folder = str(Path(cwd).resolve())

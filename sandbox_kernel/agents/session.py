@@ -27,6 +27,14 @@ gives an :class:`Execution` with the error (``KernelDied``, ``MemoryLimitExceede
 command in the sandbox, through the kernel (see :mod:`~sandbox_kernel.agents.commands`), and
 ``lifetime`` shuts the kernel down so many seconds after its start, as E2B's sandbox
 timeout. :class:`AsyncSandboxSession` is the same for asyncio code.
+
+With ``gateway_url=`` (or ``JUPYTER_GATEWAY_URL``) the kernel runs on a sandbox gateway,
+``jupyter sandbox-kernel gateway`` on another machine or as root on this one, as the user
+its token names (``gateway_token=`` or ``JUPYTER_GATEWAY_AUTH_TOKEN``; ``ca_certs=`` or
+``JUPYTER_GATEWAY_CA_CERTS`` for its TLS certificate's CA): see
+:mod:`~sandbox_kernel.agents.gateway_session`. Runs, restarts, files, pause and resume go
+through the gateway; ``cwd`` is a folder on the gateway's host, under the user's root there
+(none: that root).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any, TypeVar
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
+from jupyter_core.utils import ensure_async
 from traitlets.config import Config
 
 from sandbox_kernel.agents.commands import (
@@ -59,11 +68,24 @@ from sandbox_kernel.agents.commands import (
     saved_env,
 )
 from sandbox_kernel.agents.files import FileInfo, WorkspaceFiles, workspace_files
+from sandbox_kernel.agents.gateway_session import (
+    GatewayKernel,
+    GatewaySettings,
+    SessionGatewayKernelManager,
+    narrowing_for_gateway,
+    release_gateway,
+    use_gateway,
+)
 from sandbox_kernel.agents.session_run import RunMessages
 from sandbox_kernel.agents.workspaces import keep_workspace, make_fresh_workspace, remove_workspace
 from sandbox_kernel.channels.approval import ApprovalHandler
 from sandbox_kernel.channels.output import amount
-from sandbox_kernel.errors import KernelStartupError, KernelTakenOverError, SandboxKernelError
+from sandbox_kernel.errors import (
+    ConfigurationError,
+    KernelStartupError,
+    KernelTakenOverError,
+    SandboxKernelError,
+)
 from sandbox_kernel.host.background import BackgroundLoop
 from sandbox_kernel.host.cgroups import SandboxUsage
 from sandbox_kernel.lifecycle.pausing import Paused
@@ -296,6 +318,14 @@ class AsyncSandboxSession:
     after the start at which the kernel is shut down (see :meth:`set_lifetime`);
     ``**policy``: narrow the kernelspec's policy (see the module). A kernelspec whose
     kernels would not run in the sandbox is refused (``ConfigurationError``).
+
+    ``gateway_url``, ``gateway_token``, ``ca_certs``: run the kernel on that sandbox gateway
+    (see the module; each not given is read from its ``JUPYTER_GATEWAY_*`` variable). There
+    ``cwd`` is a folder on the gateway's host (none: the user's root there), the narrowing
+    is sent to the gateway, which refuses what is wider than it allows; ``env`` and
+    ``approval_handler`` are refused (``ConfigurationError``: the gateway sets no client's
+    variables and asks no approval of a program), and ``config`` does not apply (the
+    gateway's settings do).
     """
 
     def __init__(
@@ -312,15 +342,37 @@ class AsyncSandboxSession:
         approval_handler: ApprovalHandler | None = None,
         lifetime: float | None = None,
         keep_workspace: bool = False,
+        gateway_url: str | None = None,
+        gateway_token: str | None = None,
+        ca_certs: str | None = None,
         **policy: Any,
     ) -> None:
         self.kernel_name = kernel_name
+        #: The sandbox gateway the kernel runs on; None: here, under this host's Docker.
+        self.gateway = GatewaySettings.given(gateway_url, gateway_token, ca_certs)
         # Not resolved here: the provisioner refuses links a root program must not follow.
         #: The host folder the kernel works in; for a session without ``cwd``, its fresh
-        #: workspace once started (None before, and once removed).
+        #: workspace once started (None before, and once removed). On a gateway: the
+        #: folder on its host (None: the user's root there).
         self.cwd: Path | None = Path(cwd).absolute() if cwd else None
         #: Whether this session made its workspace (so removes it, unless keep_workspace).
-        self.fresh_workspace = cwd is None or cwd == ""
+        self.fresh_workspace = (cwd is None or cwd == "") and self.gateway is None
+        #: The POST's narrowing, for a kernel on a gateway.
+        self._narrowing: dict[str, Any] = {}
+        if self.gateway is not None:
+            if cwd and not os.path.isabs(cwd):
+                msg = (
+                    f"cwd={str(cwd)!r}: a kernel on a sandbox gateway needs its folder's path there, absolute"
+                )
+                raise ConfigurationError(msg)
+            self.cwd = Path(cwd) if cwd else None
+            self._narrowing = narrowing_for_gateway(policy, dict(env or {}))
+            if approval_handler is not None:
+                msg = (
+                    "approval_handler= is not available for a kernel on a sandbox gateway: "
+                    "its requests outside the allowed domains are refused"
+                )
+                raise ConfigurationError(msg)
         self.keep_workspace = keep_workspace
         self.env = dict(env or {})
         self.restart_on_death = restart_on_death
@@ -363,6 +415,11 @@ class AsyncSandboxSession:
             return self
         self._expired = None  # a new kernel, a new lifetime
         self._ending.clear()
+        if self.gateway is not None:
+            await self._start_on_gateway(self.gateway)
+            if self.lifetime is not None:
+                await self.set_lifetime(self.lifetime)
+            return self
         kwargs = dict(self._manager_kwargs)
         config = Config(kwargs.pop("config", None) or {})
         config.merge(self.config)
@@ -387,6 +444,27 @@ class AsyncSandboxSession:
         if self.lifetime is not None:
             await self.set_lifetime(self.lifetime)
         return self
+
+    async def _start_on_gateway(self, gateway: GatewaySettings, kernel_id: str | None = None) -> None:
+        """Start the kernel on ``gateway`` (or take its kernel ``kernel_id``) and connect to it."""
+        use_gateway(gateway)
+        try:
+            km = SessionGatewayKernelManager(kernel_name=self.kernel_name)
+            if kernel_id is not None:
+                await km.start_kernel(kernel_id=kernel_id)
+                self.kernel_name = str((km.kernel or {}).get("name") or self.kernel_name)
+            else:
+                cwd = str(self.cwd) if self.cwd is not None else None
+                await km.start_kernel(kernel_name=self.kernel_name, cwd=cwd, sandbox=self._narrowing)
+            try:
+                await self._connect(km)
+            except BaseException:
+                if kernel_id is None:
+                    await km.shutdown_kernel(now=True)
+                raise
+        except BaseException:
+            release_gateway()
+            raise
 
     async def set_lifetime(self, seconds: float | None) -> None:
         """Shut the kernel down ``seconds`` from now, whatever it is doing (a run then
@@ -433,11 +511,24 @@ class AsyncSandboxSession:
         prefix), started by another process or an earlier session and kept running
         (a persistent kernel, or one whose session was :meth:`detach`-ed).
 
+        With ``gateway_url`` (or ``JUPYTER_GATEWAY_URL``), the kernel ``kernel_id`` (its whole
+        id) of the token's user on that gateway: the gateway checks that it is theirs; other
+        clients of it keep theirs (``take_over`` does not apply).
+
         Raises:
             KernelHeldError: a live process drives the kernel; ``take_over=True`` takes
                 it from that process, whose runs then fail with ``KernelTakenOverError``.
             KernelNotFoundError: no such kernel this user may drive.
         """
+        gateway = GatewaySettings.given(
+            kwargs.get("gateway_url"), kwargs.get("gateway_token"), kwargs.get("ca_certs")
+        )
+        if gateway is not None:
+            session = cls(str(kwargs.pop("kernel_name", "sandboxed-python")), None, **kwargs)
+            await session._start_on_gateway(gateway, kernel_id)
+            if session.lifetime is not None:
+                await session.set_lifetime(session.lifetime)
+            return session
         km = await reattach_kernel(kernel_id, take_over=take_over)
         km.stop_restarter()  # the session restarts a dead kernel itself, when run
         cwd = (km._launch_args or {}).get("cwd")
@@ -456,7 +547,8 @@ class AsyncSandboxSession:
 
     async def _connect(self, km: AsyncKernelManager) -> None:
         kc = km.client()
-        kc.start_channels()
+        channels: Any = kc  # a gateway's client's start_channels is a coroutine: it dials its websocket
+        await ensure_async(channels.start_channels())
         try:
             await kc.wait_for_ready(timeout=self.startup_timeout)
         except RuntimeError as exc:
@@ -474,11 +566,33 @@ class AsyncSandboxSession:
     async def pause(self) -> Paused:
         """Save the idle kernel, memory included, to disk and stop its sandbox; the next
         :meth:`run` resumes it (or :meth:`resume`). Raises PauseError (the kernel runs on)."""
+        gateway = self._gateway_kernel()
+        if gateway is not None:
+            return await gateway.pause()
         return await self._provisioner().pause()
 
     async def resume(self) -> None:
         """Resume a paused kernel now, rather than at the next :meth:`run`."""
+        gateway = self._gateway_kernel()
+        if gateway is not None:
+            await gateway.resume()
+            return
         await self._provisioner().resume()
+
+    async def usage(self) -> dict[str, Any]:
+        """The sandbox's use of CPU and memory, as a kernel on a gateway has its owner read
+        it: ``{"state", "cpu_seconds", "memory": {"used", "peak", "limit"}}`` (bytes; null
+        while it has no process, paused say). ``peak`` is the most since the sandbox started.
+
+        Raises:
+            TypeError: a kernel on this host (each :class:`Execution` has its run's
+                ``cpu_time`` and ``peak_memory``).
+        """
+        gateway = self._gateway_kernel()
+        if gateway is None:
+            msg = "usage() reads a kernel on a sandbox gateway; here, each run's Execution has its figures"
+            raise TypeError(msg)
+        return await gateway.usage()
 
     async def current_policy(self) -> dict[str, Any]:
         """The policy the host holds the kernel to: the kernelspec's, narrowed by this
@@ -487,7 +601,12 @@ class AsyncSandboxSession:
         (``none`` or ``allowlist``), ``allowed_domains``, ``approval`` (``egress``: a
         request to another domain the server allows waits for the holder's answer);
         ``output_limit`` (per run); ``lifecycle``; ``image``; ``workspace``, where the
-        sandbox sees the workspace, and ``working_folder``, the kernel's folder there."""
+        sandbox sees the workspace, and ``working_folder``, the kernel's folder there.
+        For a kernel on a gateway, from its status route: ``workspace`` and
+        ``working_folder`` are None (the gateway does not say them)."""
+        gateway = self._gateway_kernel()
+        if gateway is not None:
+            return _gateway_policy(await gateway.status(), self._manager())
         provisioner = self._provisioner()
         info = await provisioner.get_provisioner_info()
         policy = provisioner.policy  # the running kernel's: its settings, narrowed by its start
@@ -583,6 +702,12 @@ class AsyncSandboxSession:
         self.km = self.kc = None
         if kc is not None:
             kc.stop_channels()
+        if isinstance(km, SessionGatewayKernelManager):
+            try:
+                await km.shutdown_kernel(now=True)  # DELETE on the gateway
+            finally:
+                release_gateway()
+            return
         if km is not None:
             # A kernel another process took over is not alive here, and the provisioner
             # removes and signals nothing of it: only this manager's side goes.
@@ -610,7 +735,9 @@ class AsyncSandboxSession:
         self.km = self.kc = None
         if kc is not None:
             kc.stop_channels()
-        if km is not None and isinstance(km.provisioner, SandboxProvisioner):
+        if isinstance(km, SessionGatewayKernelManager):
+            release_gateway()  # no DELETE: the kernel runs on, on the gateway
+        elif km is not None and isinstance(km.provisioner, SandboxProvisioner):
             await km.provisioner.detach()
 
     def _stop_lifetime(self) -> None:
@@ -686,6 +813,8 @@ class AsyncSandboxSession:
         request = _execute_request(kc, code, store_history, limit)
         execution.msg_id = request["header"]["msg_id"]
         meter = await self._meter()
+        gateway = self._gateway_kernel()
+        cpu_before = await _gateway_cpu(gateway) if gateway is not None else None
         started = time.monotonic()
         kc.shell_channel.send(request)
         try:
@@ -699,6 +828,11 @@ class AsyncSandboxSession:
             execution.duration = time.monotonic() - started
             if meter is not None:
                 execution.cpu_time, execution.peak_memory = meter.stop()
+        if gateway is not None and cpu_before is not None:
+            # The gateway's reading is the sandbox's CPU since it started (the difference is
+            # the run's) and its peak memory since then, not the run's: peak_memory stays None.
+            cpu_after = await _gateway_cpu(gateway)
+            execution.cpu_time = None if cpu_after is None else max(0.0, cpu_after - cpu_before)
         return await self._outcome(km, execution, reply, limit)
 
     async def _run_in_env(self, env: Mapping[str, str], code: str, **run: Any) -> Execution:
@@ -828,6 +962,13 @@ class AsyncSandboxSession:
             raise KernelTakenOverError(msg)
         return km
 
+    def _gateway_kernel(self) -> GatewayKernel | None:
+        """The owner's routes of the session's kernel, if it is on a gateway."""
+        km = self._manager()
+        if not isinstance(km, SessionGatewayKernelManager):
+            return None
+        return GatewayKernel(str(km.kernel_id))
+
     def _client(self) -> AsyncKernelClient:
         if self.kc is None:
             self._manager()
@@ -845,6 +986,37 @@ class AsyncSandboxSession:
                 await provisioner.get_provisioner_info(), provisioner.backend
             )
         return self._workspace
+
+
+async def _gateway_cpu(gateway: GatewayKernel) -> float | None:
+    """The CPU seconds the gateway reads for the kernel's sandbox; None if it cannot."""
+    try:
+        used = await gateway.usage()
+    except SandboxKernelError:
+        return None
+    value = used.get("cpu_seconds")
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _gateway_policy(status: Mapping[str, Any], km: AsyncKernelManager) -> dict[str, Any]:
+    """:meth:`AsyncSandboxSession.current_policy` from a gateway's kernel status."""
+    limits = dict(status.get("limits") or {})
+    output_limit = limits.pop("output_limit", None)
+    network = status.get("network")
+    model: dict[str, Any] = getattr(km, "kernel", None) or {}
+    found = model.get("sandbox")
+    sandbox: dict[str, Any] = found if isinstance(found, dict) else {}
+    return {
+        **limits,
+        "network": network,
+        "allowed_domains": list(status.get("allowed_domains") or []),
+        "approval": "egress" if status.get("approval") else "off",
+        "output_limit": output_limit,
+        "lifecycle": sandbox.get("lifecycle"),
+        "image": status.get("image"),
+        "workspace": None,
+        "working_folder": None,
+    }
 
 
 class _Meter:
@@ -972,12 +1144,18 @@ class AsyncSessionFiles:
 
     async def upload(self, path: str, data: bytes | str) -> str:
         """Write ``data`` to ``path`` (replacing it at once); the path in the sandbox."""
+        gateway = self._session._gateway_kernel()
+        if gateway is not None:
+            return await gateway.upload(path, data)
         files = await self._session._workspace_files()
         written = await asyncio.to_thread(files.upload, path, data)
         self._audit("upload", written, len(data))
         return written
 
     async def download(self, path: str, max_bytes: int | None = None) -> bytes:
+        gateway = self._session._gateway_kernel()
+        if gateway is not None:
+            return await gateway.download(path, max_bytes)
         files = await self._session._workspace_files()
         if max_bytes is None:
             data = await asyncio.to_thread(files.download, path)
@@ -987,10 +1165,17 @@ class AsyncSessionFiles:
         return data
 
     async def list(self, path: str = ".") -> list[FileInfo]:
+        gateway = self._session._gateway_kernel()
+        if gateway is not None:
+            return await gateway.list(path)
         files = await self._session._workspace_files()
         return await asyncio.to_thread(files.list, path)
 
     async def delete(self, path: str, recursive: bool = False) -> None:
+        gateway = self._session._gateway_kernel()
+        if gateway is not None:
+            await gateway.delete(path, recursive)
+            return
         files = await self._session._workspace_files()
         await asyncio.to_thread(files.delete, path, recursive)
         self._audit("delete", path, recursive=recursive)
@@ -1122,6 +1307,10 @@ class SandboxSession:
 
     def resume(self) -> None:
         self._call(self._session.resume())
+
+    def usage(self) -> dict[str, Any]:
+        """See :meth:`AsyncSandboxSession.usage`."""
+        return self._call(self._session.usage())
 
     def shutdown(self) -> None:
         try:

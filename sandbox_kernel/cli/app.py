@@ -20,13 +20,13 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from jupyter_client.manager import AsyncKernelManager
 from jupyter_core.application import JupyterApp, base_aliases, base_flags
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH
-from jupyter_core.utils import run_sync
+from jupyter_core.utils import ensure_async, run_sync
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Unicode, default
 from traitlets.config import Application
 from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
@@ -59,6 +59,9 @@ from sandbox_kernel.plan.settings import (
 )
 from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.reattach import pause_kernel
+
+if TYPE_CHECKING:
+    from sandbox_kernel.agents.gateway_session import GatewaySettings
 
 T = TypeVar("T")
 A = TypeVar("A", bound=JupyterApp)
@@ -806,7 +809,66 @@ class _KernelStarter(_SubApp):
             self.fail(f"{exc} (--kernel)")
 
 
-class RunApp(_KernelStarter):
+class _GatewayOptions(_KernelStarter):
+    """A subcommand whose kernels may run on a sandbox gateway (``--gateway-url``), as the
+    session API's (see :mod:`sandbox_kernel.agents.gateway_session`). The token comes from a
+    file or ``JUPYTER_GATEWAY_AUTH_TOKEN``, never the command line (``ps`` shows that)."""
+
+    gateway_url = Unicode(
+        "",
+        config=True,
+        help="""The sandbox gateway to run the kernels on (https://HOST:PORT); default
+        JUPYTER_GATEWAY_URL. Without either, kernels run here under this host's Docker.""",
+    )
+    gateway_token_file = Unicode(
+        "",
+        config=True,
+        help="""A file holding your token for the gateway (from `gateway add-token`); default
+        the JUPYTER_GATEWAY_AUTH_TOKEN variable.""",
+    )
+    ca_certs = Unicode(
+        "",
+        config=True,
+        help="The CA file that signed the gateway's certificate; default JUPYTER_GATEWAY_CA_CERTS.",
+    )
+
+    def gateway(self) -> GatewaySettings | None:
+        """The gateway asked for, or None; exits with a one-line error for one that cannot be used."""
+        from sandbox_kernel.agents.gateway_session import GatewaySettings  # only here
+
+        token = None
+        if self.gateway_token_file:
+            path = Path(self.gateway_token_file).expanduser()
+            try:
+                token = path.read_text().strip()
+            except OSError as exc:
+                self.fail(f"--gateway-token-file {self.gateway_token_file!r}: {exc.strerror or exc}")
+            if not token:
+                self.fail(f"--gateway-token-file {self.gateway_token_file!r} is empty")
+        try:
+            settings = GatewaySettings.given(self.gateway_url or None, token, self.ca_certs or None)
+        except ConfigurationError as exc:
+            self.fail(f"{exc} (--gateway-url)")
+            return None
+        if settings is not None and not settings.token:
+            self.fail(
+                "a sandbox gateway needs your token: --gateway-token-file FILE, or JUPYTER_GATEWAY_AUTH_TOKEN"
+            )
+        if settings is not None and settings.ca_certs and not Path(settings.ca_certs).is_file():
+            self.fail(f"--ca-certs {settings.ca_certs!r} is not a file")
+        return settings
+
+
+def gateway_aliases(app: str) -> dict[str, str]:
+    """The command-line options of :class:`_GatewayOptions`, for the subcommand ``app``."""
+    return {
+        "gateway-url": f"{app}.gateway_url",
+        "gateway-token-file": f"{app}.gateway_token_file",
+        "ca-certs": f"{app}.ca_certs",
+    }
+
+
+class RunApp(_GatewayOptions):
     """Execute a notebook in a sandboxed kernel."""
 
     name = "jupyter-sandbox-kernel-run"
@@ -817,6 +879,8 @@ class RunApp(_KernelStarter):
         """
     jupyter sandbox-kernel run notebooks/demo.ipynb
     jupyter sandbox-kernel run analysis.ipynb --output analysis.done.ipynb --timeout 10m
+    jupyter sandbox-kernel run demo.ipynb --gateway-url https://sandbox.example:8870 \\
+        --gateway-token-file ~/.sandbox-token --ca-certs ~/ca.pem --cwd /home/alice/proj
     """
     )
     takes_arguments = True
@@ -826,11 +890,19 @@ class RunApp(_KernelStarter):
         "", config=True, help="Where to write the executed notebook (default NAME.executed.ipynb)."
     )
     timeout = Duration(600, config=True, help="Time each cell may run: seconds, or e.g. '90s' or '10m'.")
+    cwd = Unicode(
+        "",
+        config=True,
+        help="""With --gateway-url: the kernel's folder on the gateway's host (default: your
+        root there). Here the notebook's folder is the kernel's.""",
+    )
     aliases = {
         **base_aliases,
+        **gateway_aliases("RunApp"),
         "kernel": "RunApp.kernel_name",
         "output": "RunApp.output",
         "timeout": "RunApp.timeout",
+        "cwd": "RunApp.cwd",
     }
 
     def start(self) -> None:
@@ -844,17 +916,33 @@ class RunApp(_KernelStarter):
         if not path.is_file():
             self.fail(f"no such notebook: {path}")
         output = Path(self.output).resolve() if self.output else path.with_suffix(".executed.ipynb")
-        self.require_sandboxed(self.kernel_name)
+        gateway = self.gateway()
+        km: AsyncKernelManager
+        if gateway is not None:
+            from sandbox_kernel.agents.gateway_session import (  # only here
+                SessionGatewayKernelManager,
+                use_gateway,
+            )
+
+            if self.cwd and not os.path.isabs(self.cwd):
+                self.fail(
+                    f"--cwd {self.cwd!r}: give the absolute path of the kernel's folder on the gateway's host"
+                )
+            use_gateway(gateway)
+            km = SessionGatewayKernelManager(kernel_name=self.kernel_name)
+            where = {"metadata": {"path": self.cwd}} if self.cwd else {}
+            on = f" on the sandbox gateway {gateway.url}"
+        else:
+            if self.cwd:
+                self.fail("--cwd is for --gateway-url: here the notebook's folder is the kernel's")
+            self.require_sandboxed(self.kernel_name)
+            km = sandboxed_manager(self.kernel_name, config=self.config)
+            where, on = {"metadata": {"path": str(path.parent)}}, ""
         nb = nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
-        km = sandboxed_manager(self.kernel_name, config=self.config)
         client = NotebookClient(
-            nb,
-            km=km,
-            kernel_name=self.kernel_name,
-            timeout=int(self.timeout),
-            resources={"metadata": {"path": str(path.parent)}},
+            nb, km=km, kernel_name=self.kernel_name, timeout=int(self.timeout), resources=where
         )
-        print(f"==> executing {path} with the {self.kernel_name!r} kernel")
+        print(f"==> executing {path} with the {self.kernel_name!r} kernel{on}")
         failed: BaseException | None = None
         try:
             client.execute()
@@ -883,10 +971,10 @@ async def _shut_down(km: AsyncKernelManager, kc: Any) -> None:
         if km.has_kernel:
             await km.shutdown_kernel(now=True)
     finally:
-        await km.cleanup_resources()
+        await ensure_async(km.cleanup_resources())  # a gateway's manager's is not a coroutine
 
 
-class McpApp(_KernelStarter):
+class McpApp(_GatewayOptions):
     """Serve sandboxed kernels to an AI assistant over MCP (stdio)."""
 
     name = "jupyter-sandbox-kernel-mcp"
@@ -904,6 +992,8 @@ class McpApp(_KernelStarter):
         """
     jupyter sandbox-kernel mcp
     jupyter sandbox-kernel mcp --kernel sandboxed-python-datascience --cwd ~/projects/analysis
+    jupyter sandbox-kernel mcp --gateway-url https://sandbox.example:8870 \\
+        --gateway-token-file ~/.sandbox-token --ca-certs ~/ca.pem --cwd /home/alice/proj
     """
     )
 
@@ -913,14 +1003,20 @@ class McpApp(_KernelStarter):
         config=True,
         help="""The kernels' workspace: a host folder. Default: a fresh, empty folder of this
         server's own under JUPYTER_DATA_DIR/sandbox-kernel/workspaces, removed when it
-        ends (unless --keep-workspace).""",
+        ends (unless --keep-workspace). With --gateway-url: a folder on the gateway's host,
+        under your root there (default: that root).""",
     )
     keep_workspace = Bool(
         False,
         config=True,
         help="Without --cwd, keep the fresh workspace when the server ends (its path is logged).",
     )
-    aliases = {**base_aliases, "kernel": "McpApp.kernel_name", "cwd": "McpApp.cwd"}
+    aliases = {
+        **base_aliases,
+        **gateway_aliases("McpApp"),
+        "kernel": "McpApp.kernel_name",
+        "cwd": "McpApp.cwd",
+    }
     flags = {
         **base_flags,
         "keep-workspace": (
@@ -941,6 +1037,17 @@ class McpApp(_KernelStarter):
                 f"the MCP server needs the mcp package, which is not installed{detail}: "
                 "pip install 'sandbox-kernel[mcp]'"
             )
+            return
+        gateway = self.gateway()
+        if gateway is not None:
+            if self.cwd and not os.path.isabs(self.cwd):
+                self.fail(
+                    f"--cwd {self.cwd!r}: give the absolute path of the kernels' folder on the gateway's host"
+                )
+            try:
+                serve_stdio(kernel_name=self.kernel_name, cwd=self.cwd or None, gateway=gateway)
+            except SandboxKernelError as exc:
+                self.fail(str(exc))
             return
         cwd = None
         if self.cwd:
