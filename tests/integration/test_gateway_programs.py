@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import pwd
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,12 @@ async def test_a_session_on_the_gateway_runs_reads_usage_detaches_and_only_its_u
         assert usage["memory"]["used"] > 0
         assert usage["memory"]["limit"] == 1024**3
 
+        paused = await session.pause()
+        assert paused.checkpoint
+        assert (await session.usage())["state"] == "paused"
+        await session.resume()
+        assert (await session.run("x")).text == "42", "resumed, its variables intact"
+
         assert await session.files.upload("in.txt", b"data") == "/workspace/in.txt"
         assert (proj / "in.txt").stat().st_uid == users[alice].pw_uid
         await session.run("open('out.txt', 'w').write(open('in.txt').read().upper())")
@@ -130,4 +137,40 @@ async def test_the_mcp_server_runs_code_on_the_gateway(
         )
         assert len(await kernels_of(gateway, alice)) == 1
     assert await kernels_of(gateway, alice) == [], "the server shut its kernel down on the gateway"
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+@pytest.mark.timeout(600)
+async def test_a_notebook_runs_on_the_gateway(
+    gateway: Served, users: dict[str, pwd.struct_passwd], tmp_path: Path, docker_client: docker.DockerClient
+) -> None:
+    before = HostState(docker_client)
+    alice = USERS[0]
+    notebook = tmp_path / "nb.ipynb"
+    cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}
+    cell["source"] = "import os\nprint(1 + 1, os.getuid())"
+    notebook.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    env = {name: value for name, value in os.environ.items() if not name.startswith("JUPYTER_GATEWAY_")}
+    env["JUPYTER_GATEWAY_AUTH_TOKEN"] = gateway.tokens[alice]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [
+            str(SK),
+            "run",
+            str(notebook),
+            f"--gateway-url={gateway.url}",
+            f"--ca-certs={ca_file(gateway)}",
+            f"--cwd={Path(users[alice].pw_dir) / 'proj'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"2 {users[alice].pw_uid}" in done.stdout
+    executed = json.loads((tmp_path / "nb.executed.ipynb").read_text())
+    assert "".join(executed["cells"][0]["outputs"][0]["text"]) == f"2 {users[alice].pw_uid}\n"
+    assert await kernels_of(gateway, alice) == [], "the kernel was shut down on the gateway"
     assert await asyncio.to_thread(before.new_leftovers) == []

@@ -23,6 +23,7 @@ from sandbox_kernel.agents.gateway_session import (
     use_gateway,
 )
 from sandbox_kernel.agents.session import AsyncSandboxSession
+from sandbox_kernel.cli.app import McpApp, RunApp, _GatewayOptions
 from sandbox_kernel.errors import (
     ConfigurationError,
     FolderNotEmptyError,
@@ -231,3 +232,78 @@ async def test_a_gateway_without_the_files_routes_is_named_as_such() -> None:
             await GatewayKernel("k1").list()
     finally:
         server.stop()
+
+
+# -- the commands' gateway options -------------------------------------------------------
+
+
+def launch(app: _GatewayOptions, argv: list[str]) -> None:
+    app.initialize(argv)
+    app.start()
+
+
+def command(app_class: type[_GatewayOptions], *argv: str) -> None:
+    """Run ``app_class`` with ``argv``, which must fail (its error is on stderr)."""
+    app_class.clear_instance()
+    try:
+        with pytest.raises(SystemExit) as ended:
+            launch(app_class(), list(argv))
+        assert ended.value.code == 1
+    finally:
+        app_class.clear_instance()
+
+
+#: A gateway the commands take (they fail before asking it anything).
+URL, TOKEN = "--gateway-url=http://127.0.0.1:1", "--gateway-token-file={token}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([URL], "needs your token: --gateway-token-file FILE"),
+        (["--gateway-url=127.0.0.1:1", TOKEN], "https://"),
+        ([URL, "--gateway-token-file={missing}"], "No such file"),
+        ([URL, "--gateway-token-file={empty}"], "is empty"),
+        (
+            [URL, TOKEN, "--ca-certs={missing}"],
+            "is not a file",
+        ),
+        ([URL, TOKEN, "--cwd=proj"], "absolute path"),
+        (["--gateway-token=secret"], "gateway-token"),
+    ],
+)
+@pytest.mark.parametrize("app_class", [McpApp, RunApp])
+def test_the_commands_take_a_gateway_and_its_token_only_from_a_file_or_the_environment(
+    app_class: type[_GatewayOptions],
+    argv: list[str],
+    said: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "token").write_text("t0ken\n")
+    (tmp_path / "empty").write_text("\n")
+    names = {name: tmp_path / name for name in ("token", "missing", "empty")}
+    notebook = tmp_path / "nb.ipynb"
+    notebook.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    extra = [str(notebook)] if app_class is RunApp else []
+    command(app_class, *[arg.format(**names) for arg in argv], *extra)
+    assert said in capsys.readouterr().err
+
+
+def test_a_token_from_the_environment_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JUPYTER_GATEWAY_URL", "https://gw.example:8870")
+    monkeypatch.setenv("JUPYTER_GATEWAY_AUTH_TOKEN", "from-env")
+    McpApp.clear_instance()
+    app = McpApp()
+    app.initialize([])
+    try:
+        assert app.gateway() == GatewaySettings("https://gw.example:8870", "from-env")
+    finally:
+        McpApp.clear_instance()
+
+
+def test_cwd_of_run_is_for_a_gateway_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    notebook = tmp_path / "nb.ipynb"
+    notebook.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    command(RunApp, "--cwd=/home/alice", str(notebook))
+    assert "--cwd is for --gateway-url" in capsys.readouterr().err
