@@ -1,7 +1,8 @@
 """Filling the warm pool of a kernelspec ahead of its kernels' starts.
 
 A server fills the pools of its sandboxed kernelspecs as it starts
-(``SandboxMappingKernelManager.warm_pools``); a program calls :func:`warm_pool`. Either
+(``SandboxMappingKernelManager.warm_pools``; a sandbox gateway, one per user of its
+``pool_users``); a program calls :func:`warm_pool`. Either
 plans the pool with the very call a kernel start of that kernelspec makes
 (:meth:`~.provisioner.SandboxProvisioner.pre_launch`: the same checks, settings, ceilings,
 credentials, host check and orphan sweep), which hands the plan to the process's
@@ -15,6 +16,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from sandbox_kernel.plan.users import START_ARGUMENT, KernelUser
 from sandbox_kernel.pool.sandboxes import SandboxPool
 from sandbox_kernel.provisioner import SandboxProvisioner
 
@@ -24,14 +26,16 @@ async def plan_pool(
     cwd: str | os.PathLike[str] | None = None,
     parent: Any = None,
     env: Mapping[str, str] | None = None,
+    user: KernelUser | None = None,
 ) -> bool:
     """Start filling the pool of ``kernel_name`` as a kernel start would (same checks,
     same settings; ``parent``: the configurable whose config the kernels get, e.g. a
-    server's kernel manager). False if the kernelspec has no pool (or cannot have one
-    here). The sandboxes start in the background.
+    server's kernel manager); with ``user``, the pool of that user's kernels, as a start
+    for them in ``cwd`` would plan it (their uid, label and ceilings). False if the
+    kernelspec has no pool (or cannot have one here). The sandboxes start in the background.
 
     Raises:
-        ConfigurationError, DockerUnavailableError, RuntimeMissingError,
+        ConfigurationError, WorkspaceError, DockerUnavailableError, RuntimeMissingError,
         ImageNotFoundError: as a kernel start of that kernelspec would.
     """
     from jupyter_client.manager import AsyncKernelManager
@@ -46,7 +50,11 @@ async def plan_pool(
     if not isinstance(provisioner, SandboxProvisioner) or provisioner.pool_size <= 0:
         return False
     # A start of the kernelspec's own policy plans the pool: this is one, up to its launch.
-    await provisioner.pre_launch(cwd=str(cwd or os.getcwd()), env=dict(os.environ if env is None else env))
+    provisioner.pool.fills = True
+    start = {START_ARGUMENT: user} if user is not None else {}
+    await provisioner.pre_launch(
+        cwd=str(cwd or os.getcwd()), env=dict(os.environ if env is None else env), **start
+    )
     return provisioner.pool.plan is not None
 
 

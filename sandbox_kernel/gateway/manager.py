@@ -23,6 +23,12 @@ state, before it serves a request. What it adopts is what its root folder's scop
 (see :class:`~sandbox_kernel.jupyter.server.SandboxMappingKernelManager`): two gateways on
 one Docker host need different root folders (``root_dir``). Neither prunes the other's
 kernels while it lives (a kernel is pruned only once its holder is gone).
+
+The warm pool is per user: for each user of ``pool_users`` (resolved through the
+:class:`~sandbox_kernel.gateway.users.UserPolicy` as the gateway starts), each sandboxed
+kernelspec with a ``pool_size`` gets a pool planned as a start of theirs in their root
+folder would be (their uid, their label, their ceilings), so their starts claim a ready
+sandbox and nobody else's do (see :mod:`~sandbox_kernel.pool.fit`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from jupyter_server.base.call_context import CallContext
-from traitlets import default
+from traitlets import List, Unicode, default
 
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
 from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
@@ -50,13 +56,41 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
 
     adopts_users_kernels = True
 
+    pool_users = List(
+        Unicode(),
+        config=True,
+        help="""Users whose kernels start from a warm pool of their own: at start, for each of
+        them and each sandboxed kernelspec with a pool_size, that many sandboxes are started
+        as theirs (their uid and ceilings as UserPolicy has them without their groups'; the
+        workspace is attached when one is claimed). A name the UserPolicy refuses is logged
+        and skipped. All pools together are bounded by SandboxProvisioner.max_pool_memory,
+        and all users' pools of one kernelspec by its max_pool_size.""",
+    )
+
     @default("keep_sessions")
     def _keep_sessions_default(self) -> bool:
         return False  # the gateway has no sessions: its clients keep theirs
 
     @default("warm_pools")
     def _warm_pools_default(self) -> bool:
-        return False  # a pool of the gateway's own would fit no user's kernels
+        return bool(self.pool_users)  # only users' pools: one of the gateway's own fits no user
+
+    async def fill_pools(self, user: KernelUser | None = None) -> list[str]:
+        """Start filling the pools of every user of :attr:`pool_users` (of ``user`` only,
+        if given); each pool's name ("<kernelspec> for <user>")."""
+        if user is not None:
+            return [f"{name} for {user.name}" for name in await super().fill_pools(user)]
+        policy, filled = UserPolicy(config=self.config), []
+        for name in self.pool_users:
+            try:
+                pool_user = policy.resolve(name).sandbox_user
+            except UserRefused as exc:
+                self.log.warning(
+                    "No sandbox pool for user %r (GatewayKernelManagerForUsers.pool_users): %s", name, exc
+                )
+                continue
+            filled += await self.fill_pools(pool_user)
+        return filled
 
     @default("default_kernel_name")
     def _default_kernel_name_default(self) -> str:

@@ -37,6 +37,7 @@ from traitlets import Bool
 from sandbox_kernel.backends import configured_backend
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel, list_kernels, prune_orphans
+from sandbox_kernel.plan.users import KernelUser
 from sandbox_kernel.pool.sandboxes import SandboxPool
 from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.reattach import attach_manager, load_state
@@ -107,10 +108,12 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         else:  # no ServerApp around it
             run_sync(self._prepare)()
 
-    async def fill_pools(self) -> list[str]:
+    async def fill_pools(self, user: KernelUser | None = None) -> list[str]:
         """Start filling the pool of every sandboxed kernelspec that has one (in the
-        background); their names. Failures are logged: a server always starts."""
-        filled = []
+        background; with ``user``, the pools of that user's kernels, in their root folder);
+        their names. Failures are logged: a server always starts."""
+        filled: list[str] = []
+        whose = f" for user {user.name}" if user else ""
         if self.kernel_spec_manager is None:
             return []
         specs = await asyncio.to_thread(self.kernel_spec_manager.get_all_specs)
@@ -119,12 +122,12 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
             if provisioner.get("provisioner_name") != "sandbox-provisioner":
                 continue
             try:
-                if await plan_pool(name, self.root_dir, parent=self):
+                if await plan_pool(name, user.root if user else self.root_dir, parent=self, user=user):
                     filled.append(name)
             except Exception as exc:  # noqa: BLE001  # one bad kernelspec must not keep the server from starting
-                self.log.warning("Cannot fill the sandbox pool of kernelspec %r: %s", name, exc)
+                self.log.warning("Cannot fill the sandbox pool of kernelspec %r%s: %s", name, whose, exc)
         if filled:
-            self.log.info("Filling sandbox pools of %s in the background", ", ".join(filled))
+            self.log.info("Filling sandbox pools of %s%s in the background", ", ".join(filled), whose)
         return filled
 
     @property

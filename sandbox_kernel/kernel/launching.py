@@ -143,12 +143,16 @@ class PoolClaim:
         self.narrowing: Narrowing | None = None
         #: Why this start cannot claim from its kernelspec's pool (None: it can, or no pool).
         self.misfit: str | None = None
+        #: Whether this start only plans its pool (:func:`~sandbox_kernel.warming.plan_pool`):
+        #: its plan becomes the pool's, also for the user a gateway plans it for.
+        self.fills = False
 
     def want(self, plan: Plan, start: Start, scheme: str) -> None:
         """With a ``pool_size``: the pool plan this start claims from. A start of the
         kernelspec's own policy hands its plan to the process's pool (which starts filling
-        it in the background); one with a policy or environment of its own claims from the
-        pool's current plan if it only narrows it (see :mod:`~.pool.fit`), else starts cold."""
+        it in the background); one with a policy, environment or user of its own claims from
+        the current plan of the pool (its user's, on a gateway) if it only narrows it (see
+        :mod:`~.pool.fit`), else starts cold."""
         self.plan, self.narrowing, self.misfit = None, None, None
         spec, settings = plan.spec, start.policy
         size = settings.pool_size
@@ -164,7 +168,8 @@ class PoolClaim:
                     spec.kernelspec,
                 )
             return
-        if not start.own:
+        user = start.user.name if start.user is not None else ""
+        if not start.own or (self.fills and not start.narrowed and not start.sandbox_env):
             self.plan = PoolPlan(
                 spec=spec,
                 size=size,
@@ -175,11 +180,19 @@ class PoolClaim:
                 runtime_parent=settings.runtime_parent,
                 budget=size_bytes("max_pool_memory", settings.max_pool_memory),
                 backend=self._backend,
+                max_size=settings.max_pool_size,
             )
             self._services.pool.want(self.plan)
             self.narrowing = Narrowing()
             return
-        self.plan = self._services.pool.plan_of(spec.kernelspec)
+        pools = self._services.pool
+        self.plan = (pools.plan_of(spec.kernelspec, user) if user else None) or pools.plan_of(spec.kernelspec)
+        if self.plan is None and user:
+            self.misfit = (
+                f"no pool planned for user {user} (a gateway plans one for each of its "
+                "GatewayKernelManagerForUsers.pool_users)"
+            )
+            return
         if self.plan is None:
             self.misfit = (
                 "no pool planned yet (a start of the kernelspec's own policy, warm_pool() or a "

@@ -22,6 +22,10 @@ else, as when a kernel is reattached).
 - Refilling runs on the background loop's thread after each claim, one sandbox at a
   time, and never blocks a server's event loop. The pool stops at ``max_pool_memory``
   (the sum of the waiting sandboxes' memory limits).
+- A sandbox gateway keeps a pool per user and kernelspec (``pool_users``): its sandboxes
+  are planned for that user (their uid, their label), so only their starts fit them. All
+  pools together stop at ``max_pool_memory``, and all users' pools of one kernelspec at
+  its ``max_pool_size`` sandboxes.
 - Pooled sandboxes belong to this process (owner label and file): removed when it exits
   (:meth:`SandboxPool.close`, at exit) and swept as orphans by the next process when
   it dies without doing so (see :mod:`~.orphans`).
@@ -68,6 +72,7 @@ from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CLAIM_SOCKET,
     CONTAINER_WORKSPACE,
     LABEL_OWNER,
+    LABEL_USER,
     PER_KERNEL_ENV,
     SandboxSpec,
 )
@@ -100,6 +105,11 @@ def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
     fixed["extra_labels"] = {k: v for k, v in spec.extra_labels.items() if k != LABEL_OWNER}
     fixed["scheme"] = scheme
     return hashlib.sha256(json.dumps(fixed, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _named(plan: PoolPlan) -> str:
+    """The pool, for the log: its kernelspec, and its user if it has one."""
+    return f"{plan.kernelspec} for user {plan.user}" if plan.user else plan.kernelspec
 
 
 def _at_exit(close: Callable[[], None]) -> None:
@@ -138,9 +148,14 @@ def pooled_spec(spec: SandboxSpec, slot: Path, launch_dir: Path) -> SandboxSpec:
     )
 
 
+#: Which pool a plan fills: its kernelspec's, and the user's it is planned for ("": no user's).
+PoolKey = tuple[str, str]
+
+
 @dataclass(frozen=True)
 class PoolPlan:
-    """What a kernelspec's pooled sandboxes are made from, and how many to keep."""
+    """What a kernelspec's pooled sandboxes are made from (for one user of a sandbox
+    gateway, or for none), and how many to keep."""
 
     spec: SandboxSpec
     size: int
@@ -155,10 +170,21 @@ class PoolPlan:
     budget: int
     #: What starts them (the provisioner's backend).
     backend: SandboxBackend = field(compare=False)
+    #: Most sandboxes all pools of the kernelspec (every user's) may keep (its max_pool_size).
+    max_size: int = 64
 
     @property
     def kernelspec(self) -> str:
         return self.spec.kernelspec
+
+    @property
+    def user(self) -> str:
+        """The name of the user its sandboxes are planned for ("": none, outside a gateway)."""
+        return self.spec.extra_labels.get(LABEL_USER, "")
+
+    @property
+    def key(self) -> PoolKey:
+        return (self.kernelspec, self.user)
 
     @property
     def fingerprint(self) -> str:
@@ -204,7 +230,7 @@ class PooledSandbox:
 
 
 class SandboxPool:
-    """The process's pooled sandboxes, per kernelspec; thread-safe."""
+    """The process's pooled sandboxes, per kernelspec (and user, on a gateway); thread-safe."""
 
     _instance: ClassVar[SandboxPool | None] = None
     _instance_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -212,7 +238,7 @@ class SandboxPool:
     def __init__(self, loop: BackgroundLoop | None = None) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._plans: dict[str, PoolPlan] = {}
+        self._plans: dict[PoolKey, PoolPlan] = {}
         self._ready: dict[str, list[PooledSandbox]] = {}
         self._starting: dict[str, int] = {}
         self._fills: dict[str, concurrent.futures.Future[None]] = {}
@@ -239,13 +265,13 @@ class SandboxPool:
     # ------------------------------------------------------------------ asking
 
     def want(self, plan: PoolPlan) -> None:
-        """Keep ``plan.size`` sandboxes of ``plan`` ready (filling in the background). A
-        kernelspec's older plan is dropped, its waiting sandboxes removed."""
+        """Keep ``plan.size`` sandboxes of ``plan`` ready (filling in the background). The
+        older plan of its kernelspec (for its user) is dropped, its waiting sandboxes removed."""
         with self._lock:
             if self._closed:
                 return
-            old = self._plans.get(plan.kernelspec)
-            self._plans[plan.kernelspec] = plan
+            old = self._plans.get(plan.key)
+            self._plans[plan.key] = plan
             stale = []
             if old is not None and old.fingerprint != plan.fingerprint:
                 stale = self._ready.pop(old.fingerprint, [])
@@ -264,29 +290,32 @@ class SandboxPool:
             self._fill_soon(plan, delay=REFILL_DELAY if sandbox is not None else 0.0)
         return sandbox
 
-    def plan_of(self, kernelspec: str) -> PoolPlan | None:
-        """What ``kernelspec``'s pooled sandboxes are made from now, if it has a pool."""
+    def plan_of(self, kernelspec: str, user: str = "") -> PoolPlan | None:
+        """What ``kernelspec``'s pooled sandboxes (for ``user``, on a gateway) are made from
+        now, if it has such a pool."""
         with self._lock:
-            return self._plans.get(kernelspec)
+            return self._plans.get((kernelspec, user))
 
     def ready_for(self, fingerprint: str) -> int:
         """How many sandboxes of the plan ``fingerprint`` wait."""
         with self._lock:
             return len(self._ready.get(fingerprint, []))
 
-    def ready(self, kernelspec: str) -> int:
-        """How many sandboxes of ``kernelspec``'s current plan wait."""
+    def ready(self, kernelspec: str, user: str = "") -> int:
+        """How many sandboxes of ``kernelspec``'s current plan (for ``user``) wait."""
         with self._lock:
-            plan = self._plans.get(kernelspec)
+            plan = self._plans.get((kernelspec, user))
             return len(self._ready.get(plan.fingerprint, [])) if plan else 0
 
-    def wait_ready(self, kernelspec: str, count: int | None = None, timeout: float = 120.0) -> int:
-        """Block until ``count`` (default: the pool's size) sandboxes of ``kernelspec`` wait,
-        or the timeout passes; how many wait."""
+    def wait_ready(
+        self, kernelspec: str, count: int | None = None, timeout: float = 120.0, user: str = ""
+    ) -> int:
+        """Block until ``count`` (default: the pool's size) sandboxes of ``kernelspec`` (for
+        ``user``) wait, or the timeout passes; how many wait."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                plan = self._plans.get(kernelspec)
+                plan = self._plans.get((kernelspec, user))
                 want = count if count is not None else (plan.size if plan else 0)
                 have = len(self._ready.get(plan.fingerprint, [])) if plan else 0
                 busy = plan is not None and (
@@ -315,8 +344,8 @@ class SandboxPool:
             running.add_done_callback(lambda _: self._fill_soon(plan, delay))
 
     def _current(self, plan: PoolPlan) -> bool:
-        """Whether ``plan`` is still what its kernelspec's pool is made from (lock held)."""
-        current = self._plans.get(plan.kernelspec)
+        """Whether ``plan`` is still what its pool is made from (lock held)."""
+        current = self._plans.get(plan.key)
         return current is not None and current.fingerprint == plan.fingerprint
 
     def _reserved(self) -> int:
@@ -326,6 +355,11 @@ class SandboxPool:
         starting = sum(by_fingerprint.get(fp, 0) * n for fp, n in self._starting.items())
         return waiting + starting
 
+    def _kept(self, kernelspec: str) -> int:
+        """Sandboxes waiting or starting in the pools of ``kernelspec``, every user's (lock held)."""
+        fingerprints = {p.fingerprint for p in self._plans.values() if p.kernelspec == kernelspec}
+        return sum(len(self._ready.get(fp, [])) + self._starting.get(fp, 0) for fp in fingerprints)
+
     async def _fill(self, plan: PoolPlan, delay: float = 0.0) -> None:
         """Start sandboxes one at a time until the plan's size is reached."""
         fingerprint = plan.fingerprint
@@ -334,16 +368,21 @@ class SandboxPool:
             with self._lock:
                 if self._closed or not self._current(plan):
                     return
-                plan = self._plans[plan.kernelspec]  # the same, with the latest size and budget
+                plan = self._plans[plan.key]  # the same, with the latest size and budget
                 if len(self._ready.get(fingerprint, [])) >= plan.size:
                     return
+                over = None
                 if self._reserved() + plan.memory > plan.budget:
+                    over = "the waiting sandboxes would reserve more than max_pool_memory"
+                elif self._kept(plan.kernelspec) >= plan.max_size:
+                    over = f"its users' pools keep max_pool_size ({plan.max_size}) sandboxes already"
+                if over is not None:
                     if fingerprint not in self._over_budget:
                         self._over_budget.add(fingerprint)
                         log.warning(
-                            "Sandbox pool of %s: not starting more, the waiting sandboxes would reserve "
-                            "more than max_pool_memory; kernels beyond the pool start cold",
-                            plan.kernelspec,
+                            "Sandbox pool of %s: not starting more, %s; kernels beyond the pool start cold",
+                            _named(plan),
+                            over,
                         )
                     return
                 self._starting[fingerprint] = self._starting.get(fingerprint, 0) + 1
@@ -353,7 +392,7 @@ class SandboxPool:
                 log.warning(
                     "Sandbox pool of %s: could not start a sandbox (%s); kernels start cold, "
                     "and the pool tries again in %g s",
-                    plan.kernelspec,
+                    _named(plan),
                     exc,
                     RETRY_AFTER,
                 )
@@ -370,7 +409,7 @@ class SandboxPool:
             if not keep:
                 await self._remove(sandbox)
                 return
-            log.info("Sandbox pool of %s: sandbox %s ready", plan.kernelspec, sandbox.container_id[:12])
+            log.info("Sandbox pool of %s: sandbox %s ready", _named(plan), sandbox.container_id[:12])
             if sandbox.frozen_pid is not None and (self._watching is None or self._watching.done()):
                 self._watching = self.loop.submit(self._let_docker_stop())
 

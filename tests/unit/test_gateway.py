@@ -5,15 +5,19 @@ each user may touch."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from tornado.escape import url_escape
@@ -22,7 +26,8 @@ from tornado.websocket import websocket_connect
 from traitlets.config import Config
 
 from sandbox_kernel.agents.files import DEFAULT_MAX_BYTES
-from sandbox_kernel.backends.fake import FakeBackend
+from sandbox_kernel.backends.fake import FakeBackend, FakeSandbox
+from sandbox_kernel.errors import WorkspaceError
 from sandbox_kernel.gateway.app import SandboxGatewayApp
 from sandbox_kernel.gateway.identity import add_token
 from sandbox_kernel.gateway.manager import GatewayKernelManagerForUsers
@@ -31,7 +36,9 @@ from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY, lifecycle
 from sandbox_kernel.jupyter.server import SandboxMappingKernelManager
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel, server_identity
 from sandbox_kernel.lifecycle.startup_mark import STARTED_MARK
-from sandbox_kernel.plan.sandbox_spec import SandboxSpec
+from sandbox_kernel.plan.sandbox_spec import CONTAINER_CLAIM_SOCKET, LABEL_USER, SandboxSpec
+from sandbox_kernel.plan.users import KernelUser
+from sandbox_kernel.pool.sandboxes import SandboxPool
 
 from .test_provisioner import ARGV
 
@@ -47,6 +54,49 @@ class StartingBackend(FakeBackend):
         sandbox_id = await super().create(spec)
         (spec.runtime_dir / STARTED_MARK).write_text("ok\n")
         return sandbox_id
+
+
+class PoolingBackend(StartingBackend):
+    """One Docker host's sandboxes (every provisioner's backend sees them all, as Docker's
+    are), whose pooled sandboxes take their claim as a kernel's start-up code does: each
+    claim is kept in :attr:`claims` (sandbox id -> the claim)."""
+
+    shared: ClassVar[dict[str, FakeSandbox]] = {}
+    ids: ClassVar[Iterator[int]] = itertools.count(1)
+    claims: ClassVar[dict[str, dict[str, Any]]] = {}
+    listeners: ClassVar[dict[str, socket.socket]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sandboxes, self._ids = self.shared, self.ids
+
+    async def create(self, spec: SandboxSpec) -> str:
+        sandbox_id = await super().create(spec)
+        if spec.slot is not None:
+            listener = self.listeners[sandbox_id] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(spec.runtime_dir / Path(CONTAINER_CLAIM_SOCKET).name))
+            listener.listen(1)
+            threading.Thread(target=self._take_claim, args=(sandbox_id, listener), daemon=True).start()
+        return sandbox_id
+
+    def _take_claim(self, sandbox_id: str, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:  # removed unclaimed
+            return
+        with conn:
+            claim = b""
+            while chunk := conn.recv(65536):
+                claim += chunk
+            self.claims[sandbox_id] = json.loads(claim)
+            conn.sendall(b"ok\n")
+
+    def remove_blocking(self, sandbox_id: str) -> None:
+        listener = self.listeners.pop(sandbox_id, None)
+        if listener is not None:
+            listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        super().remove_blocking(sandbox_id)
 
 
 def write_kernelspec(kernels: Path, name: str, sandboxed: bool) -> None:
@@ -780,3 +830,103 @@ async def test_a_restart_starts_the_kernel_for_its_user_as_the_policy_has_them_n
     ).code == 200
     assert km._launch_args["sandbox_user"] == now
     assert km.provisioner.user == now
+
+
+# ---------------------------------------------------------------------- per-user warm pools
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a pool attaches workspaces with mounts (root)")
+
+
+@pytest.fixture
+def serve_pooled(
+    serve: Callable[..., Awaitable[Gateway]], gateway_args: list[str]
+) -> Callable[..., Awaitable[Gateway]]:
+    """Serve a gateway whose kernelspec keeps a pool of 1 (on the PoolingBackend)."""
+    gateway_args[:] = [
+        arg for arg in gateway_args if not arg.startswith("--SandboxProvisioner.backend_class")
+    ]
+    gateway_args += [
+        f"--SandboxProvisioner.backend_class={__name__}.PoolingBackend",
+        "--SandboxProvisioner.pool_size=1",
+    ]
+    return serve
+
+
+async def pools_filled(gateway: Gateway, *users: str) -> dict[str, int]:
+    """Once the gateway has planned its pools (before it serves) and filled them, how many
+    sandboxes of sandboxed-python wait for each user."""
+    await gateway.km._adopting  # type: ignore[attr-defined]
+    pool, waiting = SandboxPool.instance(), {}
+    for kernelspec in gateway.km.kernel_spec_manager.find_kernel_specs():
+        for user in users:
+            ready = await asyncio.to_thread(pool.wait_ready, kernelspec, 1, 10.0, user)
+            if kernelspec == "sandboxed-python":
+                waiting[user] = ready
+    return waiting
+
+
+def pooled_sandboxes() -> list[FakeSandbox]:
+    """The pooled sandboxes waiting on the PoolingBackend's host."""
+    return [box for box in PoolingBackend.shared.values() if box.status == "running" and box.spec.slot]
+
+
+@needs_root
+async def test_a_listed_users_start_claims_a_ready_sandbox_of_their_own_and_nobody_elses(
+    serve_pooled: Callable[..., Awaitable[Gateway]], capfd: pytest.CaptureFixture[str]
+) -> None:
+    users = (
+        "--GatewayKernelManagerForUsers.pool_users=alice",
+        "--GatewayKernelManagerForUsers.pool_users=carol",
+    )
+    gateway = await serve_pooled(*users)
+    assert await pools_filled(gateway, "alice", "bob") == {"alice": 1, "bob": 0}
+    assert "No sandbox pool for user 'carol'" in capfd.readouterr().err, (
+        "a name the policy refuses is skipped"
+    )
+    km, pool = gateway.km, SandboxPool.instance()
+    waiting = next(box for box in pooled_sandboxes() if box.spec.kernelspec == "sandboxed-python")
+    assert (waiting.spec.uid, waiting.spec.labels[LABEL_USER]) == (UIDS["alice"], "alice")
+
+    bobs = await gateway.start("bob")
+    assert not km.get_kernel(bobs).provisioner.from_pool
+    why = "starting cold, not from the pool of sandboxed-python: no pool planned for user bob"
+    assert why in capfd.readouterr().err
+    assert pool.ready("sandboxed-python", "alice") == 1, "bob's start took nothing of alice's"
+
+    # A start of hers checks its folder as a cold one does (here past the handler's check).
+    alice = KernelUser("alice", UIDS["alice"], UIDS["alice"], gateway.roots["alice"])
+    one = km.kernel_manager_factory(parent=km, kernel_name="sandboxed-python")
+    with pytest.raises(WorkspaceError, match="is outside your sandbox workspace"):
+        await one.start_kernel(cwd=str(gateway.roots["bob"] / "proj"), sandbox_user=alice)
+    assert pool.ready("sandboxed-python", "alice") == 1, "a refused folder is refused, warm or not"
+
+    alices = await gateway.start("alice")
+    provisioner = km.get_kernel(alices).provisioner
+    assert provisioner.from_pool
+    assert provisioner.site.container_id == waiting.id
+    spec = provisioner.site.spec
+    assert (spec.uid, spec.workspace) == (UIDS["alice"], gateway.roots["alice"].resolve())
+    assert PoolingBackend.claims[waiting.id]["cwd"] == spec.workdir == "/workspace/alice/proj"
+
+
+@needs_root
+@pytest.mark.parametrize(
+    "bound", ["--SandboxProvisioner.max_pool_size=1", "--SandboxProvisioner.max_pool_memory=3g"]
+)
+async def test_all_users_pools_together_keep_to_the_pool_ceilings(
+    serve_pooled: Callable[..., Awaitable[Gateway]], caplog: pytest.LogCaptureFixture, bound: str
+) -> None:
+    users = (
+        "--GatewayKernelManagerForUsers.pool_users=alice",
+        "--GatewayKernelManagerForUsers.pool_users=bob",
+    )
+    with caplog.at_level(logging.INFO):
+        gateway = await serve_pooled(*users, bound)
+        filled = await pools_filled(gateway, "alice", "bob")
+    kernelspecs = [box.spec.kernelspec for box in pooled_sandboxes()]
+    if "max_pool_size" in bound:  # one sandbox per kernelspec, for one of the two users
+        assert sorted(filled.values()) == [0, 1]
+        assert sorted(kernelspecs) == sorted(set(kernelspecs))
+    else:  # one sandbox (of 2g) in all
+        assert len(kernelspecs) == 1
+    assert "not starting more" in caplog.text

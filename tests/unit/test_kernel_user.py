@@ -54,8 +54,8 @@ class RecordingPool:
     def want(self, plan: PoolPlan) -> None:
         self.wanted.append(plan)
 
-    def plan_of(self, kernelspec: str) -> PoolPlan | None:
-        return next((p for p in reversed(self.wanted) if p.kernelspec == kernelspec), None)
+    def plan_of(self, kernelspec: str, user: str = "") -> PoolPlan | None:
+        return next((p for p in reversed(self.wanted) if p.key == (kernelspec, user)), None)
 
     def ready_for(self, fingerprint: str) -> int:
         return 1
