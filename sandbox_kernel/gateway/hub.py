@@ -35,16 +35,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from jupyter_server.auth.identity import IdentityProvider, User
+from jupyter_server.auth.identity import User
 from jupyterhub.httpclient import fetch
 from jupyterhub.services.auth import HubAuth, check_scopes
 from jupyterhub.utils import make_ssl_context, url_path_join
 from tornado import web
-from traitlets import Instance, Integer, Unicode, default
+from traitlets import Instance, Integer, Unicode
 
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.gateway.identity import AUTH_HEADER_RE, check_private
-from sandbox_kernel.gateway.users import UserPolicy, UserRefused
+from sandbox_kernel.gateway.identity import AUTH_HEADER_RE, HeaderTokenIdentityProvider, check_private
+from sandbox_kernel.gateway.users import UserRefused
 
 DEFAULT_SERVICE_NAME = "sandbox-gateway"
 DEFAULT_API_TOKEN_FILE = "/etc/sandbox-kernel/gateway/hub-service.token"  # noqa: S105  # a path
@@ -52,7 +52,7 @@ DEFAULT_API_TOKEN_FILE = "/etc/sandbox-kernel/gateway/hub-service.token"  # noqa
 DEFAULT_CACHE_MAX_AGE = 60
 
 
-class HubIdentityProvider(IdentityProvider):
+class HubIdentityProvider(HeaderTokenIdentityProvider):
     """Users of a JupyterHub, each by their own hub token in the ``Authorization`` header."""
 
     api_url = Unicode(
@@ -81,22 +81,13 @@ class HubIdentityProvider(IdentityProvider):
         help="""Seconds the hub's answers (who a token is, a user's groups) are kept: a
         revoked token or a changed group counts within this long.""",
     )
-    policy = Instance(UserPolicy, help="Which users get kernels, as which uid, under which folder.")
     hub_auth = Instance(HubAuth, help="JupyterHub's client of its API, asking who a token is.")
-
-    @default("policy")
-    def _policy_default(self) -> UserPolicy:
-        return UserPolicy(parent=self)
-
-    @default("token")
-    def _token_default(self) -> str:
-        return ""  # no server-wide token: each user has their own, from the hub
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         path = Path(self.api_token_file)
         try:
-            check_private(path)
+            check_private(path, "the gateway's hub service token file")
             service_token = path.read_text().strip()
         except (ConfigurationError, OSError) as exc:
             msg = f"HubIdentityProvider.api_token_file: {exc}"
@@ -187,20 +178,3 @@ class HubIdentityProvider(IdentityProvider):
         found = tuple(str(group) for group in groups)
         self._groups[name] = (now, found)
         return found
-
-    def identity_model(self, user: User) -> dict[str, Any]:
-        return {"username": user.username, "name": user.name}
-
-    def get_handlers(self) -> list[tuple[str, object]]:
-        return []  # no login or logout pages: the hub has them
-
-    @property
-    def login_available(self) -> bool:
-        return False
-
-    @property
-    def logout_available(self) -> bool:
-        return False
-
-    def validate_security(self, app: Any, ssl_options: dict[str, Any] | None = None) -> None:
-        """The gateway checks TLS itself (see :mod:`~.app`); every request needs a token."""

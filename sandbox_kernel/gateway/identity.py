@@ -31,8 +31,8 @@ from tornado import web
 from traitlets import Instance, Unicode, default
 
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.gateway.tls import write_private
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
+from sandbox_kernel.host.files import replace_file
 
 DEFAULT_TOKENS_FILE = "/etc/sandbox-kernel/gateway/tokens.json"
 #: As JupyterHub's ``HubAuth.auth_header_pat``.
@@ -53,9 +53,10 @@ class TokenEntry:
     uid: int | None = None
 
 
-def check_private(path: Path) -> os.stat_result:
+def check_private(path: Path, what: str = "the gateway's tokens file") -> os.stat_result:
     """``path``'s stat, if it is a regular file of root's that only root may read, in a
-    folder of root's that no one else may write (who could swap the file).
+    folder of root's that no one else may write (who could swap the file). ``what`` names
+    the file in the error.
 
     Raises:
         ConfigurationError: it is missing, or someone else could read, write or replace it.
@@ -64,18 +65,18 @@ def check_private(path: Path) -> os.stat_result:
         st = os.stat(path)
         folder = os.stat(path.parent)
     except OSError as exc:
-        msg = f"the gateway's tokens file {path} cannot be read: {exc.strerror or exc}"
+        msg = f"{what} {path} cannot be read: {exc.strerror or exc}"
         raise ConfigurationError(msg) from None
     if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o077:
         msg = (
-            f"the gateway's tokens file {path} must be a file of root's with mode 0600 "
+            f"{what} {path} must be a file of root's with mode 0600 "
             f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): whoever can change it "
             "can be anyone"
         )
         raise ConfigurationError(msg)
     if folder.st_uid != 0 or folder.st_mode & 0o022:
         msg = (
-            f"the gateway's tokens file {path} must be in a folder only root may write (its folder "
+            f"{what} {path} must be in a folder only root may write (its folder "
             f"is uid {folder.st_uid}, mode {stat.S_IMODE(folder.st_mode):04o}): whoever can replace "
             "the file can be anyone"
         )
@@ -129,7 +130,7 @@ def add_token(path: Path, name: str, groups: tuple[str, ...] = (), uid: int | No
         entry["groups"] = sorted({*entry.get("groups", ()), *groups})
     if uid is not None:
         entry["uid"] = uid
-    write_private(path, (json.dumps(data, indent=2) + "\n").encode())
+    replace_file(path, (json.dumps(data, indent=2) + "\n").encode())
     return token
 
 
@@ -144,11 +145,44 @@ def revoke_tokens(path: Path, name: str) -> int:
     entry = data["users"].pop(name, None)
     if entry is None:
         return 0
-    write_private(path, (json.dumps(data, indent=2) + "\n").encode())
+    replace_file(path, (json.dumps(data, indent=2) + "\n").encode())
     return len(entry.get("sha256", ()))
 
 
-class TokensFileIdentityProvider(IdentityProvider):
+class HeaderTokenIdentityProvider(IdentityProvider):
+    """What the gateway's identity providers share: each user has their own token, sent in
+    the ``Authorization`` header; no server-wide token, no login or logout pages, no
+    cookies. Subclasses say whose a token is (``get_user``, with :data:`AUTH_HEADER_RE`)."""
+
+    policy = Instance(UserPolicy, help="Which users get kernels, as which uid, under which folder.")
+
+    @default("policy")
+    def _policy_default(self) -> UserPolicy:
+        return UserPolicy(parent=self)
+
+    @default("token")
+    def _token_default(self) -> str:
+        return ""  # no server-wide token: each user has their own
+
+    def identity_model(self, user: User) -> dict[str, Any]:
+        return {"username": user.username, "name": user.name}
+
+    def get_handlers(self) -> list[tuple[str, object]]:
+        return []  # no login or logout pages
+
+    @property
+    def login_available(self) -> bool:
+        return False
+
+    @property
+    def logout_available(self) -> bool:
+        return False
+
+    def validate_security(self, app: Any, ssl_options: dict[str, Any] | None = None) -> None:
+        """The gateway checks TLS itself (see :mod:`~.app`); every request needs a token."""
+
+
+class TokensFileIdentityProvider(HeaderTokenIdentityProvider):
     """Users from a tokens file; the ``Authorization`` header is the only credential."""
 
     path = Unicode(
@@ -158,15 +192,6 @@ class TokensFileIdentityProvider(IdentityProvider):
         "groups": [...], "uid": N}}}. Read again when it changes. Add a user's token with
         `jupyter sandbox-kernel gateway add-token NAME`.""",
     )
-    policy = Instance(UserPolicy, help="Which users get kernels, as which uid, under which folder.")
-
-    @default("policy")
-    def _policy_default(self) -> UserPolicy:
-        return UserPolicy(parent=self)
-
-    @default("token")
-    def _token_default(self) -> str:
-        return ""  # no server-wide token: each user has their own, in the file
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -218,20 +243,3 @@ class TokensFileIdentityProvider(IdentityProvider):
             raise web.HTTPError(403, str(exc)) from None
         handler._token_authenticated = True  # type: ignore[attr-defined]  # as jupyter_server's own
         return user
-
-    def identity_model(self, user: User) -> dict[str, Any]:
-        return {"username": user.username, "name": user.name}
-
-    def get_handlers(self) -> list[tuple[str, object]]:
-        return []  # no login or logout pages
-
-    @property
-    def login_available(self) -> bool:
-        return False
-
-    @property
-    def logout_available(self) -> bool:
-        return False
-
-    def validate_security(self, app: Any, ssl_options: dict[str, Any] | None = None) -> None:
-        """The gateway checks TLS itself (see :mod:`~.app`); every request needs a token."""

@@ -6,21 +6,21 @@ egress proxy's per-kernel CAs (:mod:`sandbox_kernel.egress.ca`), this one signs 
 addresses as well as names (a sandbox host is often reached by its address) and is not
 name-constrained: it signs the gateway's certificates only, and its key stays with root.
 
-Pure crypto (``cryptography``), no I/O but :func:`write_private`.
+Pure crypto (``cryptography``), no I/O.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from collections.abc import Iterable
-from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from sandbox_kernel.host.files import replace_file
 
 #: Clocks disagree a little; certificates start this much before they are made.
 BACKDATE = datetime.timedelta(hours=1)
@@ -111,11 +111,5 @@ def make_server_cert(
     return cert.public_bytes(serialization.Encoding.PEM) + ca_cert_pem, _key_pem(key)
 
 
-def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` with ``mode``, replaced atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
+#: How ``init-tls`` (:mod:`~.app`) writes the files: keys 0600, certificates 0644.
+write_private = replace_file

@@ -40,6 +40,7 @@ from sandbox_kernel.backends.docker import CHECKPOINTS_KEY, STOPPED
 from sandbox_kernel.errors import SandboxKernelError
 from sandbox_kernel.host.background import BackgroundLoop
 from sandbox_kernel.host.cgroups import CgroupFreezer, memory_limit, memory_usage, stat_fields
+from sandbox_kernel.host.files import replace_file
 from sandbox_kernel.host.mounts import detach_mounts
 from sandbox_kernel.host.trees import delete_tree
 from sandbox_kernel.plan.sandbox_spec import (
@@ -137,7 +138,7 @@ def owner_is_gone(identity: str) -> bool:
 def write_owner(runtime_dir: Path, holder: str = "") -> None:
     """Record this process as the owner of the kernel whose runtime folder this is, and
     ``holder`` (a token of the one manager in it that drives the kernel) on a second line."""
-    _replace_file(runtime_dir / OWNER_FILE, f"{server_identity()}\n{holder}".encode(), 0o644)
+    replace_file(runtime_dir / OWNER_FILE, f"{server_identity()}\n{holder}".encode(), 0o644)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class Holder:
 
 def write_released(runtime_dir: Path, holder: str) -> None:
     """Say that the manager ``holder`` has let go of the kernel (it was taken over)."""
-    _replace_file(runtime_dir / RELEASED_FILE, holder.encode(), 0o644)
+    replace_file(runtime_dir / RELEASED_FILE, holder.encode(), 0o644)
 
 
 def released(runtime_dir: Path, holder: str) -> bool:
@@ -185,16 +186,6 @@ def read_holder(runtime_dir: str | Path) -> Holder | None:
         return None
     identity, _, token = found[0].partition("\n")
     return Holder(identity.strip(), token.strip())
-
-
-def _replace_file(path: Path, data: bytes, mode: int) -> None:
-    """Write ``path`` atomically, never through a link planted in its folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
 
 
 def _read_owner(launch_dir: str) -> tuple[str, float] | None:
@@ -221,7 +212,7 @@ def owner_identity(launch_dir: str) -> tuple[str, float] | None:
 
 def write_state(runtime_dir: Path, state: dict[str, Any]) -> None:
     """Save a kernel's reattach state (0600, replaced atomically) in its runtime folder."""
-    _replace_file(runtime_dir / STATE_FILE, json.dumps(state).encode(), 0o600)
+    replace_file(runtime_dir / STATE_FILE, json.dumps(state).encode(), 0o600)
 
 
 def read_state(runtime_dir: str | Path) -> dict[str, Any] | None:

@@ -244,6 +244,11 @@ def test_the_gateway_does_not_start_without_a_private_service_token(
         new_app([*gateway_args, f"--port={free_port()}", *hub_args(hub, token_file)])
     err = capsys.readouterr().err
     assert "HubIdentityProvider.api_token_file" in err
-    assert "mode 0600" in err if mode != 0o600 else "is empty" in err
+    if mode != 0o600:
+        assert f"the gateway's hub service token file {token_file} must be a file of root's" in err
+        assert "mode 0600" in err
+        assert "tokens file" not in err, "it says which file it is"
+    else:
+        assert "is empty" in err
     assert "Traceback" not in err
     assert os.stat(token_file).st_mode & 0o777 == mode

@@ -202,7 +202,7 @@ def test_the_tokens_file_keeps_hashes_and_must_be_private(
     found = read_tokens(path)[token_hash(token)]
     assert (found.name, found.groups, found.uid) == ("alice", ("analysts",), ALICE)
     path.chmod(0o604)
-    with pytest.raises(ConfigurationError, match="mode 0604"):
+    with pytest.raises(ConfigurationError, match=r"^the gateway's tokens file .* mode 0604"):
         read_tokens(path)
     path.chmod(0o600)
     path.parent.chmod(0o777)
