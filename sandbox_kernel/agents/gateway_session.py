@@ -17,8 +17,12 @@ goes to the owner's REST routes of the gateway (``/api/sandbox-kernel/kernels/<i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import queue
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.escape import json_decode, json_encode, url_escape
 from tornado.httpclient import HTTPClientError
+from traitlets import DottedObjectName, Type
 
 from sandbox_kernel.agents.files import DEFAULT_MAX_BYTES, FileInfo
 from sandbox_kernel.errors import (
@@ -42,7 +47,11 @@ from sandbox_kernel.errors import (
     SandboxKernelError,
     WorkspaceError,
 )
-from sandbox_kernel.jupyter.gateway_client import SandboxGatewayKernelManager, honour_ca_certs
+from sandbox_kernel.jupyter.gateway_client import (
+    SandboxGatewayKernelClient,
+    SandboxGatewayKernelManager,
+    honour_ca_certs,
+)
 from sandbox_kernel.lifecycle.pausing import Paused
 from sandbox_kernel.plan.plan import NARROWABLE
 
@@ -54,6 +63,8 @@ CA_VARIABLE = "JUPYTER_GATEWAY_CA_CERTS"
 SANDBOX_KERNELS = "api/sandbox-kernel/kernels"
 #: Seconds a REST call to the gateway may take (a pause saves the kernel's memory to disk).
 REQUEST_TIMEOUT = 120.0
+#: Seconds between a waiting read's checks that the connection to the gateway still runs.
+ROUTER_CHECK = 1.0
 
 
 @dataclass(frozen=True)
@@ -122,12 +133,96 @@ def release_gateway() -> None:
     _in_use[1] = max(0, _in_use[1] - 1)
 
 
+class SessionGatewayKernelClient(SandboxGatewayKernelClient):
+    """The client part's kernel client, whose reads wait for the gateway's messages rather than
+    poll for them, and whose messages name their channel.
+
+    jupyter_server 2.21.1 ``gateway/managers.py`` ``ChannelQueue._async_get`` loops on
+    ``asyncio.sleep(0)`` until a message comes (a core kept busy the whole time a cell runs,
+    which on a small host slows the very kernel it waits for), and ``get_msg`` without a
+    timeout gives up after 1 s (``queue.Empty``), where jupyter_client's clients wait; and
+    ``ChannelQueue.send`` sends no ``channel``, so the gateway's server puts every message on
+    shell (an ``input_reply``, a control request too)."""
+
+    async def start_channels(  # type: ignore[override]  # async upstream too
+        self,
+        shell: bool = True,
+        iopub: bool = True,
+        stdin: bool = True,
+        hb: bool = True,
+        control: bool = True,
+    ) -> None:
+        """Connect as the client part does, then have each channel's arrivals wake its readers."""
+        await super().start_channels(shell=shell, iopub=iopub, stdin=stdin, hb=hb, control=control)
+        loop = asyncio.get_running_loop()
+        self._arrived: dict[str, asyncio.Event] = {}
+        for name, channel in (self._channel_queues or {}).items():
+            arrived = asyncio.Event()
+            self._arrived[name] = arrived
+            put, send = channel.put_nowait, channel.send
+
+            def put_and_wake(message: Any, put: Any = put, arrived: asyncio.Event = arrived) -> None:
+                put(message)  # in the router's thread
+                loop.call_soon_threadsafe(arrived.set)
+
+            def send_on(message: dict[str, Any], send: Any = send, name: str = name) -> None:
+                send({**message, "channel": name})
+
+            channel.put_nowait = put_and_wake  # type: ignore[method-assign,assignment]
+            channel.send = send_on  # type: ignore[method-assign,assignment]
+
+    async def _next(self, name: str, timeout: float | None) -> dict[str, Any]:
+        """The next message on channel ``name``, waited for ``timeout`` s at most (None: no limit).
+
+        Raises:
+            queue.Empty: none came within ``timeout``.
+            RuntimeError: the connection to the gateway ended.
+        """
+        channel = getattr(self, f"{name}_channel")
+        arrived = self._arrived[name]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                message: dict[str, Any] = channel.get(block=False)
+            except queue.Empty:
+                pass
+            else:
+                channel.task_done()
+                return message
+            if channel.response_router_finished:
+                msg = "the connection to the sandbox gateway ended"
+                raise RuntimeError(msg)
+            arrived.clear()
+            if not channel.empty():
+                continue
+            left = ROUTER_CHECK if deadline is None else min(ROUTER_CHECK, deadline - time.monotonic())
+            if left <= 0:
+                raise queue.Empty
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(arrived.wait(), left)
+
+    async def get_shell_msg(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._next("shell", timeout)
+
+    async def get_iopub_msg(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._next("iopub", timeout)
+
+    async def get_stdin_msg(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._next("stdin", timeout)
+
+    async def get_control_msg(self, timeout: float | None = None) -> dict[str, Any]:
+        return await self._next("control", timeout)
+
+
 class SessionGatewayKernelManager(SandboxGatewayKernelManager):
     """The client part's kernel manager for programs, whose start also narrows the kernel's
     policy: the POST's ``"sandbox"`` object, which the gateway reads as ``start_kernel(memory=...)``
     does (``memory``, ``network``...; a wider value is its 400). None of this program's
     environment is sent (the stock manager sends every ``KERNEL_*`` variable; the gateway uses
-    none of them but the folder)."""
+    none of them but the folder). Its client is a :class:`SessionGatewayKernelClient`."""
+
+    client_class = DottedObjectName(f"{__name__}.SessionGatewayKernelClient")
+    client_factory = Type(klass=f"{__name__}.SessionGatewayKernelClient")
 
     async def start_kernel(self, **kwargs: Any) -> None:  # type: ignore[override]  # async upstream too
         """Start a kernel of ``kernel_name`` in ``cwd`` on the gateway, narrowed by ``sandbox``;

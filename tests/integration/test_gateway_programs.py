@@ -65,6 +65,8 @@ async def test_a_session_on_the_gateway_runs_reads_usage_detaches_and_only_its_u
         assert (await session.current_policy())["memory"] == "1g", "the narrowing reached the gateway"
         result = await session.run("1+1")
         assert (result.status, result.text) == ("ok", "2")
+        quiet = await session.run("import time; time.sleep(2); 'slept'")
+        assert (quiet.status, quiet.text) == ("ok", "'slept'"), "a cell silent for seconds is waited for"
         printed = await session.run("import os; x = 42; print('hello', os.getuid())")
         assert printed.stdout.split() == ["hello", str(users[alice].pw_uid)], "as alice's uid"
         assert printed.cpu_time is not None, "from the gateway's usage route"
