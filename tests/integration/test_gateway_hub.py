@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import hashlib
 import json
 import os
 import pwd
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 from tornado.httpclient import HTTPClientError
 
 from .conftest import KERNEL, REPORTS, HostState
-from .test_gateway import Served, containers_of, run_code
+from .test_gateway import Served, cli, containers_of, run_code
 from .test_jupyter_server import free_port
 from .test_lab_browser import ARTIFACTS, CHROMIUM
 
@@ -64,11 +65,16 @@ def documented_blocks() -> dict[str, str]:
     for lang, code in blocks:
         if lang == "bash" and "init-tls" in code:
             found["commands"] = code
+        elif "group_overrides" in code:
+            found["teams_hub"] = code
+        elif "sandbox-gw-1" in code:
+            found["teams_gateway"] = code
         elif "jupyterhub_config.py" in code:
             found["hub"] = code
         elif "jupyter_sandbox_gateway_config.py" in code:
             found["gateway"] = code
-    assert set(found) == {"commands", "hub", "gateway"}, f"{PAGE} changed its examples: {sorted(found)}"
+    expected = {"commands", "hub", "gateway", "teams_hub", "teams_gateway"}
+    assert set(found) == expected, f"{PAGE} changed its examples: {sorted(found)}"
     return found
 
 
@@ -80,13 +86,13 @@ def substituted(blocks: dict[str, str], replacements: list[tuple[str, str]]) -> 
     return blocks
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[dict[str, pwd.struct_passwd]]:
-    """Two real local users (homes 0700, a project folder each), in no privileged group;
+@contextlib.contextmanager
+def local_users(names: Iterable[str]) -> Iterator[dict[str, pwd.struct_passwd]]:
+    """Real local users (homes 0700, a project folder each), in no privileged group;
     removed afterwards, with their homes."""
     made = {}
     try:
-        for name in USERS:
+        for name in names:
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)  # a crashed run's
             subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
             account = pwd.getpwnam(name)
@@ -95,13 +101,20 @@ def users() -> Iterator[dict[str, pwd.struct_passwd]]:
             project.mkdir(mode=0o700)
             os.chown(project, account.pw_uid, account.pw_gid)
             made[name] = account
-        assert not set(USERS) & set(grp.getgrnam("docker").gr_mem), "a docker-group user is root-equivalent"
+        assert not set(made) & set(grp.getgrnam("docker").gr_mem), "a docker-group user is root-equivalent"
         assert all(grp.getgrgid(a.pw_gid).gr_name != "docker" for a in made.values())
         yield made
     finally:
         for name in made:
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
             assert not Path(made[name].pw_dir).exists()
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, pwd.struct_passwd]]:
+    """The one-host tests' two users."""
+    with local_users(USERS) as made:
+        yield made
 
 
 class HubServed(Served):
@@ -156,14 +169,19 @@ class Hub:
 
     def server_token(self, name: str) -> str:
         """The token the hub gave ``name``'s server, read from its process's environment."""
-        uid = pwd.getpwnam(name).pw_uid
-        for pid in server_pids(uid):
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            env = dict(item.decode().partition("=")[::2] for item in environ if b"=" in item)
-            if "JUPYTER_GATEWAY_AUTH_TOKEN" in env:
-                assert env["JUPYTER_GATEWAY_AUTH_TOKEN"] == env["JUPYTERHUB_API_TOKEN"]
-                return env["JUPYTER_GATEWAY_AUTH_TOKEN"]
-        pytest.fail(f"no server of {name} runs")
+        env = server_environ(name)
+        assert env["JUPYTER_GATEWAY_AUTH_TOKEN"] == env["JUPYTERHUB_API_TOKEN"]
+        return env["JUPYTER_GATEWAY_AUTH_TOKEN"]
+
+
+def server_environ(name: str) -> dict[str, str]:
+    """The environment the hub gave ``name``'s server (its process's, read as root)."""
+    for pid in server_pids(pwd.getpwnam(name).pw_uid):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = dict(item.decode().partition("=")[::2] for item in environ if b"=" in item)
+        if "JUPYTER_GATEWAY_AUTH_TOKEN" in env:
+            return env
+    pytest.fail(f"no server of {name} runs")
 
 
 def server_pids(uid: int) -> list[int]:
@@ -226,8 +244,11 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
     private = shared / "private"
     private.mkdir(mode=0o700)
     hub_port, proxy_port, gw_port, chp_api_port = (free_port() for _ in range(4))
+    one_host = {
+        name: code for name, code in documented_blocks().items() if name in ("commands", "hub", "gateway")
+    }
     blocks = substituted(
-        documented_blocks(),
+        one_host,
         [
             ("/etc/sandbox-kernel/gateway-ca.pem", str(shared / "ca.pem")),
             ("/etc/sandbox-kernel/gateway", str(private / "pki")),
@@ -257,8 +278,42 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
     )
     admin_token = secrets.token_hex(32)
     (private / "jupyterhub_config.py").write_text(
-        blocks["hub"]
-        + f"""
+        blocks["hub"] + tests_hub_config(private, hub_port, proxy_port, chp_api_port, users, admin_token)
+    )
+    gateway_line, hub_line = starts  # the page's own command lines
+    tls = ssl.create_default_context(cafile=str(shared / "ca.pem"))
+    served = HubServed(
+        f"https://127.0.0.1:{gw_port}",
+        {},
+        tls,
+        private / "gateway.log",
+        ["bash", "-c", f"exec {gateway_line}"],
+        env,
+    )
+    try:
+        served.start()
+        with running_hub(["bash", "-c", f"exec {hub_line}"], private, proxy_port, admin_token, users, env):
+            yield Hub(
+                f"http://127.0.0.1:{proxy_port}",
+                f"http://127.0.0.1:{proxy_port}/hub/api",
+                admin_token,
+                served,
+                shared,
+                private,
+                audit,
+            )
+    finally:
+        served.stop()
+        if served.log.exists():
+            print(f"--- gateway log\n{served.log.read_text()[-20000:]}")  # shown when a test fails
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def tests_hub_config(
+    private: Path, hub_port: int, proxy_port: int, chp_api_port: int, users: Iterable[str], admin_token: str
+) -> str:
+    """What the test adds to the page's hub config."""
+    return f"""
 # The test's own: ports, state files, a password login, an admin service for the test.
 c.JupyterHub.bind_url = "http://127.0.0.1:{proxy_port}"
 c.JupyterHub.hub_ip = "127.0.0.1"
@@ -284,37 +339,28 @@ c.JupyterHub.load_roles.append(
     }}
 )
 """
-    )
-    gateway_line, hub_line = starts  # the page's own command lines
-    tls = ssl.create_default_context(cafile=str(shared / "ca.pem"))
-    served = HubServed(
-        f"https://127.0.0.1:{gw_port}",
-        {},
-        tls,
-        private / "gateway.log",
-        ["bash", "-c", f"exec {gateway_line}"],
-        env,
-    )
+
+
+@contextlib.contextmanager
+def running_hub(
+    command: list[str],
+    private: Path,
+    proxy_port: int,
+    admin_token: str,
+    users: Iterable[str],
+    env: dict[str, str],
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The hub (and its proxy) from ``command``, once its API answers; afterwards the users'
+    servers, the hub and the proxy are gone."""
     hub_log = private / "hub.log"
     process: subprocess.Popen[bytes] | None = None
     try:
-        served.start()
         with hub_log.open("wb") as out:
-            process = subprocess.Popen(
-                ["bash", "-c", f"exec {hub_line}"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=private
-            )
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=private)
         wait_until(
             lambda: requests.get(f"http://127.0.0.1:{proxy_port}/hub/api/", timeout=2).ok, process, hub_log
         )
-        yield Hub(
-            f"http://127.0.0.1:{proxy_port}",
-            f"http://127.0.0.1:{proxy_port}/hub/api",
-            admin_token,
-            served,
-            shared,
-            private,
-            audit,
-        )
+        yield process
     finally:
         if process is not None:
             for name in users:
@@ -324,19 +370,16 @@ c.JupyterHub.load_roles.append(
                     timeout=60,
                 )
             stop(process)
-        served.stop()
         chp_pid = private / "chp.pid"
         if chp_pid.exists():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(chp_pid.read_text()), signal.SIGKILL)
-        for account in users.values():
-            for pid in processes_of(account.pw_uid):  # a server the hub did not stop
+        for name in users:
+            for pid in processes_of(pwd.getpwnam(name).pw_uid):  # a server the hub did not stop
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        for name, log in {"gateway": served.log, "hub": hub_log}.items():
-            if log.exists():
-                print(f"--- {name} log\n{log.read_text()[-20000:]}")  # shown when a test fails
-        shutil.rmtree(shared, ignore_errors=True)
+        if hub_log.exists():
+            print(f"--- hub log\n{hub_log.read_text()[-20000:]}")  # shown when a test fails
 
 
 NOTEBOOK = {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
@@ -493,4 +536,172 @@ async def test_another_hub_user_and_other_tokens_get_nothing_of_a_users_kernel(
     assert ran, lines[-5:]
     assert {line.get("user_authenticated") for line in ran} == {alice}
     assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+TEAM_USERS = ("sk-team1-alice", "sk-team2-bob")
+TEAM_SERVICES = ("sandbox-gw-1", "sandbox-gw-2")
+
+
+@dataclass
+class Teams:
+    """A hub whose two groups each have a gateway of their own."""
+
+    hub: Hub
+    gateways: tuple[HubServed, HubServed]
+    roots: tuple[Path, Path]
+
+
+@pytest.fixture(scope="module")
+def teams(kernelspec_root: Path) -> Iterator[Teams]:
+    """The page's "Several sandbox machines": a hub with the groups team1 (the first user)
+    and team2 (the second), and a gateway each (``sandbox-gw-1``, ``sandbox-gw-2``), each
+    with its own service token, TLS CA, port and root folder (its adoption scope); here on
+    loopback ports of this host, not on machines of their own."""
+    for needed in (CHP, USER_VENV / "bin" / "jupyterhub-singleuser"):
+        if not needed.exists():
+            pytest.fail(f"{needed} is missing: run `bash .ci/setup` (as root)", pytrace=False)
+    blocks = documented_blocks()
+    env = {**os.environ, "JUPYTER_PATH": str(kernelspec_root), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    with local_users(TEAM_USERS):
+        shared = Path(tempfile.mkdtemp(prefix="sk-teams-", dir="/tmp"))
+        shared.chmod(0o755)  # the users' servers read the CAs here
+        private = shared / "private"
+        private.mkdir(mode=0o700)
+        hub_port, proxy_port, chp_api_port, *ports = (free_port() for _ in range(5))
+        hub_config = substituted(
+            {"hub": blocks["teams_hub"]},
+            [
+                ('["alice"]', f'["{TEAM_USERS[0]}"]'),
+                ('["bob"]', f'["{TEAM_USERS[1]}"]'),
+                ("https://10.77.1.2:8870", f"https://127.0.0.1:{ports[0]}"),
+                ("https://10.77.2.2:8870", f"https://127.0.0.1:{ports[1]}"),
+                ("/etc/jupyterhub/{service}-ca.pem", f"{shared}/{{service}}-ca.pem"),
+                ("/etc/jupyterhub/{service}.token", f"{private}/{{service}}.token"),
+                ("/opt/jupyterhub-user", str(USER_VENV)),
+            ],
+        )["hub"]
+        admin_token = secrets.token_hex(32)
+        (private / "jupyterhub_config.py").write_text(
+            hub_config
+            + tests_hub_config(private, hub_port, proxy_port, chp_api_port, TEAM_USERS, admin_token)
+        )
+        gateways, roots = [], []
+        for n, (service, port) in enumerate(zip(TEAM_SERVICES, ports, strict=True), 1):
+            root = private / f"gw{n}"
+            root.mkdir(mode=0o700)
+            pki = root / "pki"
+            cli("gateway", "init-tls", f"--dir={pki}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
+            shutil.copyfile(pki / "ca.pem", shared / f"{service}-ca.pem")
+            (shared / f"{service}-ca.pem").chmod(0o644)
+            service_token = secrets.token_hex(32)
+            for path in (pki / "hub-service.token", private / f"{service}.token"):
+                path.write_text(service_token + "\n")
+                path.chmod(0o600)
+            config = substituted(
+                {"gateway": blocks["teams_gateway"]},
+                [
+                    ('"sandbox-gw-1"', f'"{service}"'),
+                    ('"10.77.1.2"', '"127.0.0.1"'),
+                    ("8870", str(port)),
+                    ("http://10.77.0.1:8081", f"http://127.0.0.1:{hub_port}"),
+                    ("/etc/sandbox-kernel/gateway", str(pki)),
+                ],
+            )["gateway"]
+            (root / "gateway_config.py").write_text(
+                config
+                + f'c.ServerApp.root_dir = "{root}"\n'
+                + "c.UserPolicy.max_kernels_per_user = 1\n"
+                + f"c.HubIdentityProvider.cache_max_age = {CACHE_MAX_AGE}\n"
+                + f'c.SandboxProvisioner.audit_log = "{root / "audit.jsonl"}"\n'
+            )
+            tls = ssl.create_default_context(cafile=str(shared / f"{service}-ca.pem"))
+            command = ["jupyter", "sandbox-kernel", "gateway", f"--config={root / 'gateway_config.py'}"]
+            gateways.append(
+                HubServed(f"https://127.0.0.1:{port}", {}, tls, root / "gateway.log", command, env)
+            )
+            roots.append(root)
+        try:
+            for gateway in gateways:
+                gateway.start()
+            hub_command = ["jupyterhub", "-f", str(private / "jupyterhub_config.py")]
+            with running_hub(hub_command, private, proxy_port, admin_token, TEAM_USERS, env):
+                hub = Hub(
+                    f"http://127.0.0.1:{proxy_port}",
+                    f"http://127.0.0.1:{proxy_port}/hub/api",
+                    admin_token,
+                    gateways[0],
+                    shared,
+                    private,
+                    roots[0] / "audit.jsonl",
+                )
+                yield Teams(hub, (gateways[0], gateways[1]), (roots[0], roots[1]))
+        finally:
+            for gateway in gateways:
+                gateway.stop()
+                if gateway.log.exists():
+                    print(f"--- {gateway.log}\n{gateway.log.read_text()[-20000:]}")  # shown when a test fails
+            shutil.rmtree(shared, ignore_errors=True)
+
+
+def adoption_scope(root_dir: Path) -> str:
+    """The scope label of the kernels a gateway with ``root_dir`` starts (as
+    :meth:`sandbox_kernel.jupyter.server.SandboxMappingKernelManager.adoption_scope`)."""
+    return hashlib.sha256(str(root_dir).encode()).hexdigest()[:16]
+
+
+async def test_each_team_gets_kernels_on_its_own_gateway_and_a_stopped_gateway_takes_only_its_own(
+    teams: Teams, docker_client: docker.DockerClient
+) -> None:
+    before = HostState(docker_client)
+    hub, (gw1, gw2) = teams.hub, teams.gateways
+    alice, bob = TEAM_USERS
+    for name in TEAM_USERS:
+        await asyncio.to_thread(hub.start_server, name)
+    for name, gateway, service in zip(TEAM_USERS, teams.gateways, TEAM_SERVICES, strict=True):
+        env = await asyncio.to_thread(server_environ, name)
+        assert env["JUPYTER_GATEWAY_URL"] == gateway.url, "the hub sent the server to its team's gateway"
+        assert env["JUPYTER_GATEWAY_CA_CERTS"] == str(hub.shared / f"{service}-ca.pem")
+    tokens = {name: await asyncio.to_thread(hub.server_token, name) for name in TEAM_USERS}
+    gw1.tokens, gw2.tokens = dict(tokens), dict(tokens)
+
+    # Each user's real server token is good on their own team's gateway only.
+    assert (await gw1.fetch("/api/kernels", alice)).code == 200
+    assert (await gw2.fetch("/api/kernels", bob)).code == 200
+    for gateway, name, service in [(gw2, alice, TEAM_SERVICES[1]), (gw1, bob, TEAM_SERVICES[0])]:
+        refused = await gateway.fetch("/api/kernels", name)
+        assert refused.code == 403, name
+        assert f"lacks the scope access:services!service={service}" in json.loads(refused.body)["message"]
+
+    kernels: dict[str, str] = {}
+    try:
+        for name, gateway in zip(TEAM_USERS, teams.gateways, strict=True):
+            project = Path(pwd.getpwnam(name).pw_dir) / "proj"
+            body = {"name": KERNEL, "env": {"KERNEL_WORKING_DIR": str(project)}}
+            started = await gateway.fetch("/api/kernels", name, "POST", body)
+            assert started.code == 201, started.body
+            kernels[name] = json.loads(started.body)["id"]
+        for name, gateway, root in zip(TEAM_USERS, teams.gateways, teams.roots, strict=True):
+            (container,) = containers_of(kernels[name])
+            assert container.labels["io.sandbox-kernel.user"] == name
+            assert container.labels["io.sandbox-kernel.scope"] == adoption_scope(root), "its team's gateway's"
+            listed = json.loads((await gateway.fetch("/api/kernels", name)).body)
+            assert [kernel["id"] for kernel in listed] == [kernels[name]]
+        ws = await gw1.channels(kernels[alice], alice)
+        assert (await run_code(ws, "x = 41; print(x + 1)")).strip() == "42"
+
+        # Gateway 2 stops: its own user's kernel goes with it; the other team's carries on.
+        await asyncio.to_thread(gw2.stop)
+        assert containers_of(kernels.pop(bob)) == []
+        assert (await run_code(ws, "print(x)")).strip() == "41", "the same kernel, undisturbed"
+        ws.close()
+        listed = json.loads((await gw1.fetch("/api/kernels", alice)).body)
+        assert [kernel["id"] for kernel in listed] == [kernels[alice]]
+    finally:
+        for name, gateway in zip(TEAM_USERS, teams.gateways, strict=True):
+            if name in kernels and gateway.process is not None and gateway.process.poll() is None:
+                deleted = await gateway.fetch(f"/api/kernels/{kernels[name]}", name, "DELETE")
+                assert deleted.code == 204, name
+    for kernel_id in kernels.values():
+        assert containers_of(kernel_id) == []
     assert await asyncio.to_thread(before.new_leftovers) == []
