@@ -26,13 +26,20 @@ kernels while it lives (a kernel is pruned only once its holder is gone).
 
 The warm pool is per user: for each user of ``pool_users`` (resolved through the
 :class:`~sandbox_kernel.gateway.users.UserPolicy` as the gateway starts), each sandboxed
-kernelspec with a ``pool_size`` gets a pool planned as a start of theirs in their root
-folder would be (their uid, their label, their ceilings), so their starts claim a ready
-sandbox and nobody else's do (see :mod:`~sandbox_kernel.pool.fit`).
+kernelspec with a ``pool_size`` gets a pool planned as a start of theirs would be (their
+uid, their label, their ceilings), so their starts claim a ready sandbox and nobody else's
+do (see :mod:`~sandbox_kernel.pool.fit`). The workspace is each claim's, checked as any
+start's; the plan is made in an empty folder of theirs that the gateway makes for the
+moment (their root may be a home folder, where no kernel starts).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from jupyter_server.base.call_context import CallContext
@@ -79,7 +86,11 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
         """Start filling the pools of every user of :attr:`pool_users` (of ``user`` only,
         if given); each pool's name ("<kernelspec> for <user>")."""
         if user is not None:
-            return [f"{name} for {user.name}" for name in await super().fill_pools(user)]
+            # The plan is all but the workspace (a claim's): made in an empty folder of theirs.
+            with tempfile.TemporaryDirectory(prefix="sk-gateway-pool-plan-") as folder:
+                await asyncio.to_thread(os.chown, folder, user.uid, user.gid)
+                filled = await super().fill_pools(replace(user, root=Path(folder)))
+            return [f"{name} for {user.name}" for name in filled]
         policy, filled = UserPolicy(config=self.config), []
         for name in self.pool_users:
             try:

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HT
 from tornado.websocket import websocket_connect
 
 from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
-from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
+from sandbox_kernel.lifecycle.ownership import SandboxedKernel
+from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID, LABEL_KERNELSPEC, LABEL_POOL, LABEL_USER
 
 from .conftest import KERNEL, HostState
 
@@ -414,4 +416,88 @@ async def test_two_gateways_on_one_docker_host_neither_adopts_nor_prunes_the_oth
         deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
     assert deleted.code == 204
     assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+def created_at(container: Any) -> float:
+    """When Docker created ``container`` (its ``Created``, nanoseconds and all), in epoch seconds."""
+    stamp = container.attrs["Created"].rstrip("Z")
+    whole, _, fraction = stamp.partition(".")
+    return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + float(f"0.{fraction or 0}")
+
+
+def pooled_for(client: docker.DockerClient, user: str, kernelspec: str) -> list[SandboxedKernel]:
+    """The pooled sandboxes waiting, ready, for ``user``'s kernels of ``kernelspec``."""
+    labels = [f"{LABEL_POOL}=true", f"{LABEL_USER}={user}", f"{LABEL_KERNELSPEC}={kernelspec}"]
+    found = [SandboxedKernel.from_inspect(c.attrs) for c in client.containers.list(filters={"label": labels})]
+    return [kernel for kernel in found if kernel.pooled and kernel.pool_ready]
+
+
+async def test_a_listed_users_kernel_starts_warm_from_their_own_pool_and_another_users_cold(
+    gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    docker_client: docker.DockerClient,
+    make_kernelspec: Callable[..., str],
+) -> None:
+    before = HostState(docker_client)
+    alice, bob = USERS
+    name = make_kernelspec("sandboxed-python-gw-pooled", config={"pool_size": 1})
+    gateway.stop()
+    gateway.command.append(f"--GatewayKernelManagerForUsers.pool_users={alice}")
+    gateway.start()
+    kernels: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not pooled_for(docker_client, alice, name):
+            assert time.monotonic() < deadline, "alice's pool was never filled"
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1)  # (ready, then frozen and listed)
+        assert pooled_for(docker_client, bob, name) == [], "a pool for listed users only"
+
+        # Bob's start: cold (his own container, made after his request), his pool-less reason logged.
+        asked = time.time()
+        home = Path(users[bob].pw_dir)
+        started = await gateway.fetch(
+            "/api/kernels", bob, "POST", {"name": name, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+        )
+        cold = time.time() - asked
+        assert started.code == 201, started.body
+        kernels[bob] = json.loads(started.body)["id"]
+        assert created_at(containers_of(kernels[bob])[0]) > asked
+        assert f"no pool planned for user {bob}" in gateway.log.read_text()
+        assert len(pooled_for(docker_client, alice, name)) == 1, "alice's sandbox still waits"
+        assert (await gateway.fetch(f"/api/kernels/{kernels[bob]}", bob, "DELETE")).code == 204
+        del kernels[bob]
+
+        # Alice's start: the sandbox made before she asked, fast, as her uid, her file hers.
+        home = Path(users[alice].pw_dir)
+        asked = time.time()
+        started = await gateway.fetch(
+            "/api/kernels", alice, "POST", {"name": name, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+        )
+        took = time.time() - asked
+        assert started.code == 201, started.body
+        kernels[alice] = json.loads(started.body)["id"]
+        deadline = time.monotonic() + 10  # renamed after its kernel in the background
+        while True:
+            try:
+                container = docker_client.containers.get(f"sandbox-kernel-{kernels[alice]}")
+                break
+            except docker.errors.NotFound:
+                assert time.monotonic() < deadline, "alice's kernel has no container of its name"
+                await asyncio.sleep(0.2)
+        assert container.labels[LABEL_POOL] == "true"
+        assert container.labels[LABEL_USER] == alice
+        assert created_at(container) < asked, "her sandbox was started before she asked"
+        assert took < 1, f"a warm start took {took:.2f} s (bob's cold one {cold:.2f} s)"
+        ws = await gateway.channels(kernels[alice], alice)
+        out = await run_code(ws, "import os; open('warm.txt', 'w').write('x'); print(os.getuid())")
+        ws.close()
+        assert out.split() == [str(users[alice].pw_uid)]
+        assert (home / "proj" / "warm.txt").stat().st_uid == users[alice].pw_uid, "her file is hers"
+        print(f"through the gateway: alice's warm start {took:.2f} s, bob's cold start {cold:.2f} s")
+    finally:
+        for user, kernel_id in kernels.items():
+            await gateway.fetch(f"/api/kernels/{kernel_id}", user, "DELETE")
+        gateway.stop()  # and its pool's sandboxes with it
     assert await asyncio.to_thread(before.new_leftovers) == []
