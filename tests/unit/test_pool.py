@@ -7,11 +7,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from sandbox_kernel.backends.docker_args import container_create_kwargs
+from sandbox_kernel.backends.fake import FakeBackend
 from sandbox_kernel.host.mounts import mounts_under
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel
 from sandbox_kernel.plan.plan import pooled_workspace_path
-from sandbox_kernel.plan.sandbox_spec import LABEL_OWNER, SandboxSpec
-from sandbox_kernel.pool.sandboxes import plan_fingerprint
+from sandbox_kernel.plan.sandbox_spec import LABEL_OWNER, LABEL_USER, SandboxSpec
+from sandbox_kernel.pool.sandboxes import PoolPlan, SandboxPool, plan_fingerprint
 
 SPEC = SandboxSpec(
     kernel_id="k1",
@@ -135,3 +136,27 @@ def test_a_pooled_sandbox_carries_nothing_of_the_kernel_whose_start_made_the_pla
     kwargs = container_create_kwargs(pooled)
     assert kwargs["working_dir"] == "/workspace"
     assert "alice" not in json.dumps(kwargs["labels"]) + json.dumps(kwargs["environment"])
+
+
+def test_each_users_pool_of_a_kernelspec_is_its_own() -> None:
+    """On a gateway, one kernelspec has a pool per user: planning one user's leaves the
+    others' (and the pool of no user's) as they were."""
+
+    def of(spec: SandboxSpec) -> PoolPlan:
+        return PoolPlan(spec, 0, "hmac-sha256", None, 60.0, True, "/tmp", 0, FakeBackend())
+
+    alice = replace(SPEC, uid=1001, extra_labels={**SPEC.extra_labels, LABEL_USER: "alice"})
+    bob = replace(SPEC, uid=1002, extra_labels={**SPEC.extra_labels, LABEL_USER: "bob"})
+    pool = SandboxPool()
+    for spec in (SPEC, alice, bob):
+        pool.want(of(spec))  # size 0: nothing starts
+    assert [p.key for p in (of(SPEC), of(alice), of(bob))] == [
+        ("sandboxed-python", ""),
+        ("sandboxed-python", "alice"),
+        ("sandboxed-python", "bob"),
+    ]
+    assert pool.plan_of("sandboxed-python", "alice") == of(alice)
+    assert pool.plan_of("sandboxed-python", "bob") == of(bob)
+    assert pool.plan_of("sandboxed-python") == of(SPEC)
+    assert pool.plan_of("sandboxed-python", "carol") is None
+    assert len({of(s).fingerprint for s in (SPEC, alice, bob)}) == 3

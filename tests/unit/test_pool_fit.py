@@ -12,6 +12,7 @@ import pytest
 from sandbox_kernel.plan.sandbox_spec import (
     LABEL_LIFECYCLE,
     LABEL_OWNER,
+    LABEL_USER,
     POLICY_ENV,
     SandboxSpec,
     egress_command,
@@ -180,3 +181,20 @@ def test_what_a_running_sandbox_cannot_change_starts_cold(fields: dict[str, Any]
     found = narrowing(POOL, replace(POOL, **fields))
     assert isinstance(found, str)
     assert found.startswith(why)
+
+
+def test_a_users_pool_serves_their_starts_in_any_folder_and_no_other_users() -> None:
+    """A gateway's pool of alice's: her uid and her label, fixed as its sandboxes start."""
+    labels = {LABEL_OWNER: "me", LABEL_LIFECYCLE: "ephemeral"}
+    alices = replace(POOL, uid=1001, gid=1001, extra_labels={**labels, LABEL_USER: "alice"})
+    hers = replace(alices, kernel_id="k2", workspace=Path("/home/alice/b"), workdir="/workspace/b")
+    found = narrowing(alices, hers)
+    assert isinstance(found, Narrowing)
+    assert found.empty
+    bobs = replace(POOL, uid=1002, gid=1002, extra_labels={**labels, LABEL_USER: "bob"})
+    assert narrowing(alices, bobs) == "uid 1002 differs from the pool's 1001"
+    same_uid = replace(alices, extra_labels={**labels, LABEL_USER: "alice2"})  # a uid mapped twice
+    assert narrowing(alices, same_uid) == f"the sandbox's labels {LABEL_USER} differ from the pool's"
+    assert narrowing(POOL, replace(POOL, extra_labels={**labels, LABEL_USER: "alice"})) == (
+        f"the sandbox's labels {LABEL_USER} differ from the pool's"
+    ), "a pool of no user's serves no user"
