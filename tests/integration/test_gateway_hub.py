@@ -278,7 +278,8 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
     )
     admin_token = secrets.token_hex(32)
     (private / "jupyterhub_config.py").write_text(
-        blocks["hub"] + tests_hub_config(private, hub_port, proxy_port, chp_api_port, users, admin_token)
+        blocks["hub"]
+        + hub_config_of_the_test(private, hub_port, proxy_port, chp_api_port, users, admin_token)
     )
     gateway_line, hub_line = starts  # the page's own command lines
     tls = ssl.create_default_context(cafile=str(shared / "ca.pem"))
@@ -309,7 +310,7 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
         shutil.rmtree(shared, ignore_errors=True)
 
 
-def tests_hub_config(
+def hub_config_of_the_test(
     private: Path, hub_port: int, proxy_port: int, chp_api_port: int, users: Iterable[str], admin_token: str
 ) -> str:
     """What the test adds to the page's hub config."""
@@ -584,7 +585,7 @@ def teams(kernelspec_root: Path) -> Iterator[Teams]:
         admin_token = secrets.token_hex(32)
         (private / "jupyterhub_config.py").write_text(
             hub_config
-            + tests_hub_config(private, hub_port, proxy_port, chp_api_port, TEAM_USERS, admin_token)
+            + hub_config_of_the_test(private, hub_port, proxy_port, chp_api_port, TEAM_USERS, admin_token)
         )
         gateways, roots = [], []
         for n, (service, port) in enumerate(zip(TEAM_SERVICES, ports, strict=True), 1):
