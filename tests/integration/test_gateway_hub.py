@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -311,13 +312,19 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
 
 
 def hub_config_of_the_test(
-    private: Path, hub_port: int, proxy_port: int, chp_api_port: int, users: Iterable[str], admin_token: str
+    private: Path,
+    hub_port: int,
+    proxy_port: int,
+    chp_api_port: int,
+    users: Iterable[str],
+    admin_token: str,
+    hub_ip: str = "127.0.0.1",
 ) -> str:
     """What the test adds to the page's hub config."""
     return f"""
 # The test's own: ports, state files, a password login, an admin service for the test.
 c.JupyterHub.bind_url = "http://127.0.0.1:{proxy_port}"
-c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.hub_ip = "{hub_ip}"
 c.JupyterHub.hub_port = {hub_port}
 c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{chp_api_port}"
 c.ConfigurableHTTPProxy.command = [{str(CHP)!r}]
@@ -542,6 +549,64 @@ async def test_another_hub_user_and_other_tokens_get_nothing_of_a_users_kernel(
 
 TEAM_USERS = ("sk-team1-alice", "sk-team2-bob")
 TEAM_SERVICES = ("sandbox-gw-1", "sandbox-gw-2")
+#: The hub's address for the sandbox machines (on this host's loopback device) and the
+#: machines': a network namespace each, behind a veth pair (not the page's 10.77.0.1,
+#: 10.77.1.2, 10.77.2.2, so as not to meet test_gateway_netns.py's machine).
+HUB_IP = "10.77.10.1"
+MACHINES = (("sk-team1", "10.77.11"), ("sk-team2", "10.77.12"))
+
+
+def ip(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@contextlib.contextmanager
+def sandbox_machines() -> Iterator[None]:
+    """:data:`MACHINES` as network namespaces, each ``<net>.2/30`` behind a veth pair to
+    ``<net>.1/30`` here, routed to :data:`HUB_IP`; gone afterwards."""
+    try:
+        for name, _ in MACHINES:  # a crashed run's
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+        subprocess.run(["ip", "addr", "del", f"{HUB_IP}/32", "dev", "lo"], check=False, capture_output=True)
+        ip("addr", "add", f"{HUB_IP}/32", "dev", "lo")
+        for name, net in MACHINES:
+            ip("netns", "add", name)
+            ip("link", "add", f"{name}-0", "type", "veth", "peer", "name", f"{name}-1")
+            ip("link", "set", f"{name}-1", "netns", name)
+            ip("addr", "add", f"{net}.1/30", "dev", f"{name}-0")
+            ip("link", "set", f"{name}-0", "up")
+            ip("-n", name, "addr", "add", f"{net}.2/30", "dev", f"{name}-1")
+            ip("-n", name, "link", "set", f"{name}-1", "up")
+            ip("-n", name, "link", "set", "lo", "up")
+            ip("-n", name, "route", "add", "default", "via", f"{net}.1")
+        yield
+    finally:
+        for name, _ in MACHINES:
+            subprocess.run(
+                ["ip", "netns", "del", name], check=False, capture_output=True
+            )  # and its veth pair
+        subprocess.run(["ip", "addr", "del", f"{HUB_IP}/32", "dev", "lo"], check=False, capture_output=True)
+
+
+class MachineServed(HubServed):
+    """A gateway on a sandbox machine of :func:`sandbox_machines`."""
+
+    def start(self) -> None:
+        """Start the gateway; return once it listens on its machine's address."""
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(  # our own command
+                self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env
+            )
+        address = self.url.removeprefix("https://").rpartition(":")
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                with socket.create_connection((address[0], int(address[2])), timeout=1):
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.2)
 
 
 @dataclass
@@ -549,7 +614,7 @@ class Teams:
     """A hub whose two groups each have a gateway of their own."""
 
     hub: Hub
-    gateways: tuple[HubServed, HubServed]
+    gateways: tuple[MachineServed, MachineServed]
     roots: tuple[Path, Path]
 
 
@@ -557,26 +622,28 @@ class Teams:
 def teams(kernelspec_root: Path) -> Iterator[Teams]:
     """The page's "Several sandbox machines": a hub with the groups team1 (the first user)
     and team2 (the second), and a gateway each (``sandbox-gw-1``, ``sandbox-gw-2``), each
-    with its own service token, TLS CA, port and root folder (its adoption scope); here on
-    loopback ports of this host, not on machines of their own."""
+    with its own service token, TLS CA and root folder (its adoption scope), on a machine
+    of its own: a network namespace of this host (:func:`sandbox_machines`), reached over
+    TLS on a veth pair, with the host's Docker and file system."""
     for needed in (CHP, USER_VENV / "bin" / "jupyterhub-singleuser"):
         if not needed.exists():
             pytest.fail(f"{needed} is missing: run `bash .ci/setup` (as root)", pytrace=False)
     blocks = documented_blocks()
     env = {**os.environ, "JUPYTER_PATH": str(kernelspec_root), "PATH": f"{BIN}:{os.environ['PATH']}"}
-    with local_users(TEAM_USERS):
+    with local_users(TEAM_USERS), sandbox_machines():
         shared = Path(tempfile.mkdtemp(prefix="sk-teams-", dir="/tmp"))
         shared.chmod(0o755)  # the users' servers read the CAs here
         private = shared / "private"
         private.mkdir(mode=0o700)
-        hub_port, proxy_port, chp_api_port, *ports = (free_port() for _ in range(5))
+        hub_port, proxy_port, chp_api_port = (free_port() for _ in range(3))
         hub_config = substituted(
             {"hub": blocks["teams_hub"]},
             [
                 ('["alice"]', f'["{TEAM_USERS[0]}"]'),
                 ('["bob"]', f'["{TEAM_USERS[1]}"]'),
-                ("https://10.77.1.2:8870", f"https://127.0.0.1:{ports[0]}"),
-                ("https://10.77.2.2:8870", f"https://127.0.0.1:{ports[1]}"),
+                ("10.77.1.2", f"{MACHINES[0][1]}.2"),
+                ("10.77.2.2", f"{MACHINES[1][1]}.2"),
+                ("10.77.0.1", HUB_IP),
                 ("/etc/jupyterhub/{service}-ca.pem", f"{shared}/{{service}}-ca.pem"),
                 ("/etc/jupyterhub/{service}.token", f"{private}/{{service}}.token"),
                 ("/opt/jupyterhub-user", str(USER_VENV)),
@@ -585,14 +652,16 @@ def teams(kernelspec_root: Path) -> Iterator[Teams]:
         admin_token = secrets.token_hex(32)
         (private / "jupyterhub_config.py").write_text(
             hub_config
-            + hub_config_of_the_test(private, hub_port, proxy_port, chp_api_port, TEAM_USERS, admin_token)
+            + hub_config_of_the_test(
+                private, hub_port, proxy_port, chp_api_port, TEAM_USERS, admin_token, HUB_IP
+            )
         )
         gateways, roots = [], []
-        for n, (service, port) in enumerate(zip(TEAM_SERVICES, ports, strict=True), 1):
+        for n, (service, (machine, net)) in enumerate(zip(TEAM_SERVICES, MACHINES, strict=True), 1):
             root = private / f"gw{n}"
             root.mkdir(mode=0o700)
             pki = root / "pki"
-            cli("gateway", "init-tls", f"--dir={pki}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
+            cli("gateway", "init-tls", f"--dir={pki}", f"--hostname={machine}", f"--ip={net}.2", env=env)
             shutil.copyfile(pki / "ca.pem", shared / f"{service}-ca.pem")
             (shared / f"{service}-ca.pem").chmod(0o644)
             service_token = secrets.token_hex(32)
@@ -603,9 +672,8 @@ def teams(kernelspec_root: Path) -> Iterator[Teams]:
                 {"gateway": blocks["teams_gateway"]},
                 [
                     ('"sandbox-gw-1"', f'"{service}"'),
-                    ('"10.77.1.2"', '"127.0.0.1"'),
-                    ("8870", str(port)),
-                    ("http://10.77.0.1:8081", f"http://127.0.0.1:{hub_port}"),
+                    ('"10.77.1.2"', f'"{net}.2"'),
+                    ("http://10.77.0.1:8081", f"http://{HUB_IP}:{hub_port}"),
                     ("/etc/sandbox-kernel/gateway", str(pki)),
                 ],
             )["gateway"]
@@ -617,9 +685,10 @@ def teams(kernelspec_root: Path) -> Iterator[Teams]:
                 + f'c.SandboxProvisioner.audit_log = "{root / "audit.jsonl"}"\n'
             )
             tls = ssl.create_default_context(cafile=str(shared / f"{service}-ca.pem"))
-            command = ["jupyter", "sandbox-kernel", "gateway", f"--config={root / 'gateway_config.py'}"]
+            command = ["ip", "netns", "exec", machine, "jupyter", "sandbox-kernel", "gateway"]
+            command.append(f"--config={root / 'gateway_config.py'}")
             gateways.append(
-                HubServed(f"https://127.0.0.1:{port}", {}, tls, root / "gateway.log", command, env)
+                MachineServed(f"https://{net}.2:8870", {}, tls, root / "gateway.log", command, env)
             )
             roots.append(root)
         try:
