@@ -6,7 +6,7 @@ egress proxy's per-kernel CAs (:mod:`sandbox_kernel.egress.ca`), this one signs 
 addresses as well as names (a sandbox host is often reached by its address) and is not
 name-constrained: it signs the gateway's certificates only, and its key stays with root.
 
-Pure crypto (``cryptography``), no I/O.
+Crypto (``cryptography``), and :func:`write_tls_files` writing it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 from collections.abc import Iterable
+from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -113,3 +114,31 @@ def make_server_cert(
 
 #: How ``init-tls`` (:mod:`~.app`) writes the files: keys 0600, certificates 0644.
 write_private = replace_file
+
+
+def write_tls_files(folder: Path, hostnames: Iterable[str], ips: Iterable[str]) -> bool:
+    """Write the gateway's TLS files in ``folder``: a CA (``ca.pem``, its key ``ca-key.pem``)
+    unless the folder has one, and a server certificate it signs for ``hostnames`` and
+    ``ips`` (``server.pem``, ``server-key.pem``). A folder made here is 0755 and the
+    certificates 0644, so every user's server may read ``ca.pem`` where it is; the keys are
+    0600. Whether a new CA was made.
+
+    Raises:
+        ValueError: as :func:`make_server_cert`.
+    """
+    if not folder.is_dir():
+        folder.mkdir(parents=True)
+        folder.chmod(0o755)  # whatever the umask: the certificates are for everyone to read
+    ca, ca_key = folder / "ca.pem", folder / "ca-key.pem"
+    made = not (ca.exists() and ca_key.exists())
+    if made:
+        cert_pem, key_pem = make_ca()
+    else:
+        cert_pem, key_pem = ca.read_bytes(), ca_key.read_bytes()
+    chain, key = make_server_cert(cert_pem, key_pem, hostnames, ips)
+    if made:
+        replace_file(ca_key, key_pem, 0o600)
+        replace_file(ca, cert_pem, 0o644)
+    replace_file(folder / "server-key.pem", key, 0o600)
+    replace_file(folder / "server.pem", chain, 0o644)
+    return made

@@ -20,7 +20,7 @@ from sandbox_kernel.errors import ConfigurationError, WorkspaceError
 from sandbox_kernel.gateway.app import AddTokenApp, InitTlsApp, RevokeTokenApp, serving_refusal
 from sandbox_kernel.gateway.authorizer import KernelOwnerAuthorizer
 from sandbox_kernel.gateway.identity import add_token, read_tokens, token_hash
-from sandbox_kernel.gateway.tls import make_ca, make_server_cert
+from sandbox_kernel.gateway.tls import make_ca, make_server_cert, write_tls_files
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused, check_cwd, narrowest
 from sandbox_kernel.plan.users import KernelUser
 
@@ -260,6 +260,30 @@ def test_init_tls_makes_a_ca_and_a_certificate_it_verifies(tmp_path: Path) -> No
     assert (tmp_path / "ca.pem").read_bytes() == ca, "the CA is kept: clients trust it already"
     with pytest.raises(ValueError, match="at least one"):
         make_server_cert(*make_ca(), [], [])
+
+
+def test_the_tls_files_are_for_everyone_to_read_but_the_keys(tmp_path: Path) -> None:
+    folder = tmp_path / "etc" / "gateway"
+    old = os.umask(0o077)
+    try:
+        assert write_tls_files(folder, ["gw.example"], ["10.77.0.2"]), "a new CA"
+    finally:
+        os.umask(old)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
+    assert modes == {"ca.pem": 0o644, "server.pem": 0o644, "ca-key.pem": 0o600, "server-key.pem": 0o600}
+    assert folder.stat().st_mode & 0o777 == 0o755, "users' servers read ca.pem where it is"
+    ca = (folder / "ca.pem").read_bytes()
+    server = (folder / "server.pem").read_bytes()
+    folder.chmod(0o700)
+    assert not write_tls_files(folder, [], ["127.0.0.1"]), "the CA is kept"
+    assert (folder / "ca.pem").read_bytes() == ca
+    assert (folder / "server.pem").read_bytes() != server
+    assert folder.stat().st_mode & 0o777 == 0o700, "a folder that was there is left as it is"
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(folder / "server.pem", folder / "server-key.pem")
+    client = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+    assert handshake(server_side, client, "127.0.0.1")
+    assert not handshake(server_side, client, "gw.example"), "the new certificate's names only"
 
 
 def handshake(server: ssl.SSLContext, client: ssl.SSLContext, name: str) -> bool:
