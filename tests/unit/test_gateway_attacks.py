@@ -470,3 +470,28 @@ async def test_a_users_refused_starts_leave_nothing_behind_and_the_gateway_still
         assert bobs not in gateway.km.list_kernel_ids()
     finally:
         forget_failed_starts(gateway)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a DELETE racing the owner's restart answers 500 (InvalidStateError) or never answers, "
+    "and the kernel restarts and keeps running",
+)
+async def test_her_delete_racing_her_restart_stops_the_kernel(gateway: Gateway) -> None:
+    kernel_ids = []
+    try:
+        for _ in range(3):
+            kernel_id = await gateway.start("alice")
+            kernel_ids.append(kernel_id)
+            path = f"/api/kernels/{kernel_id}"
+            restart = gateway.fetch(f"{path}/restart", "alice", method="POST", body="", request_timeout=8)
+            delete = gateway.fetch(path, "alice", method="DELETE", request_timeout=8)
+            codes = [response.code for response in await asyncio.gather(restart, delete)]
+            assert codes[1] == 204, codes
+            assert kernel_id not in gateway.km.list_kernel_ids(), codes
+            assert gateway.km.owner(kernel_id) is None
+    finally:
+        for kernel_id in kernel_ids:
+            if kernel_id in gateway.km:
+                await asyncio.wait_for(gateway.km.shutdown_kernel(kernel_id, now=True), 30)
+        forget_failed_starts(gateway)
