@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,7 +342,7 @@ c.JupyterHub.services.append({{"name": {ADMIN_SERVICE!r}, "api_token": {admin_to
 c.JupyterHub.load_roles.append(
     {{
         "name": {ADMIN_SERVICE!r},
-        "scopes": ["admin:users", "admin:servers", "tokens"],
+        "scopes": ["admin:users", "admin:servers", "tokens", "groups"],
         "services": [{ADMIN_SERVICE!r}],
     }}
 )
@@ -774,4 +774,55 @@ async def test_each_team_gets_kernels_on_its_own_gateway_and_a_stopped_gateway_t
                 assert deleted.code == 204, name
     for kernel_id in kernels.values():
         assert containers_of(kernel_id) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+def move(hub: Hub, name: str, old: str, new: str) -> None:
+    """Move ``name`` from the hub group ``old`` to ``new``, as an admin would."""
+    assert hub.call("POST", f"/groups/{new}/users", json={"users": [name]}).status_code == 200
+    assert hub.call("DELETE", f"/groups/{old}/users", json={"users": [name]}).status_code == 200
+
+
+async def test_a_user_moved_to_another_team_leaves_her_persistent_kernel_on_the_old_gateway(
+    teams: Teams, make_kernelspec: Callable[..., str], docker_client: docker.DockerClient
+) -> None:
+    before = HostState(docker_client)
+    hub, (gw1, gw2) = teams.hub, teams.gateways
+    alice = TEAM_USERS[0]
+    if gw2.process is None or gw2.process.poll() is not None:
+        await asyncio.to_thread(gw2.start)  # the test before stopped it
+    name = make_kernelspec("sandboxed-python-team-persistent", config={"lifecycle": "persistent"})
+    project = Path(pwd.getpwnam(alice).pw_dir) / "proj"
+    await asyncio.to_thread(hub.start_server, alice)
+    gw1.tokens[alice] = await asyncio.to_thread(hub.server_token, alice)
+    started = await gw1.fetch(
+        "/api/kernels", alice, "POST", {"name": name, "env": {"KERNEL_WORKING_DIR": str(project)}}
+    )
+    assert started.code == 201, started.body
+    kernel_id = json.loads(started.body)["id"]
+    moved = False
+    try:
+        await asyncio.to_thread(move, hub, alice, "team1", "team2")
+        moved = True
+        await asyncio.to_thread(hub.stop_server, alice)
+        await asyncio.to_thread(hub.start_server, alice)
+        env = await asyncio.to_thread(server_environ, alice)
+        assert env["JUPYTER_GATEWAY_URL"] == gw2.url, "her new server is sent to her new team's gateway"
+        gw1.tokens[alice] = gw2.tokens[alice] = env["JUPYTER_GATEWAY_AUTH_TOKEN"]
+        assert json.loads((await gw2.fetch("/api/kernels", alice)).body) == [], "her kernel did not move"
+        refused = await gw1.fetch(f"/api/kernels/{kernel_id}", alice)
+        assert refused.code == 403, "her old team's gateway is not hers any more"
+        assert "lacks the scope access:services!service=sandbox-gw-1" in json.loads(refused.body)["message"]
+        (container,) = containers_of(kernel_id)
+        assert container.status == "running", "it stays on the old machine until stopped"
+        assert container.labels["io.sandbox-kernel.scope"] == adoption_scope(teams.roots[0])
+    finally:
+        if moved:  # back, so that she may stop it
+            await asyncio.to_thread(move, hub, alice, "team2", "team1")
+            await asyncio.to_thread(hub.stop_server, alice)
+            await asyncio.to_thread(hub.start_server, alice)
+            gw1.tokens[alice] = await asyncio.to_thread(hub.server_token, alice)
+        deleted = await gw1.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204, deleted.body
+    assert containers_of(kernel_id) == []
     assert await asyncio.to_thread(before.new_leftovers) == []
