@@ -6,7 +6,9 @@ loopback with :class:`~sandbox_kernel.gateway.hub.HubIdentityProvider`. The hub'
 gateway's configs and the setup commands are the page's own, with this test's paths and ports.
 
 A user logs in at the hub in a real browser and plots in a sandboxed notebook; then the
-other user's real server token is tried on everything of the first user's."""
+other user's real server token is tried on everything of the first user's. Then the page's
+several sandbox machines: a gateway per team (hub group), each in a network namespace of
+its own, and users' servers sent to their team's gateway only."""
 
 from __future__ import annotations
 
