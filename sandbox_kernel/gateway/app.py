@@ -53,7 +53,7 @@ from sandbox_kernel.gateway.identity import (
 )
 from sandbox_kernel.gateway.kernelspecs import SandboxedOnlyKernelSpecManager
 from sandbox_kernel.gateway.manager import GatewayKernelManagerForUsers
-from sandbox_kernel.gateway.tls import make_ca, make_server_cert, write_private
+from sandbox_kernel.gateway.tls import write_tls_files
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
 from sandbox_kernel.jupyter.server_audit import AuditedWebsocketConnection
 
@@ -211,7 +211,8 @@ class InitTlsApp(_GatewayCommand):
     name = "jupyter-sandbox-kernel-gateway-init-tls"
     description = """Make a certificate authority for the gateway (ca.pem, and its key
     ca-key.pem) unless --dir has one, and a server certificate it signs for the given host
-    names and addresses (server.pem, server-key.pem). Keys are written 0600. Give the
+    names and addresses (server.pem, server-key.pem). A folder it makes is 0755, the
+    certificates 0644 (every user's server may read ca.pem), the keys 0600. Give the
     gateway --certfile and --keyfile, and the users' servers the CA
     (JUPYTER_GATEWAY_CA_CERTS=DIR/ca.pem, with sandbox-kernel installed on their side)."""
     examples = "jupyter sandbox-kernel gateway init-tls --hostname gw.example --ip 10.77.0.2"
@@ -227,24 +228,14 @@ class InitTlsApp(_GatewayCommand):
 
     def start(self) -> None:
         folder = Path(self.directory)
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        ca, ca_key = folder / "ca.pem", folder / "ca-key.pem"
-        if ca.exists() and ca_key.exists():
-            cert_pem, key_pem = ca.read_bytes(), ca_key.read_bytes()
-            print(f"Using the CA in {ca}")
-        else:
-            cert_pem, key_pem = make_ca()
-            write_private(ca_key, key_pem)
-            write_private(ca, cert_pem, mode=0o644)
-            print(f"Made a CA: {ca} (its key: {ca_key})")
         hostnames = self.hostnames or [socket.getfqdn(), "localhost"]
         ips = self.ips or ["127.0.0.1"]
         try:
-            chain, key = make_server_cert(cert_pem, key_pem, hostnames, ips)
+            made = write_tls_files(folder, hostnames, ips)
         except ValueError as exc:
             self.fail(str(exc))
-        write_private(folder / "server-key.pem", key)
-        write_private(folder / "server.pem", chain, mode=0o644)
+        ca = folder / "ca.pem"
+        print(f"Made a CA: {ca} (its key: {folder / 'ca-key.pem'})" if made else f"Using the CA in {ca}")
         print(f"Made a server certificate for {', '.join([*hostnames, *ips])}: {folder / 'server.pem'}")
         print(f"Serve with: --certfile {folder / 'server.pem'} --keyfile {folder / 'server-key.pem'}")
 

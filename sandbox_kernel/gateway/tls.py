@@ -112,10 +112,6 @@ def make_server_cert(
     return cert.public_bytes(serialization.Encoding.PEM) + ca_cert_pem, _key_pem(key)
 
 
-#: How ``init-tls`` (:mod:`~.app`) writes the files: keys 0600, certificates 0644.
-write_private = replace_file
-
-
 def write_tls_files(folder: Path, hostnames: Iterable[str], ips: Iterable[str]) -> bool:
     """Write the gateway's TLS files in ``folder``: a CA (``ca.pem``, its key ``ca-key.pem``)
     unless the folder has one, and a server certificate it signs for ``hostnames`` and

@@ -149,7 +149,7 @@ class Hub:
             method,
             self.gateway.url + path,
             headers={"Authorization": f"token {token}"},
-            verify=str(self.shared / "ca.pem"),
+            verify=str(self.shared / "pki" / "ca.pem"),
             timeout=120,
         )
 
@@ -243,7 +243,7 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
         if not needed.exists():
             pytest.fail(f"{needed} is missing: run `bash .ci/setup` (as root)", pytrace=False)
     shared = Path(tempfile.mkdtemp(prefix="sk-hub-", dir="/tmp"))
-    shared.chmod(0o755)  # the users' servers read the CA here
+    shared.chmod(0o755)  # the users' servers read the CA in it (pki/, as init-tls makes it)
     private = shared / "private"
     private.mkdir(mode=0o700)
     hub_port, proxy_port, gw_port, chp_api_port = (free_port() for _ in range(4))
@@ -253,8 +253,7 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
     blocks = substituted(
         one_host,
         [
-            ("/etc/sandbox-kernel/gateway-ca.pem", str(shared / "ca.pem")),
-            ("/etc/sandbox-kernel/gateway", str(private / "pki")),
+            ("/etc/sandbox-kernel/gateway", str(shared / "pki")),
             ("/opt/jupyterhub-user", str(USER_VENV)),
             ("8870", str(gw_port)),
             (":8081", f":{hub_port}"),
@@ -285,7 +284,7 @@ def hub(users: dict[str, pwd.struct_passwd], kernelspec_root: Path) -> Iterator[
         + hub_config_of_the_test(private, hub_port, proxy_port, chp_api_port, users, admin_token)
     )
     gateway_line, hub_line = starts  # the page's own command lines
-    tls = ssl.create_default_context(cafile=str(shared / "ca.pem"))
+    tls = ssl.create_default_context(cafile=str(shared / "pki" / "ca.pem"))
     served = HubServed(
         f"https://127.0.0.1:{gw_port}",
         {},
