@@ -36,7 +36,7 @@ from sandbox_kernel.plan.settings import SandboxSettings
 from sandbox_kernel.plan.users import KernelUser
 
 #: A user name that can be put into a path template safely (JupyterHub's names, e-mails).
-USERNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,63}$")
+USERNAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,63}")
 
 #: Each ceiling (``max_memory`` ...) and how its values compare (the settings' ``bound=``).
 CEILING_KINDS: dict[str, str] = {
@@ -183,7 +183,7 @@ class UserPolicy(LoggingConfigurable):
             UserRefused: the name is not a usable one, the account is unknown, or it is
                 privileged; the message says which.
         """
-        if not USERNAME_RE.match(name):
+        if not USERNAME_RE.fullmatch(name):
             msg = f"user name {name!r} cannot name a workspace (letters, digits, '_', '.', '@', '+', '-')"
             raise UserRefused(msg)
         uid, gid = self._ids(name, uid)
@@ -256,11 +256,22 @@ def check_cwd(user: KernelUser, requested: str | None) -> Path:
     Raises:
         WorkspaceError: why not, in one line (the gateway answers 403 with it).
     """
-    root = user.root
-    wanted = requested or str(root)
+    wanted = requested or str(user.root)
+    if "\x00" in wanted:
+        msg = f"the kernel's folder {wanted!r} holds a NUL byte, which no folder's name can"
+        raise WorkspaceError(msg)
     if not os.path.isabs(wanted):
         msg = f"the kernel's folder {wanted!r} is not an absolute path"
         raise WorkspaceError(msg)
+    try:
+        return _checked_cwd(user, wanted)
+    except OSError as exc:  # a name too long, a folder gone meanwhile: no such folder for a kernel
+        msg = f"{wanted!r} cannot be the kernel's folder: {exc.strerror or exc}"
+        raise WorkspaceError(msg) from None
+
+
+def _checked_cwd(user: KernelUser, wanted: str) -> Path:
+    root = user.root
     refuse_foreign_links(wanted)
     resolved_root = root.resolve()
     folder = Path(wanted).resolve()

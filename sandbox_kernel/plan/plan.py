@@ -307,12 +307,25 @@ def check_user_folder(cwd: str | os.PathLike[str], user: KernelUser) -> Path:
     """The folder a gateway's ``user`` starts a kernel in, resolved, once sure it is theirs:
     it lies under their root, no link on the way is another user's (see
     :func:`refuse_foreign_links`), and every folder from their root down to it belongs to
-    them. What the kernel may see is never chosen by a path alone: a kernel of theirs that
-    could not start there does not start anywhere else either.
+    them. A kernel of theirs that could not start there does not start anywhere else
+    either. (Between this check and Docker's mount the user can swap their own folder for
+    a link; the kernel then still runs as their uid, with no more than their own
+    permissions there: see the gateway's threat model.)
 
     Raises:
         WorkspaceError: in one line, why the folder is not theirs.
     """
+    if "\x00" in os.fspath(cwd):
+        msg = f"The kernel's folder {os.fspath(cwd)!r} holds a NUL byte, which no folder's name can."
+        raise WorkspaceError(msg)
+    try:
+        return _checked_user_folder(cwd, user)
+    except OSError as exc:  # a name too long, a folder gone meanwhile
+        msg = f"{os.fspath(cwd)!r} cannot be the kernel's folder: {exc.strerror or exc}."
+        raise WorkspaceError(msg) from None
+
+
+def _checked_user_folder(cwd: str | os.PathLike[str], user: KernelUser) -> Path:
     refuse_foreign_links(cwd)
     root = Path(user.root).resolve()
     start = Path(cwd).resolve()
