@@ -190,7 +190,7 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
         self.log.info("Kernel %s started for user %s", started, user.name)
         return started
 
-    start_kernel = _async_start_kernel  # type: ignore[assignment]
+    start_kernel = _async_start_kernel
 
     def remove_kernel(self, kernel_id: str) -> Any:
         """Forget kernel ``kernel_id`` and its owner."""

@@ -78,6 +78,22 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         if self.adopt_persistent_kernels or self.warm_pools:
             self._before_serving()
 
+    async def _async_start_kernel(
+        self, *, kernel_id: str | None = None, path: Any = None, **kwargs: Any
+    ) -> str:
+        """As jupyter_server's; a start that fails (a refused policy, a missing image) leaves
+        nothing behind: jupyter_client 8.10 keeps a failed start's id in ``_pending_kernels``
+        for ever, one per refused request, and ``shutdown_all`` then fails on it."""
+        try:
+            return await super()._async_start_kernel(kernel_id=kernel_id, path=path, **kwargs)
+        except BaseException:
+            for failed, task in list(self._pending_kernels.items()):
+                if task.done() and failed not in self._kernels:
+                    self._pending_kernels.pop(failed, None)
+            raise
+
+    start_kernel = _async_start_kernel  # type: ignore[assignment]
+
     async def _prepare(self) -> None:
         if self.adopt_persistent_kernels:
             await self.adopt_kernels()

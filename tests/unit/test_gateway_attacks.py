@@ -441,11 +441,6 @@ def forget_failed_starts(gateway: Gateway) -> None:
             km._pending_kernels.pop(kernel_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a start the provisioner refuses stays in jupyter_client's _pending_kernels: one per refused "
-    "request, kept forever, and the gateway's shutdown_all then raises 404 for it",
-)
 async def test_a_users_refused_starts_leave_nothing_behind_and_the_gateway_still_shuts_down(
     serve: object,
 ) -> None:
