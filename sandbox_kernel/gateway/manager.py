@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_server.base.call_context import CallContext
+from tornado import web
 from traitlets import List, Unicode, default
 
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
@@ -109,7 +110,44 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
 
     def __init__(self, **kwargs: Any) -> None:
         self._owners: dict[str, str] = {}  # before the base's adoption, which may ask for owners
+        # One restart or shutdown of a kernel at a time; a shutdown asked for wins.
+        self._turns: dict[str, asyncio.Lock] = {}
+        self._stopping: set[str] = set()
         super().__init__(**kwargs)
+
+    def _turn(self, kernel_id: str) -> asyncio.Lock:
+        return self._turns.setdefault(kernel_id, asyncio.Lock())
+
+    async def _async_shutdown_kernel(
+        self, kernel_id: str, now: bool | None = False, restart: bool | None = False
+    ) -> None:
+        """Shut kernel ``kernel_id`` down, once a restart of it under way is done (a
+        shutdown that met a restart halfway failed, and the restart left the kernel running)."""
+        self._stopping.add(kernel_id)
+        try:
+            async with self._turn(kernel_id):
+                if kernel_id in self or kernel_id in self._pending_kernels:
+                    await super()._async_shutdown_kernel(kernel_id, now=now, restart=restart)  # type: ignore[no-untyped-call]  # untyped upstream
+        finally:
+            self._stopping.discard(kernel_id)
+            self._turns.pop(kernel_id, None)
+
+    shutdown_kernel = _async_shutdown_kernel  # type: ignore[assignment]  # async, as upstream's own
+
+    async def _async_restart_kernel(self, kernel_id: str, now: bool = False) -> None:
+        """Restart kernel ``kernel_id``, unless it is being shut down (409).
+
+        Raises:
+            HTTPError: 409, a shutdown of it is under way or done meanwhile.
+        """
+        if kernel_id in self._stopping:
+            raise web.HTTPError(409, f"kernel {kernel_id} is being shut down")
+        async with self._turn(kernel_id):
+            if kernel_id in self._stopping or kernel_id not in self:
+                raise web.HTTPError(409, f"kernel {kernel_id} is being shut down")
+            await super()._async_restart_kernel(kernel_id, now=now)  # type: ignore[no-untyped-call]  # untyped upstream
+
+    restart_kernel = _async_restart_kernel  # type: ignore[assignment]  # async, as upstream's own
 
     def owner(self, kernel_id: str) -> str | None:
         """The name of the user kernel ``kernel_id`` was started for, or None (no such

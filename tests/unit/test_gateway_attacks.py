@@ -459,11 +459,6 @@ async def test_a_users_refused_starts_leave_nothing_behind_and_the_gateway_still
         forget_failed_starts(gateway)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a DELETE racing the owner's restart answers 500 (InvalidStateError) or never answers, "
-    "and the kernel restarts and keeps running",
-)
 async def test_her_delete_racing_her_restart_stops_the_kernel(gateway: Gateway) -> None:
     kernel_ids = []
     try:
