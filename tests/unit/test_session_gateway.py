@@ -5,19 +5,25 @@ reattach the gateway refuses, and what a session refuses to send rather than dro
 
 from __future__ import annotations
 
+import asyncio
 import json
+import queue
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jupyter_server.gateway.gateway_client import GatewayClient
-from tornado import web
+from tornado import web, websocket
 from tornado.httpserver import HTTPServer
+from tornado.ioloop import IOLoop
 
 from sandbox_kernel.agents import gateway_session
 from sandbox_kernel.agents.gateway_session import (
     GatewayKernel,
     GatewaySettings,
+    SessionGatewayKernelClient,
     SessionGatewayKernelManager,
     release_gateway,
     use_gateway,
@@ -307,3 +313,50 @@ def test_cwd_of_run_is_for_a_gateway_only(tmp_path: Path, capsys: pytest.Capture
     notebook.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     command(RunApp, "--cwd=/home/alice", str(notebook))
     assert "--cwd is for --gateway-url" in capsys.readouterr().err
+
+
+# -- the session's kernel client -----------------------------------------------------------
+
+
+async def test_the_sessions_client_names_each_channel_and_waits_for_quiet_kernels_without_spinning() -> None:
+    received: list[dict[str, Any]] = []
+
+    class Kernels(web.RequestHandler):
+        def post(self) -> None:
+            self.finish(
+                {"id": "k1", "name": "sandboxed-python", "last_activity": "", "execution_state": "idle"}
+            )
+
+    class Channels(websocket.WebSocketHandler):
+        def on_message(self, message: str | bytes) -> None:
+            received.append(json.loads(message))
+            reply = {"header": {"msg_id": "r1", "msg_type": "status"}, "parent_header": {}, "metadata": {}}
+            reply.update(content={"execution_state": "idle"}, channel="iopub", msg_id="r1", msg_type="status")
+            IOLoop.current().call_later(1.5, self.write_message, json.dumps(reply))
+
+    port = free_port()
+    server = HTTPServer(
+        web.Application([(r"/api/kernels", Kernels), (r"/api/kernels/k1/channels", Channels)])
+    )
+    server.listen(port, "127.0.0.1")
+    try:
+        use_gateway(GatewaySettings(f"http://127.0.0.1:{port}", "t"))
+        km = SessionGatewayKernelManager(kernel_name="sandboxed-python")
+        await km.start_kernel()
+        kc = km.client()
+        assert isinstance(kc, SessionGatewayKernelClient)
+        await kc.start_channels()
+        try:
+            kc.stdin_channel.send(kc.session.msg("input_reply", {"value": "x"}))
+            cpu = time.process_time()
+            message = await kc.get_iopub_msg()
+            cpu = time.process_time() - cpu
+            assert message["msg_type"] == "status", "1.5 s of silence is waited through"
+            assert cpu < 0.5, f"{cpu:.2f} s of CPU to wait 1.5 s: spinning"
+            assert [m["channel"] for m in received] == ["stdin"]
+            with pytest.raises(queue.Empty):
+                await kc.get_shell_msg(timeout=0.2)
+        finally:
+            await asyncio.to_thread(kc.stop_channels)  # it waits for the close: the server is on this loop
+    finally:
+        server.stop()
