@@ -44,7 +44,7 @@ from threading import Thread
 from typing import Any, cast
 
 import websocket
-from jupyter_core.utils import ensure_async, run_sync
+from jupyter_core.utils import ensure_async
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.gateway.connections import GatewayWebSocketConnection
@@ -66,7 +66,7 @@ from tornado.ioloop import IOLoop
 from traitlets import Bool, DottedObjectName, Float, Type, default
 
 from sandbox_kernel.jupyter.gateway_link import CLOSE_CODE, GatewayLink, GiveUp, Redial
-from sandbox_kernel.jupyter.server import SandboxMappingKernelManager
+from sandbox_kernel.jupyter.server import SandboxMappingKernelManager, before_serving
 
 #: The key of a gateway's kernel model that says how the gateway keeps the kernel:
 #: ``{"sandbox": {"lifecycle": "persistent"}}`` for a kernel that outlives its clients
@@ -330,18 +330,7 @@ class SandboxGatewayMappingKernelManager(GatewayMappingKernelManager):
         """List the gateway's kernels before the server serves a request (the first session
         listing would drop the sessions of kernels not yet known), on the loop it will serve
         on: ServerApp creates that loop before this manager and runs it after ``initialize``."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:  # created by a running program: list alongside it
-            self._relisting = asyncio.ensure_future(self.take_back_kernels())
-            return
-        serving = getattr(getattr(self.parent, "io_loop", None), "asyncio_loop", None)
-        if isinstance(serving, asyncio.AbstractEventLoop) and not serving.is_closed():
-            serving.run_until_complete(self.take_back_kernels())
-        else:
-            run_sync(self.take_back_kernels)()
+        self._relisting = before_serving(self, self.take_back_kernels)
 
     async def take_back_kernels(self) -> list[str]:
         """Manage every kernel the gateway lists that this server does not know yet; their ids.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,24 @@ from sandbox_kernel.pool.sandboxes import SandboxPool
 from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.reattach import attach_manager, load_state
 from sandbox_kernel.warming import plan_pool
+
+
+def before_serving(manager: Any, work: Callable[[], Awaitable[Any]]) -> asyncio.Future[Any] | None:
+    """Run ``work`` to its end on the loop the server of ``manager`` (its ``parent``) will
+    serve on, before it serves (see :meth:`SandboxMappingKernelManager._before_serving`); or,
+    when a running program made the manager, alongside it: then its future."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        return asyncio.ensure_future(work())
+    serving = getattr(getattr(manager.parent, "io_loop", None), "asyncio_loop", None)
+    if isinstance(serving, asyncio.AbstractEventLoop) and not serving.is_closed():
+        serving.run_until_complete(work())
+    else:  # no ServerApp around it
+        run_sync(work)()
+    return None
 
 
 class SandboxMappingKernelManager(AsyncMappingKernelManager):
@@ -111,18 +130,7 @@ class SandboxMappingKernelManager(AsyncMappingKernelManager):
         ``jupyter notebook`` make another loop current meanwhile, so ``run_sync`` would
         adopt onto a loop that never runs again, and the kernels would hang.
         """
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:  # created by a running program: adopt alongside it
-            self._adopting = asyncio.ensure_future(self._prepare())
-            return
-        serving = getattr(getattr(self.parent, "io_loop", None), "asyncio_loop", None)
-        if isinstance(serving, asyncio.AbstractEventLoop) and not serving.is_closed():
-            serving.run_until_complete(self._prepare())
-        else:  # no ServerApp around it
-            run_sync(self._prepare)()
+        self._adopting = before_serving(self, self._prepare)
 
     async def fill_pools(self, user: KernelUser | None = None) -> list[str]:
         """Start filling the pool of every sandboxed kernelspec that has one (in the
