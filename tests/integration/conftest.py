@@ -233,6 +233,19 @@ def make_kernelspec(jupyter_dirs: Path) -> Callable[..., str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def stop_process(process: subprocess.Popen[Any], timeout: float = 60) -> None:
+    """Stop a server the test started as a service manager would (SIGTERM), and SIGKILL it
+    if it has not ended within ``timeout`` seconds."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def make_workspace(path: Path) -> Path:
     """A folder the sandbox's uid can write to, as a notebook folder would be."""
     path.mkdir(parents=True, exist_ok=True)

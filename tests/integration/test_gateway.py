@@ -30,7 +30,7 @@ from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID, LABEL_KERNELSPEC, LABEL_POOL, LABEL_USER
 
-from .conftest import KERNEL, HostState
+from .conftest import KERNEL, HostState, stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -108,14 +108,8 @@ class Served:
 
     def stop(self) -> None:
         """Stop the gateway as its service manager would (SIGTERM)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
 
     def twin(self, root_dir: Path) -> Served:
         """Another gateway on this Docker host, with the same config and users but its own

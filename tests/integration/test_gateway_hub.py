@@ -41,7 +41,7 @@ import requests
 from playwright.sync_api import Page, expect, sync_playwright
 from tornado.httpclient import HTTPClientError
 
-from .conftest import KERNEL, REPORTS, HostState
+from .conftest import KERNEL, REPORTS, HostState, stop_process
 from .test_gateway import Served, cli, containers_of, run_code
 from .test_jupyter_server import free_port
 from .test_lab_browser import ARTIFACTS, CHROMIUM
@@ -226,13 +226,7 @@ def wait_until(answers: Any, process: subprocess.Popen[bytes], log: Path, timeou
         time.sleep(0.3)
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+stop = stop_process
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from playwright.sync_api import Browser, WebSocketRoute, expect
 from sandbox_kernel.backends.docker import DockerBackend
 from sandbox_kernel.lifecycle.ownership import list_kernels, remove_kernel
 
+from .conftest import stop_process
 from .test_gateway import cli
 from .test_jupyter_server import Server, free_port
 from .test_lab_browser import ARTIFACTS, LAB_CONFIG, Lab
@@ -148,14 +149,8 @@ class Gateway:
         self.process.wait()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
 
 
 @pytest.fixture
@@ -252,14 +247,8 @@ class UserServer:
         self.process.wait()
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, timeout=30)
 
 
 @pytest.fixture

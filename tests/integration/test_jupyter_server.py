@@ -27,7 +27,7 @@ from sandbox_kernel.backends.docker import DockerBackend
 from sandbox_kernel.lifecycle.ownership import list_kernels, remove_kernel
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
-from .conftest import KERNEL, SANDBOX_UID, make_workspace
+from .conftest import KERNEL, SANDBOX_UID, make_workspace, stop_process
 
 
 def free_port() -> int:
@@ -91,12 +91,7 @@ def start_server(
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, timeout=30)
 
 
 @pytest.fixture
