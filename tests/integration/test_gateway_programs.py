@@ -18,7 +18,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client import stdio as mcp_stdio
 
-from sandbox_kernel.agents.session import AsyncSandboxSession
+from sandbox_kernel.agents.session import AsyncSandboxSession, SandboxSession
 from sandbox_kernel.errors import KernelNotFoundError
 
 from .conftest import KERNEL, HostState
@@ -100,6 +100,12 @@ async def test_a_session_on_the_gateway_runs_reads_usage_detaches_and_only_its_u
         await session.shutdown()
     assert await kernels_of(gateway, alice) == []
     assert containers_of(kernel_id) == []
+
+    # The docs' example: the same for code without asyncio.
+    with SandboxSession(KERNEL, proj, memory="1g", **on_gateway(gateway, alice)) as sandbox:
+        assert sandbox.run("1 + 1").text == "2"
+        assert sandbox.usage()["cpu_seconds"] > 0
+    assert await kernels_of(gateway, alice) == []
     assert await asyncio.to_thread(before.new_leftovers) == []
 
 
