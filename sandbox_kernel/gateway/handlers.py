@@ -115,6 +115,12 @@ class OwnKernelActionHandler(_OwnerOnly, KernelActionHandler):
 class OwnKernelWebsocketHandler(_OwnerOnly, KernelWebsocketHandler):
     """``GET /api/kernels/<id>/channels`` (the websocket), the owner's only."""
 
+    async def open(self, kernel_id: str) -> None:
+        # A kernel's messages are small frames, several per cell: with Nagle's algorithm on
+        # (tornado leaves it on for websockets), each waited for the client's delayed ACK.
+        self.set_nodelay(True)
+        await super().open(kernel_id)  # type: ignore[no-untyped-call]  # untyped upstream
+
 
 class OwnKernelSandboxHandler(_OwnerOnly, KernelSandboxHandler):
     """``GET /api/sandbox-kernel/kernels/<id>`` (see :mod:`sandbox_kernel.jupyter.lab`), the owner's only."""
