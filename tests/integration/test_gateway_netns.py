@@ -55,9 +55,6 @@ USER = "sk-net-alice"
 USER_VENV = Path("/opt/sk-user-venv")
 CLIENT_MANAGER = "sandbox_kernel.jupyter.gateway_client.SandboxGatewayMappingKernelManager"
 GATEWAY_COMMAND = str(Path(sys.executable).with_name("jupyter-sandbox-kernel"))
-#: This checkout's build of the Lab extension, put first on the user's server's path (an
-#: installed copy may be older than the source the test is about).
-PREBUILT = Path(__file__).parents[2] / "sandbox_kernel" / "labextension" / "prebuilt"
 #: The status item's text while the gateway does not answer (labextension/src/index.ts).
 LOST_TEXT = "sandbox host unreachable: retrying"
 #: One status poll (3 s, labextension/src/index.ts), plus the route's answer and some slack.
@@ -258,8 +255,10 @@ def user_server(gateway: tuple[Gateway, str], user: pwd.struct_passwd) -> Iterat
     served, token = gateway
     home = Path(user.pw_dir)
     jupyter = home / ".jupyter"
-    (jupyter / "data" / "labextensions").mkdir(parents=True)
-    (jupyter / "data" / "labextensions" / "sandbox-kernel").symlink_to(PREBUILT)
+    # The Lab extension is the one installed with the package in the server's own Python
+    # (bash .ci/setup keeps it the checkout's), as a user's server has it: not a link into
+    # the checkout, which other users may not be able to read.
+    (jupyter / "data").mkdir(parents=True)
     ca = jupyter / "sandbox-gateway-ca.pem"
     shutil.copy(served.ca, ca)
     (jupyter / "jupyter_server_config.py").write_text(
