@@ -129,8 +129,12 @@ def use_gateway(settings: GatewaySettings) -> None:
 
 
 def release_gateway() -> None:
-    """One session less on this process's gateway."""
+    """One session less on this process's gateway; after the last, the process is in
+    gateway mode no more (jupyter_server's ``GatewayClient`` is process-wide: a Jupyter
+    server this process started later would take its kernels from the gateway)."""
     _in_use[1] = max(0, _in_use[1] - 1)
+    if _in_use[1] == 0:
+        GatewayClient.clear_instance()
 
 
 class SessionGatewayKernelClient(SandboxGatewayKernelClient):

@@ -38,6 +38,7 @@ from jupyter_server import serverapp
 from jupyter_server.base.handlers import APIVersionHandler, PrometheusMetricsHandler, Template404
 from jupyter_server.serverapp import ServerApp
 from jupyter_server.services.kernelspecs.handlers import KernelSpecHandler, MainKernelSpecHandler
+from jupyter_server.services.sessions.sessionmanager import SessionManager
 from traitlets import Bool, Int, List, Unicode, default
 
 from sandbox_kernel._version import __version__
@@ -283,6 +284,11 @@ class SandboxGatewayApp(ServerApp):
     @default("kernel_manager_class")
     def _gateway_kernel_manager_class_default(self) -> type:
         return GatewayKernelManagerForUsers
+
+    @default("session_manager_class")
+    def _gateway_session_manager_class_default(self) -> type:
+        # Never jupyter_server's gateway client's, whatever this process's GatewayClient says.
+        return SessionManager
 
     @default("kernel_spec_manager_class")
     def _gateway_kernel_spec_manager_class_default(self) -> type:
