@@ -507,9 +507,13 @@ class SandboxPool:
         with self._lock:
             self._plans.clear()
             fills = list(self._fills.values())
+        deadline = time.monotonic() + timeout
+        # With their plans gone, fills end by themselves, a sandbox they are starting removed
+        # once it is up. Cancelled mid-start, one left its container behind: Docker went on
+        # creating it in its thread, unknown to the pool.
+        concurrent.futures.wait(fills, timeout=timeout)
         for fill in fills:
             fill.cancel()
-        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
                 if not any(self._starting.values()):
