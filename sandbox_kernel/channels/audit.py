@@ -20,8 +20,9 @@ and ``client_pid`` are what the host's kernel says about a unix-socket peer (nul
 tcp), ``server_uid`` the uid of the process that writes the log.
 
 The kernel's own lines (``start``, ``restart``, ``exit``, ``shutdown``, ``pause``...) say
-what the host did to it; those of its start and end carry ``"user": "alice"`` when a
-sandbox gateway started it for alice (the user the gateway authenticated).
+what the host did to it; those of its start and end, its ``egress`` verdicts and its
+``approval`` answers carry ``"user": "alice"`` when a sandbox gateway started it for alice
+(the user the gateway authenticated).
 
 Requests the bridge refuses (:func:`~.bridge.refusal`: ``debug_request``, code on the
 control channel) get a ``refused`` line, with what they would have run.
@@ -104,8 +105,9 @@ NO_CELL = "no cell is running"
 NO_STDIN = "its cell was run with allow_stdin false"
 NOT_ITS_CLIENT = "not to the client running the cell"
 PROMPT_WAITING = "a prompt already waits for its answer"
-#: The kernel's lifecycle lines that name the user a sandbox gateway started it for.
-_USER_EVENTS = frozenset({"start", "restart", "exit", "shutdown"})
+#: The kernel's lines that name the user a sandbox gateway started it for: its lifecycle,
+#: and what it asked of the network and who allowed it.
+_USER_EVENTS = frozenset({"start", "restart", "exit", "shutdown", "egress", "approval"})
 #: What of an egress decision goes into the execution's "finished" line.
 _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 #: Why an execution the kernel went past has no reply (the audit line, and its client).
@@ -287,7 +289,7 @@ class ExecutionAuditor:
         self._egress_timer: threading.Timer | None = None
         self._server_uid = os.getuid()
         #: The user a sandbox gateway started the kernel for (their name): on the lines
-        #: of its start, restart, exit and shutdown.
+        #: of its start, restart, exit and shutdown, its egress verdicts and approvals.
         self.user: str | None = None
         #: The execution whose prompt waits for its client's answer, if any.
         self._prompting: str | None = None
@@ -595,6 +597,7 @@ class ExecutionAuditor:
             {
                 "event": "egress",
                 **self._base(),
+                **self._user("egress"),
                 "msg_id": None if msg_id is None else _field(msg_id),
                 **{key: decision.get(key) for key in (*_EGRESS_SUMMARY, "address")},
             }
@@ -627,6 +630,10 @@ class ExecutionAuditor:
     def _base(self) -> dict[str, Any]:
         return {"time": _now(), "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
 
+    def _user(self, event: str) -> dict[str, str]:
+        """``{"user": name}`` for a line of ``event`` of a kernel a gateway started for a user."""
+        return {"user": self.user} if self.user is not None and event in _USER_EVENTS else {}
+
     def approval(self, host: str, port: int, answer: str, by: str, waited: float) -> None:
         """Record what the kernel's holder answered (or why nobody did) to a request that
         needed approval, with the execution it served."""
@@ -637,6 +644,7 @@ class ExecutionAuditor:
                 "time": _now(),
                 "kernel_id": self._kernel_id,
                 "kernelspec": self._kernelspec,
+                **self._user("approval"),
                 "msg_id": _field(running[0]) if running else None,
                 "host": host,
                 "port": port,
@@ -674,9 +682,7 @@ class ExecutionAuditor:
         the checkpoint's size, why, or what failed), ``files`` (the files API)."""
         wall = _now()
         record = {"event": event, "time": wall, "kernel_id": self._kernel_id, "kernelspec": self._kernelspec}
-        if self.user is not None and event in _USER_EVENTS:
-            record["user"] = self.user
-        self._write({**record, **details})
+        self._write({**record, **self._user(event), **details})
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._log is None:

@@ -349,3 +349,22 @@ def test_refused_prompts_get_one_line_per_execution_and_a_count_in_its_finished_
     assert refused[0]["bytes"] > 2**20
     (finished,) = [r for r in records if r["event"] == "finished"]
     assert finished["prompts_refused"] == 1000
+
+
+def test_a_gateway_users_kernel_names_her_on_its_egress_and_approval_lines(tmp_path: Path) -> None:
+    auditor, path = _auditor(tmp_path)
+    allowed = {"method": "CONNECT", "host": "pypi.org", "port": 443, "verdict": "allowed", "reason": "r"}
+    auditor.egress(allowed)
+    auditor.approval("pypi.org", 443, "deny", "at the prompt", 1.5)
+    auditor.user = "alice"  # as the provisioner sets it for a kernel a gateway started for her
+    auditor.egress(allowed)
+    auditor.approval("pypi.org", 443, "once", "at the prompt", 0.5)
+    auditor.lifecycle("pause", took=0.2)
+    users = [(r["event"], r.get("user")) for r in _records(path)]
+    assert users == [
+        ("egress", None),
+        ("approval", None),
+        ("egress", "alice"),
+        ("approval", "alice"),
+        ("pause", None),
+    ]
