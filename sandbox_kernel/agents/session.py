@@ -34,7 +34,8 @@ its token names (``gateway_token=`` or ``JUPYTER_GATEWAY_AUTH_TOKEN``; ``ca_cert
 ``JUPYTER_GATEWAY_CA_CERTS`` for its TLS certificate's CA): see
 :mod:`~sandbox_kernel.agents.gateway_session`. Runs, restarts, files, pause and resume go
 through the gateway; ``cwd`` is a folder on the gateway's host, under the user's root there
-(none: that root).
+(none: that root); the gateway asks ``approval_handler=`` through the session (see
+:mod:`~sandbox_kernel.agents.gateway_approvals`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from sandbox_kernel.agents.commands import (
     saved_env,
 )
 from sandbox_kernel.agents.files import FileInfo, WorkspaceFiles, workspace_files
+from sandbox_kernel.agents.gateway_approvals import GatewayApprovals
 from sandbox_kernel.agents.gateway_session import (
     GatewayKernel,
     GatewaySettings,
@@ -322,10 +324,10 @@ class AsyncSandboxSession:
     ``gateway_url``, ``gateway_token``, ``ca_certs``: run the kernel on that sandbox gateway
     (see the module; each not given is read from its ``JUPYTER_GATEWAY_*`` variable). There
     ``cwd`` is a folder on the gateway's host (none: the user's root there), the narrowing
-    is sent to the gateway, which refuses what is wider than it allows; ``env`` and
-    ``approval_handler`` are refused (``ConfigurationError``: the gateway sets no client's
-    variables and asks no approval of a program), and ``config`` does not apply (the
-    gateway's settings do).
+    is sent to the gateway, which refuses what is wider than it allows; ``env`` is refused
+    (``ConfigurationError``: the gateway sets no client's variables), ``approval_handler``
+    is asked through the gateway (see :mod:`~.gateway_approvals`), and ``config`` does not
+    apply (the gateway's settings do).
     """
 
     def __init__(
@@ -367,12 +369,6 @@ class AsyncSandboxSession:
                 raise ConfigurationError(msg)
             self.cwd = Path(cwd) if cwd else None
             self._narrowing = narrowing_for_gateway(policy, dict(env or {}))
-            if approval_handler is not None:
-                msg = (
-                    "approval_handler= is not available for a kernel on a sandbox gateway: "
-                    "its requests outside the allowed domains are refused"
-                )
-                raise ConfigurationError(msg)
         self.keep_workspace = keep_workspace
         self.env = dict(env or {})
         self.restart_on_death = restart_on_death
@@ -382,6 +378,8 @@ class AsyncSandboxSession:
         self.config = Config(config or {})
         self._manager_kwargs = dict(manager_kwargs or {})
         self.approval_handler = approval_handler
+        #: What answers the gateway's approval questions for the kernel, on a gateway with a handler.
+        self._approvals: GatewayApprovals | None = None
         self.km: AsyncKernelManager | None = None
         self.kc: AsyncKernelClient | None = None
         self.files = AsyncSessionFiles(self)
@@ -458,7 +456,14 @@ class AsyncSandboxSession:
                 await km.start_kernel(kernel_name=self.kernel_name, cwd=cwd, sandbox=self._narrowing)
             try:
                 await self._connect(km)
+                if self.approval_handler is not None:
+                    approvals = GatewayApprovals(str(km.kernel_id), self.approval_handler)
+                    await approvals.start()
+                    self._approvals = approvals
             except BaseException:
+                if self.kc is not None:
+                    self.kc.stop_channels()
+                self.km = self.kc = None
                 if kernel_id is None:
                     await km.shutdown_kernel(now=True)
                 raise
@@ -700,6 +705,7 @@ class AsyncSandboxSession:
     async def _close(self) -> None:
         km, kc = self.km, self.kc
         self.km = self.kc = None
+        await self._stop_approvals()
         if kc is not None:
             kc.stop_channels()
         if isinstance(km, SessionGatewayKernelManager):
@@ -733,12 +739,19 @@ class AsyncSandboxSession:
         self._stop_lifetime()
         km, kc = self.km, self.kc
         self.km = self.kc = None
+        await self._stop_approvals()
         if kc is not None:
             kc.stop_channels()
         if isinstance(km, SessionGatewayKernelManager):
             release_gateway()  # no DELETE: the kernel runs on, on the gateway
         elif km is not None and isinstance(km.provisioner, SandboxProvisioner):
             await km.provisioner.detach()
+
+    async def _stop_approvals(self) -> None:
+        """On a gateway: answer the kernel's approval questions no more (the gateway denies)."""
+        approvals, self._approvals = self._approvals, None
+        if approvals is not None:
+            await approvals.stop()
 
     def _stop_lifetime(self) -> None:
         expiry, self._expiry, self._deadline = self._expiry, None, None

@@ -13,6 +13,10 @@ no longer waited for: Jupyter has no message withdrawing an ``input_request``.)
 The prompt is the host's own message (signed with the kernel's key) and the answer is
 taken off the client's stdin before the kernel sees it: the kernel can neither answer for
 the human nor read the answer. Every decision is an audit line.
+
+A holder that answers elsewhere and later (a program's session on a sandbox gateway, see
+:mod:`sandbox_kernel.gateway.approvals`) is a :class:`DeferredHandler`: asked, it hands
+back the answer's future at once, and no thread waits for it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import secrets
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,6 +80,16 @@ Answer = tuple[str, str]
 ApprovalHandler = Callable[[ApprovalRequest], str]
 
 
+class DeferredHandler(ABC):
+    """A holder that answers later, elsewhere: :meth:`ask` returns the answer's future at
+    once. The egress proxy cancels the future at the request's timeout (a denial), so an
+    implementation must take a cancelled future as "no longer asked"."""
+
+    @abstractmethod
+    def ask(self, request: ApprovalRequest) -> concurrent.futures.Future[Answer]:
+        """Put ``request`` to the holder; the future of its answer (any thread may call)."""
+
+
 @dataclass
 class _Prompt:
     future: concurrent.futures.Future[Answer]
@@ -100,7 +115,7 @@ class ApprovalBroker:
         auditor: ExecutionAuditor,
         signer: Session,
         send_stdin: Callable[[list[bytes]], None],
-        handler: Callable[[], ApprovalHandler | None],
+        handler: Callable[[], ApprovalHandler | DeferredHandler | None],
     ) -> None:
         self.kernel_id = kernel_id
         self._auditor = auditor
@@ -115,8 +130,10 @@ class ApprovalBroker:
 
     def ask(self, request: ApprovalRequest) -> concurrent.futures.Future[Answer]:
         """Ask the holder; the future gets the answer (the proxy times it out)."""
-        future: concurrent.futures.Future[Answer] = concurrent.futures.Future()
         handler = self._handler()
+        if isinstance(handler, DeferredHandler):
+            return handler.ask(request)
+        future: concurrent.futures.Future[Answer] = concurrent.futures.Future()
         if handler is not None:
             threading.Thread(
                 target=self._call_handler, args=(handler, request, future), daemon=True, name="approval"

@@ -33,6 +33,13 @@ status bar's ``GET /api/sandbox-kernel/kernels/<id>``), for programs (the sessio
   UTF-8 is listed with ``\\xNN`` escapes (``undecodable``), accepted back as listed.
   A refused path is 400, a missing file 404, a folder not empty 409, a file over
   :data:`~sandbox_kernel.agents.files.DEFAULT_MAX_BYTES` 413.
+- ``POST .../approvals``: the caller's program answers the kernel's approval questions from
+  now on (``{"answerer": ID, "lease": s, "wait": s}``); ``GET .../approvals?answerer=ID&wait=S``
+  waits up to ``S`` s for questions (``{"questions": [{"id", "host", "port", "method",
+  "timeout", "waited"}]}``); ``POST .../approvals/<question>?answerer=ID`` with ``{"answer":
+  "once"|"kernel"|"deny"}`` answers one (204; 404 if it no longer waits);
+  ``DELETE .../approvals?answerer=ID`` lets go. 409 for a session another one replaced, 410
+  for one whose turn lapsed (it registers again). See :mod:`~.approvals`.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from sandbox_kernel.errors import (
     SandboxKernelError,
     WorkspaceError,
 )
+from sandbox_kernel.gateway.approvals import LEASE, MAX_WAIT, ApprovalQueue, NotTheAnswerer
 from sandbox_kernel.gateway.authorizer import owns
 from sandbox_kernel.gateway.readings import audit_lines, parse_since, usage
 from sandbox_kernel.gateway.users import GatewayUser, UserRefused, check_cwd
@@ -303,6 +311,115 @@ class KernelFileListHandler(_KernelFilesBase):
         self.finish({"files": entries})
 
 
+class _ApprovalsBase(_OwnSandboxHandler):
+    def queue(self, kernel_id: str) -> ApprovalQueue:
+        """The kernel's approval queue.
+
+        Raises:
+            HTTPError: 410 if no program answers for the kernel now (it registers again).
+        """
+        queue = self.sandbox(kernel_id).approval_handler
+        if not isinstance(queue, ApprovalQueue):
+            raise web.HTTPError(
+                410, f"no program answers approvals for kernel {kernel_id} now: register first"
+            )
+        return queue
+
+    def answerer(self) -> str:
+        return self.get_query_argument("answerer", "")
+
+
+def _refused(exc: NotTheAnswerer) -> web.HTTPError:
+    return web.HTTPError(409 if exc.replaced else 410, str(exc))
+
+
+class KernelApprovalsHandler(_ApprovalsBase):
+    """``POST|GET|DELETE /api/sandbox-kernel/kernels/<id>/approvals``."""
+
+    _closed: asyncio.Event | None = None
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        """Make the caller's program the one that answers the kernel's approval questions."""
+        provisioner = self.sandbox(kernel_id)
+        queue = provisioner.approval_handler
+        if not isinstance(queue, ApprovalQueue):
+
+            def gone(ended: ApprovalQueue) -> None:
+                if provisioner.approval_handler is ended:
+                    provisioner.approval_handler = None  # asked as without a program again
+
+            queue = ApprovalQueue(kernel_id, on_gone=gone)
+            provisioner.approval_handler = queue
+        self.finish({"answerer": queue.register(), "lease": LEASE, "wait": MAX_WAIT})
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        """The questions waiting for the program, once there are some or after ``wait`` s.
+
+        Raises:
+            HTTPError: 400 for a ``wait`` that is not a number; 409 or 410 (see the module).
+        """
+        try:
+            wait = float(self.get_query_argument("wait", "0"))
+        except ValueError:
+            raise web.HTTPError(400, "wait: give the seconds to wait for a question") from None
+        queue = self.queue(kernel_id)
+        self._closed = asyncio.Event()
+        try:
+            questions = await queue.wait(self.answerer(), wait, self._closed)
+        except NotTheAnswerer as exc:
+            raise _refused(exc) from None
+        self.finish({"questions": questions})
+
+    def on_connection_close(self) -> None:
+        """The program's poll ended early: it no longer counts as waiting."""
+        if self._closed is not None:
+            self._closed.set()
+        super().on_connection_close()
+
+    @web.authenticated
+    @authorized
+    async def delete(self, kernel_id: str) -> None:
+        """The program answers no more: the kernel's open questions are denied."""
+        queue = self.sandbox(kernel_id).approval_handler
+        if isinstance(queue, ApprovalQueue):
+            queue.release(self.answerer())
+        self.set_status(204)
+        self.finish()
+
+
+class KernelApprovalAnswerHandler(_ApprovalsBase):
+    """``POST /api/sandbox-kernel/kernels/<id>/approvals/<question>``."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str, question_id: str) -> None:
+        """Answer the question.
+
+        Raises:
+            HTTPError: 400 for a body without an ``answer``; 404 if the question no longer
+                waits (answered, or past the kernel's approval_timeout); 409 or 410.
+        """
+        body = self.get_json_body()
+        word = body.get("answer") if isinstance(body, dict) else None
+        if not isinstance(word, str):
+            raise web.HTTPError(400, 'the body must be {"answer": "once"|"kernel"|"deny"}')
+        try:
+            waited = self.queue(kernel_id).answer(self.answerer(), question_id, word)
+        except NotTheAnswerer as exc:
+            raise _refused(exc) from None
+        if not waited:
+            raise web.HTTPError(
+                404,
+                f"question {question_id} no longer waits (answered, or past the kernel's approval_timeout)",
+            )
+        self.set_status(204)
+        self.finish()
+
+
 class GatewayKernelSpecResourceHandler(KernelSpecResourceHandler):
     """``GET /kernelspecs/<name>/<file>`` (logos): 403 without a token, as every route,
     rather than jupyter_server's redirect to a login page the gateway does not have."""
@@ -398,5 +515,10 @@ default_handlers: list[tuple[Any, ...]] = [
     (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/audit", KernelAuditHandler),
     (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/files", KernelFilesHandler),
     (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/files/list", KernelFileListHandler),
+    (rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/approvals", KernelApprovalsHandler),
+    (
+        rf"/{SANDBOX_KERNELS}/{KERNEL_ID}/approvals/(?P<question_id>[0-9a-f]{{32}})",
+        KernelApprovalAnswerHandler,
+    ),
     (rf"/kernelspecs/{kernel_name_regex}/(?P<path>.*)", GatewayKernelSpecResourceHandler),
 ]

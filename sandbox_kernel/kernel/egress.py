@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sandbox_kernel.channels.approval import Answer, ApprovalBroker, ApprovalHandler
+from sandbox_kernel.channels.approval import Answer, ApprovalBroker, ApprovalHandler, DeferredHandler
 from sandbox_kernel.egress import ApprovalRequest, Decision, EgressPolicy
 from sandbox_kernel.egress.ca import KernelCA
 from sandbox_kernel.egress.credentials import BoundCredential, CredentialSpec, parse_definitions
@@ -58,9 +58,10 @@ class KernelEgress:
         self.revoked: set[str] = set()
         self._announced: set[str] = set()  # credentials the audit log says are bound
         #: With approval "egress": called (in a thread of its own) with an ApprovalRequest,
-        #: returns "once", "kernel" or "deny"; unset: the client running the cell is asked
-        #: on stdin (see sandbox_kernel.channels.approval).
-        self.approval_handler: ApprovalHandler | None = None
+        #: returns "once", "kernel" or "deny" (or a DeferredHandler, asked for a future
+        #: answer); unset: the client running the cell is asked on stdin (see
+        #: sandbox_kernel.channels.approval).
+        self.approval_handler: ApprovalHandler | DeferredHandler | None = None
         self.registered = False
 
     def restore(self, expiry: dict[str, float | None], revoked: list[str]) -> None:

@@ -10,6 +10,7 @@ gateway client, in Chromium) the question is a prompt in the notebook.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import os
@@ -21,6 +22,8 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +32,11 @@ from typing import Any
 import docker
 import pytest
 from playwright.sync_api import Browser, expect
+
+from sandbox_kernel.agents.session import AsyncSandboxSession
+from sandbox_kernel.channels.approval import NO_STDIN
+from sandbox_kernel.egress import ApprovalRequest
+from sandbox_kernel.gateway.approvals import GONE, LEASE
 
 from .conftest import HostState
 from .test_gateway import Served, cli, free_port
@@ -41,6 +49,8 @@ pytestmark = pytest.mark.integration
 USERS = ("sk-ap-alice", "sk-ap-bob")
 
 ASKING = "py-asking"
+#: The same, for programs: its questions wait 5 s.
+ASKING_SOON = "py-asking-soon"
 #: What the kernel may reach without asking, and what it must ask about (the gateway's ceiling).
 ALLOWED, ASKED = "files.pythonhosted.org", "pypi.org"
 URL = f"https://{ASKED}/simple/sampleproject/"
@@ -96,8 +106,8 @@ def users() -> Iterator[dict[str, pwd.struct_passwd]]:
 def asking_gateway(
     users: dict[str, pwd.struct_passwd], tmp_path: Path, make_kernelspec: Callable[..., str]
 ) -> Iterator[Served]:
-    """The gateway (test_gateway.py's, TLS on loopback) with an audit log, the kernelspec
-    "Asking Python" and a ceiling of pypi.org and files.pythonhosted.org."""
+    """The gateway (test_gateway.py's, TLS on loopback) with an audit log, the kernelspecs
+    "Asking Python" and py-asking-soon, and a ceiling of pypi.org and files.pythonhosted.org."""
     make_kernelspec(
         ASKING,
         config={
@@ -107,6 +117,15 @@ def asking_gateway(
             "approval_timeout": "20s",
         },
         display_name="Asking Python",
+    )
+    make_kernelspec(
+        ASKING_SOON,
+        config={
+            "network": "allowlist",
+            "allowed_domains": [ALLOWED],
+            "approval": "egress",
+            "approval_timeout": "5s",
+        },
     )
     private = tmp_path / "gw"
     private.mkdir(mode=0o700)
@@ -261,3 +280,260 @@ def test_jupyterlab_on_the_gateway_asks_in_the_notebook_and_the_gateways_audit_n
     user_lab.stop()  # her server shuts its kernels down on the gateway
     with ThreadPoolExecutor(1) as thread:  # in a thread: Playwright's loop runs in this one
         assert thread.submit(before.new_leftovers).result() == []
+
+
+# -- programs: a session's approval_handler, through the gateway -------------------------------
+
+
+def on_gateway(served: Served, user: str) -> dict[str, Any]:
+    """A session's arguments for ``served`` as ``user``."""
+    return {
+        "gateway_url": served.url,
+        "gateway_token": served.tokens[user],
+        "ca_certs": str(served.log.parent / "pki" / "ca.pem"),
+    }
+
+
+def project(users: dict[str, pwd.struct_passwd], user: str) -> Path:
+    return Path(users[user].pw_dir) / "proj"
+
+
+@pytest.fixture(autouse=True)
+def _no_gateway_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("JUPYTER_GATEWAY_URL", "JUPYTER_GATEWAY_AUTH_TOKEN", "JUPYTER_GATEWAY_CA_CERTS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.timeout(600)
+async def test_a_sessions_handler_on_the_gateway_is_asked_and_its_answers_obeyed(
+    asking_gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    """once lets one request through, deny refuses one, a handler slower than the kernel's
+    approval_timeout denies, kernel allows the domain from then on (no more questions); the
+    gateway's audit lines say who answered, for alice."""
+    before = HostState(docker_client)
+    alice = USERS[0]
+    asked: list[str] = []
+    behaviours = ["once", "deny", "slow", "kernel"]
+
+    def handler(request: ApprovalRequest) -> str:
+        asked.append(f"{request.method} {request.host}:{request.port} {request.timeout:g}")
+        behaviour = behaviours.pop(0)
+        if behaviour == "slow":
+            time.sleep(9)  # past the kernel's approval_timeout (5 s)
+            return "once"
+        return behaviour
+
+    session = AsyncSandboxSession(
+        ASKING_SOON, project(users, alice), approval_handler=handler, **on_gateway(asking_gateway, alice)
+    )
+    await session.start()
+    try:
+        assert (await session.run(fetch())).stdout.strip() == "OK 200"
+        assert asked == [f"CONNECT {ASKED}:443 5"]
+        denied = (await session.run(fetch())).stdout
+        assert denied.startswith("FAILED"), denied
+        assert f"{ASKED}:443 needed approval and was denied by the approval_handler" in denied
+        started = time.monotonic()
+        slow = (await session.run(fetch())).stdout
+        assert "no answer within 5 s (approval_timeout)" in slow, slow
+        assert time.monotonic() - started < 9, "denied at the kernel's timeout, not the handler's answer"
+        assert (await session.run(fetch())).stdout.strip() == "OK 200"
+        assert (await session.run(fetch())).stdout.strip() == "OK 200"
+        assert len(asked) == 4, "allowed for the kernel: not asked again"
+        assert (await session.run(fetch(f"https://{ALLOWED}/"))).stdout.split()[0] == "OK", "its own list"
+        assert len(asked) == 4
+    finally:
+        await session.shutdown()
+    answered = approvals(audit_log_of(asking_gateway))
+    assert [(line["answer"], line["by"], line.get("user")) for line in answered] == [
+        ("once", "by the approval_handler", alice),
+        ("deny", "by the approval_handler", alice),
+        ("deny", "timeout", alice),
+        ("kernel", "by the approval_handler", alice),
+    ]
+    assert await asyncio.to_thread(before.new_leftovers, 15) == []
+
+
+@pytest.mark.timeout(600)
+async def test_another_user_neither_sees_nor_answers_her_kernels_questions(
+    asking_gateway: Served, users: dict[str, pwd.struct_passwd]
+) -> None:
+    """Alice's program (here her own calls of the owner's routes) holds a real question of her
+    kernel's; bob, with his own valid token and her ids, gets 403 on every approval route, and
+    her answer is the one obeyed."""
+    alice, bob = USERS
+    session = AsyncSandboxSession(ASKING_SOON, project(users, alice), **on_gateway(asking_gateway, alice))
+    await session.start()
+    kernel_id = str(session.kernel_id)
+    route = f"/api/sandbox-kernel/kernels/{kernel_id}/approvals"
+    try:
+        registered = await asking_gateway.fetch(route, alice, "POST", {})
+        assert registered.code == 200, registered.body
+        answerer = json.loads(registered.body)["answerer"]
+        running = asyncio.ensure_future(session.run(fetch()))
+        polled = await asking_gateway.fetch(f"{route}?answerer={answerer}&wait=20", alice)
+        (question,) = json.loads(polled.body)["questions"]
+        assert (question["host"], question["port"]) == (ASKED, 443)
+        for path, method, body in [
+            (route, "POST", {}),
+            (f"{route}?answerer={answerer}&wait=0", "GET", None),
+            (f"{route}/{question['id']}?answerer={answerer}", "POST", {"answer": "once"}),
+            (f"{route}?answerer={answerer}", "DELETE", None),
+        ]:
+            for user in (bob, None):
+                response = await asking_gateway.fetch(path, user, method, body)
+                assert response.code == 403, f"{user}: {method} {path}: {response.code}"
+        assert not running.done(), "the question still waits for her"
+        answered = await asking_gateway.fetch(
+            f"{route}/{question['id']}?answerer={answerer}", alice, "POST", {"answer": "once"}
+        )
+        assert answered.code == 204, answered.body
+        assert (await running).stdout.strip() == "OK 200"
+        await asking_gateway.fetch(f"{route}?answerer={answerer}", alice, "DELETE")
+    finally:
+        await session.shutdown()
+
+
+#: Kernel code: every way it has to ask or answer a question itself, each printing what came of it.
+HOSTILE = """
+import os, socket, threading, urllib.request, urllib.error
+route = 'api/sandbox-kernel/kernels/{kernel_id}/approvals'
+
+def attempt(name, call):
+    try:
+        call()
+        print('REACHED', name)
+    except Exception as e:
+        print('refused', name, type(e).__name__)
+
+# A question of its own words, on the stdin channel (a session's runs allow none).
+attempt('input', lambda: input("Sandbox: allow a connection to pypi.org:443? Type once: "))
+# The gateway itself: directly, and through the proxy by address and by name.
+attempt('socket', lambda: socket.create_connection(('127.0.0.1', {port}), timeout=5))
+for host in ('127.0.0.1', 'localhost'):
+    attempt('proxy ' + host, lambda: urllib.request.urlopen(f'https://{{host}}:{port}/{{route}}', timeout=10))
+# A domain beyond the gateway's ceiling: nobody is asked.
+attempt('beyond', lambda: urllib.request.urlopen('https://example.com/', timeout=10))
+print('token' in ' '.join(os.environ).lower(), 'GATEWAY' in ' '.join(os.environ))
+"""
+
+
+@pytest.mark.timeout(600)
+async def test_hostile_kernel_code_can_neither_make_a_question_nor_answer_one(
+    asking_gateway: Served, users: dict[str, pwd.struct_passwd]
+) -> None:
+    """With alice's program answering for her kernel, code in the kernel prompts in the
+    question's words, tries the gateway's routes every way it can, and reaches beyond the
+    ceiling: no question reaches her handler. While a real question of its waits, it tries to
+    answer it (the same ways, in vain); her handler's deny is what counts."""
+    alice = USERS[0]
+    asked: list[str] = []
+    holding = threading.Event()
+
+    def handler(request: ApprovalRequest) -> str:
+        asked.append(f"{request.host}:{request.port}")
+        holding.wait(60)
+        return "deny"
+
+    session = AsyncSandboxSession(
+        ASKING_SOON, project(users, alice), approval_handler=handler, **on_gateway(asking_gateway, alice)
+    )
+    await session.start()
+    port = int(asking_gateway.url.rpartition(":")[2])
+    hostile = HOSTILE.format(kernel_id=session.kernel_id, port=port)
+    try:
+        result = await session.run(hostile)
+        lines = result.stdout.splitlines()
+        assert lines[0] == "refused input StdinNotImplementedError", result.stdout
+        assert [line.split()[:2] for line in lines[1:5]] == [
+            ["refused", "socket"],
+            ["refused", "proxy"],
+            ["refused", "proxy"],
+            ["refused", "beyond"],
+        ], result.stdout
+        assert lines[5] == "False False", "no token, no gateway variable in the kernel"
+        assert asked == [], "nothing of the kernel's reached her handler"
+
+        # A real question waits (a request of a thread of the kernel's); the kernel tries to answer.
+        await session.run(
+            "import threading, urllib.request\n"
+            "out = []\n"
+            "def fetch():\n"
+            "    try:\n"
+            f"        out.append(urllib.request.urlopen({URL!r}, timeout=30).status)\n"
+            "    except Exception as e:\n"
+            "        out.append(str(e))\n"
+            "asking = threading.Thread(target=fetch); asking.start()"
+        )
+        deadline = time.monotonic() + 30
+        while not asked:
+            assert time.monotonic() < deadline, "the kernel's request was not asked about"
+            await asyncio.sleep(0.1)
+        tried = await session.run(hostile.replace("input(", "print("))
+        assert "REACHED" not in tried.stdout.replace("REACHED input", ""), tried.stdout
+        holding.set()
+        outcome = await session.run("asking.join(); print(out[0])")
+        assert f"{ASKED}:443 needed approval and was denied by the approval_handler" in outcome.stdout
+        assert asked == [f"{ASKED}:443"]
+    finally:
+        holding.set()
+        await session.shutdown()
+
+
+#: A program that answers "once" for its kernel on the gateway, and dies without a word.
+DYING_PROGRAM = """
+import sys, time
+from sandbox_kernel import SandboxSession
+session = SandboxSession(sys.argv[1], sys.argv[2], approval_handler=lambda request: "once")
+session.start()
+print(session.kernel_id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(600)
+async def test_a_program_that_dies_leaves_its_kernels_requests_denied(
+    asking_gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    """A program whose handler would say once is killed outright: the kernel it left on the
+    gateway is denied what it asks. The question asked then waits until the gateway finds
+    the program gone (its poll's connection closed, and no new poll within the lease), and
+    is denied, well before the kernel's approval_timeout (20 s); the next is asked as for
+    any session without a handler, which cannot answer."""
+    before = HostState(docker_client)
+    alice = USERS[0]
+    settings = on_gateway(asking_gateway, alice)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_GATEWAY_")}
+    env.update(
+        JUPYTER_GATEWAY_URL=settings["gateway_url"],
+        JUPYTER_GATEWAY_AUTH_TOKEN=settings["gateway_token"],
+        JUPYTER_GATEWAY_CA_CERTS=settings["ca_certs"],
+    )
+    program = subprocess.Popen(  # our own test program
+        [sys.executable, "-c", DYING_PROGRAM, ASKING, str(project(users, alice))],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert program.stdout is not None
+        kernel_id = (await asyncio.to_thread(program.stdout.readline)).decode().strip()
+        assert kernel_id, "the program started its kernel"
+    finally:
+        program.kill()
+        program.wait()
+    killed = time.monotonic()
+    session = await AsyncSandboxSession.connect(kernel_id, **settings)
+    try:
+        out = (await session.run(fetch())).stdout
+        assert out.startswith("FAILED"), out
+        assert "needed approval and was denied by sandbox-kernel: the program that answered approvals" in out
+        assert time.monotonic() - killed < LEASE + 5, "once the lease ran out, not at the timeout"
+        out = (await session.run(fetch())).stdout
+        assert out.startswith("FAILED"), out
+        assert "no approval_handler is set" in out, "asked as without a program: its runs cannot answer"
+    finally:
+        await session.shutdown()
+    answered = [(line["answer"], line["by"]) for line in approvals(audit_log_of(asking_gateway))]
+    assert answered == [("deny", GONE), ("deny", NO_STDIN)]
+    assert await asyncio.to_thread(before.new_leftovers, 15) == []

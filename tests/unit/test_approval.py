@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from jupyter_client.session import Session
 
-from sandbox_kernel.channels.approval import AMBIGUOUS, ApprovalBroker, question
+from sandbox_kernel.channels.approval import AMBIGUOUS, ApprovalBroker, DeferredHandler, question
 from sandbox_kernel.channels.audit import ExecutionAuditor
 from sandbox_kernel.channels.wire import find_delimiter
 from sandbox_kernel.egress import ApprovalRequest
@@ -161,3 +161,26 @@ def test_a_program_s_handler_answers_instead() -> None:
         "deny",
         "because the approval_handler raised an exception (see the log)",
     )
+
+
+def test_a_deferred_holder_is_handed_the_question_and_no_thread_waits_for_it() -> None:
+    """A holder elsewhere (a session on a sandbox gateway) gets the request and answers the
+    future it returned, later; nobody is prompted on stdin."""
+
+    class Later(DeferredHandler):
+        def __init__(self) -> None:
+            self.asked: list[tuple[ApprovalRequest, concurrent.futures.Future[tuple[str, str]]]] = []
+
+        def ask(self, request: ApprovalRequest) -> concurrent.futures.Future[tuple[str, str]]:
+            future: concurrent.futures.Future[tuple[str, str]] = concurrent.futures.Future()
+            self.asked.append((request, future))
+            return future
+
+    later = Later()
+    setup = Setup(handler=later)
+    future = setup.broker.ask(REQUEST)
+    ((request, given),) = later.asked
+    assert (request, given) == (REQUEST, future)
+    assert setup.sent == []
+    given.set_result(("once", "by the approval_handler"))
+    assert answer(future) == ("once", "by the approval_handler")

@@ -95,7 +95,6 @@ def test_the_gateway_is_the_arguments_else_the_environment(monkeypatch: pytest.M
     ("kwargs", "words"),
     [
         ({"env": {"A": "1"}}, "env= is not sent"),
-        ({"approval_handler": lambda request: "deny"}, "approval_handler="),
         ({"image": "evil:1"}, "narrowed only by"),
         ({"output_limit": 10}, "narrowed only by"),
     ],
