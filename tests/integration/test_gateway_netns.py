@@ -73,9 +73,20 @@ def _remove_network() -> None:
     subprocess.run(["ip", "netns", "del", NETNS], check=False, capture_output=True)
 
 
+def _not_in_use() -> None:
+    """Fail at once if another run of this test is under way: its namespace, veth and user
+    are this one's (removing them would break it)."""
+    busy = subprocess.run(["ip", "netns", "pids", NETNS], check=False, capture_output=True, text=True)
+    running = subprocess.run(["pgrep", "-u", USER], check=False, capture_output=True, text=True)
+    if busy.stdout.split() or running.stdout.split():
+        pids = " ".join([*busy.stdout.split(), *running.stdout.split()])
+        pytest.fail(f"another run of this test holds {NETNS} or {USER} (pids {pids}): run one at a time")
+
+
 @pytest.fixture
 def sandbox_host() -> Iterator[str]:
     """The network namespace standing in for the sandbox machine, 10.77.0.2 across a veth."""
+    _not_in_use()
     _remove_network()
     try:
         ip("netns", "add", NETNS)
@@ -191,8 +202,8 @@ def gateway(sandbox_host: str, user: pwd.struct_passwd, tmp_path: Path) -> Itera
         )
     )
     served = Gateway(sandbox_host, config, env, private / "gateway.log")
-    served.start()
     try:
+        served.start()
         yield served, token
     finally:
         served.stop()
@@ -294,8 +305,8 @@ def user_server(gateway: tuple[Gateway, str], user: pwd.struct_passwd) -> Iterat
     else:  # no venv users may run: .venv's Python is under /root
         command = [str(Path(sys.executable).with_name("jupyter")), "lab", "--allow-root"]
     lab = UserServer(command, env, home, served.log.with_name("user-server.log"))
-    lab.start()
     try:
+        lab.start()  # one that does not answer is stopped all the same
         yield lab
     finally:
         lab.stop()
