@@ -1,4 +1,5 @@
-"""Folder trees on the host that sandboxed code may have made: removed and measured safely.
+"""Folder trees on the host that sandboxed code or a user may have made: removed, measured
+and opened safely.
 
 A kernel's launch folder, a workspace folder deleted through the files API, a runtime
 folder a dead process left: the host walks trees whose every entry kernel code may have
@@ -11,6 +12,12 @@ time: it opens each folder relative to its parent with ``O_NOFOLLOW | O_DIRECTOR
 link is unlinked, never followed), climbs back through ``..`` only after checking that
 it leads to the folder it came from (a folder moved meanwhile stops the walk, never
 sends it out of the tree), and never enters another file system mounted inside.
+
+Opening one folder of such a tree by its path (:func:`open_folder`, a gateway user's
+workspace) is the same walk downward only: one name at a time from ``/``, each relative to
+the descriptor of the last, no link followed, and whose folder it is read with ``fstat`` on
+the very descriptor that is returned. What is checked is then what is open, however the
+names change meanwhile.
 """
 
 from __future__ import annotations
@@ -56,6 +63,76 @@ def delete_tree(
         deleting.run(parent, name)
     finally:
         os.close(parent)
+
+
+class ForeignFolderError(PermissionError):
+    """A folder on the way to the one :func:`open_folder` opens belongs to another uid
+    (``owner``); ``filename`` is its path."""
+
+    def __init__(self, path: str, owner: int) -> None:
+        super().__init__(errno.EPERM, f"belongs to uid {owner}", path)
+        self.owner = owner
+
+
+def open_folder(
+    path: str | os.PathLike[str],
+    owner: int | None = None,
+    owned_from: str | os.PathLike[str] | None = None,
+) -> int:
+    """An ``O_PATH`` descriptor of the folder ``path``, opened one name at a time from ``/``,
+    each name relative to the descriptor of the folder before it, following no link. With
+    ``owner``, every folder from ``owned_from`` (an ancestor of ``path``, or ``path`` itself,
+    the default) down to ``path`` must belong to that uid: read with ``fstat`` on each
+    descriptor of the walk, so the folders checked are the ones opened, and the folder
+    returned is the one checked, whatever is renamed or swapped for a link meanwhile. At
+    most two descriptors are open at a time, so any depth works (however long ``path``).
+
+    Raises:
+        ValueError: ``path`` (or ``owned_from``) is not absolute and normalised (no ``.``,
+            ``..`` or empty name), or ``owned_from`` is not ``path`` or above it.
+        NotADirectoryError: a name on the way is a link, or not a folder (``filename``: the
+            path up to it).
+        ForeignFolderError: a folder from ``owned_from`` down belongs to another uid.
+        OSError: a folder on the way could not be opened (FileNotFoundError: it is gone).
+    """
+    names = _names(path)
+    checked_from = len(names) if owned_from is None else len(_names(owned_from))
+    if owned_from is not None and names[:checked_from] != _names(owned_from):
+        msg = f"{os.fspath(owned_from)!r} is not {os.fspath(path)!r} or a folder above it"
+        raise ValueError(msg)
+    fd = os.open("/", _HANDLE_FLAGS)
+    try:
+        for depth in range(len(names) + 1):
+            if depth > 0:
+                try:
+                    child = _open(fd, names[depth - 1], _HANDLE_FLAGS)
+                except _NotAFolder:
+                    where = os.fsdecode(b"/" + b"/".join(names[:depth]))
+                    raise NotADirectoryError(errno.ENOTDIR, "is a link or not a folder", where) from None
+                os.close(fd)
+                fd = child
+            if owner is not None and depth >= checked_from:
+                uid = os.fstat(fd).st_uid
+                if uid != owner:
+                    raise ForeignFolderError(os.fsdecode(b"/" + b"/".join(names[:depth])), uid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _names(path: str | os.PathLike[str]) -> list[bytes]:
+    """The names of the absolute, normalised ``path`` (bytes: any a file system takes).
+
+    Raises:
+        ValueError: it is not absolute, or has an empty, ``.`` or ``..`` name.
+    """
+    raw = os.fsencode(path)
+    names = raw.split(b"/")[1:] if raw != b"/" else []
+    if not raw.startswith(b"/") or any(name in (b"", b".", b"..") for name in names):
+        msg = f"{os.fsdecode(raw)!r} is not an absolute path without '.', '..' or empty names"
+        raise ValueError(msg)
+    return names
 
 
 def tree_size(path: str | os.PathLike[str]) -> int:
@@ -296,7 +373,7 @@ def _writable(fd: int, change: Callable[[], None]) -> None:
         change()
 
 
-def _open(parent: int, name: str, flags: int) -> int:
+def _open(parent: int, name: str | bytes, flags: int) -> int:
     try:
         return os.open(name, flags, dir_fd=parent)
     except OSError as exc:

@@ -1,5 +1,7 @@
 """Removing and measuring folder trees kernel code made: deeper than Python's recursion
-limit, full of links, read-only, another uid's, changing under the walk."""
+limit, full of links, read-only, another uid's, changing under the walk; and opening one
+folder of a user's by its path, the way a gateway pins a workspace: no link followed at any
+level, whose each folder is read on the descriptor opened, any name, any depth."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.host.trees import delete_tree, tree_size
+from sandbox_kernel.host.trees import ForeignFolderError, delete_tree, open_folder, tree_size
 
 from .conftest import deep_tree
 
@@ -242,3 +244,175 @@ def test_another_file_system_mounted_inside_is_not_entered(tmp_path: Path) -> No
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
     delete_tree(tree)
     assert not tree.exists()
+
+
+# ---------------------------------------------------------------------- opening one folder
+
+
+def same_folder(fd: int, path: Path) -> bool:
+    st, there = os.fstat(fd), os.stat(path)
+    return (st.st_dev, st.st_ino) == (there.st_dev, there.st_ino)
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Path:
+    """``root/a/b/c``, folders of this process's uid (``root`` is the walk's ``owned_from``)."""
+    (tmp_path / "root" / "a" / "b" / "c").mkdir(parents=True)
+    return tmp_path / "root"
+
+
+def test_a_folder_is_opened_as_the_one_its_path_names_now(chain: Path) -> None:
+    fd = open_folder(chain / "a" / "b" / "c", os.getuid(), chain)
+    try:
+        assert same_folder(fd, chain / "a" / "b" / "c")
+        assert os.fstat(fd).st_mode & stat.S_IFDIR
+    finally:
+        os.close(fd)
+    fd = open_folder("/")
+    assert same_folder(fd, Path("/"))
+    os.close(fd)
+
+
+@pytest.mark.parametrize("level", ["a", "a/b", "a/b/c"])
+def test_a_link_at_any_level_is_refused_naming_it(chain: Path, tmp_path: Path, level: str) -> None:
+    """Even a link to the very folder it replaces, and one of the folder's own owner."""
+    swapped = chain / level
+    swapped.rename(tmp_path / "aside")
+    swapped.symlink_to(tmp_path / "aside")
+    with pytest.raises(NotADirectoryError, match="is a link or not a folder") as refused:
+        open_folder(chain / "a" / "b" / "c", os.getuid(), chain)
+    assert refused.value.filename == str(swapped)
+
+
+def test_a_link_above_the_checked_folders_is_refused_too(tmp_path: Path) -> None:
+    (tmp_path / "real" / "root").mkdir(parents=True)
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    with pytest.raises(NotADirectoryError) as refused:
+        open_folder(tmp_path / "via" / "root", os.getuid(), tmp_path / "via" / "root")
+    assert refused.value.filename == str(tmp_path / "via")
+
+
+def test_a_file_or_a_missing_name_on_the_way_is_refused(chain: Path) -> None:
+    (chain / "a" / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        open_folder(chain / "a" / "file", os.getuid(), chain)
+    with pytest.raises(FileNotFoundError):
+        open_folder(chain / "a" / "missing" / "c", os.getuid(), chain)
+
+
+@pytest.mark.parametrize(
+    "path", ["relative/a", "/tmp/../etc", "/tmp/./x", "/tmp//x", "/tmp/x/", "", "/tmp/x/.."]
+)
+def test_only_an_absolute_normalised_path_is_walked(path: str) -> None:
+    with pytest.raises(ValueError, match="not an absolute path without '.', '..' or empty names"):
+        open_folder(path)
+
+
+def test_the_checked_folders_start_at_or_above_the_folder(chain: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not .* or a folder above it"):
+        open_folder(chain / "a", os.getuid(), chain / "a" / "b")
+    with pytest.raises(ValueError, match="is not .* or a folder above it"):
+        open_folder(chain / "a", os.getuid(), tmp_path / "elsewhere")
+
+
+@as_root
+def test_a_folder_of_another_uid_from_the_root_down_is_refused_naming_it(chain: Path) -> None:
+    b, c = chain / "a" / "b", chain / "a" / "b" / "c"
+    os.chown(b, SANDBOX_UID, SANDBOX_UID)
+    with pytest.raises(ForeignFolderError, match=f"belongs to uid {SANDBOX_UID}") as refused:
+        open_folder(c, 0, chain)
+    assert (refused.value.filename, refused.value.owner) == (str(b), SANDBOX_UID)
+    with pytest.raises(ForeignFolderError) as refused:
+        open_folder(c, SANDBOX_UID, b)
+    assert (refused.value.filename, refused.value.owner) == (str(c), 0)
+    # Above the checked folders any owner goes (root's /, /home); from there down, only the one.
+    os.chown(c, SANDBOX_UID, SANDBOX_UID)
+    fd = open_folder(c, SANDBOX_UID, b)
+    assert same_folder(fd, c)
+    os.close(fd)
+    with pytest.raises(ForeignFolderError) as refused:
+        open_folder(c, SANDBOX_UID, chain)
+    assert (refused.value.filename, refused.value.owner) == (str(chain), 0)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "with spaces",
+        "new\nline",
+        "carriage\rreturn",
+        "tab\there",
+        "back\\slash",
+        os.fsdecode(b"latin-1 caf\xe9"),  # not UTF-8: a lone surrogate for the byte
+        "n" * 255,
+        "é" * 127,  # 254 bytes of UTF-8
+        "-starts-with-a-dash",
+    ],
+)
+def test_any_name_a_file_system_takes_is_walked(chain: Path, name: str) -> None:
+    folder = chain / name / "inner"
+    folder.mkdir(parents=True)
+    fd = open_folder(folder, os.getuid(), chain)
+    try:
+        assert same_folder(fd, folder)
+    finally:
+        os.close(fd)
+
+
+def test_a_path_longer_than_the_system_takes_is_walked_a_descriptor_at_a_time(
+    tmp_path: Path, few_descriptors: None
+) -> None:
+    """300 levels of 30-byte names: 9300 bytes, beyond PATH_MAX (4096), with 64 descriptors."""
+    name = "d" * 30
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(300):
+        os.mkdir(name, dir_fd=fd)
+        below = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = below
+    bottom = os.fstat(fd)
+    os.close(fd)
+    deep = f"{tmp_path}/" + "/".join([name] * 300)
+    assert len(os.fsencode(deep)) > 4096
+    fd = open_folder(deep, os.getuid(), tmp_path)
+    try:
+        st = os.fstat(fd)
+        assert (st.st_dev, st.st_ino) == (bottom.st_dev, bottom.st_ino)
+    finally:
+        os.close(fd)
+    delete_tree(tmp_path / name)
+
+
+def test_a_folder_swapped_once_checked_is_not_what_the_walk_opens_next(
+    chain: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user swaps ``a/b`` for a link just after the walk checked ``a`` (and the walk goes
+    on from ``a``'s descriptor), or ``a`` itself just after it was checked: the first is
+    refused, the second opens the folder checked, not the one put in its place."""
+    real_fstat = os.fstat
+    swaps = {1: chain / "a" / "b"}
+
+    def fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        swapped = swaps.pop(len(calls), None)
+        calls.append(fd)
+        if swapped is not None:
+            swapped.rename(tmp_path / f"aside-{swapped.name}")
+            swapped.symlink_to(tmp_path / f"aside-{swapped.name}")
+        return st
+
+    calls: list[int] = []
+    monkeypatch.setattr(os, "fstat", fstat)
+    with pytest.raises(NotADirectoryError):
+        open_folder(chain / "a" / "b" / "c", os.getuid(), chain)
+    monkeypatch.undo()
+
+    (chain / "a" / "b").unlink()
+    (tmp_path / "aside-b").rename(chain / "a" / "b")
+    fd = open_folder(chain / "a", os.getuid(), chain)
+    (chain / "a").rename(tmp_path / "moved")
+    (chain / "a").mkdir()  # another folder under the old name, as the user could
+    try:
+        assert same_folder(fd, tmp_path / "moved"), "the descriptor is the folder checked, wherever it went"
+    finally:
+        os.close(fd)
