@@ -8,6 +8,13 @@ mount made on the host under the slot *after* the sandbox started shows up insid
 sandbox holds it open), so the workspace appears one level down, at
 ``/workspace/<folder name>``.
 
+A gateway user's workspace is *pinned* (:func:`pin_folder`): opened as a descriptor by a
+walk that checks whose each folder is (:func:`~.trees.open_folder`), and bind-mounted from
+that descriptor onto a root-only staging folder in the kernel's runtime folder, which is
+what Docker or a pool's claim then mounts. The user may rename their folders or swap them
+for links at any moment: the mount follows the descriptor, never a name, so the folder
+checked is the folder mounted.
+
 Unmounting is the other half: a runtime folder with a workspace mounted in it must
 never be deleted recursively, or the user's files go with it. :func:`detach_mounts`
 comes first in every removal (see :func:`~.ownership.remove_tree`).
@@ -18,7 +25,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 from pathlib import Path
+
+from sandbox_kernel.host.trees import open_folder
 
 MS_BIND = 0x1000
 MS_REC = 0x4000
@@ -54,23 +64,66 @@ def bind(source: Path, target: Path) -> None:
     )
 
 
+def bind_descriptor(fd: int, target: Path) -> None:
+    """Bind-mount the folder open as ``fd`` (an ``O_PATH`` descriptor will do), and the
+    mounts under it, on ``target``: ``/proc/self/fd/N`` leads to the descriptor's folder
+    itself, not to whatever its path names now."""
+    _check(
+        _libc.mount(f"/proc/self/fd/{fd}".encode(), os.fsencode(target), None, MS_BIND | MS_REC, None),
+        f"bind the folder open as descriptor {fd} on {target}",
+    )
+
+
+def pin_folder(source: Path, target: Path, owner: int, owned_from: Path) -> tuple[int, int]:
+    """Mount the folder ``source`` on the folder ``target`` (made 0700 if missing, whatever
+    was mounted there detached first) from a descriptor :func:`~.trees.open_folder` opened,
+    every folder from ``owned_from`` down to it checked to be ``owner``'s; its (device, inode).
+
+    Raises:
+        ValueError, NotADirectoryError, ForeignFolderError, OSError: as
+            :func:`~.trees.open_folder`: ``source`` is not (or no longer) that; or the
+            mount failed (without root, say). Nothing stays mounted on ``target`` then.
+    """
+    fd = open_folder(source, owner, owned_from)
+    try:
+        st = os.fstat(fd)
+        target.mkdir(mode=0o700, exist_ok=True)
+        detach_mounts(target)
+        bind_descriptor(fd, target)
+    finally:
+        os.close(fd)
+    mounted = os.stat(target)
+    if (mounted.st_dev, mounted.st_ino) != (st.st_dev, st.st_ino):  # never expected: say so, mount nothing
+        detach_mounts(target)
+        msg = f"{target} shows another folder than the one pinned from {source}"
+        raise OSError(msg)
+    return st.st_dev, st.st_ino
+
+
 def mounts_under(folder: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[Path]:
     """Mount points at or below ``folder``, deepest first."""
-    top = os.path.abspath(folder)
+    top = os.fsencode(os.path.abspath(folder))
     found = []
     try:
-        lines = mountinfo.read_text().splitlines()
+        # Bytes, and lines only at newlines: a mount's source folder may have any name, UTF-8
+        # or not, a carriage return in it.
+        lines = mountinfo.read_bytes().split(b"\n")
     except OSError:
         return []
     for line in lines:
-        fields = line.split()
+        fields = line.split(b" ")
         if len(fields) < 5:
             continue
-        # Octal escapes (\040 for a space) as the kernel writes them.
-        point = fields[4].encode().decode("unicode_escape")
-        if point == top or point.startswith(top + "/"):
-            found.append(Path(point))
+        point = _unescaped(fields[4])
+        if point == top or point.startswith(top + b"/"):
+            found.append(Path(os.fsdecode(point)))
     return sorted(set(found), key=lambda p: len(p.parts), reverse=True)
+
+
+def _unescaped(field: bytes) -> bytes:
+    """A mountinfo path: the kernel writes a space, tab, newline and backslash as octal
+    escapes (``\\040``), every other byte as it is."""
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field)
 
 
 def detach_mounts(folder: Path) -> list[Path]:
