@@ -198,39 +198,37 @@ async def test_a_local_user_without_a_token_reads_no_secret_of_the_gateway_nor_a
     assert await asyncio.to_thread(before.new_leftovers) == []
 
 
-async def test_swapping_her_folder_for_a_link_while_kernels_start_gains_her_no_one_elses_files(
-    gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
-) -> None:
-    """The check/mount race: alice swaps the folder she asks for with a link to /root, to bob's
-    home, to /etc, as fast as she can while the gateway checks and mounts it. Whatever a kernel
-    of hers gets mounted, it is her uid that reads it."""
-    before = HostState(docker_client)
-    alice, bob = USERS
-    account = users[alice]
-    home = Path(account.pw_dir)
-    bob_home = Path(users[bob].pw_dir)
-    (bob_home / "bobs-secret.txt").write_text("bob's")
-    os.chown(bob_home / "bobs-secret.txt", users[bob].pw_uid, users[bob].pw_gid)
-    Path("/root/sk-gw-attack-secret.txt").write_text("root's")
-    race = home / "race"
-    aside = home / ".race-aside"
-    race.mkdir()
-    os.chown(race, account.pw_uid, account.pw_gid)
-    (race / "mine.txt").write_text("alice's")
-    os.chown(race / "mine.txt", account.pw_uid, account.pw_gid)
-    targets = ["/root", str(bob_home), "/etc"]
+def readable_folder_of(account: pwd.struct_passwd, name: str, secret: str) -> Path:
+    """A folder of ``account``'s that anyone may read (0755) once they reach it, holding a
+    file of ``secret``, inside their home (0700): no one else reaches it but by a mount."""
+    folder = Path(account.pw_dir) / name
+    folder.mkdir(mode=0o755)
+    (folder / "secret.txt").write_text(secret)
+    for path in (folder, folder / "secret.txt"):
+        os.chown(path, account.pw_uid, account.pw_gid)
+    return folder
 
-    def swap_to(target: str) -> None:
-        """Alice, as her uid: her folder aside and a link to ``target`` in its place."""
+
+class FolderSwapper:
+    """Alice, as her uid, swapping her folder ``race`` for a link (her folder set aside as
+    ``.race-aside``) and back."""
+
+    def __init__(self, account: pwd.struct_passwd, race: Path) -> None:
+        self.account, self.race, self.aside = account, race, race.with_name(".race-aside")
+
+    def to(self, target: str | Path) -> None:
+        race, aside = self.race, self.aside
 
         def swap() -> bool:
             os.rename(race, aside)
             os.symlink(target, race)
             return True
 
-        as_user(account, swap)
+        as_user(self.account, swap)
 
-    def swap_back() -> None:
+    def back(self) -> None:
+        race, aside = self.race, self.aside
+
         def back() -> bool:
             if race.is_symlink():
                 os.unlink(race)
@@ -238,65 +236,92 @@ async def test_swapping_her_folder_for_a_link_while_kernels_start_gains_her_no_o
                 os.rename(aside, race)
             return True
 
-        as_user(account, back)
+        as_user(self.account, back)
 
-    owners = {
-        path: (path.stat().st_uid, path.stat().st_mode) for path in (Path("/root"), bob_home, Path("/etc"))
-    }
+    def remove(self) -> None:
+        self.back()
+        shutil.rmtree(self.race, ignore_errors=True)
+
+
+#: What a kernel of hers reports of its working folder: its uid, its entries, what it can read
+#: of the others' secrets, and the file it writes there (found on the host afterwards).
+WHERE_AM_I = """import os, json
+out = {'uid': os.getuid()}
+try: out['cwd'] = sorted(os.listdir('.'))[:20]
+except OSError as e: out['cwd'] = e.errno
+for p in ('secret.txt', 'sk-gw-attack-secret.txt', 'shadow'):
+    try: out[p] = open(p).read()
+    except OSError as e: out[p] = e.errno
+try: open(%r, 'w').write('x'); out['wrote'] = True
+except OSError as e: out['wrote'] = e.errno
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.xfail(
+    reason="#26: the folder is checked by path and Docker mounts the path: a swap between them is mounted"
+)
+async def test_swapping_her_folder_for_a_link_while_kernels_start_never_mounts_another_folder(
+    gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    """The check/mount race: alice swaps the folder she asks for with a link (to a folder of
+    bob's that anyone may read once inside his private home, to /etc, to /root) while the
+    gateway checks and mounts it, at a later moment each try. A kernel of hers that starts
+    has her folder as its workspace, the one checked, and nothing else; any other outcome is
+    a refusal."""
+    before = HostState(docker_client)
+    alice, bob = USERS
+    account = users[alice]
+    bobs = readable_folder_of(users[bob], "shared", "bob's")
+    Path("/root/sk-gw-attack-secret.txt").write_text("root's")
+    race = Path(account.pw_dir) / "race"
+    race.mkdir()
+    (race / "mine.txt").write_text("alice's")
+    for path in (race, race / "mine.txt"):
+        os.chown(path, account.pw_uid, account.pw_gid)
+    swapper = FolderSwapper(account, race)
+    targets = [str(bobs), "/etc", "/root"]
+    owners = {path: (path.stat().st_uid, path.stat().st_mode) for path in (Path("/root"), bobs, Path("/etc"))}
     seen: list[Any] = []
     try:
-        # Her folder is real when the gateway checks it; it becomes a link a moment later,
-        # at a later moment each time, to hit the window between the checks and the mount.
-        for attempt in range(8):
+        # Her folder is real when the gateway checks it; it becomes a link a moment later, at
+        # a later moment each time, to hit the window between the checks and the mount (here
+        # 0.05-0.15 s after her request; before the pin, Docker's mount came up to 1 s later).
+        for attempt in range(9):
             body = {"env": {"KERNEL_WORKING_DIR": str(race)}}
             starting = asyncio.ensure_future(gateway.fetch("/api/kernels", alice, "POST", body))
-            await asyncio.sleep(0.02 + 0.12 * attempt)
-            swap_to(targets[attempt % 3])
+            await asyncio.sleep(0.04 + 0.04 * attempt)
+            swapper.to(targets[attempt % 3])
             started = await starting
-            swap_back()
+            swapper.back()
             if started.code != 201:
-                assert started.code in (403, 500), started.body
-                seen.append(json.loads(started.body)["message"])
+                assert started.code == 403, started.body
+                message = json.loads(started.body)["message"]
+                assert "\n" not in message
+                seen.append(message)
                 continue
             kernel_id = json.loads(started.body)["id"]
+            planted = f"planted-by-alice-{attempt}"
             try:
                 ws = await gateway.channels(kernel_id, alice)
-                code = (
-                    "import os, json\nout = {'uid': os.getuid()}\n"
-                    "try: out['cwd'] = sorted(os.listdir('.'))[:20]\n"
-                    "except OSError as e: out['cwd'] = e.errno\n"
-                    "for p in ('sk-gw-attack-secret.txt', 'bobs-secret.txt', 'shadow'):\n"
-                    "    try: out[p] = open(p).read()\n"
-                    "    except OSError as e: out[p] = e.errno\n"
-                    "try: open('planted-by-alice', 'w').write('x'); out['wrote'] = True\n"
-                    "except OSError as e: out['wrote'] = e.errno\n"
-                    "print(json.dumps(out))"
-                )
-                out = json.loads(await run_code(ws, code, timeout=120))
+                out = json.loads(await run_code(ws, WHERE_AM_I % planted, timeout=120))
                 ws.close()
                 seen.append(out)
                 assert out["uid"] == account.pw_uid
-                assert out["sk-gw-attack-secret.txt"] != "root's", out
-                assert out["bobs-secret.txt"] != "bob's", out
-                assert not isinstance(out["shadow"], str), out
-                if (
-                    not isinstance(out["cwd"], list) or "mine.txt" not in out["cwd"]
-                ):  # the mount followed her link
-                    assert out["wrote"] is not True, out
+                assert out["cwd"] == ["mine.txt"], f"try {attempt}: the workspace is not her folder: {out}"
+                assert out["wrote"] is True, out
+                assert (race / planted).exists(), "what it writes is in her folder"
             finally:
                 assert (await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")).code == 204
+            (race / planted).unlink()
     finally:
-        swap_back()
+        swapper.remove()
         Path("/root/sk-gw-attack-secret.txt").unlink(missing_ok=True)
-        for path in (race, aside):
-            if path.is_symlink():
-                path.unlink()
-            shutil.rmtree(path, ignore_errors=True)
-        (bob_home / "bobs-secret.txt").unlink(missing_ok=True)
     print(seen)
     assert {path: (path.stat().st_uid, path.stat().st_mode) for path in owners} == owners, (
         "nothing handed to her"
     )
-    for path in owners:
-        assert not (path / "planted-by-alice").exists()
+    for target in targets:
+        assert not list(Path(target).glob("planted-by-alice-*"))
+    shutil.rmtree(bobs)
     assert await asyncio.to_thread(before.new_leftovers) == []
