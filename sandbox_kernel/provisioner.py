@@ -33,7 +33,7 @@ from sandbox_kernel.kernel.site import KernelSite, workspace_identity
 from sandbox_kernel.kernel.start import plan_start
 from sandbox_kernel.kernel.state import ReattachState, save_state
 from sandbox_kernel.kernel.watchdog import Watchdog, watch_limits
-from sandbox_kernel.lifecycle.ownership import NO_HOLDER, remove_tree, write_owner
+from sandbox_kernel.lifecycle.ownership import NO_HOLDER, PINNED_WORKSPACE, remove_tree, write_owner
 from sandbox_kernel.lifecycle.pausing import Paused
 from sandbox_kernel.plan.admission import with_server_config
 from sandbox_kernel.plan.limits import size_bytes
@@ -196,7 +196,7 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         self.exits.starting()
         try:
             session = await self._into_sandbox(spec, session, handed_key)
-            site.identity = await asyncio.to_thread(workspace_identity, spec)
+            site.identity = await asyncio.to_thread(workspace_identity, site.spec or spec)
             # Clients' ports open once the kernel answers on them: a client that connects as
             # soon as they do (as front ends that start kernels themselves do) is answered.
             ports = await self._open_channels(None if restart else self.link.ports(self.client_transport))
@@ -367,8 +367,10 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         await self.channels.shut(*self.exits.teardown_answer(), keep_ports=keep_bridge)
         doomed = site.launch_dir if keep_bridge else site.runtime_dir
         if keep_bridge and site.runtime_dir is not None:
-            # A pooled sandbox's workspace mount goes with it; the restart starts cold.
-            await asyncio.to_thread(detach_mounts, site.runtime_dir / "slot")
+            # A pooled sandbox's workspace mount goes with it (the restart starts cold), and
+            # a pinned workspace too (the restart pins it again, checked again).
+            for mounted in ("slot", PINNED_WORKSPACE):
+                await asyncio.to_thread(detach_mounts, site.runtime_dir / mounted)
         if doomed is not None:
             await asyncio.to_thread(remove_tree, doomed)  # any number of files: never on the loop
         site.launch_dir = None

@@ -77,8 +77,11 @@ class SandboxBackend(ABC):
 
     @abstractmethod
     async def prepare_workspace(self, spec: SandboxSpec) -> Path | None:
-        """Make the spec's workspace volume ready for the kernel's uid (None without a
-        volume); where its files are on the host, for attaching it to a pooled sandbox."""
+        """Make the spec's workspace volume ready for the kernel's uid, or pin a gateway
+        user's workspace (``owned_from``: mount it on ``staging`` from a descriptor every
+        folder of which was checked, never by its path, else :class:`~.errors.WorkspaceError`);
+        where its files are on the host, for attaching it to a pooled sandbox (None: a
+        folder to mount as it is)."""
 
     @abstractmethod
     async def volume_path(self, name: str) -> Path:

@@ -48,7 +48,7 @@ from sandbox_kernel.host.cgroups import (
     process_ended,
     thaw_container,
 )
-from sandbox_kernel.host.trees import delete_tree, tree_size
+from sandbox_kernel.host.trees import ForeignFolderError, delete_tree, tree_size
 from sandbox_kernel.plan.sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
 from sandbox_kernel.plan.settings import DATASCIENCE_IMAGE
 
@@ -122,6 +122,45 @@ def _is_workspace_volume(labels: Mapping[str, str]) -> bool:
     service's or another user's, which a kernelspec could name."""
     mine = _workspace_volume_labels()
     return {key: labels.get(key) for key in mine} == mine
+
+
+def _pin(spec: SandboxSpec) -> Path:
+    """Mount ``spec``'s workspace on its staging folder from a descriptor, every folder from
+    the user's root down to it checked to be the kernel's uid's on the descriptors opened
+    (see :func:`sandbox_kernel.host.mounts.pin_folder`); the staging folder. Never its path instead.
+
+    Raises:
+        WorkspaceError: in one line, why it is not pinned.
+    """
+    folder, root = str(spec.workspace), spec.owned_from
+    if spec.staging is None or root is None:
+        msg = f"The kernel's folder {folder!r} has no staging folder to be pinned on; not mounting it."
+        raise WorkspaceError(msg)
+    try:
+        mounts.pin_folder(spec.workspace, spec.staging, spec.uid, root)
+    except ForeignFolderError as exc:
+        msg = (
+            f"Refusing the kernel's folder {folder!r}: {exc.filename!r} belongs to uid {exc.owner} now, "
+            f"not to the kernel's uid {spec.uid}; it changed since it was checked. Start the kernel again."
+        )
+        raise WorkspaceError(msg) from None
+    except NotADirectoryError as exc:
+        msg = (
+            f"Refusing the kernel's folder {folder!r}: {exc.filename!r} is a link or no folder now; "
+            "it changed since it was checked, and no link is followed. Start the kernel again in a "
+            "folder of yours."
+        )
+        raise WorkspaceError(msg) from None
+    except FileNotFoundError as exc:
+        msg = f"The kernel's folder {folder!r} is gone ({exc.filename!r} is missing) since it was checked."
+        raise WorkspaceError(msg) from None
+    except (OSError, ValueError) as exc:
+        msg = (
+            f"Could not mount the kernel's folder {folder!r} from the descriptor it was checked on ({exc}); "
+            "it is not mounted by its path instead. A gateway's kernels start only where it runs as root."
+        )
+        raise WorkspaceError(msg) from None
+    return spec.staging
 
 
 class DockerBackend(SandboxBackend):
@@ -237,18 +276,20 @@ class DockerBackend(SandboxBackend):
         )
 
     async def prepare_workspace(self, spec: SandboxSpec) -> Path | None:
-        """Create the workspace volume on first use, owned by the kernel's uid.
+        """Create the workspace volume on first use, owned by the kernel's uid; or pin a
+        gateway user's workspace (``owned_from``) on its staging folder (see :func:`_pin`).
 
         A kernelspec names the volume, and users may write kernelspecs: only volumes
         made for sandbox-kernel workspaces by this server's uid are ever mounted, never
         another service's or another user's.
 
         Raises:
-            WorkspaceError: the volume exists but is not such a volume.
+            WorkspaceError: the volume exists but is not such a volume; or the workspace to
+                pin is not (any more) the user's, or could not be pinned.
             KernelStartupError: the volume could not be handed to the kernel's uid.
         """
         if spec.volume is None:
-            return None
+            return None if spec.owned_from is None else await asyncio.to_thread(_pin, spec)
         labels = await self.volume_labels(spec.volume)
         if labels is not None:
             if not _is_workspace_volume(labels):

@@ -15,6 +15,7 @@ from typing import Any
 
 from docker.types import Mount, Ulimit
 
+from sandbox_kernel.errors import WorkspaceError
 from sandbox_kernel.plan.limits import docker_size, size_bytes
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_RUNTIME_DIR,
@@ -170,11 +171,21 @@ def volume_setup_kwargs(spec: SandboxSpec) -> dict[str, Any]:
 
 
 def workspace_mount(spec: SandboxSpec) -> Mount:
-    """The workspace (or a pooled sandbox's slot) as Docker mounts it."""
+    """The workspace (or a pooled sandbox's slot) as Docker mounts it: a pinned workspace
+    from its staging folder, never from its own path.
+
+    Raises:
+        WorkspaceError: the workspace is to be pinned, and it is not (no staging folder).
+    """
     if spec.slot is not None:
         return Mount(CONTAINER_WORKSPACE, str(spec.slot), type="bind", propagation="rslave")
     if spec.volume:
         # no_copy: Docker would otherwise copy the image's /workspace (root's) over
         # an empty volume at every mount, undoing its hand-over to the kernel's uid.
         return Mount(spec.workspace_path, spec.volume, type="volume", read_only=False, no_copy=True)
+    if spec.owned_from is not None:
+        if spec.staging is None:
+            msg = f"The kernel's folder {str(spec.workspace)!r} is not pinned, so it is not mounted."
+            raise WorkspaceError(msg)
+        return Mount(spec.workspace_path, str(spec.staging), type="bind", read_only=False)
     return Mount(spec.workspace_path, str(spec.workspace), type="bind", read_only=False)

@@ -167,7 +167,13 @@ class FakeBackend(SandboxBackend):
         self._note("update_limits", sandbox_id)
 
     async def prepare_workspace(self, spec: SandboxSpec) -> Path | None:
-        return None
+        if spec.owned_from is None or spec.staging is None:
+            return None
+        self._note("pin_workspace", str(spec.staging))
+        # A link stands for the pinning bind mount: the staging folder shows the workspace.
+        if not spec.staging.is_symlink():
+            spec.staging.symlink_to(spec.workspace)
+        return spec.staging
 
     async def volume_path(self, name: str) -> Path:
         raise NotImplementedError

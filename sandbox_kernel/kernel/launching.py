@@ -17,7 +17,7 @@ from typing import Any
 
 from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.egress.ca import KernelCA
-from sandbox_kernel.errors import SandboxKernelError
+from sandbox_kernel.errors import SandboxKernelError, WorkspaceError
 from sandbox_kernel.host.mounts import can_mount
 from sandbox_kernel.kernel.channels import KernelChannels
 from sandbox_kernel.kernel.site import KernelSite
@@ -30,7 +30,7 @@ from sandbox_kernel.lifecycle.launch_folder import (
     wait_until_ready,
     write_launch_files,
 )
-from sandbox_kernel.lifecycle.ownership import prune_orphans, remove_tree
+from sandbox_kernel.lifecycle.ownership import PINNED_WORKSPACE, prune_orphans, remove_tree
 from sandbox_kernel.lifecycle.startup_mark import wait_for_startup_code
 from sandbox_kernel.plan.limits import size_bytes
 from sandbox_kernel.plan.plan import Plan
@@ -58,7 +58,7 @@ async def start_cold(
     site.launches += 1
     launch_dir = await asyncio.to_thread(new_launch_dir, site.runtime_dir, site.launches, spec.uid, spec.gid)
     site.launch_dir = launch_dir
-    spec = replace(spec, runtime_dir=launch_dir)
+    site.spec = spec = replace(staged(spec, site.runtime_dir), runtime_dir=launch_dir)
     kernel_ca = await ca(site.runtime_dir)
     key, scheme = session
     await asyncio.to_thread(
@@ -81,6 +81,14 @@ async def start_cold(
         spec.uid,
         spec.workspace,
     )
+
+
+def staged(spec: SandboxSpec, runtime_dir: Path) -> SandboxSpec:
+    """``spec``, with a gateway user's workspace to be pinned in the kernel's runtime folder
+    ``runtime_dir`` (see :func:`~sandbox_kernel.host.mounts.pin_folder`)."""
+    if spec.owned_from is None or spec.volume is not None:
+        return spec
+    return replace(spec, staging=runtime_dir / PINNED_WORKSPACE)
 
 
 async def ready_and_sealed(
@@ -239,25 +247,33 @@ class PoolClaim:
         """Make a claimed pooled sandbox this kernel's (see :mod:`~.binding`), its runtime
         folder the kernel's; on a restart (``key``: the session key its clients hold) the
         kernel is handed that key. False (and the sandbox removed) if that fails: the kernel
-        then starts cold."""
+        then starts cold.
+
+        Raises:
+            WorkspaceError: a gateway user's folder could not be pinned (it is not theirs
+                now, say); the sandbox is removed, and the kernel starts nowhere.
+        """
         site = self._site
         restart = key is not None and site.runtime_dir is not None
         if not restart:
             site.runtime_dir, site.launches = sandbox.runtime_dir, 1
         site.launch_dir, site.container_id = sandbox.launch_dir, sandbox.container_id
+        spec = staged(spec, sandbox.runtime_dir)
         try:
             await bind(self._backend, sandbox, spec, key, self.narrowing)
         except (SandboxKernelError, OSError) as exc:
+            site.container_id = site.launch_dir = None
+            if not restart:
+                site.runtime_dir, site.launches = None, 0
+            await self._services.pool.discard(sandbox)
+            if isinstance(exc, WorkspaceError):
+                raise  # a gateway user's folder is not theirs now: no start, cold or not
             self._log.warning(
                 "Sandboxed kernel %s: could not bind pooled sandbox %s (%s); starting one cold",
                 site.kernel_id,
                 sandbox.container_id[:12],
                 exc,
             )
-            site.container_id = site.launch_dir = None
-            if not restart:
-                site.runtime_dir, site.launches = None, 0
-            await self._services.pool.discard(sandbox)
             return False
         if restart:
             # The sandbox's runtime folder becomes the kernel's (its container's labels name

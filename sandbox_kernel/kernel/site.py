@@ -19,10 +19,11 @@ LAYOUT_KEYS = ("workspace", "workdir", "workspace_path", "volume", "uid", "gid",
 
 
 def workspace_identity(spec: SandboxSpec) -> list[int] | None:
-    """(device, inode) of the host folder a sandbox mounts as its workspace (None: a volume)."""
+    """(device, inode) of the host folder a sandbox mounts as its workspace (None: a volume):
+    a pinned one's as its staging folder shows it, whatever its path leads to now."""
     if spec.volume is not None:
         return None
-    st = os.stat(spec.workspace)
+    st = os.stat(spec.staging or spec.workspace)
     return [st.st_dev, st.st_ino]
 
 

@@ -70,6 +70,10 @@ RUNTIME_DIR_PREFIX = "sandbox-kernel-"
 REAP_INTERVAL = 60.0
 #: Written into a pooled sandbox's runtime folder once its kernel is ready to be claimed.
 POOL_READY_FILE = "pool-ready"
+#: Where a gateway user's workspace is pinned in its kernel's runtime folder (0700, the
+#: server's, never mounted into the sandbox itself): the mount Docker or a pool's claim
+#: mounts (see :func:`~.host.mounts.pin_folder`); detached with the runtime folder.
+PINNED_WORKSPACE = "workspace"
 #: What a process needs to reattach to the kernel, kept by its owner (private: it holds the key).
 STATE_FILE = "provisioner.json"
 #: Written by a manager that let go of its kernel, taken over by another (its holder token).

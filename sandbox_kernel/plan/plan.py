@@ -308,9 +308,13 @@ def check_user_folder(cwd: str | os.PathLike[str], user: KernelUser) -> Path:
     it lies under their root, no link on the way is another user's (see
     :func:`refuse_foreign_links`), and every folder from their root down to it belongs to
     them. A kernel of theirs that could not start there does not start anywhere else
-    either. (Between this check and Docker's mount the user can swap their own folder for
-    a link; the kernel then still runs as their uid, with no more than their own
-    permissions there: see the gateway's threat model.)
+    either.
+
+    This check reads paths, and gives the start its answer early, in the user's words. The
+    user may swap one of their folders for a link right after it: what makes the mount
+    safe is the same check made again on descriptors when the workspace is mounted, which
+    mounts the very folder it checked (the plan's ``owned_from``, see
+    :func:`~sandbox_kernel.host.mounts.pin_folder`).
 
     Raises:
         WorkspaceError: in one line, why the folder is not theirs.
@@ -943,6 +947,10 @@ class Placement:
     gid: int
     #: The Docker volume that is the workspace, if the settings name one.
     volume: str | None
+    #: For a gateway's user (without a volume): their root, resolved. The workspace is then
+    #: pinned when it is mounted: every folder from here down to it checked again to be
+    #: theirs, on the descriptors the mount is made from.
+    owned_from: Path | None = None
 
 
 def place_workspace(settings: SandboxSettings, launch: Launch) -> Placement:
@@ -995,7 +1003,8 @@ def place_workspace(settings: SandboxSettings, launch: Launch) -> Placement:
         # Pooled or not, every kernel of a pooled kernelspec sees the same layout.
         workspace_path = pooled_workspace_path(workspace, volume)
         workdir = workspace_path + workdir.removeprefix(CONTAINER_WORKSPACE)
-    return Placement(workspace, workdir, workspace_path, uid, gid, volume)
+    owned_from = Path(user.root).resolve() if user is not None and volume is None else None
+    return Placement(workspace, workdir, workspace_path, uid, gid, volume, owned_from)
 
 
 def kernel_policy(
@@ -1057,6 +1066,7 @@ def plan_sandbox(
         file_size=settings.file_size,
         volume=place.volume,
         workspace_path=place.workspace_path,
+        owned_from=place.owned_from,
         extra_labels={
             LABEL_OWNER: launch.owner,
             LABEL_LIFECYCLE: settings.lifecycle,

@@ -162,6 +162,14 @@ class SandboxSpec:
     #: A pooled sandbox's empty slot folder, mounted at /workspace so that the workspace
     #: can be attached under it once a kernel claims the sandbox (see :mod:`~.mounts`).
     slot: Path | None = None
+    #: For a gateway's user: their root folder (resolved). The workspace is then *pinned*:
+    #: opened from a descriptor, every folder from this one down to it the kernel's uid's,
+    #: and mounted from that descriptor on ``staging``; it is never mounted by its path (see
+    #: :func:`~sandbox_kernel.host.mounts.pin_folder`).
+    owned_from: Path | None = None
+    #: Where a pinned workspace is mounted for the sandbox: a root-only folder in the
+    #: kernel's runtime folder, which Docker (or a pooled sandbox's claim) mounts instead.
+    staging: Path | None = None
 
     @property
     def container_name(self) -> str:

@@ -55,7 +55,7 @@ RLIMITS = {"pids": "nproc", "file_size": "fsize"}
 #: their own (the command, the environment).
 _NOT_COMPARED = (
     "kernel_id", "workspace", "workdir", "workspace_path", "volume", "runtime_dir", "slot",
-    "memory", "cpus", "pids", "file_size", "tmp_size", "command", "env",
+    "owned_from", "staging", "memory", "cpus", "pids", "file_size", "tmp_size", "command", "env",
 )  # fmt: skip
 #: Policy keys (``SANDBOX_KERNEL_POLICY``) held by the host, for which narrower is enough.
 _TIMEOUTS = ("exec_timeout", "idle_timeout")

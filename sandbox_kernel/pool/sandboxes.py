@@ -99,6 +99,8 @@ def plan_fingerprint(spec: SandboxSpec, scheme: str) -> str:
             workspace_path="",
             volume=None,
             runtime_dir=Path(),
+            owned_from=None,
+            staging=None,
         )
     )
     fixed["env"] = {k: v for k, v in spec.env.items() if k not in PER_KERNEL_ENV}
@@ -141,6 +143,8 @@ def pooled_spec(spec: SandboxSpec, slot: Path, launch_dir: Path) -> SandboxSpec:
         workdir=CONTAINER_WORKSPACE,
         workspace_path=CONTAINER_WORKSPACE,
         volume=None,
+        owned_from=None,
+        staging=None,
         kernel_id=secrets.token_hex(6),
         runtime_dir=launch_dir,
         slot=slot,

@@ -5,12 +5,15 @@ of the sandbox host who has no token. A test that passes is an attack that faile
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,10 +21,11 @@ from typing import Any
 import docker
 import pytest
 
+from sandbox_kernel.lifecycle.ownership import PINNED_WORKSPACE
 from sandbox_kernel.plan.sandbox_spec import LABEL_RUNTIME_DIR
 
 from .conftest import KERNEL, HostState
-from .test_gateway import USERS, Served, containers_of, gateway, run_code, users
+from .test_gateway import USERS, Served, cli, containers_of, gateway, pooled_for, run_code, users
 
 pytestmark = pytest.mark.integration
 __all__ = ["gateway", "users"]  # the fixtures, as test_gateway.py makes them
@@ -258,9 +262,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.xfail(
-    reason="#26: the folder is checked by path and Docker mounts the path: a swap between them is mounted"
-)
 async def test_swapping_her_folder_for_a_link_while_kernels_start_never_mounts_another_folder(
     gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
 ) -> None:
@@ -324,4 +325,204 @@ async def test_swapping_her_folder_for_a_link_while_kernels_start_never_mounts_a
     for target in targets:
         assert not list(Path(target).glob("planted-by-alice-*"))
     shutil.rmtree(bobs)
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+def pins_of(folder: Path) -> list[Path]:
+    """The pinned workspaces (``<runtime folder>/workspace``) that show ``folder`` or a folder
+    in it, as /proc/self/mountinfo has them (a mount's root field: the folder it shows)."""
+    found = []
+    top = os.fsencode(folder)
+    for line in Path("/proc/self/mountinfo").read_bytes().split(b"\n"):
+        fields = [
+            re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), f) for f in line.split(b" ")
+        ]
+        if len(fields) < 5 or not (fields[3] == top or fields[3].startswith(top + b"/")):
+            continue
+        point = Path(os.fsdecode(fields[4]))
+        if point.name == PINNED_WORKSPACE and point.parent.name.startswith("sandbox-kernel-"):
+            found.append(point)
+    return found
+
+
+def her_race_folder(account: pwd.struct_passwd) -> Path:
+    """``~/race`` of hers, holding ``mine.txt``."""
+    race = Path(account.pw_dir) / "race"
+    race.mkdir()
+    (race / "mine.txt").write_text("alice's")
+    for path in (race, race / "mine.txt"):
+        os.chown(path, account.pw_uid, account.pw_gid)
+    return race
+
+
+async def where_am_i(gateway: Served, kernel_id: str, user: str, planted: str) -> dict[str, Any]:
+    ws = await gateway.channels(kernel_id, user)
+    try:
+        return dict(json.loads(await run_code(ws, WHERE_AM_I % planted, timeout=120)))
+    finally:
+        ws.close()
+
+
+async def test_her_pooled_kernel_is_the_folder_checked_and_her_swaps_once_it_runs_change_nothing(
+    gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    docker_client: docker.DockerClient,
+    make_kernelspec: Callable[..., str],
+) -> None:
+    """A sandbox of her pool, claimed: its workspace is pinned on the sandbox's staging folder
+    (the slot shows it), and stays her folder when she swaps it for a link to bob's, through a
+    pause and a resume (Docker mounts the slot again). Nothing stays mounted once it is gone."""
+    before = HostState(docker_client)
+    alice, bob = USERS
+    account = users[alice]
+    home = Path(account.pw_dir)
+    name = make_kernelspec("sandboxed-python-gw-pooled-pin", config={"pool_size": 1})
+    bobs = readable_folder_of(users[bob], "shared", "bob's")
+    swapper = FolderSwapper(account, her_race_folder(account))
+    gateway.stop()
+    gateway.command.append(f"--GatewayKernelManagerForUsers.pool_users={alice}")
+    gateway.start()
+    kernel_id = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pooled_for(docker_client, alice, name):
+            assert time.monotonic() < deadline, "her pool was never filled"
+            await asyncio.sleep(0.5)
+        body = {"name": name, "env": {"KERNEL_WORKING_DIR": str(swapper.race)}}
+        started = await gateway.fetch("/api/kernels", alice, "POST", body)
+        assert started.code == 201, started.body
+        kernel_id = json.loads(started.body)["id"]
+        assert "pooled sandbox" in gateway.log.read_text(), "claimed from her pool"
+        (pin,) = pins_of(home)
+        assert os.stat(pin).st_ino == swapper.race.stat().st_ino
+
+        swapper.to(bobs)
+        out = await where_am_i(gateway, kernel_id, alice, "planted-1")
+        assert (out["cwd"], out["secret.txt"]) == (["mine.txt"], errno.ENOENT), out
+        route = f"/api/sandbox-kernel/kernels/{kernel_id}"
+        assert (await gateway.fetch(f"{route}/pause", alice, "POST", {})).code == 200
+        assert (await gateway.fetch(f"{route}/resume", alice, "POST", {})).code == 200
+        out = await where_am_i(gateway, kernel_id, alice, "planted-2")
+        assert out["cwd"] == ["mine.txt", "planted-1"], out
+        assert not list(bobs.glob("planted-*"))
+        swapper.back()
+        assert sorted(p.name for p in swapper.race.iterdir()) == ["mine.txt", "planted-1", "planted-2"]
+    finally:
+        if kernel_id is not None:
+            assert (await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")).code == 204
+        gateway.stop()  # and its pool's sandboxes with it
+        swapper.remove()
+        shutil.rmtree(bobs, ignore_errors=True)
+    assert pins_of(home) == []
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+async def test_her_pinned_folder_outlives_a_gateway_killed_and_goes_with_the_kernel_adopted_or_pruned(
+    gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    docker_client: docker.DockerClient,
+    make_kernelspec: Callable[..., str],
+) -> None:
+    """kill -9: her persistent kernel runs on, its workspace pinned still (a resume mounts it
+    again); she swaps her folder for a link to bob's meanwhile. The gateway adopts the kernel: a
+    pause and a resume give it her folder, not bob's; its removal detaches the pin. Her ephemeral
+    kernel, an orphan now, is pruned with its pin."""
+    before = HostState(docker_client)
+    alice, bob = USERS
+    account = users[alice]
+    home = Path(account.pw_dir)
+    persistent = make_kernelspec("sandboxed-python-gw-persistent-pin", config={"lifecycle": "persistent"})
+    bobs = readable_folder_of(users[bob], "shared", "bob's")
+    swapper = FolderSwapper(account, her_race_folder(account))
+    kernels: dict[str, str] = {}
+    try:
+        for kind, name in (("persistent", persistent), ("ephemeral", KERNEL)):
+            body = {"name": name, "env": {"KERNEL_WORKING_DIR": str(swapper.race)}}
+            started = await gateway.fetch("/api/kernels", alice, "POST", body)
+            assert started.code == 201, started.body
+            kernels[kind] = json.loads(started.body)["id"]
+        assert len(pins_of(home)) == 2
+
+        gateway.kill()
+        assert len(pins_of(home)) == 2, "a sandbox that outlives its gateway keeps its workspace"
+        swapper.to(bobs)
+        gateway.start()
+        listed = [k["id"] for k in json.loads((await gateway.fetch("/api/kernels", alice)).body)]
+        assert listed == [kernels["persistent"]]
+        route = f"/api/sandbox-kernel/kernels/{kernels['persistent']}"
+        assert (await gateway.fetch(f"{route}/pause", alice, "POST", {})).code == 200
+        assert (await gateway.fetch(f"{route}/resume", alice, "POST", {})).code == 200
+        out = await where_am_i(gateway, kernels["persistent"], alice, "planted-after-adoption")
+        assert (out["cwd"], out["secret.txt"]) == (["mine.txt"], errno.ENOENT), out
+        assert not list(bobs.glob("planted-*"))
+
+        await asyncio.to_thread(cli, "prune", env=gateway.env)  # unless the gateway's own sweep was first
+        assert containers_of(kernels.pop("ephemeral")) == []
+        assert len(pins_of(home)) == 1, "the orphan's pin went with it"
+        deleted = await gateway.fetch(f"/api/kernels/{kernels.pop('persistent')}", alice, "DELETE")
+        assert deleted.code == 204
+        assert pins_of(home) == []
+    finally:
+        for kernel_id in kernels.values():
+            await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+            for container in containers_of(kernel_id):
+                container.remove(force=True)
+        swapper.remove()
+        shutil.rmtree(bobs, ignore_errors=True)
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
+async def test_no_local_user_reaches_or_replaces_the_folder_her_workspace_is_pinned_on(
+    gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    """The staging folder Docker mounts is root's, in a root-only runtime folder: neither she nor
+    bob can list it, rename it, put a link in its place, unmount it, or reach the descriptors
+    the gateway pinned it from."""
+    before = HostState(docker_client)
+    alice = USERS[0]
+    home = Path(users[alice].pw_dir)
+    folder = str(home / "proj")
+    started = await gateway.fetch("/api/kernels", alice, "POST", {"env": {"KERNEL_WORKING_DIR": folder}})
+    assert started.code == 201, started.body
+    kernel_id = json.loads(started.body)["id"]
+    try:
+        (pin,) = pins_of(home)
+        (mount,) = [
+            m for m in containers_of(kernel_id)[0].attrs["Mounts"] if m["Destination"] == "/workspace"
+        ]
+        assert mount["Source"] == str(pin), "Docker mounts the pin, never her folder's path"
+        runtime = pin.parent
+        assert (runtime.stat().st_uid, runtime.stat().st_mode & 0o777) == (0, 0o700)
+        assert gateway.process is not None
+        gateway_fds = f"/proc/{gateway.process.pid}/fd"
+
+        def attempts() -> dict[str, int | str]:
+            tried: dict[str, Callable[[], Any]] = {
+                "list": lambda: os.listdir(pin),
+                "stat": lambda: os.stat(pin),
+                "rename": lambda: os.rename(pin, runtime / "elsewhere"),
+                "rename-runtime": lambda: os.rename(runtime, runtime.with_name(runtime.name + "-x")),
+                "link": lambda: os.symlink("/etc", runtime / "workspace-new"),
+                "umount": lambda: subprocess.run(["umount", "-l", str(pin)], check=True, capture_output=True),
+                "gateway-fds": lambda: os.listdir(gateway_fds),
+            }
+            found: dict[str, int | str] = {}
+            for what, attempt in tried.items():
+                try:
+                    attempt()
+                    found[what] = "done"
+                except OSError as exc:
+                    found[what] = exc.errno or 0
+                except subprocess.CalledProcessError as exc:
+                    found[what] = f"exit {exc.returncode}"
+            return found
+
+        for name in USERS:
+            found = as_user(users[name], attempts)
+            assert "done" not in found.values(), (name, found)
+        assert os.stat(pin).st_ino == os.stat(folder).st_ino, "still her folder, pinned"
+    finally:
+        deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204
+    assert pins_of(home) == []
     assert await asyncio.to_thread(before.new_leftovers) == []

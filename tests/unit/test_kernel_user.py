@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,8 +23,11 @@ from traitlets.config import Config
 from sandbox_kernel.backends.docker_args import container_create_kwargs
 from sandbox_kernel.backends.fake import FakeBackend
 from sandbox_kernel.errors import ConfigurationError, WorkspaceError
+from sandbox_kernel.kernel.channels import KernelChannels
+from sandbox_kernel.kernel.launching import PoolClaim
+from sandbox_kernel.kernel.site import KernelSite
 from sandbox_kernel.kernel.state import ReattachState
-from sandbox_kernel.lifecycle.ownership import OrphanReaper, SandboxedKernel
+from sandbox_kernel.lifecycle.ownership import PINNED_WORKSPACE, OrphanReaper, SandboxedKernel
 from sandbox_kernel.plan.plan import narrower_ceiling
 from sandbox_kernel.plan.sandbox_spec import LABEL_USER, SandboxSpec
 from sandbox_kernel.plan.users import START_ARGUMENT, KernelUser
@@ -171,9 +175,14 @@ async def test_a_kernel_for_a_user_runs_as_them_labelled_theirs(
     assert (spec.uid, spec.gid) == (UID, UID)
     assert spec.workspace == alice.root, "their root (no home of an account here) down to the notebook"
     assert spec.workdir == "/workspace/project/nb"
-    create = container_create_kwargs(spec)
+    assert spec.owned_from == alice.root.resolve(), "pinned at the mount, checked from their root down"
+    with pytest.raises(WorkspaceError, match="is not pinned, so it is not mounted"):
+        container_create_kwargs(spec)  # never by its path
+    staging = Path("/tmp/sandbox-kernel-x/workspace")
+    create = container_create_kwargs(replace(spec, staging=staging))
     assert create["user"] == f"{UID}:{UID}"
     assert create["labels"][LABEL_USER] == "alice"
+    assert (create["mounts"][0]["Target"], create["mounts"][0]["Source"]) == ("/workspace", str(staging))
 
 
 async def test_a_users_volume_is_named_after_them_never_after_what_the_client_claims(
@@ -535,3 +544,77 @@ async def test_a_users_start_claims_no_pooled_sandbox_that_does_not_fit_and_says
         with caplog.at_level(logging.INFO):
             assert provisioner.pool.claim() is None
         assert f"starting cold, not from the pool of sandboxed-python: {reasons[case]}" in caplog.text
+
+
+# ---------------------------------------------------------------------- pinning their folder
+
+
+async def test_a_users_folder_is_pinned_in_the_kernels_runtime_folder_and_no_one_elses_is(
+    provisioners: Callable[..., Any], alice: KernelUser
+) -> None:
+    """A user's start has the backend pin their workspace on ``workspace`` in the kernel's
+    runtime folder, mounted from there (the files API compares what the pin shows); a start
+    without a user mounts its folder as before, pinned nowhere."""
+    provisioner = provisioners()
+    kwargs = await provisioner.pre_launch(
+        cwd=str(alice.root / "project"), env=dict(SERVER_ENV), sandbox_user=alice
+    )
+    await provisioner.launch_kernel(**kwargs)
+    staging = provisioner.runtime_dir / PINNED_WORKSPACE
+    assert provisioner.site.spec.staging == staging
+    assert ("pin_workspace", str(staging)) in provisioner.backend.calls
+    st = alice.root.stat()  # the workspace: their root (no account's home here)
+    assert provisioner.site.identity == [st.st_dev, st.st_ino]
+    await provisioner.cleanup()
+    assert not staging.parent.exists(), "gone with the runtime folder"
+
+    pins = provisioner.backend.calls.count(("pin_workspace", str(staging)))
+    nobodys = provisioners()
+    kwargs = await nobodys.pre_launch(cwd=str(alice.root / "project"), env=dict(SERVER_ENV))
+    await nobodys.launch_kernel(**kwargs)
+    assert (nobodys.site.spec.owned_from, nobodys.site.spec.staging) == (None, None)
+    assert [call for call in nobodys.backend.calls if call[0] == "pin_workspace"] == [
+        ("pin_workspace", str(staging))
+    ] * pins
+    await nobodys.cleanup()
+
+
+class RefusingBackend(FakeBackend):
+    """A host where the user's folder is a link by the time it is pinned."""
+
+    async def prepare_workspace(self, spec: SandboxSpec) -> Path | None:
+        msg = f"Refusing the kernel's folder {str(spec.workspace)!r}: it is a link or no folder now"
+        raise WorkspaceError(msg)
+
+
+class DiscardingPool:
+    def __init__(self) -> None:
+        self.discarded: list[PooledSandbox] = []
+
+    async def discard(self, sandbox: PooledSandbox) -> None:
+        self.discarded.append(sandbox)
+
+
+async def test_a_claim_whose_folder_cannot_be_pinned_starts_no_kernel_cold_or_warm(
+    alice: KernelUser, short_runtime: Path
+) -> None:
+    """A pooled sandbox that could not be bound otherwise falls back to a cold start; one whose
+    user's folder is not theirs now is removed, and the start refused as a cold one would be."""
+    backend, pool = RefusingBackend(), DiscardingPool()
+    site = KernelSite("k-user")
+    services = Services(reaper=cast(OrphanReaper, NoReaper()), pool=cast(SandboxPool, pool))
+    claim = PoolClaim(site, backend, cast(KernelChannels, None), logging.getLogger("test"), services)
+    runtime = short_runtime / "sandbox-kernel-pooled"
+    sandbox = PooledSandbox(
+        "c1", runtime, runtime / "run1", runtime / "slot", b"key", "hmac-sha256", 0, backend
+    )
+    spec = SandboxSpec(
+        kernel_id="k-user", kernelspec="sandboxed-python", image="i", runtime="runsc", command=[], env={},
+        workspace=alice.root / "project", workdir="/workspace/project", runtime_dir=Path(), uid=UID, gid=UID,
+        owned_from=alice.root,
+    )  # fmt: skip
+    with pytest.raises(WorkspaceError, match="is a link or no folder now"):
+        await claim.bind(spec, sandbox)
+    assert pool.discarded == [sandbox]
+    assert (site.container_id, site.runtime_dir, site.launch_dir) == (None, None, None)
+    assert not claim.from_pool
