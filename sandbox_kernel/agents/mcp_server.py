@@ -19,6 +19,10 @@ that policy. The tools:
 ``upload_file``, ``download_file``, ``list_files``, ``delete_file``
     the workspace, from the host side.
 
+With a kernelspec's ``approval = "egress"``, a kernel's request outside its allowed domains
+is put to the MCP client (elicitation) during the ``run_code`` or ``run_command`` call that
+runs its code, locally and on a sandbox gateway alike (see :mod:`~.mcp_approval`).
+
 A cell that raises is not a failed tool call: its result has ``status`` ``"error"``
 and the exception's ``ename``, ``evalue`` and ``traceback`` (terminal control sequences
 removed), so the assistant can tell "your code raised" from "the sandbox could not run
@@ -54,6 +58,7 @@ from typing import Annotated, Any, Literal, Protocol
 import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.context import Context
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
@@ -64,6 +69,7 @@ from sandbox_kernel._version import __version__
 from sandbox_kernel.agents import mcp_files, mcp_transport, workspaces
 from sandbox_kernel.agents.commands import DEFAULT_TIMEOUT
 from sandbox_kernel.agents.gateway_session import GatewaySettings
+from sandbox_kernel.agents.mcp_approval import ClientApprovals
 from sandbox_kernel.agents.mcp_results import (
     DeleteOutput,
     DownloadOutput,
@@ -232,7 +238,8 @@ class KernelTools:
 
     ``session_factory`` builds a session the way
     :class:`~sandbox_kernel.agents.session.AsyncSandboxSession` does (tests pass a fake);
-    ``limits`` bound what a client may ask (:class:`McpLimits`' defaults if not given).
+    ``limits`` bound what a client may ask (:class:`McpLimits`' defaults if not given);
+    ``approvals`` asks the client about the kernels' requests (the sessions' approval_handler).
     """
 
     def __init__(
@@ -242,8 +249,10 @@ class KernelTools:
         session_factory: SessionFactory,
         limits: McpLimits | None = None,
         remove_workspace: bool = False,
+        approvals: ClientApprovals | None = None,
     ) -> None:
         self.kernel_name = kernel_name
+        self.approvals = approvals or ClientApprovals()
         self.cwd = cwd
         #: Whether ``cwd`` is a fresh workspace this server made, to remove once its
         #: kernels are shut down.
@@ -331,6 +340,7 @@ class KernelTools:
             dict[str, str] | None,
             Field(description="Environment variables for this cell alone (os.environ), put back after it."),
         ] = None,
+        ctx: Context | None = None,
     ) -> Annotated[CallToolResult, RunCodeOutput]:
         """Run Python code in a sandboxed kernel and return what it produced.
 
@@ -354,7 +364,8 @@ class KernelTools:
             lock = self._run_locks.setdefault(kernel_id, asyncio.Lock())
             async with lock:
                 try:
-                    execution = await session.run(code, timeout=timeout, env=env)
+                    with self.approvals.during(kernel_id, ctx) as approval_notes:
+                        execution = await session.run(code, timeout=timeout, env=env)
                 except ValueError as exc:  # env holds what is no environment variable
                     raise ToolError(str(exc)) from exc
                 except anyio.get_cancelled_exc_class():
@@ -368,7 +379,7 @@ class KernelTools:
             more = f"with a larger max_output_chars (at most {ceiling:,})" if budget < ceiling else ""
             output = run_output(kernel_id, execution, texts, budget, saved, more)
             images, notes = run_images(execution)
-            output["notes"].extend(notes)
+            output["notes"].extend([*approval_notes, *notes])
             return tool_result(output, images)
 
     async def run_command(
@@ -401,6 +412,7 @@ class KernelTools:
                 "longer output keeps its head and tail.",
             ),
         ] = None,
+        ctx: Context | None = None,
     ) -> Annotated[CallToolResult, RunCommandOutput]:
         """Run a shell command in the kernel's sandbox and return exit_code, stdout, stderr.
 
@@ -417,9 +429,10 @@ class KernelTools:
             lock = self._run_locks.setdefault(kernel_id, asyncio.Lock())
             async with lock:
                 try:
-                    done = await session.run_command(
-                        command, timeout=timeout, cwd=cwd, env=env, max_output=budget
-                    )
+                    with self.approvals.during(kernel_id, ctx):
+                        done = await session.run_command(
+                            command, timeout=timeout, cwd=cwd, env=env, max_output=budget
+                        )
                 except ValueError as exc:
                     raise ToolError(str(exc)) from exc
                 except anyio.get_cancelled_exc_class():
@@ -901,8 +914,11 @@ async def serve_stdio_async(
     remove_workspace: bool = False,
 ) -> None:
     """Serve MCP over stdin and stdout until stdin ends; every kernel is shut down by
-    then (and, with ``remove_workspace``, the workspace ``cwd`` removed)."""
-    tools = KernelTools(kernel_name, cwd, session_factory or AsyncSandboxSession, limits, remove_workspace)
+    then (and, with ``remove_workspace``, the workspace ``cwd`` removed). Each session is
+    asked for its kernel's approvals by the client (see :mod:`~.mcp_approval`)."""
+    approvals = ClientApprovals()
+    factory = functools.partial(session_factory or AsyncSandboxSession, approval_handler=approvals.ask)
+    tools = KernelTools(kernel_name, cwd, factory, limits, remove_workspace, approvals)
     server = build_server(tools)
     async with anyio.create_task_group() as group:
         group.start_soon(_stop_on_signals, tools)

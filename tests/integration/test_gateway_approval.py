@@ -31,6 +31,9 @@ from typing import Any
 
 import docker
 import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client import stdio as mcp_stdio
+from mcp.types import ElicitRequestParams, ElicitResult
 from playwright.sync_api import Browser, expect
 
 from sandbox_kernel.agents.session import AsyncSandboxSession
@@ -536,4 +539,65 @@ async def test_a_program_that_dies_leaves_its_kernels_requests_denied(
         await session.shutdown()
     answered = [(line["answer"], line["by"]) for line in approvals(audit_log_of(asking_gateway))]
     assert answered == [("deny", GONE), ("deny", NO_STDIN)]
+    assert await asyncio.to_thread(before.new_leftovers, 15) == []
+
+
+@pytest.mark.timeout(600)
+async def test_the_mcp_server_on_the_gateway_asks_its_client(
+    asking_gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    tmp_path: Path,
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``jupyter sandbox-kernel mcp --gateway-url`` with the kernelspec that asks, driven by the
+    mcp package's stdio client: its elicitation is the question, and the choice is obeyed."""
+    before = HostState(docker_client)
+    alice = USERS[0]
+    monkeypatch.setattr(mcp_stdio, "PROCESS_TERMINATION_TIMEOUT", 60.0)  # a busy two-core host
+    settings = on_gateway(asking_gateway, alice)
+    token_file = tmp_path / "token"
+    token_file.write_text(settings["gateway_token"] + "\n")
+    token_file.chmod(0o600)
+    params = StdioServerParameters(
+        command=str(Path(sys.executable).with_name("jupyter-sandbox-kernel")),
+        args=[
+            "mcp",
+            f"--kernel={ASKING_SOON}",
+            f"--gateway-url={settings['gateway_url']}",
+            f"--gateway-token-file={token_file}",
+            f"--ca-certs={settings['ca_certs']}",
+            f"--cwd={project(users, alice)}",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_GATEWAY_")},
+    )
+    asked: list[str] = []
+    choices = ["once", "deny"]
+
+    async def choose(context: Any, params: ElicitRequestParams) -> ElicitResult:
+        asked.append(params.message)
+        return ElicitResult(action="accept", content={"answer": choices.pop(0)})
+
+    async with (
+        stdio_client(params) as (read, write),
+        ClientSession(read, write, elicitation_callback=choose) as client,
+    ):
+        await client.initialize()
+        first = await client.call_tool("run_code", {"code": fetch()}, read_timeout_seconds=180)
+        out = first.structured_content
+        assert out is not None, first.content
+        assert out["stdout"].strip() == "OK 200"
+        assert out["notes"] == [f"a connection to {ASKED}:443 needed approval: the client answered once"]
+        assert asked[0].startswith(f"Sandbox: allow a connection to {ASKED}:443?")
+        second = await client.call_tool("run_code", {"code": fetch()}, read_timeout_seconds=180)
+        out = second.structured_content
+        assert out is not None
+        assert out["stdout"].startswith("FAILED")
+        assert "needed approval and was denied by the approval_handler" in out["stdout"]
+        assert len(asked) == 2
+    answered = approvals(audit_log_of(asking_gateway))
+    assert [(line["answer"], line["by"], line.get("user")) for line in answered] == [
+        ("once", "by the approval_handler", alice),
+        ("deny", "by the approval_handler", alice),
+    ]
     assert await asyncio.to_thread(before.new_leftovers, 15) == []

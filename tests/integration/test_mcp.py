@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +21,7 @@ import docker
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client import stdio as mcp_stdio
-from mcp.types import CallToolResult, ImageContent, TextContent
+from mcp.types import CallToolResult, ElicitRequestParams, ElicitResult, ImageContent, TextContent
 
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
@@ -585,3 +587,61 @@ async def test_an_assistant_runs_shell_commands_and_kernels_with_a_lifetime(
             await asyncio.sleep(0.5)
         assert containers(docker_client, {short_id}) == []
     assert containers(docker_client, kernel_ids) == []
+
+
+async def test_the_assistants_client_is_asked_before_a_kernel_leaves_its_allow_list(
+    workspace: Path, make_kernelspec: Any, docker_client: docker.DockerClient
+) -> None:
+    """A kernelspec with approval "egress": the server puts the kernel's request to pypi.org
+    (the one site this machine reaches) to the client as an elicitation, in the run_code call
+    that made it, and obeys the choice; the result's notes say what happened."""
+    asked, allowed = "pypi.org", "files.pythonhosted.org"
+    # This machine's network answers them at a non-public address (a proxy of its own).
+    found = {info[4][0] for name in (asked, allowed) for info in socket.getaddrinfo(name, 443)}
+    private = sorted(f"{a}/32" for a in found if not ipaddress.ip_address(a).is_global)
+    config_dir = Path(os.environ["JUPYTER_CONFIG_DIR"])
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "jupyter_server_config.py").write_text(
+        f"c.SandboxProvisioner.max_allowed_domains = [{asked!r}, {allowed!r}]\n"
+        f"c.SandboxProvisioner.egress_private_networks = {private!r}\n"
+    )
+    name = make_kernelspec(
+        "py-mcp-asking",
+        config={
+            "network": "allowlist",
+            "allowed_domains": [allowed],
+            "approval": "egress",
+            "approval_timeout": "20s",
+        },
+    )
+    questions: list[str] = []
+    choices = ["once", "deny"]
+
+    async def choose(context: Any, params: ElicitRequestParams) -> ElicitResult:
+        questions.append(params.message)
+        return ElicitResult(action="accept", content={"answer": choices.pop(0)})
+
+    url = f"https://{asked}/simple/sampleproject/"
+    fetch = (
+        "import urllib.request\n"
+        "try:\n"
+        f"    print('OK', urllib.request.urlopen({url!r}, timeout=30).status)\n"
+        "except OSError as e:\n"
+        "    print('FAILED', e)"
+    )
+    params = StdioServerParameters(
+        command=str(SK), args=["mcp", "--cwd", str(workspace), "--kernel", name], env=dict(os.environ)
+    )
+    async with (
+        stdio_client(params) as (read, write),
+        ClientSession(read, write, elicitation_callback=choose) as session,
+    ):
+        await session.initialize()
+        once = await run(session, fetch)
+        assert once["stdout"].strip() == "OK 200"
+        assert once["notes"] == [f"a connection to {asked}:443 needed approval: the client answered once"]
+        denied = await run(session, fetch)
+        assert denied["stdout"].startswith("FAILED"), denied
+        assert f"{asked}:443 needed approval and was denied by the approval_handler" in denied["stdout"]
+        assert denied["notes"] == [f"a connection to {asked}:443 needed approval: the client answered deny"]
+    assert [q.split("?")[0] for q in questions] == [f"Sandbox: allow a connection to {asked}:443"] * 2
