@@ -56,7 +56,7 @@ from sandbox_kernel.gateway.kernelspecs import SandboxedOnlyKernelSpecManager
 from sandbox_kernel.gateway.manager import GatewayKernelManagerForUsers
 from sandbox_kernel.gateway.tls import write_tls_files
 from sandbox_kernel.gateway.users import UserPolicy, UserRefused
-from sandbox_kernel.jupyter.server_audit import AuditedWebsocketConnection
+from sandbox_kernel.jupyter.connection_state import StateOnConnectWebsocketConnection
 
 CONFIG_FILE_NAME = "jupyter_sandbox_gateway_config"
 DEFAULT_PORT = 8870
@@ -304,7 +304,7 @@ class SandboxGatewayApp(ServerApp):
 
     @default("kernel_websocket_connection_class")
     def _gateway_connection_class_default(self) -> type:
-        return AuditedWebsocketConnection
+        return StateOnConnectWebsocketConnection
 
     @default("extra_services")
     def _gateway_extra_services_default(self) -> list[str]:

@@ -279,6 +279,52 @@ async def test_a_user_runs_code_in_their_kernel_through_the_gateway_and_no_one_e
     assert await asyncio.to_thread(before.new_leftovers) == []
 
 
+async def test_each_new_connection_to_a_kernel_first_hears_whether_it_is_idle_or_busy(
+    gateway: Served, users: dict[str, pwd.struct_passwd], docker_client: docker.DockerClient
+) -> None:
+    """JupyterLab takes a kernel's status only from the ``status`` of a request it tracks,
+    never from its own ``kernel_info``'s: a notebook reconnected through the gateway read
+    "Unknown" until a cell ran (test_gateway_netns.py shows it in a browser). The gateway's
+    first message on each connection is the kernel's state, as its model has it."""
+    before = HostState(docker_client)
+    alice = USERS[0]
+    home = Path(users[alice].pw_dir)
+    started = await gateway.fetch(
+        "/api/kernels", alice, "POST", {"name": KERNEL, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+    )
+    assert started.code == 201, started.body
+    kernel_id = json.loads(started.body)["id"]
+
+    async def first_message() -> tuple[str, str, dict[str, Any], dict[str, Any]]:
+        ws = await gateway.channels(kernel_id, alice)
+        message = json.loads(await ws.read_message())
+        ws.close()
+        return message["channel"], message["msg_type"], message["content"], message["parent_header"]
+
+    async def state() -> str:
+        model = json.loads((await gateway.fetch(f"/api/kernels/{kernel_id}", alice)).body)
+        return str(model["execution_state"])
+
+    try:
+        assert await first_message() == ("iopub", "status", {"execution_state": "idle"}, {})
+        ws = await gateway.channels(kernel_id, alice)
+        running = asyncio.ensure_future(run_code(ws, "import time; time.sleep(4); print('slept')"))
+        async with asyncio.timeout(30):
+            while await state() != "busy":
+                await asyncio.sleep(0.1)
+        assert await first_message() == ("iopub", "status", {"execution_state": "busy"}, {})
+        assert await running == "slept\n"
+        ws.close()
+        async with asyncio.timeout(30):
+            while await state() != "idle":
+                await asyncio.sleep(0.1)
+        assert await first_message() == ("iopub", "status", {"execution_state": "idle"}, {})
+    finally:
+        deleted = await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+    assert deleted.code == 204
+    assert await asyncio.to_thread(before.new_leftovers) == []
+
+
 async def test_a_persistent_kernel_outlives_the_gateway_killed_and_pauses_for_its_owner(
     gateway: Served,
     users: dict[str, pwd.struct_passwd],
@@ -495,3 +541,4 @@ async def test_a_listed_users_kernel_starts_warm_from_their_own_pool_and_another
             await gateway.fetch(f"/api/kernels/{kernel_id}", user, "DELETE")
         gateway.stop()  # and its pool's sandboxes with it
     assert await asyncio.to_thread(before.new_leftovers) == []
+

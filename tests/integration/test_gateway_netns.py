@@ -7,9 +7,10 @@ namespace, as that user when ``/opt/sk-user-venv`` exists (``.ci/setup`` makes i
 root from the project's venv), and reaches ``https://10.77.0.2:8870`` verifying only the CA.
 Chromium opens a notebook on the gateway's persistent "Sandboxed Python"; the gateway is
 killed outright (the status bar says the sandbox host is unreachable) and started again (it
-adopts the kernel), and the same page runs the next cell with the kernel's variables, without
-a reload. Both namespaces share the host's Docker (a unix socket), as "the gateway host has
-Docker" needs; only the network between them is what a second machine would have.
+adopts the kernel): the reconnected notebook says its kernel is idle, and the same page runs
+the next cell with the kernel's variables, without a reload. Both namespaces share the host's
+Docker (a unix socket), as "the gateway host has Docker" needs; only the network between them
+is what a second machine would have.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ LOST_TEXT = "sandbox host unreachable: retrying"
 ONE_POLL_MS = 8_000
 #: The status item with the kernel's figures ("gVisor · no network · 0.1/2.0 GiB").
 FIGURES = re.compile(r"^gVisor · no network · [\d.\u2013]+/")
+#: The notebook toolbar's kernel status (JupyterLab's execution indicator: data-status="idle").
+TOOLBAR_STATUS = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook-ExecutionIndicator"
 
 
 def ip(*args: str) -> None:
@@ -324,7 +327,8 @@ def test_a_notebook_on_a_separate_sandbox_host_comes_back_after_its_gateway_is_k
     status bar says the host is unreachable, and once the gateway is back (it adopts the
     kernel) the same page runs x + 1. Killed again while JupyterLab gives the kernel up
     ("Disconnected"): back, the status-bar item reconnects the kernel and the page runs
-    x + 2. No reload."""
+    x + 2. No reload. Each time the notebook is back, before a cell runs, its status bar and
+    toolbar say the kernel is idle (they read "Unknown" until the next cell ran)."""
     served, _ = gateway
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     console: list[str] = []
@@ -358,6 +362,7 @@ def test_a_notebook_on_a_separate_sandbox_host_comes_back_after_its_gateway_is_k
         wait_for(lambda: "Closing the browser's socket of kernel" in user_server.log.read_text(), 60)
         served.start()
         expect(status).to_have_text(FIGURES, timeout=60_000)
+        expect_idle(analyst)
         assert analyst.run("print(x + 1)", timeout=120) == "42"
 
         # JupyterLab gives a kernel up ("Disconnected") on a socket closed with 1001 (a proxy
@@ -372,6 +377,7 @@ def test_a_notebook_on_a_separate_sandbox_host_comes_back_after_its_gateway_is_k
         expect(status).to_have_text(FIGURES, timeout=60_000)
         disconnected = page.locator(".jp-StatusBar-TextItem", has_text="Sandboxed Python | Disconnected")
         expect(disconnected).to_have_count(0, timeout=60_000)
+        expect_idle(analyst)
         assert analyst.run("print(x + 2)", timeout=120) == "43"
         assert any(line.startswith("sandbox-kernel: reconnecting kernel") for line in console), console
         assert kernel_ids == {
@@ -389,6 +395,15 @@ def test_a_notebook_on_a_separate_sandbox_host_comes_back_after_its_gateway_is_k
         # loop runs in this one).
         with ThreadPoolExecutor(1) as thread:
             thread.submit(asyncio.run, _remove_kernels(kernel_ids)).result()
+
+
+def expect_idle(analyst: Lab) -> None:
+    """The notebook's kernel reads "Idle" in the status bar and the toolbar, before any cell
+    runs: JupyterLab has its state from the kernel's websocket, reconnected (30 s: JupyterLab
+    waits up to 1, 3, 7 ... s between tries)."""
+    analyst.wait_for_kernel("Sandboxed Python", "Idle", timeout=30)
+    toolbar = analyst.page.locator(TOOLBAR_STATUS)
+    expect(toolbar).to_have_attribute("data-status", "idle", timeout=5_000)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float) -> None:
