@@ -107,7 +107,14 @@ def test_every_shipped_kernelspec_runs_the_launcher_and_the_sandbox() -> None:
 def test_in_the_sandbox_the_launcher_argv_is_the_kernel_itself() -> None:
     argv = launcher_argv("x", python=sys.executable)
     assert is_launcher(argv)
-    assert kernel_command(argv) == ["python", "-m", "ipykernel_launcher", "-f", CONTAINER_CONNECTION_FILE]
+    assert kernel_command(argv) == [
+        "python",
+        "-m",
+        "ipykernel_launcher",
+        "-f",
+        CONTAINER_CONNECTION_FILE,
+        "--HistoryManager.hist_file=:memory:",
+    ]
     # A kernelspec's own argv (another kernel in the sandbox) is run as it is.
     own = ["python", "-m", "mykernel", "-f", "{connection_file}"]
     assert not is_launcher(own)
