@@ -48,6 +48,7 @@ from sandbox_kernel.gateway import handlers
 from sandbox_kernel.gateway.authorizer import KernelOwnerAuthorizer
 from sandbox_kernel.gateway.identity import (
     DEFAULT_TOKENS_FILE,
+    HeaderTokenIdentityProvider,
     TokensFileIdentityProvider,
     add_token,
     revoke_tokens,
@@ -355,6 +356,20 @@ class SandboxGatewayApp(ServerApp):
         except ConfigurationError as exc:
             self.log.critical("%s", exc)
             self.exit(1)
+        self.introduce_users()
+
+    def introduce_users(self) -> None:
+        """Tell the kernel manager how users are known (the identity provider's word, made
+        after the manager), so that it plans each pool with its user's groups' ceilings; then
+        it adopts its users' kernels and plans their pools, before the gateway serves."""
+        manager, identity = self.kernel_manager, self.identity_provider
+        if not isinstance(manager, GatewayKernelManagerForUsers):
+            return
+        if isinstance(identity, HeaderTokenIdentityProvider):
+            identity.on_user = manager.user_seen
+            manager.serve_users(identity.known_user)
+        else:  # an identity provider of the site's own: no groups before a start
+            manager.serve_users(UserPolicy(config=self.config).resolve)
 
     def init_webapp(self) -> None:
         """Refuse to serve unsafely; then serve exactly the gateway's routes."""

@@ -44,7 +44,6 @@ from traitlets import Instance, Integer, Unicode
 
 from sandbox_kernel.errors import ConfigurationError
 from sandbox_kernel.gateway.identity import AUTH_HEADER_RE, HeaderTokenIdentityProvider, check_private
-from sandbox_kernel.gateway.users import UserRefused
 
 DEFAULT_SERVICE_NAME = "sandbox-gateway"
 DEFAULT_API_TOKEN_FILE = "/etc/sandbox-kernel/gateway/hub-service.token"  # noqa: S105  # a path
@@ -130,12 +129,7 @@ class HubIdentityProvider(HeaderTokenIdentityProvider):
         if not check_scopes({self.required_scope}, set(model.get("scopes", ()))):
             self.log.warning("Sandbox gateway: refused a token of %s without %s", name, self.required_scope)
             raise web.HTTPError(403, f"this hub token of {name} lacks the scope {self.required_scope}")
-        groups = await self.groups_of(name)
-        try:
-            user = self.policy.resolve(name, groups)
-        except UserRefused as exc:
-            self.log.warning("Sandbox gateway: %s", exc)
-            raise web.HTTPError(403, str(exc)) from None
+        user = self.request_user(name, await self.groups_of(name))
         handler._token_authenticated = True  # type: ignore[attr-defined]  # as jupyter_server's own
         return user
 

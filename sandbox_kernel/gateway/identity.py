@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,9 @@ from tornado import web
 from traitlets import Instance, Unicode, default
 
 from sandbox_kernel.errors import ConfigurationError
-from sandbox_kernel.gateway.users import UserPolicy, UserRefused
+from sandbox_kernel.gateway.users import GatewayUser, UserPolicy, UserRefused
 from sandbox_kernel.host.files import replace_file
+from sandbox_kernel.plan.users import KernelUser
 
 DEFAULT_TOKENS_FILE = "/etc/sandbox-kernel/gateway/tokens.json"
 #: As JupyterHub's ``HubAuth.auth_header_pat``.
@@ -152,9 +154,39 @@ def revoke_tokens(path: Path, name: str) -> int:
 class HeaderTokenIdentityProvider(IdentityProvider):
     """What the gateway's identity providers share: each user has their own token, sent in
     the ``Authorization`` header; no server-wide token, no login or logout pages, no
-    cookies. Subclasses say whose a token is (``get_user``, with :data:`AUTH_HEADER_RE`)."""
+    cookies. Subclasses say whose a token is (``get_user``, with :data:`AUTH_HEADER_RE`),
+    and resolve its user with :meth:`request_user`."""
 
     policy = Instance(UserPolicy, help="Which users get kernels, as which uid, under which folder.")
+
+    #: Told of each user a request is authenticated as (the gateway hands it its kernel
+    #: manager's ``user_seen``, which plans their warm pools again if their ceilings changed).
+    on_user: Callable[[KernelUser], None] | None = None
+
+    def known_user(self, name: str) -> GatewayUser:
+        """User ``name`` as this source knows them before any request of theirs (here with no
+        groups; a source that keeps its users, as the tokens file does, knows theirs).
+
+        Raises:
+            UserRefused: the policy refuses them, saying why.
+        """
+        return self.policy.resolve(name)
+
+    def request_user(self, name: str, groups: Iterable[str] = (), uid: int | None = None) -> GatewayUser:
+        """The user a request is authenticated as (``name``, in ``groups``, ``uid`` if the
+        source gives one), as the policy resolves them; :attr:`on_user` is told.
+
+        Raises:
+            HTTPError: 403 for a user the policy refuses, saying why.
+        """
+        try:
+            user = self.policy.resolve(name, groups, uid)
+        except UserRefused as exc:
+            self.log.warning("Sandbox gateway: %s", exc)
+            raise web.HTTPError(403, str(exc)) from None
+        if self.on_user is not None:
+            self.on_user(user.sandbox_user)
+        return user
 
     @default("policy")
     def _policy_default(self) -> UserPolicy:
@@ -213,6 +245,18 @@ class TokensFileIdentityProvider(HeaderTokenIdentityProvider):
             self._read_at = stamp
             self.log.info("Read %d token(s) of the sandbox gateway from %s", len(self._tokens), path)
 
+    def known_user(self, name: str) -> GatewayUser:
+        """User ``name`` with the groups (and uid) the tokens file gives them, as their
+        requests will be; with none if the file has no token of theirs.
+
+        Raises:
+            UserRefused: the policy refuses them, saying why.
+        """
+        entry = next((entry for entry in self._tokens.values() if entry.name == name), None)
+        if entry is None:
+            return super().known_user(name)
+        return self.policy.resolve(name, entry.groups, entry.uid)
+
     def user_for_token(self, token: str) -> TokenEntry | None:
         """The user of ``token``, or None. The file is looked at again first; a file that
         went wrong lets nobody in."""
@@ -236,10 +280,6 @@ class TokensFileIdentityProvider(HeaderTokenIdentityProvider):
         entry = self.user_for_token(match.group(1))
         if entry is None:
             return None
-        try:
-            user = self.policy.resolve(entry.name, entry.groups, entry.uid)
-        except UserRefused as exc:
-            self.log.warning("Sandbox gateway: %s", exc)
-            raise web.HTTPError(403, str(exc)) from None
+        user = self.request_user(entry.name, entry.groups, entry.uid)
         handler._token_authenticated = True  # type: ignore[attr-defined]  # as jupyter_server's own
         return user

@@ -24,13 +24,15 @@ state, before it serves a request. What it adopts is what its root folder's scop
 one Docker host need different root folders (``root_dir``). Neither prunes the other's
 kernels while it lives (a kernel is pruned only once its holder is gone).
 
-The warm pool is per user: for each user of ``pool_users`` (resolved through the
-:class:`~sandbox_kernel.gateway.users.UserPolicy` as the gateway starts), each sandboxed
-kernelspec with a ``pool_size`` gets a pool planned as a start of theirs would be (their
-uid, their label, their ceilings), so their starts claim a ready sandbox and nobody else's
-do (see :mod:`~sandbox_kernel.pool.fit`). The workspace is each claim's, checked as any
-start's; the plan is made in an empty folder of theirs that the gateway makes for the
-moment (their root may be a home folder, where no kernel starts).
+The warm pool is per user: for each user of ``pool_users``, each sandboxed kernelspec with a
+``pool_size`` gets a pool planned as a start of theirs would be (their uid, their label,
+their ceilings, their groups' included), so their starts claim a ready sandbox whole and
+nobody else's do (see :mod:`~sandbox_kernel.pool.fit`). The gateway plans them before it
+serves, each user as its identity provider knows them then (the tokens file gives their
+groups), and again when a request shows a user's ceilings changed (under JupyterHub, their
+groups come with their first request); :mod:`~.pools` decides when. The workspace is each
+claim's, checked as any start's; the plan is made in an empty folder of theirs that the
+gateway makes for the moment (their root may be a home folder, where no kernel starts).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +49,8 @@ from jupyter_server.base.call_context import CallContext
 from tornado import web
 from traitlets import List, Unicode, default
 
-from sandbox_kernel.gateway.users import UserPolicy, UserRefused
+from sandbox_kernel.gateway.pools import PoolUsers
+from sandbox_kernel.gateway.users import GatewayUser, UserPolicy, UserRefused
 from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
 from sandbox_kernel.jupyter.server import SandboxMappingKernelManager
 from sandbox_kernel.plan.users import START_ARGUMENT, KernelUser
@@ -63,16 +67,21 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
     """jupyter_server's kernel manager (with sandbox-kernel's persistence), per user."""
 
     adopts_users_kernels = True
+    #: How users are known before their requests (see :meth:`serve_users`).
+    _known_user: Callable[[str], GatewayUser]
 
     pool_users = List(
         Unicode(),
         config=True,
         help="""Users whose kernels start from a warm pool of their own: at start, for each of
         them and each sandboxed kernelspec with a pool_size, that many sandboxes are started
-        as theirs (their uid and ceilings as UserPolicy has them without their groups'; the
-        workspace is attached when one is claimed). A name the UserPolicy refuses is logged
-        and skipped. All pools together are bounded by SandboxProvisioner.max_pool_memory,
-        and all users' pools of one kernelspec by its max_pool_size.""",
+        as theirs (their uid, and the ceilings of UserPolicy.ceilings that hold for them, their
+        groups' included: from the tokens file, or, under JupyterHub, once a request of theirs
+        brings their groups, when their pools are planned again; the workspace is attached
+        when one is claimed). A name the UserPolicy refuses is logged and skipped. Other users
+        get no pool (their kernels start cold). All pools together are bounded by
+        SandboxProvisioner.max_pool_memory, and all users' pools of one kernelspec by its
+        max_pool_size.""",
     )
 
     @default("keep_sessions")
@@ -84,25 +93,63 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
         return bool(self.pool_users)  # only users' pools: one of the gateway's own fits no user
 
     async def fill_pools(self, user: KernelUser | None = None) -> list[str]:
-        """Start filling the pools of every user of :attr:`pool_users` (of ``user`` only,
-        if given); each pool's name ("<kernelspec> for <user>")."""
+        """Start filling the pools of every user of :attr:`pool_users`, each as the identity
+        provider knows them (see :meth:`serve_users`), or of ``user`` only, as ``user``; each
+        pool's name ("<kernelspec> for <user>")."""
         if user is not None:
             # The plan is all but the workspace (a claim's): made in an empty folder of theirs.
             with tempfile.TemporaryDirectory(prefix="sk-gateway-pool-plan-") as folder:
                 await asyncio.to_thread(os.chown, folder, user.uid, user.gid)
                 filled = await super().fill_pools(replace(user, root=Path(folder)))
             return [f"{name} for {user.name}" for name in filled]
-        policy, filled = UserPolicy(config=self.config), []
-        for name in self.pool_users:
-            try:
-                pool_user = policy.resolve(name).sandbox_user
-            except UserRefused as exc:
-                self.log.warning(
-                    "No sandbox pool for user %r (GatewayKernelManagerForUsers.pool_users): %s", name, exc
-                )
-                continue
-            filled += await self.fill_pools(pool_user)
+        filled = []
+        async with self._planning:
+            for name in self._pool_users.names:
+                try:
+                    pool_user = self._known_user(name).sandbox_user
+                except UserRefused as exc:
+                    self.log.warning(
+                        "No sandbox pool for user %r (GatewayKernelManagerForUsers.pool_users): %s", name, exc
+                    )
+                    continue
+                if self._pool_users.update(pool_user):
+                    filled += await self.fill_pools(pool_user)
         return filled
+
+    def serve_users(self, known_user: Callable[[str], GatewayUser]) -> None:
+        """Before the gateway serves: adopt the persistent kernels of its users, and plan the
+        pools of :attr:`pool_users`, each user as ``known_user(name)`` has them (the identity
+        provider's: the tokens file gives their groups). ServerApp makes its identity provider
+        after this manager; the gateway app calls this once both are there."""
+        self._known_user = known_user
+        super()._before_serving()
+
+    def _before_serving(self) -> None:
+        """Nothing yet: see :meth:`serve_users`."""
+
+    def user_seen(self, user: KernelUser) -> None:
+        """A request is authenticated as ``user``: if they are a user of :attr:`pool_users`
+        whose pools were planned for other ceilings (their groups were not known yet, or
+        changed), plan their pools again, in the background."""
+        if not self.warm_pools or not self._pool_users.update(user):
+            return
+        self.log.info(
+            "Planning the sandbox pools of user %s as their requests have them (ceilings %s)",
+            user.name,
+            dict(user.ceilings) or "none",
+        )
+        replanning = asyncio.ensure_future(self._replan(user))
+        self._replanning.add(replanning)
+        replanning.add_done_callback(self._replanning.discard)
+
+    async def _replan(self, user: KernelUser) -> None:
+        async with self._planning:  # one plan at a time: the last one asked for is the pools'
+            if not self._pool_users.current(user):
+                return  # changed again meanwhile: that plan follows
+            try:
+                await self.fill_pools(user)
+            except OSError as exc:  # the planning folder; a kernelspec's failure is logged already
+                self.log.warning("Cannot plan the sandbox pools of user %s: %s", user.name, exc)
 
     @default("default_kernel_name")
     def _default_kernel_name_default(self) -> str:
@@ -110,10 +157,14 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
 
     def __init__(self, **kwargs: Any) -> None:
         self._owners: dict[str, str] = {}  # before the base's adoption, which may ask for owners
+        self._replanning: set[asyncio.Future[None]] = set()
+        self._planning = asyncio.Lock()
         # One restart or shutdown of a kernel at a time; a shutdown asked for wins.
         self._turns: dict[str, asyncio.Lock] = {}
         self._stopping: set[str] = set()
         super().__init__(**kwargs)
+        self._pool_users = PoolUsers(self.pool_users)
+        self._known_user = UserPolicy(config=self.config).resolve  # until serve_users says
 
     def _turn(self, kernel_id: str) -> asyncio.Lock:
         return self._turns.setdefault(kernel_id, asyncio.Lock())
@@ -208,6 +259,7 @@ class GatewayKernelManagerForUsers(SandboxMappingKernelManager):
                 msg = f"you have no kernel {kernel_id}"
                 raise UserRefused(msg)
             return kernel_id
+        self.user_seen(user)  # an identity provider of the gateway's told it already
         limit = UserPolicy(config=self.config).max_kernels_per_user
         # Kernels still starting count too (a start takes seconds; the owner is recorded first).
         theirs = {k for k, name in self._owners.items() if name == user.name}

@@ -26,6 +26,7 @@ import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
 from tornado.websocket import websocket_connect
 
+from sandbox_kernel.host.cgroups import memory_limit
 from sandbox_kernel.jupyter.gateway_client import SANDBOX_MODEL_KEY
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID, LABEL_KERNELSPEC, LABEL_POOL, LABEL_USER
@@ -542,3 +543,67 @@ async def test_a_listed_users_kernel_starts_warm_from_their_own_pool_and_another
         gateway.stop()  # and its pool's sandboxes with it
     assert await asyncio.to_thread(before.new_leftovers) == []
 
+
+async def test_a_users_pool_is_planned_within_their_groups_ceiling_and_their_start_claims_it_whole(
+    gateway: Served,
+    users: dict[str, pwd.struct_passwd],
+    docker_client: docker.DockerClient,
+    make_kernelspec: Callable[..., str],
+) -> None:
+    """Alice is in the tokens file's group "interns", whose ceiling is 1g of memory and one
+    CPU (the kernelspec's are 2g and 2). Her pool waits with her group's limits before she
+    asks (a pool used to be planned without them, and narrowed at the claim); her start
+    claims it whole: the sandbox made before her request, narrowed by nothing, 1g."""
+    before = HostState(docker_client)
+    alice = USERS[0]
+    name = make_kernelspec("sandboxed-python-gw-interns", config={"pool_size": 1})
+    config = Path(gateway.command[-1].partition("=")[2])
+    gateway.stop()
+    cli(
+        "gateway",
+        "add-token",
+        alice,
+        "--group=interns",
+        f"--tokens-file={config.parent / 'tokens.json'}",
+        env=gateway.env,
+    )
+    with config.open("a") as out:
+        out.write('c.UserPolicy.ceilings = {"group:interns": {"max_memory": "1g", "max_cpus": 1}}\n')
+        out.write(f'c.GatewayKernelManagerForUsers.pool_users = ["{alice}"]\n')
+    gateway.start()
+    kernel_id = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (waiting := pooled_for(docker_client, alice, name)):
+            assert time.monotonic() < deadline, "alice's pool was never filled"
+            await asyncio.sleep(0.5)
+        (pooled,) = waiting
+        limits = docker_client.containers.get(pooled.container_id).attrs["HostConfig"]
+        assert (limits["Memory"], limits["NanoCpus"]) == (2**30, 10**9), "her group's, before she asked"
+
+        home = Path(users[alice].pw_dir)
+        asked = time.time()
+        started = await gateway.fetch(
+            "/api/kernels", alice, "POST", {"name": name, "env": {"KERNEL_WORKING_DIR": str(home / "proj")}}
+        )
+        assert started.code == 201, started.body
+        kernel_id = json.loads(started.body)["id"]
+        renamed, deadline = f"sandbox-kernel-{kernel_id}", time.monotonic() + 10  # in the background
+        while (container := docker_client.containers.get(pooled.container_id)).name != renamed:
+            assert time.monotonic() < deadline, "her kernel is not in the sandbox that waited"
+            await asyncio.sleep(0.2)
+        assert created_at(container) < asked, "made before she asked: a warm start"
+        claimed = f"Sandboxed kernel {kernel_id}: pooled sandbox {container.id[:12]}"
+        (line,) = [line for line in gateway.log.read_text().splitlines() if claimed in line]
+        assert line.endswith("narrowed: nothing)"), line
+        assert "starting cold" not in gateway.log.read_text()
+        container.reload()
+        assert memory_limit(container.attrs["State"]["Pid"]) == 2**30, "her group's, in the sandbox's cgroup"
+        ws = await gateway.channels(kernel_id, alice)
+        assert (await run_code(ws, "import os; print(os.getuid())")).split() == [str(users[alice].pw_uid)]
+        ws.close()
+    finally:
+        if kernel_id is not None:
+            await gateway.fetch(f"/api/kernels/{kernel_id}", alice, "DELETE")
+        gateway.stop()  # and its pool's sandboxes with it
+    assert await asyncio.to_thread(before.new_leftovers) == []
