@@ -206,6 +206,7 @@ def readable_folder_of(account: pwd.struct_passwd, name: str, secret: str) -> Pa
     """A folder of ``account``'s that anyone may read (0755) once they reach it, holding a
     file of ``secret``, inside their home (0700): no one else reaches it but by a mount."""
     folder = Path(account.pw_dir) / name
+    shutil.rmtree(folder, ignore_errors=True)  # a failed test's, in a home the module keeps
     folder.mkdir(mode=0o755)
     (folder / "secret.txt").write_text(secret)
     for path in (folder, folder / "secret.txt"):
