@@ -1,10 +1,12 @@
 """Host mounts a gateway's kernels need: a user's folder pinned (mounted from the descriptor its
 check opened, whatever happens to its path), and every mount found again to be detached,
-whatever its folder is named."""
+whatever its folder is named, also in the runtime folder of a start its gateway died in."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,14 @@ import pytest
 
 from sandbox_kernel.host.mounts import detach_mounts, mounts_under, pin_folder
 from sandbox_kernel.host.trees import ForeignFolderError
+from sandbox_kernel.lifecycle.ownership import (
+    OWNER_FILE,
+    PINNED_WORKSPACE,
+    RUNTIME_DIR_PREFIX,
+    remove_tree,
+    server_identity,
+    stray_runtime_dirs,
+)
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root (CI runs as root)")
 
@@ -108,3 +118,24 @@ def test_a_folder_of_any_name_is_pinned_and_detached(staging: Path, tmp_path: Pa
     pin_folder(folder, staging, os.getuid(), folder.parent)
     assert staging.stat().st_ino == folder.stat().st_ino
     assert detach_mounts(staging.parent) == []
+
+
+@as_root
+def test_a_crashed_starts_runtime_folder_is_swept_with_its_pin_detached_and_her_files_kept(
+    project: Path, tmp_path: Path
+) -> None:
+    """A gateway killed between the pin and its container leaves a runtime folder no sandbox
+    uses, its owner gone: the sweep (``prune``, the next start, the reaper) finds it, and its
+    removal detaches the pin before deleting anything, never through it."""
+    parent = tmp_path / "runtime-parent"
+    parent.mkdir()
+    runtime = Path(tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX, dir=parent))
+    dead = subprocess.Popen(["true"])  # its pid, once it has ended, is no one's
+    dead.wait()
+    (runtime / OWNER_FILE).write_text(server_identity(dead.pid))
+    pin_folder(project, runtime / PINNED_WORKSPACE, os.getuid(), project.parent)
+    assert stray_runtime_dirs(str(parent), set()) == [runtime]
+    remove_tree(runtime)
+    assert not runtime.exists()
+    assert mounts_under(parent) == []
+    assert sorted(os.listdir(project)) == ["mine.txt"], "her files are where they were"
