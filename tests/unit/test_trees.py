@@ -304,14 +304,14 @@ def test_a_file_or_a_missing_name_on_the_way_is_refused(chain: Path) -> None:
     "path", ["relative/a", "/tmp/../etc", "/tmp/./x", "/tmp//x", "/tmp/x/", "", "/tmp/x/.."]
 )
 def test_only_an_absolute_normalised_path_is_walked(path: str) -> None:
-    with pytest.raises(ValueError, match="not an absolute path without '.', '..' or empty names"):
+    with pytest.raises(ValueError, match=r"not an absolute path without '\.', '\.\.' or empty names"):
         open_folder(path)
 
 
 def test_the_checked_folders_start_at_or_above_the_folder(chain: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="is not .* or a folder above it"):
+    with pytest.raises(ValueError, match=r"is not .* or a folder above it"):
         open_folder(chain / "a", os.getuid(), chain / "a" / "b")
-    with pytest.raises(ValueError, match="is not .* or a folder above it"):
+    with pytest.raises(ValueError, match=r"is not .* or a folder above it"):
         open_folder(chain / "a", os.getuid(), tmp_path / "elsewhere")
 
 
