@@ -1,20 +1,22 @@
 """Channel relay run inside the sandbox: the kernel's ZeroMQ channels, lent to the host.
 
 The kernel binds its five channels on the sandbox's own loopback (tcp 127.0.0.1). This
-relay, the kernel's parent, connects to them once and stays connected for the kernel's
-life; it binds the host-facing end of each channel as an ipc socket in the launch folder
-(where the host's bridge connects, as it would to a kernel binding them itself) and
-passes whole ZeroMQ messages both ways, reading none of them (heartbeats it echoes
-itself: see :meth:`Relay.pass_on`).
+relay, the kernel's parent, listens for each channel on a unix socket in the launch folder
+(where the host's bridge connects, as it would to a kernel binding them itself) and gives
+each connection the host makes a connection of its own to the kernel's port: it copies
+their bytes both ways and reads none of them (see :class:`Relay`). ZeroMQ runs end to
+end, between the bridge and ipykernel, so the kernel sees the bridge as its peer (its
+heartbeat thread answers pings, its IOPub socket sees the bridge's subscription), and the
+relay itself needs no ZeroMQ: one thread, woken once per read, where a relay of whole
+messages woke ZeroMQ's I/O thread and its own on each side (bench/roundtrip.py: a third of
+the sandboxed round trip under load).
 
-Why a relay: gVisor cannot checkpoint a sandbox that holds a host socket, and cannot
-restore a kernel whose ZeroMQ peers came and went (runsc 20240729: a kernel that a client
-had talked to and left died on restore; one whose peers never went away restored). The
-host-facing sockets live in a ZeroMQ context of their own: ``SIGUSR1`` closes them
-(their files removed, the context ended: the sandbox then holds no host socket),
-``SIGUSR2`` binds them afresh. The kernel never sees its peer leave. Both signals go on
-to the egress relay, if the kernel has one (its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``),
-which holds host sockets of its own.
+Why a relay: gVisor cannot checkpoint a sandbox that holds a host socket. ``SIGUSR1``
+closes the listeners (their files removed) and every connection, the kernel's with a reset
+(no TCP state of them left in the sandbox for the checkpoint to save); ``SIGUSR2`` binds
+them afresh, and the bridge connects again. Both signals go on to the egress relay, if the
+kernel has one (its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``), which holds host sockets
+of its own.
 
 While the host lends the launch folder back for the sockets to be bound again (after a
 pause, failed or not), nothing else in the sandbox runs (see :class:`Holding`): on
@@ -27,8 +29,8 @@ call made in C that keeps allocating while it holds the interpreter's lock.
 
 The relay is not a boundary (kernel code, its uid, can kill it, which ends the sandbox)
 and checks no message: the host's bridge checks every message's signature and size. It
-is copied into the launch folder and run by the image's Python with its pyzmq
-(ipykernel's), standard library otherwise, Python 3.9 and newer.
+is copied into the launch folder and run by the image's Python, standard library only,
+Python 3.9 and newer.
 
 Usage::
 
@@ -47,25 +49,26 @@ import json
 import os
 import re
 import resource
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-import zmq
-
 USAGE = "usage: kernel_relay.py CHANNEL=IPC_PATH:PORT [...] -- CMD [ARGS...]"
 CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
-#: The order in which waiting messages are passed on: the kernel sends a cell's output on
+#: The order in which waiting bytes are passed on: the kernel sends a cell's output on
 #: IOPub before its reply on shell, so output waiting beside the reply goes first (the
 #: kernel's start-up code spares ipykernel's sleep before each reply that did this by luck).
 PASS_ORDER = ("iopub", "shell", "stdin", "control", "hb")
-#: The kernel-facing sockets share one identity: ipykernel answers a prompt on stdin to
-#: the identity its shell request came from.
-IDENTITY = b"sandbox-kernel-relay"
+#: Bytes read from a connection at a time.
+CHUNK = 64 * 1024
+#: Seconds the kernel's last words (what it wrote before it ended) may take to pass.
+LAST_WORDS_TIMEOUT = 2.0
 #: Signals a container's init passes on that are the kernel's, not the relay's.
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: How long the kernel may take to open its ports.
@@ -135,98 +138,188 @@ def wait_for_ports(ports: list[int], kernel: subprocess.Popen[bytes], timeout: f
     return True
 
 
+class _Stream:
+    """One direction of a connection pair: bytes read from ``source``, not yet written to
+    ``sink`` (the sink could not take them all: the source is not read meanwhile)."""
+
+    def __init__(self, source: socket.socket, sink: socket.socket) -> None:
+        self.source, self.sink = source, sink
+        self.pending = b""
+
+
 class Relay:
-    """The kernel-facing sockets (for ever) and the host-facing ones (until a pause)."""
+    """The host-facing unix listeners (until a pause) and, for each connection the host
+    makes to one, a connection of its own to the kernel's port of that channel, whose
+    bytes it copies both ways unread.
+
+    The two ends of a pair speak ZeroMQ to each other (the host's bridge and ipykernel),
+    so the kernel sees each connection of the host's as a peer of its own, as it would
+    without the sandbox. A pair ends with either side: the other is closed too (the
+    kernel's with a reset, so that nothing of it lingers to be saved by a checkpoint), and
+    a reconnecting bridge gets a new one. Flow control is the pair's own: a side that
+    cannot take more is not sent more, and its peer is not read until it can.
+    """
 
     def __init__(self, channels: dict[str, tuple[str, int]]) -> None:
         self.channels = channels
-        self.kernel_context = zmq.Context()
-        self.kernel_side: dict[str, zmq.Socket[bytes]] = {}
-        for name, (_, port) in channels.items():
-            if name == "hb":
-                continue  # answered here (see pass_on)
-            sock = self.kernel_context.socket(zmq.XSUB if name == "iopub" else zmq.DEALER)
-            sock.linger = 0
-            if name != "iopub":
-                sock.setsockopt(zmq.IDENTITY, IDENTITY)
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            if name == "iopub":
-                sock.send(b"\x01")  # everything: the host's bridge filters nothing either
-            self.kernel_side[name] = sock
-        self.host_context: zmq.Context[zmq.Socket[bytes]] | None = None
-        self.host_side: dict[str, zmq.Socket[bytes]] = {}
+        self.epoll = select.epoll()
+        #: listening socket's fd -> (socket, channel)
+        self.listeners: dict[int, tuple[socket.socket, str]] = {}
+        #: connected socket's fd -> (the stream it is the source of, its channel)
+        self.streams: dict[int, tuple[_Stream, str]] = {}
+        # Every read lands here: a buffer allocated per read would cost a memory mapping
+        # and its removal each time, which gVisor makes dear.
+        self._buffer = bytearray(CHUNK)
+        self._view = memoryview(self._buffer)
+
+    def fileno(self) -> int:
+        return self.epoll.fileno()
 
     def open(self) -> None:
-        """Bind the host-facing sockets (a file left at a path is replaced)."""
-        if self.host_context is not None:
+        """Bind the host-facing listeners (a file left at a path is replaced)."""
+        if self.listeners:
             return
-        self.host_context = zmq.Context()
         for name, (path, _) in self.channels.items():
-            sock = self.host_context.socket(zmq.XPUB if name == "iopub" else zmq.ROUTER)
-            sock.linger = 0
-            if name != "iopub":
-                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # the bridge reconnects as itself
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             _unlink(path)
             # Made 0666 by the umask, not by a chmod after the bind: the host's bridge may
             # be another user, and once every socket exists the host seals the folder,
             # after which the kernel's uid may change nothing there (a chmod then failed).
             previous = os.umask(0o111)
             try:
-                sock.bind(f"ipc://{path}")
+                listener.bind(path)
+            except OSError:
+                listener.close()
+                raise
             finally:
                 os.umask(previous)
-            self.host_side[name] = sock
+            listener.listen(16)
+            listener.setblocking(False)
+            self.listeners[listener.fileno()] = (listener, name)
+            self.epoll.register(listener, select.EPOLLIN)
 
     def close(self) -> None:
-        """Close the host-facing sockets, remove their files, end their context."""
-        for name, sock in self.host_side.items():
-            sock.close(linger=0)
+        """Close the listeners and every connection, host's and kernel's; remove the
+        listeners' files."""
+        for fd, (listener, name) in list(self.listeners.items()):
+            self.epoll.unregister(fd)
+            listener.close()
             _unlink(self.channels[name][0])
-        self.host_side = {}
-        if self.host_context is not None:
-            self.host_context.term()
-        self.host_context = None
+        self.listeners = {}
+        for fd in list(self.streams):
+            if fd in self.streams:
+                self._end(self.streams[fd][0])
 
-    def poller(self, wake: int) -> zmq.Poller:
-        """A poller of the wake-up pipe ``wake`` and every open socket."""
-        poller = zmq.Poller()
-        poller.register(wake, zmq.POLLIN)
-        for sock in (*self.kernel_side.values(), *self.host_side.values()):
-            poller.register(sock, zmq.POLLIN)
-        return poller
+    def pass_on(self, ready: list[tuple[int, int]]) -> None:
+        """Act on what epoll found ready: new connections, bytes to copy, sinks that can
+        take more. IOPub first (PASS_ORDER): output waiting beside a reply goes before it."""
+        order = {name: rank for rank, name in enumerate(PASS_ORDER)}
 
-    def pass_on(self, ready: dict[zmq.Socket[bytes], int]) -> None:
-        """Move what is waiting, a bounded batch per socket, IOPub first (PASS_ORDER).
+        def rank(event: tuple[int, int]) -> int:
+            found = self.streams.get(event[0])
+            return order[found[1]] if found is not None else -1
 
-        Heartbeats are echoed here, not passed to the kernel: this process lives exactly
-        as long as the kernel (its child) does, which is what a heartbeat tells, as
-        ipykernel's own echo thread does; passing each ping through this loop twice more
-        cost an idle kernel with a connected client a whole percent of a core (ptrace).
-        """
-        for name in PASS_ORDER:
-            kernel, host = self.kernel_side.get(name), self.host_side.get(name)
-            for _ in range(100 if kernel is not None and kernel in ready else 0):
-                try:
-                    frames = kernel.recv_multipart(zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
-                except zmq.Again:
-                    break
-                if host is not None:
-                    try:
-                        host.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                    except zmq.ZMQError:
-                        pass  # no host peer (paused, or between its reconnects): dropped
-            for _ in range(100 if host is not None and host in ready else 0):
-                try:
-                    frames = host.recv_multipart(zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
-                except zmq.Again:
-                    break
-                try:
-                    if name == "hb":
-                        host.send_multipart(frames, zmq.NOBLOCK, copy=False)  # type: ignore[union-attr]
-                    elif kernel is not None and name != "iopub":  # (iopub: subscriptions; ours covers all)
-                        kernel.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                except zmq.ZMQError:
-                    pass
+        for fd, events in sorted(ready, key=rank):
+            if fd in self.listeners:
+                self._accept(*self.listeners[fd])
+            elif fd in self.streams:
+                stream = self.streams[fd][0]
+                if events & select.EPOLLOUT:
+                    self._write_pending(fd)
+                if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.streams:
+                    self._copy(stream)
+
+    def _accept(self, listener: socket.socket, name: str) -> None:
+        try:
+            host, _ = listener.accept()
+        except OSError:  # gone meanwhile (BlockingIOError included)
+            return
+        try:
+            kernel = socket.create_connection(("127.0.0.1", self.channels[name][1]), timeout=5)
+        except OSError:
+            host.close()  # the kernel no longer listens (it is ending): its exit follows
+            return
+        kernel.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for end in (host, kernel):
+            end.setblocking(False)
+        for stream in (_Stream(host, kernel), _Stream(kernel, host)):
+            self.streams[stream.source.fileno()] = (stream, name)
+            self.epoll.register(stream.source, select.EPOLLIN)
+
+    def _copy(self, stream: _Stream) -> None:
+        """Read what ``stream``'s source has and write it to its sink, as much as it takes."""
+        try:
+            size = stream.source.recv_into(self._buffer)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            size = 0
+        if not size:
+            self._end(stream)
+            return
+        data = self._view[:size]
+        try:
+            sent = stream.sink.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._end(stream)
+            return
+        if sent < size:
+            # The sink is full: keep the rest, and read no more of the source until it drains.
+            stream.pending = bytes(data[sent:])
+            self._watch(stream.source)
+            self._watch(stream.sink)
+
+    def _write_pending(self, fd: int) -> None:
+        """``fd`` can take more: write what waits for it (then its peer is read again)."""
+        sink = self.streams[fd][0].source
+        stream = self.streams[self.streams[fd][0].sink.fileno()][0]  # the one writing to fd
+        try:
+            sent = sink.send(stream.pending)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._end(stream)
+            return
+        stream.pending = stream.pending[sent:]
+        if not stream.pending:
+            self._watch(stream.source)
+            self._watch(stream.sink)
+
+    def _watch(self, end: socket.socket) -> None:
+        """What epoll waits for on one end: bytes to read, unless what it sent last still
+        waits for its peer; room to write, while bytes wait for it."""
+        outgoing = self.streams[end.fileno()][0]
+        incoming = self.streams[outgoing.sink.fileno()][0]
+        mask = (0 if outgoing.pending else select.EPOLLIN) | (select.EPOLLOUT if incoming.pending else 0)
+        self.epoll.modify(end, mask)
+
+    def _end(self, stream: _Stream) -> None:
+        """Close both ends of ``stream``'s pair; the kernel's with a reset (no lingering
+        TCP state in the sandbox, and its socket frees the peer's identity at once)."""
+        for end in (stream.source, stream.sink):
+            fd = end.fileno()
+            if fd < 0:
+                continue
+            self.streams.pop(fd, None)
+            with contextlib.suppress(OSError):
+                self.epoll.unregister(fd)
+            if end.family == socket.AF_INET:
+                with contextlib.suppress(OSError):
+                    end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            end.close()
+
+    def drain(self, timeout: float) -> None:
+        """The kernel has ended: pass on what it wrote before (its last words), for up to
+        ``timeout`` seconds, then close everything."""
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            ready = self.epoll.poll(max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            self.pass_on([(fd, events) for fd, events in ready if fd not in self.listeners])
+        self.close()
 
 
 class Holding:
@@ -470,11 +563,14 @@ def main(argv: list[str]) -> int:
     relay = Relay(channels)
     relay.open()
     holding = Holding(os.path.dirname(channels["shell"][0]), egress_pid)
-    poller = relay.poller(wake_read)
+    relay.epoll.register(wake_read, select.EPOLLIN)
     while True:
         wait = holding.poll()
-        ready = dict(poller.poll(None if wait is None else int(wait * 1000) or 1))
-        if wake_read in ready:
+        try:
+            ready = relay.epoll.poll(-1 if wait is None else max(wait, 0.001))
+        except InterruptedError:
+            continue
+        if any(fd == wake_read for fd, _ in ready):
             os.read(wake_read, 256)
             while received:
                 number = received.pop(0)
@@ -489,22 +585,21 @@ def main(argv: list[str]) -> int:
                     relay.close()  # (if still open: bound afresh, as the host removed the files)
                     try:
                         relay.open()
-                    except (zmq.ZMQError, OSError) as exc:
+                    except OSError as exc:
                         # The host waits for the sockets, and reports that they never came.
                         print(
                             f"kernel relay: cannot bind the host-facing sockets again: {exc}", file=sys.stderr
                         )
                         relay.close()
                     holding.bound()
-            poller = relay.poller(wake_read)
             if kernel.poll() is not None:
+                relay.epoll.unregister(wake_read)
                 try:
-                    relay.pass_on({sock: zmq.POLLIN for sock in relay.kernel_side.values()})  # its last words
-                    relay.close()
+                    relay.drain(LAST_WORDS_TIMEOUT)
                 except Exception as exc:  # noqa: BLE001 - the kernel's status must get out
                     print(f"kernel relay: {exc!r}", file=sys.stderr)
                 return _status(kernel.returncode)
-            continue
+            ready = [(fd, events) for fd, events in ready if fd != wake_read]
         relay.pass_on(ready)
 
 

@@ -26,13 +26,14 @@ from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.egress import relay as egress_relay
 from sandbox_kernel.errors import KernelStartupError
 from sandbox_kernel.host.trees import delete_tree
-from sandbox_kernel.inside import fast_io, in_kernel, in_kernel_startup, kernel_relay
+from sandbox_kernel.inside import fast_io, in_kernel, in_kernel_startup, kernel_app, kernel_relay
 from sandbox_kernel.lifecycle.ownership import RUNTIME_DIR_PREFIX, write_owner
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CLAIM_SOCKET,
     CONTAINER_CONNECTION_FILE,
     CONTAINER_EGRESS_CA,
     CONTAINER_EGRESS_SOCKET,
+    CONTAINER_KERNEL_APP_FILE,
     CONTAINER_KERNEL_RELAY_FILE,
     CONTAINER_RELAY_FILE,
     CONTAINER_STARTUP_FILE,
@@ -50,11 +51,15 @@ HOST_FILES = frozenset(
         CONTAINER_CONNECTION_FILE,
         CONTAINER_STARTUP_FILE,
         CONTAINER_STARTUP_MODULE,
+        CONTAINER_KERNEL_APP_FILE,
         CONTAINER_KERNEL_RELAY_FILE,
         CONTAINER_RELAY_FILE,
         CONTAINER_EGRESS_CA,
     )
 ) | {Path(fast_io.__file__).name}
+#: The programs the sandbox runs besides the kernel's start-up code: the kernel itself and
+#: its parent, the channel relay.
+IN_SANDBOX_PROGRAMS = {CONTAINER_KERNEL_APP_FILE: kernel_app, CONTAINER_KERNEL_RELAY_FILE: kernel_relay}
 #: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
 #: (where it hears its claim).
 OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
@@ -171,7 +176,8 @@ def write_launch_files(
             os.fchown(f.fileno(), *owner)
         json.dump(info, f)
     write_startup_code(launch_dir)
-    (launch_dir / Path(CONTAINER_KERNEL_RELAY_FILE).name).write_text(Path(kernel_relay.__file__).read_text())
+    for path, module in IN_SANDBOX_PROGRAMS.items():
+        (launch_dir / Path(path).name).write_text(Path(str(module.__file__)).read_text())
     if egress_ca is not None:
         (launch_dir / Path(CONTAINER_RELAY_FILE).name).write_text(Path(egress_relay.__file__).read_text())
         (launch_dir / Path(CONTAINER_EGRESS_CA).name).write_bytes(egress_ca)

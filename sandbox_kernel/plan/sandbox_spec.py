@@ -104,6 +104,9 @@ NEVER_PASSED_ENV = frozenset({"JPY_PARENT_PID"})
 CONTAINER_STARTUP_FILE = f"{CONTAINER_RUNTIME_DIR}/startup.py"
 CONTAINER_STARTUP_MODULE = f"{CONTAINER_RUNTIME_DIR}/in_kernel_startup.py"
 
+#: The kernel itself: ipykernel's application, with one socket option more (see
+#: :mod:`~sandbox_kernel.inside.kernel_app`).
+CONTAINER_KERNEL_APP_FILE = f"{CONTAINER_RUNTIME_DIR}/kernel_app.py"
 #: The kernel's parent in the sandbox: binds its channels' host sockets (see
 #: :mod:`~sandbox_kernel.inside.kernel_relay`), so that the kernel itself holds none.
 CONTAINER_KERNEL_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/kernel_relay.py"
@@ -217,15 +220,15 @@ def sandbox_env(
 
 #: The module a sandboxed kernelspec's argv runs (``python -m sandbox_kernel.launch``).
 LAUNCHER_MODULE = "sandbox_kernel.launch"
-#: What runs in the sandbox for a kernelspec whose argv is the launcher. IPython's history
+#: What runs in the sandbox for a kernelspec whose argv is the launcher: ipykernel's
+#: application (:mod:`~sandbox_kernel.inside.kernel_app`). IPython's history
 #: database is kept in memory: its file would be on the sandbox's /tmp, gone with the kernel
 #: anyway (a restart is a new sandbox), and writing it costs every cell a wake-up of
 #: IPython's history thread and some sixty system calls (four fdatasyncs), a few
 #: milliseconds under gVisor. ``%history`` and clients' ``history_request`` answer as before.
 SANDBOXED_KERNEL_ARGV = (
     "python",
-    "-m",
-    "ipykernel_launcher",
+    CONTAINER_KERNEL_APP_FILE,
     "-f",
     "{connection_file}",
     "--HistoryManager.hist_file=:memory:",

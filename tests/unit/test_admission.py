@@ -17,6 +17,7 @@ from sandbox_kernel.errors import ConfigurationError
 from sandbox_kernel.plan.admission import require_sandboxed, sandboxed_manager, server_config
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
+    CONTAINER_KERNEL_APP_FILE,
     is_launcher,
     kernel_command,
     launcher_argv,
@@ -109,8 +110,7 @@ def test_in_the_sandbox_the_launcher_argv_is_the_kernel_itself() -> None:
     assert is_launcher(argv)
     assert kernel_command(argv) == [
         "python",
-        "-m",
-        "ipykernel_launcher",
+        CONTAINER_KERNEL_APP_FILE,
         "-f",
         CONTAINER_CONNECTION_FILE,
         "--HistoryManager.hist_file=:memory:",

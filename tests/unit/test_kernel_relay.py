@@ -13,14 +13,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 from jupyter_client import BlockingKernelClient
+from jupyter_client.session import Session
 
 from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.egress import relay as egress_relay
-from sandbox_kernel.inside import kernel_relay
+from sandbox_kernel.inside import kernel_app, kernel_relay
 
 CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
@@ -44,7 +46,14 @@ def relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
     prefix = tmp_path / "kernel"
     args = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
-    kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection)]
+    # The kernel as the sandbox runs it (kernel_app.py, IPython's history in memory).
+    kernel = [
+        sys.executable,
+        kernel_app.__file__,
+        "-f",
+        str(connection),
+        "--HistoryManager.hist_file=:memory:",
+    ]
     relay = subprocess.Popen(
         [sys.executable, kernel_relay.__file__, *args, "--", *kernel], start_new_session=True
     )
@@ -55,6 +64,11 @@ def relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(relay.pid, signal.SIGKILL)  # the kernel with it
         relay.wait()
+
+
+def _kernel(connection: Path) -> list[str]:
+    """The kernel as the sandbox runs it (kernel_app.py, IPython's history in memory)."""
+    return [sys.executable, kernel_app.__file__, "-f", str(connection), "--HistoryManager.hist_file=:memory:"]
 
 
 def _sockets(prefix: Path) -> list[bool]:
@@ -154,7 +168,14 @@ def test_behind_the_egress_relay_the_pause_signals_reach_it_too(tmp_path: Path) 
     connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
     prefix, egress = tmp_path / "kernel", tmp_path / "egress.sock"
     channels = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
-    kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection)]
+    # The kernel as the sandbox runs it (kernel_app.py, IPython's history in memory).
+    kernel = [
+        sys.executable,
+        kernel_app.__file__,
+        "-f",
+        str(connection),
+        "--HistoryManager.hist_file=:memory:",
+    ]
     chain = [sys.executable, egress_relay.__file__, str(egress), "0", "--"]
     relay = subprocess.Popen(
         [*chain, sys.executable, kernel_relay.__file__, *channels, "--", *kernel], start_new_session=True
@@ -331,3 +352,93 @@ def test_without_the_seal_the_sandbox_goes_on_after_a_while(monkeypatch: pytest.
     time.sleep(0.01)
     assert holding.poll() is None
     assert (3, signal.SIGCONT) in sandbox.sent
+
+
+# ---------------------------------------------------------------- bytes, end to end
+
+
+def _dealer(context: zmq.Context[zmq.Socket[bytes]], prefix: Path, identity: bytes) -> zmq.Socket[bytes]:
+    sock = context.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(f"ipc://{prefix}-{CHANNELS['shell']}")
+    return sock
+
+
+def _kernel_info(sock: zmq.Socket[bytes], session: Session) -> dict[str, Any]:
+    session.send(sock, "kernel_info_request", {})
+    assert sock.poll(10_000), "no kernel_info_reply within 10 s"
+    _, reply = session.feed_identities(sock.recv_multipart())
+    return session.deserialize(reply)
+
+
+def test_a_peer_connecting_again_as_itself_takes_its_identity_over(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """The host's bridge connects with one identity, and again with the same one after a
+    pause or a cut: the kernel (kernel_app.py's ROUTER_HANDOVER on shell and stdin) answers
+    the new connection even while the old one is still open, where a plain ipykernel
+    ignores it and reads its next message as its identity."""
+    _, prefix = relayed
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    session = Session(key=b"k")
+    try:
+        first = _dealer(context, prefix, b"sandbox-kernel-bridge")
+        assert _kernel_info(first, session)["msg_type"] == "kernel_info_reply"
+        second = _dealer(context, prefix, b"sandbox-kernel-bridge")
+        assert _kernel_info(second, session)["msg_type"] == "kernel_info_reply"
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_client_that_stops_reading_output_holds_up_only_its_own_connection(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """Flow control is each connection's own: while one client reads none of a flood of
+    output, the kernel goes on (its IOPub drops what that client cannot take, as ZeroMQ
+    does for any slow subscriber), another client gets every line and the reply, and the
+    first one's own requests are still answered."""
+    _, prefix = relayed
+    stalled, other = _client(prefix), _client(prefix)
+    try:
+        stalled.iopub_channel.stop()  # reads nothing from now on: its socket stays connected
+        # Far more than the socket buffers on the way hold: the relay must hold back.
+        count, size = 1500, 20_000
+        shown: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "display_data":
+                shown.append(msg["content"]["data"]["text/plain"])
+
+        code = (
+            "from IPython.display import display\n"
+            f"for i in range({count}): display({{'text/plain': str(i) + 'x' * {size}}}, raw=True)"
+        )
+        reply = other.execute_interactive(code, timeout=120, output_hook=hook)
+        assert reply["content"]["status"] == "ok"
+        assert [int(text.rstrip("x")) for text in shown] == list(range(count))
+        msg_id = stalled.kernel_info()
+        assert stalled.get_shell_msg(timeout=30)["parent_header"]["msg_id"] == msg_id
+    finally:
+        stalled.stop_channels()
+        other.stop_channels()
+
+
+def test_the_kernel_welcomes_each_iopub_subscriber_through_the_relay(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """ZeroMQ runs end to end: a subscription reaches ipykernel's XPUB, which answers with
+    an ``iopub_welcome`` (a relay of whole messages kept subscriptions to itself)."""
+    _, prefix = relayed
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    session = Session(key=b"k")
+    try:
+        sub = context.socket(zmq.SUB)
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{prefix}-{CHANNELS['iopub']}")
+        assert sub.poll(10_000), "nothing on IOPub within 10 s"
+        _, frames = session.feed_identities(sub.recv_multipart())
+        assert session.deserialize(frames)["msg_type"] == "iopub_welcome"
+    finally:
+        context.destroy(linger=0)
