@@ -273,6 +273,7 @@ def _expected_launch_entries(km: KernelManager) -> set[str]:
         "startup.py",
         "in_kernel_startup.py",
         "fast_io.py",
+        "kernel_app.py",
         "kernel_relay.py",
     }
 
@@ -317,6 +318,10 @@ launcher = mark.format('ipykernel_launcher') + leave_folder + run_the_real_launc
 open('ipykernel_launcher.py', 'w').write(launcher)
 for name in ('ipython_kernel_config', 'ipython_config', 'sitecustomize', 'usercustomize'):
     open(name + '.py', 'w').write(mark.format(name) + leave_folder)
+# The kernel itself runs as a script of the runtime folder (kernel_app.py): the packages it imports
+os.mkdir('ipykernel')
+open('ipykernel/__init__.py', 'w').write(mark.format('ipykernel') + leave_folder)
+open('zmq.py', 'w').write(mark.format('zmq') + leave_folder)
 open('mymodule.py', 'w').write('VALUE = 42\n')
 os.mkdir('tools')
 open('tools/helper.py', 'w').write('WHO = "helper"\n')
