@@ -268,7 +268,7 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
 
 def _interpreter(cmd: Sequence[str]) -> str:
     """What runs a relay before ``cmd``: its interpreter when ``argv[0]`` names one (the
-    channel relay needs the kernel's pyzmq), else the image's ``python3``."""
+    one Python the image surely has), else the image's ``python3``."""
     return cmd[0] if Path(cmd[0]).name.startswith("python") else "python3"
 
 
