@@ -49,7 +49,14 @@ from sandbox_kernel.host.cgroups import (
     thaw_container,
 )
 from sandbox_kernel.host.trees import ForeignFolderError, delete_tree, tree_size
-from sandbox_kernel.plan.sandbox_spec import LABEL_MANAGED, LABEL_VOLUME, LABEL_VOLUME_UID, SandboxSpec
+from sandbox_kernel.plan.sandbox_spec import (
+    LABEL_MANAGED,
+    LABEL_USER,
+    LABEL_VOLUME,
+    LABEL_VOLUME_UID,
+    LABEL_VOLUME_USER,
+    SandboxSpec,
+)
 from sandbox_kernel.plan.settings import DATASCIENCE_IMAGE
 
 T = TypeVar("T")
@@ -291,6 +298,7 @@ class DockerBackend(SandboxBackend):
         if spec.volume is None:
             return None if spec.owned_from is None else await asyncio.to_thread(_pin, spec)
         labels = await self.volume_labels(spec.volume)
+        user = spec.labels.get(LABEL_USER)  # a sandbox gateway's user, the kernel's
         if labels is not None:
             if not _is_workspace_volume(labels):
                 msg = (
@@ -299,8 +307,18 @@ class DockerBackend(SandboxBackend):
                     "mounted. Choose another name in the kernelspec's workspace_volume."
                 )
                 raise WorkspaceError(msg)
+            if labels.get(LABEL_VOLUME_USER) != user:
+                # (Which user's it is stays unsaid: that is another user's business.)
+                msg = (
+                    f"The Docker volume {spec.volume!r} is another user's workspace, so it is not mounted "
+                    f"for {user or 'a kernel of no gateway user'}: on a sandbox gateway each user's volumes "
+                    "are their own. Start the kernel in a folder of another name."
+                )
+                raise WorkspaceError(msg)
         else:
-            await self.create_volume(spec.volume, _workspace_volume_labels())
+            await self.create_volume(
+                spec.volume, {**_workspace_volume_labels(), **({LABEL_VOLUME_USER: user} if user else {})}
+            )
             log.info("Created workspace volume %s for uid %d", spec.volume, spec.uid)
             code, output = await self.run_once(volume_setup_kwargs(spec))
             if code != 0:

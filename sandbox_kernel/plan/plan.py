@@ -964,6 +964,13 @@ def place_workspace(settings: SandboxSettings, launch: Launch) -> Placement:
         cwd = check_user_folder(cwd, user)
     volume = None
     if settings.workspace_volume:
+        if user is not None and "{user}" not in settings.workspace_volume:
+            msg = (
+                f"workspace_volume={settings.workspace_volume!r} names no {{user}}: on a sandbox gateway "
+                "each user's volumes are their own, and this template would give users one volume to "
+                "share. Put {user} in it, e.g. '{user}-{project}'."
+            )
+            raise ConfigurationError(msg)
         volume = volume_name(
             settings.workspace_volume,
             # A gateway's client names a user of its own choosing: the gateway's user is known.

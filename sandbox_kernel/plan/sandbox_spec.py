@@ -59,6 +59,9 @@ LABEL_USER = "io.sandbox-kernel.user"
 LABEL_VOLUME = "io.sandbox-kernel.workspace-volume"
 
 LABEL_VOLUME_UID = "io.sandbox-kernel.workspace-volume-uid"
+#: On a workspace volume a sandbox gateway made for one of its users: that user's name.
+#: Only that user's kernels mount it, and a volume without it is no gateway user's.
+LABEL_VOLUME_USER = "io.sandbox-kernel.workspace-volume-user"
 
 #: On a pooled sandbox: made before its kernel (see :mod:`~.pool`); its name says
 #: whether a kernel has claimed it (``sandbox-kernel-pool-*`` until then).

@@ -21,10 +21,16 @@ from sandbox_kernel.errors import (
     RuntimeMissingError,
     WorkspaceError,
 )
-from sandbox_kernel.plan.sandbox_spec import LABEL_VOLUME, LABEL_VOLUME_UID
+from sandbox_kernel.plan.sandbox_spec import (
+    LABEL_USER,
+    LABEL_VOLUME,
+    LABEL_VOLUME_UID,
+    LABEL_VOLUME_USER,
+    SandboxSpec,
+)
 from sandbox_kernel.plan.settings import DEFAULT_RUNTIME
 
-from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error
+from .conftest import RUNNING, CountingFactory, FakeDockerClient, api_error, make_spec
 
 # ---------------------------------------------------------------- the client
 
@@ -482,3 +488,41 @@ async def test_a_resume_removes_the_folder_containerd_unpacked_its_checkpoint_in
     assert (containers / "c1" / "sandbox-kernel-checkpoints" / "sk-1" / "pages.img").exists(), (
         "the image stays"
     )
+
+
+# ---------------------------------------------------------------- a gateway user's volumes
+
+
+def user_spec(tmp_path: Path, user: str | None, volume: str = "al-ice-x") -> SandboxSpec:
+    return make_spec(tmp_path, volume=volume, extra_labels={LABEL_USER: user} if user else {})
+
+
+@pytest.mark.parametrize(
+    ("owner", "user"),
+    [
+        ("al-ice", "al"),  # "al" in a folder named "ice-x": "{user}-{project}" gives al-ice's volume
+        ("al-ice", None),  # a kernel of no gateway user, naming a user's volume in its kernelspec
+        (None, "al"),  # a volume made by a start of no gateway user
+    ],
+)
+async def test_a_volume_is_mounted_only_for_the_gateway_user_it_was_made_for(
+    sandbox_docker: DockerBackend,
+    fake_client: FakeDockerClient,
+    tmp_path: Path,
+    owner: str | None,
+    user: str | None,
+) -> None:
+    labels = {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid())}
+    workspace_volume(fake_client, "al-ice-x", **labels, **({LABEL_VOLUME_USER: owner} if owner else {}))
+    with pytest.raises(WorkspaceError, match="'al-ice-x' is another user's workspace") as refused:
+        await sandbox_docker.prepare_workspace(user_spec(tmp_path, user))
+    assert str(refused.value).count("al-ice") == 1, "whose it is stays unsaid (the name is the volume's)"
+
+
+async def test_a_gateway_users_own_volume_is_mounted_for_them(
+    sandbox_docker: DockerBackend, fake_client: FakeDockerClient, tmp_path: Path
+) -> None:
+    labels = {LABEL_VOLUME: "true", LABEL_VOLUME_UID: str(os.getuid()), LABEL_VOLUME_USER: "al-ice"}
+    workspace_volume(fake_client, "al-ice-x", **labels)
+    path = await sandbox_docker.prepare_workspace(user_spec(tmp_path, "al-ice"))
+    assert path == Path("/var/lib/docker/volumes/al-ice-x/_data")

@@ -197,6 +197,18 @@ async def test_a_users_volume_is_named_after_them_never_after_what_the_client_cl
     assert provisioner.site.spec.volume == "sk-mallory-project", "without a user: as before"
 
 
+async def test_on_a_gateway_a_volume_template_without_the_user_is_refused(
+    provisioners: Callable[..., Any], alice: KernelUser
+) -> None:
+    """'team-{project}' would give every user of the gateway one volume to share."""
+    provisioner = provisioners(workspace_volume="team-{project}")
+    cwd = str(alice.root / "project")
+    with pytest.raises(ConfigurationError, match=r"names no \{user\}: on a sandbox gateway") as refused:
+        await provisioner.pre_launch(cwd=cwd, env=dict(SERVER_ENV), sandbox_user=alice)
+    assert "'{user}-{project}'" in one_line(refused)
+    await provisioner.pre_launch(cwd=cwd, env=dict(SERVER_ENV))  # no user: as before
+
+
 # ---------------------------------------------------------------------- the user's folder
 
 
