@@ -45,6 +45,7 @@ kernel's status.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -232,10 +233,14 @@ class Relay:
     def _accept(self, listener: socket.socket, name: str) -> None:
         try:
             host, _ = listener.accept()
-        except OSError:  # gone meanwhile (BlockingIOError included)
+        except OSError as exc:  # gone meanwhile (BlockingIOError included)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors (kernel code holding connections): the listener stays
+                # ready until one is free, so wait a little instead of spinning.
+                time.sleep(0.01)
             return
         try:
-            kernel = socket.create_connection(("127.0.0.1", self.channels[name][1]), timeout=5)
+            kernel = socket.create_connection(("127.0.0.1", self.channels[name][1]), timeout=1)
         except OSError:
             host.close()  # the kernel no longer listens (it is ending): its exit follows
             return

@@ -366,3 +366,49 @@ def test_one_message_of_many_frames_from_kernel_code_does_not_grow_the_server(
         assert run_ok(kc, "print('alive')", timeout=120) == "alive\n"
     print(f"1 GiB as one message through the relay: the server grew by {rss.grew / 2**20:.0f} MiB")
     assert rss.grew < 192 * 2**20, f"the server grew by {rss.grew / 2**20:.0f} MiB for one message"
+
+
+# ---------------------------------------------------------------- the channel relay (#25)
+
+#: Cell code: hold as many connections to the relay's unix sockets as the sandbox allows
+#: (each makes the relay open one to the kernel's port), then measure the relay's CPU.
+FLOOD_THE_RELAY = r"""
+import os, socket, time
+held, why, deadline = [], None, time.monotonic() + 30
+while len(held) < 3000 and time.monotonic() < deadline:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect('/run/sandbox-kernel/kernel-%d' % (1 + len(held) % 5))
+    except BlockingIOError:  # the relay's backlog is full: again
+        s.close()
+        time.sleep(0.001)
+        continue
+    except OSError as exc:
+        s.close()
+        why = exc.errno
+        break
+    held.append(s)
+relay = next(p for p in os.listdir('/proc') if p.isdigit()
+             and b'kernel_relay' in open('/proc/%s/cmdline' % p, 'rb').read().split(b'\0')[1])
+def ticks():
+    fields = open('/proc/%s/stat' % relay).read().rpartition(')')[2].split()
+    return int(fields[11]) + int(fields[12])
+before = ticks(); time.sleep(2); spent = ticks() - before
+print(len(held), why, spent)
+"""
+
+
+def test_kernel_code_flooding_the_relay_with_connections_harms_only_itself(
+    start_sandboxed: KernelStarter,
+) -> None:
+    """Kernel code can reach the relay's sockets in its launch folder, as the bridge does:
+    it holds thousands of connections (each makes the relay connect to the kernel's port).
+    The relay neither spins nor stops: the kernel's own client is answered meanwhile, and
+    once the code lets go, all is as before."""
+    _, kc = start_sandboxed()
+    held, _, spent = run_ok(kc, FLOOD_THE_RELAY, timeout=180).split()
+    assert int(held) > 100, "the relay's sockets took connections from kernel code"
+    assert int(spent) < 20, f"the relay spun: {spent} ticks in 2 s holding {held} connections"
+    assert run_ok(kc, "print(len(held))").strip() == held, "the kernel's own client is answered"
+    run_ok(kc, "for s in held: s.close()\nheld.clear()")
+    assert run_ok(kc, "print(1 + 1)").strip() == "2"
