@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -139,38 +140,40 @@ class Served:
         return await websocket_connect(HTTPRequest(url, headers=headers, ssl_options=self.tls))
 
 
-@pytest.fixture
-def gateway(users: dict[str, pwd.struct_passwd], tmp_path: Path, jupyter_dirs: Path) -> Iterator[Served]:
-    """The gateway, started as the docs say, as a process of its own on loopback with TLS."""
-    private = tmp_path / "gw"
-    private.mkdir(mode=0o700)
-    env = {**os.environ, "JUPYTER_PATH": str(jupyter_dirs)}
-    cli("gateway", "init-tls", f"--dir={private / 'pki'}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
-    tokens_file = private / "tokens.json"
+@contextmanager
+def serve_gateway(
+    names: Iterable[str], folder: Path, env: dict[str, str], config: Sequence[str] = ()
+) -> Iterator[Served]:
+    """A gateway started as the docs say, as a process of its own on loopback with TLS
+    (``init-tls``), a token for each of ``names`` (``add-token``), its files in ``folder``
+    (made 0700) and ``config``'s lines added to its config file; stopped afterwards."""
+    folder.mkdir(mode=0o700)
+    cli("gateway", "init-tls", f"--dir={folder / 'pki'}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
+    tokens_file = folder / "tokens.json"
     tokens = {
         name: cli("gateway", "add-token", name, f"--tokens-file={tokens_file}", env=env).strip()
-        for name in users
+        for name in names
     }
     port = free_port()
-    config = private / "jupyter_sandbox_gateway_config.py"
-    config.write_text(
+    config_file = folder / "jupyter_sandbox_gateway_config.py"
+    config_file.write_text(
         "\n".join(
             [
                 'c.ServerApp.ip = "127.0.0.1"',
                 f"c.ServerApp.port = {port}",
-                f'c.ServerApp.certfile = "{private / "pki" / "server.pem"}"',
-                f'c.ServerApp.keyfile = "{private / "pki" / "server-key.pem"}"',
-                f'c.ServerApp.root_dir = "{private}"',
+                f'c.ServerApp.certfile = "{folder / "pki" / "server.pem"}"',
+                f'c.ServerApp.keyfile = "{folder / "pki" / "server-key.pem"}"',
+                f'c.ServerApp.root_dir = "{folder}"',
                 f'c.TokensFileIdentityProvider.path = "{tokens_file}"',
                 'c.UserPolicy.workspace_root = "/home/{username}"',
-                "c.UserPolicy.max_kernels_per_user = 2",
+                *config,
                 "",
             ]
         )
     )
-    tls = ssl.create_default_context(cafile=str(private / "pki" / "ca.pem"))
-    command = [COMMAND, "gateway", f"--config={config}"]
-    served = Served(f"https://127.0.0.1:{port}", tokens, tls, private / "gateway.log", command, env)
+    tls = ssl.create_default_context(cafile=str(folder / "pki" / "ca.pem"))
+    command = [COMMAND, "gateway", f"--config={config_file}"]
+    served = Served(f"https://127.0.0.1:{port}", tokens, tls, folder / "gateway.log", command, env)
     try:
         served.start()
         yield served
@@ -178,6 +181,14 @@ def gateway(users: dict[str, pwd.struct_passwd], tmp_path: Path, jupyter_dirs: P
         served.stop()
         if served.log.exists():
             print(served.log.read_text())  # shown when a test fails
+
+
+@pytest.fixture
+def gateway(users: dict[str, pwd.struct_passwd], tmp_path: Path, jupyter_dirs: Path) -> Iterator[Served]:
+    """The gateway, started as the docs say, as a process of its own on loopback with TLS."""
+    env = {**os.environ, "JUPYTER_PATH": str(jupyter_dirs)}
+    with serve_gateway(users, tmp_path / "gw", env, ["c.UserPolicy.max_kernels_per_user = 2"]) as served:
+        yield served
 
 
 async def run_code(ws: Any, code: str, timeout: float = 60) -> str:

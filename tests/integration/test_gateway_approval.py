@@ -19,7 +19,6 @@ import re
 import secrets
 import shutil
 import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -42,7 +41,7 @@ from sandbox_kernel.egress import ApprovalRequest
 from sandbox_kernel.gateway.approvals import GONE, LEASE
 
 from .conftest import HostState
-from .test_gateway import Served, cli, free_port
+from .test_gateway import Served, serve_gateway
 from .test_gateway_netns import CLIENT_MANAGER, USER_VENV, UserServer
 from .test_lab_browser import ARTIFACTS, LAB_CONFIG, Lab
 from .test_lab_browser import browser as browser  # Debian's chromium, headless
@@ -131,43 +130,13 @@ def asking_gateway(
         },
     )
     private = tmp_path / "gw"
-    private.mkdir(mode=0o700)
-    env = {**os.environ}
-    cli("gateway", "init-tls", f"--dir={private / 'pki'}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
-    tokens_file = private / "tokens.json"
-    tokens = {
-        name: cli("gateway", "add-token", name, f"--tokens-file={tokens_file}", env=env).strip()
-        for name in users
-    }
-    port = free_port()
-    config = private / "jupyter_sandbox_gateway_config.py"
-    config.write_text(
-        "\n".join(
-            [
-                'c.ServerApp.ip = "127.0.0.1"',
-                f"c.ServerApp.port = {port}",
-                f'c.ServerApp.certfile = "{private / "pki" / "server.pem"}"',
-                f'c.ServerApp.keyfile = "{private / "pki" / "server-key.pem"}"',
-                f'c.ServerApp.root_dir = "{private}"',
-                f'c.TokensFileIdentityProvider.path = "{tokens_file}"',
-                'c.UserPolicy.workspace_root = "/home/{username}"',
-                f"c.SandboxProvisioner.max_allowed_domains = [{ALLOWED!r}, {ASKED!r}]",
-                f"c.SandboxProvisioner.egress_private_networks = {[f'{a}/32' for a in reached_at()]!r}",
-                f'c.SandboxProvisioner.audit_log = "{private / "audit.jsonl"}"',
-                "",
-            ]
-        )
-    )
-    tls = ssl.create_default_context(cafile=str(private / "pki" / "ca.pem"))
-    command = [str(Path(sys.executable).with_name("jupyter-sandbox-kernel")), "gateway", f"--config={config}"]
-    served = Served(f"https://127.0.0.1:{port}", tokens, tls, private / "gateway.log", command, env)
-    try:
-        served.start()
+    config = [
+        f"c.SandboxProvisioner.max_allowed_domains = [{ALLOWED!r}, {ASKED!r}]",
+        f"c.SandboxProvisioner.egress_private_networks = {[f'{a}/32' for a in reached_at()]!r}",
+        f'c.SandboxProvisioner.audit_log = "{private / "audit.jsonl"}"',
+    ]
+    with serve_gateway(users, private, {**os.environ}, config) as served:
         yield served
-    finally:
-        served.stop()
-        if served.log.exists():
-            print(served.log.read_text())  # shown when a test fails
 
 
 def audit_log_of(served: Served) -> Path:

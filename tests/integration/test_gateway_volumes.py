@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import pwd
-import ssl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from sandbox_kernel.plan.sandbox_spec import LABEL_VOLUME_USER
 
 from .conftest import KERNEL, HostState
-from .test_gateway import COMMAND, Served, cli, containers_of, free_port, run_code
+from .test_gateway import Served, containers_of, run_code, serve_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -56,51 +55,16 @@ def gateway(
     docker_client: docker.DockerClient,
 ) -> Iterator[Served]:
     """A gateway configured as the separate-host page's per-user volumes say."""
-    private = tmp_path / "gw"
-    private.mkdir(mode=0o700)
     env = {**os.environ, "JUPYTER_PATH": str(jupyter_dirs)}
-    cli("gateway", "init-tls", f"--dir={private / 'pki'}", "--hostname=localhost", "--ip=127.0.0.1", env=env)
-    tokens_file = private / "tokens.json"
-    tokens = {
-        name: cli("gateway", "add-token", name, f"--tokens-file={tokens_file}", env=env).strip()
-        for name in users
-    }
-    port = free_port()
-    config = private / "jupyter_sandbox_gateway_config.py"
-    config.write_text(
-        "\n".join(
-            [
-                'c.ServerApp.ip = "127.0.0.1"',
-                f"c.ServerApp.port = {port}",
-                f'c.ServerApp.certfile = "{private / "pki" / "server.pem"}"',
-                f'c.ServerApp.keyfile = "{private / "pki" / "server-key.pem"}"',
-                f'c.ServerApp.root_dir = "{private}"',
-                f'c.TokensFileIdentityProvider.path = "{tokens_file}"',
-                'c.UserPolicy.workspace_root = "/home/{username}"',
-                'c.SandboxProvisioner.workspace_volume = "{user}-{project}"',
-                "",
-            ]
-        )
-    )
-    tls = ssl.create_default_context(cafile=str(private / "pki" / "ca.pem"))
-    served = Served(
-        f"https://127.0.0.1:{port}",
-        tokens,
-        tls,
-        private / "gateway.log",
-        [COMMAND, "gateway", f"--config={config}"],
-        env,
-    )
     try:
-        served.start()
-        yield served
+        with serve_gateway(
+            users, tmp_path / "gw", env, ['c.SandboxProvisioner.workspace_volume = "{user}-{project}"']
+        ) as served:
+            yield served
     finally:
-        served.stop()
         for volume in docker_client.volumes.list():
             if volume.name.startswith("sk-vol-"):
                 volume.remove(force=True)
-        if served.log.exists():
-            print(served.log.read_text())  # shown when a test fails
 
 
 async def start(gateway: Served, user: str, folder: Path) -> tuple[int, dict[str, object]]:
