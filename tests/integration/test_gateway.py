@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,27 +40,35 @@ USERS = ("sk-gw-alice", "sk-gw-bob")
 COMMAND = str(Path(sys.executable).with_name("jupyter-sandbox-kernel"))
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[dict[str, pwd.struct_passwd]]:
-    """Two real local users (homes 0700, a project folder each), in no privileged group;
-    removed afterwards."""
+@contextmanager
+def local_users(folders: Mapping[str, str]) -> Iterator[dict[str, pwd.struct_passwd]]:
+    """Real local users (homes 0700, one folder of theirs each: ``{name: folder}``), made
+    afresh (a crashed run's removed first) and removed afterwards."""
     made = {}
     try:
-        for name in USERS:
+        for name, folder in folders.items():
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)  # a crashed run's
             subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
             account = pwd.getpwnam(name)
             Path(account.pw_dir).chmod(0o700)
-            project = Path(account.pw_dir) / "proj"
+            project = Path(account.pw_dir) / folder
             project.mkdir()
             os.chown(project, account.pw_uid, account.pw_gid)
             made[name] = account
-        docker_group = grp.getgrnam("docker")
-        assert not set(USERS) & set(docker_group.gr_mem), "a docker-group user is root-equivalent"
         yield made
     finally:
         for name in made:
             subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[dict[str, pwd.struct_passwd]]:
+    """Two real local users (homes 0700, a project folder each), in no privileged group;
+    removed afterwards."""
+    with local_users(dict.fromkeys(USERS, "proj")) as made:
+        docker_group = grp.getgrnam("docker")
+        assert not set(USERS) & set(docker_group.gr_mem), "a docker-group user is root-equivalent"
+        yield made
 
 
 def free_port() -> int:

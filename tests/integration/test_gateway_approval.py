@@ -41,7 +41,7 @@ from sandbox_kernel.egress import ApprovalRequest
 from sandbox_kernel.gateway.approvals import GONE, LEASE
 
 from .conftest import HostState
-from .test_gateway import Served, serve_gateway
+from .test_gateway import Served, local_users, serve_gateway
 from .test_gateway_netns import CLIENT_MANAGER, USER_VENV, UserServer
 from .test_lab_browser import ARTIFACTS, LAB_CONFIG, Lab
 from .test_lab_browser import browser as browser  # Debian's chromium, headless
@@ -87,21 +87,8 @@ def approvals(audit_log: Path) -> list[dict[str, Any]]:
 def users() -> Iterator[dict[str, pwd.struct_passwd]]:
     """Two real local users (homes 0700, a project folder each), in no privileged group;
     removed afterwards."""
-    made = {}
-    try:
-        for name in USERS:
-            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)  # a crashed run's
-            subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
-            account = pwd.getpwnam(name)
-            Path(account.pw_dir).chmod(0o700)
-            project = Path(account.pw_dir) / "proj"
-            project.mkdir()
-            os.chown(project, account.pw_uid, account.pw_gid)
-            made[name] = account
+    with local_users(dict.fromkeys(USERS, "proj")) as made:
         yield made
-    finally:
-        for name in made:
-            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import pwd
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from sandbox_kernel.plan.sandbox_spec import LABEL_VOLUME_USER
 
 from .conftest import KERNEL, HostState
-from .test_gateway import Served, containers_of, run_code, serve_gateway
+from .test_gateway import Served, containers_of, local_users, run_code, serve_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -30,21 +29,8 @@ AL, AL_ICE = "sk-vol-al", "sk-vol-al-ice"
 
 @pytest.fixture(scope="module")
 def users() -> Iterator[dict[str, pwd.struct_passwd]]:
-    made = {}
-    try:
-        for name, project in ((AL, "ice-x"), (AL_ICE, "x")):
-            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)  # a crashed run's
-            subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
-            account = pwd.getpwnam(name)
-            Path(account.pw_dir).chmod(0o700)
-            folder = Path(account.pw_dir) / project
-            folder.mkdir()
-            os.chown(folder, account.pw_uid, account.pw_gid)
-            made[name] = account
+    with local_users({AL: "ice-x", AL_ICE: "x"}) as made:
         yield made
-    finally:
-        for name in made:
-            subprocess.run(["userdel", "-r", name], check=False, capture_output=True)
 
 
 @pytest.fixture
