@@ -270,9 +270,13 @@ def table(rows: list[Row], single_ms: float, local_ms: float) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    folder = Path(tempfile.mkdtemp(prefix="sandbox-kernel-density-"))
-    os.environ["JUPYTER_PATH"] = f"{folder}:{os.environ.get('JUPYTER_PATH', '')}".rstrip(":")
-    name = variant(args.kernel, args.freeze_after, folder)
+    with tempfile.TemporaryDirectory(prefix="sandbox-kernel-density-") as kernelspecs:
+        folder = Path(kernelspecs)
+        os.environ["JUPYTER_PATH"] = f"{folder}:{os.environ.get('JUPYTER_PATH', '')}".rstrip(":")
+        return await _measure_all(args, variant(args.kernel, args.freeze_after, folder))
+
+
+async def _measure_all(args: argparse.Namespace, name: str) -> int:
     with tempfile.TemporaryDirectory(prefix="sandbox-kernel-bench-") as cwd:
         if os.geteuid() == 0:
             os.chown(cwd, SANDBOX_UID, SANDBOX_UID)

@@ -746,6 +746,9 @@ class AsyncSandboxSession:
             release_gateway()  # no DELETE: the kernel runs on, on the gateway
         elif km is not None and isinstance(km.provisioner, SandboxProvisioner):
             await km.provisioner.detach()
+            # The kernel's connection info (its key too) is in its saved state, for connect();
+            # the temporary connection file jupyter_client wrote at the start is not.
+            km.cleanup_connection_file()
 
     async def _stop_approvals(self) -> None:
         """On a gateway: answer the kernel's approval questions no more (the gateway denies)."""

@@ -163,7 +163,9 @@ class Relay:
 
     def __init__(self, channels: dict[str, tuple[str, int]]) -> None:
         self.channels = channels
-        self.epoll = select.epoll()
+        # poll(2), not epoll: an epoll set can come back from a restore holding a
+        # descriptor closed before the pause, ready for ever (see kernel_app.py).
+        self.poller = select.poll()
         #: listening socket's fd -> (socket, channel)
         self.listeners: dict[int, tuple[socket.socket, str]] = {}
         #: connected socket's fd -> (the stream it is the source of, its channel)
@@ -172,9 +174,6 @@ class Relay:
         # and its removal each time, which gVisor makes dear.
         self._buffer = bytearray(CHUNK)
         self._view = memoryview(self._buffer)
-
-    def fileno(self) -> int:
-        return self.epoll.fileno()
 
     def open(self) -> None:
         """Bind the host-facing listeners (a file left at a path is replaced)."""
@@ -197,13 +196,13 @@ class Relay:
             listener.listen(16)
             listener.setblocking(False)
             self.listeners[listener.fileno()] = (listener, name)
-            self.epoll.register(listener, select.EPOLLIN)
+            self.poller.register(listener, select.POLLIN)
 
     def close(self) -> None:
         """Close the listeners and every connection, host's and kernel's; remove the
         listeners' files."""
         for fd, (listener, name) in list(self.listeners.items()):
-            self.epoll.unregister(fd)
+            self.poller.unregister(fd)
             listener.close()
             _unlink(self.channels[name][0])
         self.listeners = {}
@@ -212,7 +211,7 @@ class Relay:
                 self._end(self.streams[fd][0])
 
     def pass_on(self, ready: list[tuple[int, int]]) -> None:
-        """Act on what epoll found ready: new connections, bytes to copy, sinks that can
+        """Act on what poll found ready: new connections, bytes to copy, sinks that can
         take more. IOPub first (PASS_ORDER): output waiting beside a reply goes before it."""
         order = {name: rank for rank, name in enumerate(PASS_ORDER)}
 
@@ -221,13 +220,16 @@ class Relay:
             return order[found[1]] if found is not None else -1
 
         for fd, events in sorted(ready, key=rank):
-            if fd in self.listeners:
+            if events & select.POLLNVAL:  # closed while registered: poll would say so on and on
+                with contextlib.suppress(KeyError):
+                    self.poller.unregister(fd)
+            elif fd in self.listeners:
                 self._accept(*self.listeners[fd])
             elif fd in self.streams:
                 stream = self.streams[fd][0]
-                if events & select.EPOLLOUT:
+                if events & select.POLLOUT:
                     self._write_pending(fd)
-                if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and fd in self.streams:
+                if events & (select.POLLIN | select.POLLHUP | select.POLLERR) and fd in self.streams:
                     self._copy(stream)
 
     def _accept(self, listener: socket.socket, name: str) -> None:
@@ -249,7 +251,7 @@ class Relay:
             end.setblocking(False)
         for stream in (_Stream(host, kernel), _Stream(kernel, host)):
             self.streams[stream.source.fileno()] = (stream, name)
-            self.epoll.register(stream.source, select.EPOLLIN)
+            self.poller.register(stream.source, select.POLLIN)
 
     def _copy(self, stream: _Stream) -> None:
         """Read what ``stream``'s source has and write it to its sink, as much as it takes."""
@@ -293,12 +295,12 @@ class Relay:
             self._watch(stream.sink)
 
     def _watch(self, end: socket.socket) -> None:
-        """What epoll waits for on one end: bytes to read, unless what it sent last still
+        """What poll waits for on one end: bytes to read, unless what it sent last still
         waits for its peer; room to write, while bytes wait for it."""
         outgoing = self.streams[end.fileno()][0]
         incoming = self.streams[outgoing.sink.fileno()][0]
-        mask = (0 if outgoing.pending else select.EPOLLIN) | (select.EPOLLOUT if incoming.pending else 0)
-        self.epoll.modify(end, mask)
+        mask = (0 if outgoing.pending else select.POLLIN) | (select.POLLOUT if incoming.pending else 0)
+        self.poller.modify(end, mask)
 
     def _end(self, stream: _Stream) -> None:
         """Close both ends of ``stream``'s pair; the kernel's with a reset (no lingering
@@ -308,8 +310,8 @@ class Relay:
             if fd < 0:
                 continue
             self.streams.pop(fd, None)
-            with contextlib.suppress(OSError):
-                self.epoll.unregister(fd)
+            with contextlib.suppress(KeyError):
+                self.poller.unregister(fd)
             if end.family == socket.AF_INET:
                 with contextlib.suppress(OSError):
                     end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -320,7 +322,7 @@ class Relay:
         ``timeout`` seconds, then close everything."""
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
-            ready = self.epoll.poll(max(0.0, deadline - time.monotonic()))
+            ready = self.poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
             if not ready:
                 break
             self.pass_on([(fd, events) for fd, events in ready if fd not in self.listeners])
@@ -568,11 +570,11 @@ def main(argv: list[str]) -> int:
     relay = Relay(channels)
     relay.open()
     holding = Holding(os.path.dirname(channels["shell"][0]), egress_pid)
-    relay.epoll.register(wake_read, select.EPOLLIN)
+    relay.poller.register(wake_read, select.POLLIN)
     while True:
         wait = holding.poll()
         try:
-            ready = relay.epoll.poll(-1 if wait is None else max(wait, 0.001))
+            ready = relay.poller.poll(None if wait is None else max(wait, 0.001) * 1000)
         except InterruptedError:
             continue
         if any(fd == wake_read for fd, _ in ready):
@@ -598,7 +600,7 @@ def main(argv: list[str]) -> int:
                         relay.close()
                     holding.bound()
             if kernel.poll() is not None:
-                relay.epoll.unregister(wake_read)
+                relay.poller.unregister(wake_read)
                 try:
                     relay.drain(LAST_WORDS_TIMEOUT)
                 except Exception as exc:  # noqa: BLE001 - the kernel's status must get out

@@ -424,7 +424,7 @@ def fill_file(path: str, chunk_mib: int = 1) -> str:
 def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     """Execute ``code``, insist it succeeded, and return its stdout."""
     result = run(kc, code, timeout)
-    assert result.status == "ok", f"cell failed: {result.outputs}"
+    assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
     return result.stdout
 
 

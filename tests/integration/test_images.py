@@ -37,7 +37,7 @@ def run_collecting(kc: BlockingKernelClient, code: str, timeout: float = 120) ->
         result.hook(msg)
 
     result.reply = kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-    assert result.status == "ok", f"cell failed: {result.outputs}"
+    assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
     return result, messages
 
 

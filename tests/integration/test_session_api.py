@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -526,11 +527,15 @@ def test_a_kernel_its_holder_stopped_watching_is_taken_over_and_kept(
 
 
 def test_a_detached_kernel_is_connected_again_without_taking_it_over(session_dir: Path) -> None:
+    before = set(Path(tempfile.gettempdir()).glob("tmp*.json"))
     session = SandboxSession(cwd=session_dir).start()
     kernel_id = session.kernel_id
     assert kernel_id is not None
     session.run("kept = 'yes'")
     session.detach()
+    # The connection file jupyter_client wrote (the kernel's key in it) goes; the key
+    # stays in the kernel's saved state only, for connect().
+    assert set(Path(tempfile.gettempdir()).glob("tmp*.json")) - before == set()
     started = time.monotonic()
     again = SandboxSession.connect(kernel_id)
     try:
