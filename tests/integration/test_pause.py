@@ -214,11 +214,12 @@ def test_a_kernel_lives_through_pauses_while_its_clients_come_and_go(start_kerne
         assert run_ok(kc, "print(kept)") == "yes\n", f"after pause {turn + 1}"
 
 
-def test_nothing_in_the_sandbox_waits_with_epoll(start_kernel: KernelStarter) -> None:
+@pytest.mark.parametrize("kernel_name", ["sandboxed-python", "sandboxed-python-datascience"])
+def test_nothing_in_the_sandbox_waits_with_epoll(start_kernel: KernelStarter, kernel_name: str) -> None:
     """Why the kernel above lives: no epoll set in the sandbox for a restore to spoil. The
     image's libzmq polls, the kernel's event loops (one a cell starts too) use poll(2), and
-    so does the channel relay."""
-    _, kc = start_kernel()
+    so does the channel relay. The data-science image keeps the library it builds on."""
+    _, kc = start_kernel(kernel_name)
     found = run_ok(
         kc,
         "import asyncio, os\n"
