@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import selectors
 import signal
 import socket
 import stat
@@ -352,6 +353,15 @@ def trust(ca_file: str, bundle: str = BUNDLE) -> None:
     os.environ["NODE_EXTRA_CA_CERTS"] = ca_file
 
 
+class PollingEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    """Event loops that wait with poll(2): an epoll set can come back from a restore
+    holding a connection closed before the pause, ready for ever, and the loop would spin
+    (runsc before 2026-04; see the kernel's kernel_app.py)."""
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.SelectorEventLoop(selectors.PollSelector())
+
+
 def main(argv: list[str]) -> int:
     args = argv[1:]
     command: list[str] = []
@@ -373,6 +383,7 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     socket_path, port = args[0], int(args[1])
+    asyncio.set_event_loop_policy(PollingEventLoopPolicy())
     try:
         tcp, unix = bind(socket_path, port)
     except OSError as exc:

@@ -7,6 +7,7 @@ the command that fixes it (`bash .ci/setup`). Deselect them explicitly with
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -426,6 +427,44 @@ def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     result = run(kc, code, timeout)
     assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
     return result.stdout
+
+
+#: Cell code printing how many of the sandbox's processes it could look into, and the
+#: command lines of those holding an epoll set (one from an event loop a thread starts
+#: included).
+EPOLL_HOLDERS = (
+    "import asyncio, os\n"
+    "def epolls():\n"
+    "    seen, found = 0, []\n"
+    "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "        try:\n"
+    "            fds = os.listdir(f'/proc/{pid}/fd')\n"
+    "        except OSError:\n"
+    "            continue\n"
+    "        seen += 1\n"
+    "        for fd in fds:\n"
+    "            try:\n"
+    "                if 'eventpoll' in os.readlink(f'/proc/{pid}/fd/{fd}'):\n"
+    "                    found.append(open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' '))\n"
+    "            except OSError:\n"
+    "                pass\n"
+    "    return seen, found\n"
+    "import threading\n"
+    "async def in_a_loop():\n"
+    "    return epolls()\n"
+    "result = []\n"
+    "thread = threading.Thread(target=lambda: result.append(asyncio.run(in_a_loop())))\n"
+    "thread.start(); thread.join()\n"
+    "print(result[0])"
+)
+
+
+def epoll_holders(kc: BlockingKernelClient) -> list[str]:
+    """The command lines of the sandbox's processes that hold an epoll set (see
+    test_pause.py's test_nothing_in_the_sandbox_waits_with_epoll for why none may)."""
+    seen, holders = ast.literal_eval(run_ok(kc, EPOLL_HOLDERS))
+    assert seen >= 2, "the kernel could not see its relay's descriptors"
+    return list(holders)
 
 
 def attempt_each(kc: BlockingKernelClient, attempts: dict[str, str], setup: str = "") -> set[str]:

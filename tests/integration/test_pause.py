@@ -4,7 +4,6 @@ plain KernelManager, the CLI from another process, a kernelspec's pause_after)."
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from sandbox_kernel.lifecycle import ownership
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
 
-from .conftest import KernelStarter, run, run_ok
+from .conftest import KernelStarter, epoll_holders, run, run_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
@@ -220,35 +219,7 @@ def test_nothing_in_the_sandbox_waits_with_epoll(start_kernel: KernelStarter, ke
     image's libzmq polls, the kernel's event loops (one a cell starts too) use poll(2), and
     so does the channel relay. The data-science image keeps the library it builds on."""
     _, kc = start_kernel(kernel_name)
-    found = run_ok(
-        kc,
-        "import asyncio, os\n"
-        "def epolls():\n"
-        "    seen, found = 0, []\n"
-        "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-        "        try:\n"
-        "            fds = os.listdir(f'/proc/{pid}/fd')\n"
-        "        except OSError:\n"
-        "            continue\n"
-        "        seen += 1\n"
-        "        for fd in fds:\n"
-        "            try:\n"
-        "                if 'eventpoll' in os.readlink(f'/proc/{pid}/fd/{fd}'):\n"
-        "                    found.append(open(f'/proc/{pid}/cmdline').read().replace(chr(0), ' '))\n"
-        "            except OSError:\n"
-        "                pass\n"
-        "    return seen, found\n"
-        "import threading\n"
-        "async def in_a_loop():\n"
-        "    return epolls()\n"
-        "result = []\n"
-        "thread = threading.Thread(target=lambda: result.append(asyncio.run(in_a_loop())))\n"
-        "thread.start(); thread.join()\n"
-        "print(result[0])",
-    )
-    seen, holders = ast.literal_eval(found)
-    assert seen >= 2, "the kernel could not see its relay's descriptors"
-    assert holders == [], f"processes holding an epoll set: {holders}"
+    assert epoll_holders(kc) == []
 
 
 def test_a_pause_over_the_disk_budget_is_refused_and_the_kernel_runs_on(
