@@ -17,7 +17,8 @@ bring it back at the restore (gVisor commit 5d857245b, "vfs: clear temporary not
 lists"): ready for ever, with the data of a registration long gone. ZeroMQ's I/O threads
 took that data for a pointer and the kernel died of SIGSEGV after one resume in four;
 Python's selectors would spin. The image's libzmq is built to poll too (images/Dockerfile),
-and so is the channel relay: poll(2) keeps nothing between calls for a restore to spoil.
+and so are the channel and egress relays (the latter with this policy's twin: each file
+runs alone in the sandbox): poll(2) keeps nothing between calls for a restore to spoil.
 
 The image does not have this package: the host copies this file into the kernel's launch
 folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
