@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -26,9 +27,9 @@ from requests.exceptions import RequestException
 
 from sandbox_kernel.backends import gvisor_checkpoint
 from sandbox_kernel.backends.base import SandboxBackend
-from sandbox_kernel.backends.docker_args import container_create_kwargs, volume_setup_kwargs
+from sandbox_kernel.backends.docker_args import container_create_kwargs, volume_setup_kwargs, zmq_probe_kwargs
 from sandbox_kernel.backends.gvisor_checkpoint import IMAGES_FOLDER
-from sandbox_kernel.channels.untrusted import quoted
+from sandbox_kernel.channels.untrusted import MARGIN, quoted
 from sandbox_kernel.errors import (
     DockerOperationError,
     DockerUnavailableError,
@@ -264,6 +265,42 @@ class DockerBackend(SandboxBackend):
                 f"never pulls images. Build it with: {build_command(image)}"
             )
             raise ImageNotFoundError(msg) from exc
+
+    async def resume_hazard(self, image: str, runtime: str) -> tuple[bool, str]:
+        """Whether kernels of ``image`` come back from a pause on this host's runsc:
+        (safe, why). runsc before :data:`~.gvisor_checkpoint.EPOLL_RESTORE_FIXED` can restore
+        an epoll set with an entry deleted before the pause; a libzmq that waits with epoll
+        (pyzmq's own wheel) then calls through a stale pointer and the kernel dies of
+        SIGSEGV (about one resume in four, measured). The image's libzmq is probed in a
+        throwaway sandbox, as the kernel would load it."""
+        runtimes = (await self._info()).get("Runtimes") or {}
+        path = str((runtimes.get(runtime) or {}).get("path") or "runsc")
+        try:
+            done = await asyncio.to_thread(
+                subprocess.run, [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+            )
+            version = done.stdout
+        except (OSError, subprocess.TimeoutExpired):
+            version = ""
+        release = gvisor_checkpoint.runsc_release(version)
+        if not gvisor_checkpoint.resurrects_epoll_entries(version):
+            return True, f"runsc {release} restores epoll sets correctly"
+        code, output = await self.run_once(zmq_probe_kwargs(image, runtime), timeout=60)
+        # The output comes quoted (each line behind the margin): the last line is the answer.
+        answer = output.rsplit("\n", 1)[-1].removeprefix(MARGIN).strip() if code == 0 else "?"
+        if answer == "poll":
+            return True, "its libzmq waits with poll(2), which this runsc restores correctly"
+        runsc = f"runsc {release}" if release else f"this runsc ({path})"
+        what = (
+            "its libzmq waits with epoll"
+            if answer == "epoll"
+            else f"how its libzmq waits could not be told (exit code {code}):\n{output[-600:]}\n"
+        )
+        return False, (
+            f"{what}: on {runsc}, older than gVisor's release-{gvisor_checkpoint.EPOLL_RESTORE_FIXED}.0, a "
+            "paused kernel of it can die (SIGSEGV) as it resumes. Build the image from sandbox-kernel's "
+            "images/Dockerfile, whose libzmq polls, or install a newer runsc (docs/administrators/pausing.md)"
+        )
 
     async def create(self, spec: SandboxSpec) -> str:
         container = await self.create_and_start(container_create_kwargs(spec))

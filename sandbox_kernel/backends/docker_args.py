@@ -17,6 +17,7 @@ from docker.types import Mount, Ulimit
 
 from sandbox_kernel.errors import WorkspaceError
 from sandbox_kernel.plan.limits import docker_size, size_bytes
+from sandbox_kernel.plan.plan import DEFAULT_KERNEL_UID
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_RUNTIME_DIR,
     CONTAINER_WORKSPACE,
@@ -189,3 +190,32 @@ def workspace_mount(spec: SandboxSpec) -> Mount:
             raise WorkspaceError(msg)
         return Mount(spec.workspace_path, str(spec.staging), type="bind", read_only=False)
     return Mount(spec.workspace_path, str(spec.workspace), type="bind", read_only=False)
+
+
+#: Prints how the image's libzmq waits, as its kernel loads it: "epoll" or "poll" (the
+#: image's own Python; what the process maps of libzmq, or of pyzmq's backend where that
+#: holds libzmq itself).
+ZMQ_POLLER_PROBE = """\
+import zmq.backend
+maps = {line.split()[-1] for line in open('/proc/self/maps') if 'zmq' in line and '/' in line}
+libraries = [p for p in maps if '.so' in p]
+epoll = any(b'epoll_wait' in open(p, 'rb').read() for p in libraries)
+print('epoll' if epoll else 'poll' if libraries else '?')
+"""
+
+
+def zmq_probe_kwargs(image: str, runtime: str) -> dict[str, Any]:
+    """A helper container that runs :data:`ZMQ_POLLER_PROBE` in ``image`` as a kernel runs:
+    under gVisor, its uid, no capabilities, no network, a read-only root."""
+    return {
+        "image": image,
+        "entrypoint": [""],
+        "command": ["python", "-c", ZMQ_POLLER_PROBE],
+        "runtime": runtime,
+        "user": f"{DEFAULT_KERNEL_UID}:{DEFAULT_KERNEL_UID}",
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
+        "read_only": True,
+        "network_mode": "none",
+        "detach": True,
+    }

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -277,3 +278,22 @@ def _same_bytes(copy: Path, original: Path) -> bool:
                     return False
                 length -= chunk
     return True
+
+
+#: The first gVisor release that no longer brings a deleted epoll entry back at a restore
+#: (commit 5d857245b, "vfs: clear temporary notReady lists"; see inside/kernel_app.py).
+EPOLL_RESTORE_FIXED = 20260330
+
+
+def runsc_release(version_output: str) -> int | None:
+    """The release date (``YYYYMMDD``) in ``runsc --version``'s output: ``runsc version
+    release-20260406.0`` from gVisor's packages, ``0.0~20240729.0`` from Debian's."""
+    match = re.search(r"\b(?:release-|~)(20\d{6})\b", version_output)
+    return int(match.group(1)) if match else None
+
+
+def resurrects_epoll_entries(version_output: str) -> bool:
+    """Whether this runsc can restore an epoll set with an entry deleted before the pause
+    (ready for ever, with a stale pointer for libzmq to call through); True when unknown."""
+    release = runsc_release(version_output)
+    return release is None or release < EPOLL_RESTORE_FIXED

@@ -560,7 +560,9 @@ class CheckApp(_SubApp):
     name = "jupyter-sandbox-kernel-check"
     description = """Check that Docker is reachable, the gVisor runtime is registered with the
     flags the bridge needs, the kernel image exists and the kernelspec is installed.
-    Exits non-zero, with the fix, if anything is missing."""
+    Exits non-zero, with the fix, if anything is missing. Where kernels can pause, it
+    also says whether paused kernels of the image resume safely on this host's runsc
+    (it runs the image's Python once, in a throwaway sandbox)."""
 
     image = Unicode(DEFAULT_IMAGE, config=True, help="Image to look for.")
     runtime = Unicode(DEFAULT_RUNTIME, config=True, help="Docker runtime to look for.")
@@ -607,6 +609,16 @@ class CheckApp(_SubApp):
             print(f"ok    pausing kernels to disk ({how})")
         except SandboxKernelError as exc:
             print(f"note  kernels cannot pause to disk here: {exc}")
+            return 0
+        try:
+            safe, why = await docker_backend.resume_hazard(self.image, self.runtime)
+        except SandboxKernelError as exc:
+            print(f"note  could not tell whether paused kernels of {self.image!r} resume safely: {exc}")
+            return 0
+        if safe:
+            print(f"ok    paused kernels of {self.image!r} resume safely: {why}")
+        else:
+            print(f"note  paused kernels of {self.image!r} may die as they resume: {why}")
         return 0
 
 

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,17 @@ def runtime_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("sandbox-kernel-*")}
 
 
+def connection_files() -> set[Path]:
+    """jupyter_client's temporary connection files (``tmpXXXXXXXX.json``, a kernel's key in
+    each) in the temporary folder."""
+    found = set()
+    for path in Path(tempfile.gettempdir()).glob("tmp*.json"):
+        with suppress(OSError, ValueError):
+            if "signature_scheme" in json.loads(path.read_text(encoding="utf-8")):
+                found.add(path)
+    return found
+
+
 def kernel_mounts() -> set[str]:
     """Mounts in kernels' runtime folders (a pooled kernel's workspace, its slot's parent)."""
     return {str(p) for p in mounts_under(Path(tempfile.gettempdir())) if "/sandbox-kernel-" in str(p)}
@@ -69,6 +80,7 @@ class HostState:
         self.dirs = runtime_dirs()
         self.mounts = kernel_mounts()
         self.processes = runsc_processes()
+        self.connection_files = connection_files()
 
     def _containers(self) -> set[str]:
         return {
@@ -168,6 +180,10 @@ def _nothing_left_behind(docker_client: docker.DockerClient) -> Iterator[None]:
     ):
         if container.name not in before.containers and container.id in mine:
             DockerBackend().remove_blocking(container.id)  # thawed first, if a pooled one
+    # Programs the tests kill on purpose (a server SIGKILLed, a holder that os._exit()s)
+    # leave jupyter_client's connection file, as any killed client does: remove this run's.
+    for path in connection_files() - before.connection_files:
+        path.unlink(missing_ok=True)
     if problems:
         pytest.fail("Left behind after the tests: " + "; ".join(problems), pytrace=False)
 

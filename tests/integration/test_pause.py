@@ -222,6 +222,45 @@ def test_nothing_in_the_sandbox_waits_with_epoll(start_kernel: KernelStarter, ke
     assert epoll_holders(kc) == []
 
 
+def test_check_warns_of_an_image_whose_libzmq_waits_with_epoll(
+    docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    """An administrator's own image with pyzmq's wheel as it comes (its libzmq waits with
+    epoll) would lose one paused kernel in four on this runsc: `check` says so, and says the
+    project's image is safe."""
+    import zmq
+
+    wheel_library = next((Path(zmq.__file__).parent.parent / "pyzmq.libs").glob("libzmq*"))
+    shutil.copy(wheel_library, tmp_path / "libzmq.so")
+    (tmp_path / "Dockerfile").write_text(
+        "FROM sandbox-kernel/python:latest\n"
+        "COPY libzmq.so /tmp/libzmq.so\n"
+        "USER 0\n"
+        "RUN for f in $(python -c 'import zmq, pathlib; "
+        'print(*(pathlib.Path(zmq.__file__).parent.parent / "pyzmq.libs").glob("libzmq*"))\'); '
+        'do cp /tmp/libzmq.so "$f"; done && rm /tmp/libzmq.so\n'
+        "USER 65533:65533\n"
+    )
+    image = f"sandbox-kernel-test/epoll-libzmq:{os.getpid()}"
+    docker_client.images.build(path=str(tmp_path), tag=image, rm=True, forcerm=True)
+    try:
+        mine = subprocess.run([SK, "check", "--image", image], capture_output=True, text=True, timeout=300)
+        ours = subprocess.run([SK, "check"], capture_output=True, text=True, timeout=300)
+    finally:
+        docker_client.images.remove(image, force=True)
+    assert mine.returncode == 0, mine.stdout + mine.stderr
+    assert (
+        f"note  paused kernels of {image!r} may die as they resume: its libzmq waits with epoll: "
+        "on runsc 20240729, older than gVisor's release-20260330.0" in mine.stdout
+    ), mine.stdout
+    assert "images/Dockerfile, whose libzmq polls" in mine.stdout
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert (
+        "ok    paused kernels of 'sandbox-kernel/python:latest' resume safely: its libzmq waits with poll(2)"
+        in ours.stdout
+    ), ours.stdout
+
+
 def test_a_pause_over_the_disk_budget_is_refused_and_the_kernel_runs_on(
     start_kernel: KernelStarter, docker_client: docker.DockerClient
 ) -> None:

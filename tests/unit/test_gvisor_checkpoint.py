@@ -244,3 +244,21 @@ def test_a_copy_of_dockers_own_checkpoint_is_told_by_its_bytes(
     assert restore_copies([temp], checkpoint, owner=os.getuid()) == [ours]
     (checkpoint / "criu.work").mkdir()  # not a flat folder of files: nothing is told
     assert restore_copies([temp], checkpoint, owner=os.getuid()) == []
+
+
+@pytest.mark.parametrize(
+    ("version", "release", "resurrects"),
+    [
+        ("runsc version 0.0~20240729.0\nspec: 1.0.2-dev\n", 20240729, True),  # Debian's
+        ("runsc version release-20260330.0\nspec: 1.2.0\n", 20260330, False),  # the fix's
+        ("runsc version release-20260817.0\n", 20260817, False),
+        ("runsc version 0.0~20221219.0\n", 20221219, True),
+        ("runsc version VERSION_MISSING\n", None, True),  # a build from source: assume the bug
+        ("", None, True),
+    ],
+)
+def test_runsc_releases_that_restore_a_deleted_epoll_entry(
+    version: str, release: int | None, resurrects: bool
+) -> None:
+    assert gvisor_checkpoint.runsc_release(version) == release
+    assert gvisor_checkpoint.resurrects_epoll_entries(version) is resurrects
