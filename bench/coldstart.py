@@ -13,6 +13,9 @@ same run:
   the checks of runtime and image, the workspace, the container's create and start
   (Docker), and the rest (in the sandbox: Python, ipykernel's imports, the kernel and its
   relay binding their sockets; then the bridge and the first reply);
+* the kernelspec's argv run directly, as VS Code and other front ends that ignore
+  provisioners start a kernel (the sandboxed one's is the launcher, a fresh process that
+  imports sandbox_kernel first), to its first ``kernel_info`` reply, local and sandboxed;
 * a ready kernel restored from a prepared checkpoint (``docker start --checkpoint``, our
   uncompressed runsc image) to its first output, against a cold ``docker start`` of the
   same container to the same point: whether a prepared checkpoint would beat a cold start
@@ -35,15 +38,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -52,6 +58,9 @@ from pathlib import Path
 from typing import Any
 
 import docker
+from jupyter_client import BlockingKernelClient
+from jupyter_client.connect import write_connection_file
+from jupyter_client.kernelspec import KernelSpecManager
 from latency import progress, running_kernel, workspace
 
 from sandbox_kernel.backends.docker import DockerBackend
@@ -171,6 +180,49 @@ def kernel_round(rows: Rows, kernel: str, baseline: str, cwd: str) -> None:
     rows["  sandboxed start: container started -> kernel_info reply"].setdefault("runsc", []).append(
         reply - previous
     )
+    rows[ARGV_ROW].setdefault("host", []).append(argv_start_s(baseline, cwd))
+    rows[ARGV_ROW].setdefault("runsc", []).append(argv_start_s(kernel, cwd))
+
+
+ARGV_ROW = "kernelspec argv run directly (VS Code) -> kernel_info reply"
+
+
+def argv_start_s(kernel_name: str, cwd: str) -> float:
+    """Seconds from running the kernelspec's argv (as VS Code and other front ends that
+    ignore provisioners do: for a sandboxed kernelspec, the launcher, a fresh process that
+    imports sandbox_kernel first) to its first ``kernel_info`` reply; then shut it down."""
+    spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    with tempfile.TemporaryDirectory(prefix="sandbox-kernel-bench-argv-") as folder:
+        connection_file = os.path.join(folder, "kernel.json")
+        write_connection_file(connection_file)
+        argv = [a.replace("{connection_file}", connection_file) for a in spec.argv]
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        client = BlockingKernelClient(connection_file=connection_file)
+        client.load_connection_file()
+        started = time.perf_counter()
+        process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: S603
+        try:
+            client.start_channels()
+            deadline = started + 120
+            while True:  # no manager: ask until a reply comes (its heartbeat starts late)
+                msg_id = client.kernel_info()
+                with contextlib.suppress(queue.Empty):
+                    while client.get_shell_msg(timeout=0.25)["parent_header"].get("msg_id") != msg_id:
+                        pass
+                    break
+                if process.poll() is not None or time.perf_counter() > deadline:
+                    msg = f"{kernel_name}: its argv exited ({process.returncode}) or gave no reply"
+                    raise RuntimeError(msg)
+            took = time.perf_counter() - started
+            client.shutdown()
+            process.wait(timeout=60)
+            return took
+        finally:
+            client.stop_channels()
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=60)
 
 
 def _log_has(log_path: Path, word: str, after: int) -> bool:

@@ -20,11 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import queue
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -36,6 +33,7 @@ from tornado.httpclient import HTTPClientError
 from traitlets import DottedObjectName, Type
 
 from sandbox_kernel.agents.files import DEFAULT_MAX_BYTES, FileInfo
+from sandbox_kernel.agents.gateway_settings import GatewaySettings
 from sandbox_kernel.errors import (
     ConfigurationError,
     FileTooLargeError,
@@ -53,52 +51,13 @@ from sandbox_kernel.jupyter.gateway_client import (
     honour_ca_certs,
 )
 from sandbox_kernel.lifecycle.pausing import Paused
-from sandbox_kernel.plan.plan import NARROWABLE
 
-#: The environment variables that name the gateway, as jupyter_server's GatewayClient reads them.
-URL_VARIABLE = "JUPYTER_GATEWAY_URL"
-TOKEN_VARIABLE = "JUPYTER_GATEWAY_AUTH_TOKEN"  # noqa: S105  # its name, not a token
-CA_VARIABLE = "JUPYTER_GATEWAY_CA_CERTS"
 #: The owner's routes on a kernel, under the gateway's base URL.
 SANDBOX_KERNELS = "api/sandbox-kernel/kernels"
 #: Seconds a REST call to the gateway may take (a pause saves the kernel's memory to disk).
 REQUEST_TIMEOUT = 120.0
 #: Seconds between a waiting read's checks that the connection to the gateway still runs.
 ROUTER_CHECK = 1.0
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    """Where the gateway is and how this process proves who it is to it."""
-
-    url: str
-    token: str | None = None
-    ca_certs: str | None = None
-
-    @classmethod
-    def given(
-        cls, url: str | None = None, token: str | None = None, ca_certs: str | None = None
-    ) -> GatewaySettings | None:
-        """The settings of these arguments, each missing one from its environment variable;
-        None when no gateway is named (a local session).
-
-        Raises:
-            ConfigurationError: a token or CA file without a gateway URL, or a URL that is
-                not http(s).
-        """
-        url = url or os.environ.get(URL_VARIABLE) or None
-        token = token or os.environ.get(TOKEN_VARIABLE) or None
-        ca_certs = ca_certs or os.environ.get(CA_VARIABLE) or None
-        if url is None:
-            return None
-        if not url.startswith(("https://", "http://")):
-            msg = f"gateway_url={url!r} must be the gateway's https:// (or, on loopback, http://) URL"
-            raise ConfigurationError(msg)
-        return cls(url.rstrip("/"), token, ca_certs)
-
-    @property
-    def ws_url(self) -> str:
-        return "ws" + self.url.removeprefix("http")
 
 
 #: The settings GatewayClient was given for this process's gateway sessions, and how many hold it.
@@ -276,30 +235,6 @@ class SessionGatewayKernelManager(SandboxGatewayKernelManager):
         self.kernel = json_decode(response.body)
         self.kernel_id = self.kernel["id"]
         self.kernel_url = url_path_join(self.kernels_url, url_escape(str(self.kernel_id)))
-
-
-def narrowing_for_gateway(policy: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
-    """The POST's ``"sandbox"`` object for a session's ``policy`` keywords.
-
-    Raises:
-        ConfigurationError: ``env`` (the gateway sets no variables a client sends), or a
-            keyword the gateway cannot narrow: refused rather than dropped, since a dropped
-            narrowing would run the kernel with more than was asked for.
-    """
-    if env:
-        msg = (
-            "env= is not sent to a sandbox gateway (it sets none of a client's variables in the kernel): "
-            "pass env= to run() instead, or set them in code"
-        )
-        raise ConfigurationError(msg)
-    unknown = sorted(set(policy) - set(NARROWABLE))
-    if unknown:
-        msg = (
-            f"a kernel on a sandbox gateway may be narrowed only by {', '.join(NARROWABLE)}; "
-            f"not {', '.join(unknown)}"
-        )
-        raise ConfigurationError(msg)
-    return dict(policy)
 
 
 class GatewayKernel:

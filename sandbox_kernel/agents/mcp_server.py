@@ -68,7 +68,7 @@ from traitlets.config import Config, LoggingConfigurable
 from sandbox_kernel._version import __version__
 from sandbox_kernel.agents import mcp_files, mcp_transport, workspaces
 from sandbox_kernel.agents.commands import DEFAULT_TIMEOUT
-from sandbox_kernel.agents.gateway_session import GatewaySettings
+from sandbox_kernel.agents.gateway_settings import GatewaySettings
 from sandbox_kernel.agents.mcp_approval import ClientApprovals
 from sandbox_kernel.agents.mcp_results import (
     DeleteOutput,

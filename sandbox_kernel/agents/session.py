@@ -46,12 +46,13 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
@@ -69,15 +70,7 @@ from sandbox_kernel.agents.commands import (
     saved_env,
 )
 from sandbox_kernel.agents.files import FileInfo, WorkspaceFiles, workspace_files
-from sandbox_kernel.agents.gateway_approvals import GatewayApprovals
-from sandbox_kernel.agents.gateway_session import (
-    GatewayKernel,
-    GatewaySettings,
-    SessionGatewayKernelManager,
-    narrowing_for_gateway,
-    release_gateway,
-    use_gateway,
-)
+from sandbox_kernel.agents.gateway_settings import GatewaySettings, narrowing_for_gateway
 from sandbox_kernel.agents.session_run import RunMessages
 from sandbox_kernel.agents.workspaces import keep_workspace, make_fresh_workspace, remove_workspace
 from sandbox_kernel.channels.approval import ApprovalHandler
@@ -94,6 +87,10 @@ from sandbox_kernel.lifecycle.pausing import Paused
 from sandbox_kernel.plan.admission import sandboxed_manager
 from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.reattach import reattach_kernel
+
+if TYPE_CHECKING:
+    from sandbox_kernel.agents.gateway_approvals import GatewayApprovals
+    from sandbox_kernel.agents.gateway_session import GatewayKernel
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -445,6 +442,14 @@ class AsyncSandboxSession:
 
     async def _start_on_gateway(self, gateway: GatewaySettings, kernel_id: str | None = None) -> None:
         """Start the kernel on ``gateway`` (or take its kernel ``kernel_id``) and connect to it."""
+        # The client part loads jupyter_server's gateway client: only a gateway session pays.
+        from sandbox_kernel.agents.gateway_approvals import GatewayApprovals
+        from sandbox_kernel.agents.gateway_session import (
+            SessionGatewayKernelManager,
+            release_gateway,
+            use_gateway,
+        )
+
         use_gateway(gateway)
         try:
             km = SessionGatewayKernelManager(kernel_name=self.kernel_name)
@@ -708,7 +713,9 @@ class AsyncSandboxSession:
         await self._stop_approvals()
         if kc is not None:
             kc.stop_channels()
-        if isinstance(km, SessionGatewayKernelManager):
+        if km is not None and _on_gateway(km):
+            from sandbox_kernel.agents.gateway_session import release_gateway
+
             try:
                 await km.shutdown_kernel(now=True)  # DELETE on the gateway
             finally:
@@ -742,7 +749,9 @@ class AsyncSandboxSession:
         await self._stop_approvals()
         if kc is not None:
             kc.stop_channels()
-        if isinstance(km, SessionGatewayKernelManager):
+        if _on_gateway(km):
+            from sandbox_kernel.agents.gateway_session import release_gateway
+
             release_gateway()  # no DELETE: the kernel runs on, on the gateway
         elif km is not None and isinstance(km.provisioner, SandboxProvisioner):
             await km.provisioner.detach()
@@ -981,8 +990,10 @@ class AsyncSandboxSession:
     def _gateway_kernel(self) -> GatewayKernel | None:
         """The owner's routes of the session's kernel, if it is on a gateway."""
         km = self._manager()
-        if not isinstance(km, SessionGatewayKernelManager):
+        if not _on_gateway(km):
             return None
+        from sandbox_kernel.agents.gateway_session import GatewayKernel
+
         return GatewayKernel(str(km.kernel_id))
 
     def _client(self) -> AsyncKernelClient:
@@ -1002,6 +1013,13 @@ class AsyncSandboxSession:
                 await provisioner.get_provisioner_info(), provisioner.backend
             )
         return self._workspace
+
+
+def _on_gateway(km: object) -> bool:
+    """Whether ``km`` runs its kernel on a sandbox gateway. Such a manager exists only once
+    its module is imported, which a local session never does."""
+    module = sys.modules.get("sandbox_kernel.agents.gateway_session")
+    return module is not None and isinstance(km, module.SessionGatewayKernelManager)
 
 
 async def _gateway_cpu(gateway: GatewayKernel) -> float | None:

@@ -43,7 +43,6 @@ from sandbox_kernel.errors import (
     ImageBuildError,
     SandboxKernelError,
 )
-from sandbox_kernel.gateway.app import SandboxGatewayApp
 from sandbox_kernel.lifecycle.ownership import SandboxedKernel, list_kernels, prune_orphans, remove_kernel
 from sandbox_kernel.plan.admission import CONFIG_FILE_NAME, require_sandboxed, sandboxed_manager
 from sandbox_kernel.plan.plan import ceiling_violations, validate_kernelspec_config, volume_name
@@ -61,7 +60,7 @@ from sandbox_kernel.provisioner import SandboxProvisioner
 from sandbox_kernel.reattach import pause_kernel
 
 if TYPE_CHECKING:
-    from sandbox_kernel.agents.gateway_session import GatewaySettings
+    from sandbox_kernel.agents.gateway_settings import GatewaySettings
 
 T = TypeVar("T")
 A = TypeVar("A", bound=JupyterApp)
@@ -846,7 +845,7 @@ class _GatewayOptions(_KernelStarter):
 
     def gateway(self) -> GatewaySettings | None:
         """The gateway asked for, or None; exits with a one-line error for one that cannot be used."""
-        from sandbox_kernel.agents.gateway_session import GatewaySettings  # only here
+        from sandbox_kernel.agents.gateway_settings import GatewaySettings  # only here
 
         token = None
         if self.gateway_token_file:
@@ -1116,7 +1115,8 @@ class SandboxKernelApp(JupyterApp):
         "prune": (PruneApp, "Remove sandboxed kernels whose Jupyter server is gone."),
         "mcp": (McpApp, "Serve sandboxed kernels to an AI assistant over MCP (stdio)."),
         "gateway": (
-            SandboxGatewayApp,
+            # Imported when chosen: it loads jupyter_server, a second of every other command's start.
+            "sandbox_kernel.gateway.app.SandboxGatewayApp",
             "Serve sandboxed kernels to other users' Jupyter servers (a kernel gateway).",
         ),
     }

@@ -20,7 +20,8 @@ from tornado.simple_httpclient import HTTPTimeoutError
 
 from sandbox_kernel.agents import gateway_approvals, gateway_session
 from sandbox_kernel.agents.gateway_approvals import GatewayApprovals
-from sandbox_kernel.agents.gateway_session import GatewaySettings, use_gateway
+from sandbox_kernel.agents.gateway_session import use_gateway
+from sandbox_kernel.agents.gateway_settings import GatewaySettings
 from sandbox_kernel.channels.approval import HANDLER
 from sandbox_kernel.egress import ApprovalRequest
 from sandbox_kernel.gateway.approvals import GONE, LEASE, RELEASED, ApprovalQueue, NotTheAnswerer

@@ -109,3 +109,26 @@ def test_the_paths_configs_and_users_name_still_work() -> None:
     )
     assert launched.returncode == 0, launched.stderr
     assert "--kernel" in launched.stdout, "what installed kernelspecs' argv runs"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "sandbox_kernel",  # the session API, and the package a provisioner's entry point loads
+        "sandbox_kernel.launch",  # a kernelspec's argv, run by VS Code and the like
+        "sandbox_kernel.cli.app",  # every `jupyter sandbox-kernel` command
+        "sandbox_kernel.agents.mcp_server",
+    ],
+)
+def test_starting_a_kernel_or_a_command_does_not_load_jupyter_server(module: str) -> None:
+    """jupyter_server's gateway client loads jupyter_events, jsonschema's format checks and
+    their grammars: 1.2 s of every start, which tripled `jupyter sandbox-kernel list` (2.26
+    against 0.63 s) and doubled a kernelspec argv's start to its first reply (4.98 against
+    2.62 s). Only the gateway's own paths load it, when they are taken."""
+    code = (
+        f"import sys, {module}\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in "
+        "('jupyter_server', 'jupyter_events', 'jsonschema')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

@@ -22,12 +22,12 @@ from tornado.ioloop import IOLoop
 from sandbox_kernel.agents import gateway_session
 from sandbox_kernel.agents.gateway_session import (
     GatewayKernel,
-    GatewaySettings,
     SessionGatewayKernelClient,
     SessionGatewayKernelManager,
     release_gateway,
     use_gateway,
 )
+from sandbox_kernel.agents.gateway_settings import GatewaySettings
 from sandbox_kernel.agents.session import AsyncSandboxSession
 from sandbox_kernel.cli.app import McpApp, RunApp, _GatewayOptions
 from sandbox_kernel.errors import (
