@@ -114,7 +114,7 @@ def test_the_paths_configs_and_users_name_still_work() -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "sandbox_kernel",  # the session API, and the package a provisioner's entry point loads
+        "sandbox_kernel.provisioner",  # what a provisioner's entry point loads
         "sandbox_kernel.launch",  # a kernelspec's argv, run by VS Code and the like
         "sandbox_kernel.cli.app",  # every `jupyter sandbox-kernel` command
         "sandbox_kernel.agents.mcp_server",
@@ -123,8 +123,9 @@ def test_the_paths_configs_and_users_name_still_work() -> None:
 def test_starting_a_kernel_or_a_command_does_not_load_jupyter_server(module: str) -> None:
     """jupyter_server's gateway client loads jupyter_events, jsonschema's format checks and
     their grammars: 1.2 s of every start, which tripled `jupyter sandbox-kernel list` (2.26
-    against 0.63 s) and doubled a kernelspec argv's start to its first reply (4.98 against
-    2.62 s). Only the gateway's own paths load it, when they are taken."""
+    against 0.63 s) and, with the package's eager imports, made a kernelspec argv's start
+    to its first reply 5.1 s against 2.0 s. Only the gateway's own paths load it, when
+    they are taken."""
     code = (
         f"import sys, {module}\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in "
@@ -132,3 +133,18 @@ def test_starting_a_kernel_or_a_command_does_not_load_jupyter_server(module: str
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def test_the_launcher_imports_only_what_it_needs() -> None:
+    """The launcher a front end runs per kernel starts its worker and waits: importing the
+    package must not import the session API, the provisioner or jupyter_client (PEP 562
+    names in sandbox_kernel/__init__.py), while ``from sandbox_kernel import ...`` works."""
+    code = (
+        "import sys, sandbox_kernel.launch\n"
+        "print(sorted(n for n in ('sandbox_kernel.agents.session', 'sandbox_kernel.provisioner', "
+        "'jupyter_client') if n in sys.modules))\n"
+        "from sandbox_kernel import SandboxSession, SandboxProvisioner, warm_pool, KernelHeldError\n"
+        "print(SandboxSession.__name__, SandboxProvisioner.__name__, warm_pool.__name__)"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.splitlines() == ["[]", "SandboxSession SandboxProvisioner warm_pool"]
