@@ -11,6 +11,7 @@ entry but the kernel's sockets and the files the host wrote itself.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -26,7 +27,6 @@ from sandbox_kernel.backends.base import SandboxBackend
 from sandbox_kernel.egress import relay as egress_relay
 from sandbox_kernel.errors import KernelStartupError
 from sandbox_kernel.host.trees import delete_tree
-from sandbox_kernel.inside import fast_io, in_kernel, in_kernel_startup, kernel_app, kernel_relay
 from sandbox_kernel.lifecycle.ownership import RUNTIME_DIR_PREFIX, write_owner
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CLAIM_SOCKET,
@@ -44,6 +44,20 @@ from sandbox_kernel.plan.sandbox_spec import (
 
 log = logging.getLogger(__name__)
 
+
+def _in_sandbox_file(name: str) -> str:
+    """The source file of the module ``sandbox_kernel.inside.NAME``, found without importing
+    it: the host only copies these files (``kernel_app`` imports ipykernel and IPython)."""
+    spec = importlib.util.find_spec(f"sandbox_kernel.inside.{name}")
+    if spec is None or spec.origin is None:
+        msg = f"sandbox_kernel.inside.{name} is missing from this installation"
+        raise ImportError(msg)
+    return spec.origin
+
+
+FAST_IO_FILE = _in_sandbox_file("fast_io")
+
+
 #: Files the host writes into the launch folder before the kernel starts.
 HOST_FILES = frozenset(
     Path(p).name
@@ -56,10 +70,14 @@ HOST_FILES = frozenset(
         CONTAINER_RELAY_FILE,
         CONTAINER_EGRESS_CA,
     )
-) | {Path(fast_io.__file__).name}
+) | {Path(FAST_IO_FILE).name}
+
 #: The programs the sandbox runs besides the kernel's start-up code: the kernel itself and
 #: its parent, the channel relay.
-IN_SANDBOX_PROGRAMS = {CONTAINER_KERNEL_APP_FILE: kernel_app, CONTAINER_KERNEL_RELAY_FILE: kernel_relay}
+IN_SANDBOX_PROGRAMS = {
+    CONTAINER_KERNEL_APP_FILE: _in_sandbox_file("kernel_app"),
+    CONTAINER_KERNEL_RELAY_FILE: _in_sandbox_file("kernel_relay"),
+}
 #: Sockets the kernel binds only with network "allowlist" (the egress relay's) or in a pool
 #: (where it hears its claim).
 OPTIONAL_SOCKETS = frozenset({Path(CONTAINER_EGRESS_SOCKET).name, Path(CONTAINER_CLAIM_SOCKET).name})
@@ -176,8 +194,8 @@ def write_launch_files(
             os.fchown(f.fileno(), *owner)
         json.dump(info, f)
     write_startup_code(launch_dir)
-    for path, module in IN_SANDBOX_PROGRAMS.items():
-        (launch_dir / Path(path).name).write_text(Path(str(module.__file__)).read_text())
+    for path, source in IN_SANDBOX_PROGRAMS.items():
+        (launch_dir / Path(path).name).write_text(Path(source).read_text())
     if egress_ca is not None:
         (launch_dir / Path(CONTAINER_RELAY_FILE).name).write_text(Path(egress_relay.__file__).read_text())
         (launch_dir / Path(CONTAINER_EGRESS_CA).name).write_bytes(egress_ca)
@@ -186,10 +204,10 @@ def write_launch_files(
 def write_startup_code(launch_dir: Path) -> None:
     """The kernel's start-up code (its PYTHONSTARTUP) and the module it runs, side by side."""
     startup = {
-        CONTAINER_STARTUP_FILE: in_kernel.__file__,
-        CONTAINER_STARTUP_MODULE: in_kernel_startup.__file__,
+        CONTAINER_STARTUP_FILE: _in_sandbox_file("in_kernel"),
+        CONTAINER_STARTUP_MODULE: _in_sandbox_file("in_kernel_startup"),
         # The start-up module loads it from beside itself.
-        f"{Path(CONTAINER_STARTUP_MODULE).parent}/{Path(fast_io.__file__).name}": fast_io.__file__,
+        f"{Path(CONTAINER_STARTUP_MODULE).parent}/{Path(FAST_IO_FILE).name}": FAST_IO_FILE,
     }
     for path, source in startup.items():
         (launch_dir / Path(path).name).write_text(Path(source).read_text())

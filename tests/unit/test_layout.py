@@ -125,11 +125,12 @@ def test_starting_a_kernel_or_a_command_does_not_load_jupyter_server(module: str
     their grammars: 1.2 s of every start, which tripled `jupyter sandbox-kernel list` (2.26
     against 0.63 s) and, with the package's eager imports, made a kernelspec argv's start
     to its first reply 5.1 s against 2.0 s. Only the gateway's own paths load it, when
-    they are taken."""
+    they are taken. IPython and ipykernel run in the sandbox: the host copies the files
+    that import them, and imports neither."""
     code = (
         f"import sys, {module}\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in "
-        "('jupyter_server', 'jupyter_events', 'jsonschema')))"
+        "('jupyter_server', 'jupyter_events', 'jsonschema', 'IPython', 'ipykernel')))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
