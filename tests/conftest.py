@@ -19,23 +19,11 @@ def _isolated_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_cli_singletons() -> Iterator[None]:
     """The CLI's subcommands are traitlets singletons: none may leak between tests."""
-    from traitlets.utils.importstring import import_item
-
     from sandbox_kernel.cli.app import SandboxKernelApp
 
-    # A subcommand named by its import path (the gateway's) is loaded when first chosen.
-    classes = [
-        SandboxKernelApp,
-        *(
-            import_item(sub) if isinstance(sub, str) else sub
-            for sub, _ in SandboxKernelApp.subcommands.values()
-        ),
-    ]
-    for app_class in classes:
-        app_class.clear_instance()
+    SandboxKernelApp.clear_instances()
     yield
-    for app_class in classes:
-        app_class.clear_instance()
+    SandboxKernelApp.clear_instances()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

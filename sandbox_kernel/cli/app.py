@@ -30,6 +30,7 @@ from jupyter_core.utils import ensure_async, run_sync
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, TraitError, TraitType, Unicode, default
 from traitlets.config import Application
 from traitlets.config.loader import ArgumentError, KVArgParseConfigLoader
+from traitlets.utils.importstring import import_item
 
 from sandbox_kernel._version import __version__
 from sandbox_kernel.agents.workspaces import sweep_abandoned_workspaces
@@ -1120,6 +1121,14 @@ class SandboxKernelApp(JupyterApp):
             "Serve sandboxed kernels to other users' Jupyter servers (a kernel gateway).",
         ),
     }
+
+    @classmethod
+    def clear_instances(cls) -> None:
+        """Forget the singletons of this application and of every subcommand, so that a
+        process can run another command (traitlets keeps one instance of each)."""
+        cls.clear_instance()
+        for sub, _ in cls.subcommands.values():
+            (import_item(sub) if isinstance(sub, str) else sub).clear_instance()
 
     def start(self) -> None:
         if self.subapp is not None:

@@ -408,7 +408,11 @@ def test_kernel_code_flooding_the_relay_with_connections_harms_only_itself(
     _, kc = start_sandboxed()
     held, _, spent = run_ok(kc, FLOOD_THE_RELAY, timeout=180).split()
     assert int(held) > 100, "the relay's sockets took connections from kernel code"
-    assert int(spent) < 20, f"the relay spun: {spent} ticks in 2 s holding {held} connections"
+    # A spin is 200 ticks (a whole core). Not spinning still costs: the relay waits with
+    # poll(2) (an epoll set does not survive a pause here, see kernel_relay.py), which
+    # looks at all of its 2 x held descriptors each time one connection wakes it (the
+    # bridge's heartbeat): 10-20 % of a core at 3000 connections, measured.
+    assert int(spent) < 100, f"the relay spun: {spent} ticks in 2 s holding {held} connections"
     assert run_ok(kc, "print(len(held))").strip() == held, "the kernel's own client is answered"
     run_ok(kc, "for s in held: s.close()\nheld.clear()")
     assert run_ok(kc, "print(1 + 1)").strip() == "2"

@@ -53,8 +53,7 @@ PLANT_THEN_RUN_THE_KERNEL = (
 
 def prune() -> None:
     """``jupyter sandbox-kernel prune``, in-process (subcommands are singletons: reset them)."""
-    for app_class in (SandboxKernelApp, *(sub for sub, _ in SandboxKernelApp.subcommands.values())):
-        app_class.clear_instance()
+    SandboxKernelApp.clear_instances()
     app = SandboxKernelApp()
     app.initialize(["prune"])
     app.start()

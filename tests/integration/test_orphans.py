@@ -68,8 +68,7 @@ def start_doomed_server(
 
 def cli(*argv: str) -> None:
     """``jupyter sandbox-kernel ARGV``, in-process (subcommands are singletons: reset them)."""
-    for app_class in (SandboxKernelApp, *(sub for sub, _ in SandboxKernelApp.subcommands.values())):
-        app_class.clear_instance()
+    SandboxKernelApp.clear_instances()
     app = SandboxKernelApp()
     app.initialize(list(argv))
     app.start()
