@@ -52,7 +52,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
@@ -90,7 +90,7 @@ from sandbox_kernel.reattach import reattach_kernel
 
 if TYPE_CHECKING:
     from sandbox_kernel.agents.gateway_approvals import GatewayApprovals
-    from sandbox_kernel.agents.gateway_session import GatewayKernel
+    from sandbox_kernel.agents.gateway_session import GatewayKernel, SessionGatewayKernelManager
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -713,7 +713,7 @@ class AsyncSandboxSession:
         await self._stop_approvals()
         if kc is not None:
             kc.stop_channels()
-        if km is not None and _on_gateway(km):
+        if _on_gateway(km):
             from sandbox_kernel.agents.gateway_session import release_gateway
 
             try:
@@ -1015,7 +1015,7 @@ class AsyncSandboxSession:
         return self._workspace
 
 
-def _on_gateway(km: object) -> bool:
+def _on_gateway(km: object) -> TypeGuard[SessionGatewayKernelManager]:
     """Whether ``km`` runs its kernel on a sandbox gateway. Such a manager exists only once
     its module is imported, which a local session never does."""
     module = sys.modules.get("sandbox_kernel.agents.gateway_session")

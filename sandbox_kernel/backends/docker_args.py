@@ -89,6 +89,8 @@ def _seccomp_profile() -> str:
 
 
 SECCOMP_PROFILE = _seccomp_profile()
+#: Every container we run: no privilege gained through exec, and our seccomp profile.
+SECURITY_OPT = ("no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}")
 
 
 def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
@@ -112,7 +114,7 @@ def container_create_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "runtime": spec.runtime,
         "user": f"{spec.uid}:{spec.gid}",
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
+        "security_opt": list(SECURITY_OPT),
         "privileged": False,
         "read_only": True,
         # gVisor's tmpfs (and Linux's) take no fraction: docker_size makes '1.5g' bytes.
@@ -163,7 +165,7 @@ def volume_setup_kwargs(spec: SandboxSpec) -> dict[str, Any]:
         "cap_drop": ["ALL"],
         "cap_add": ["CHOWN"],
         # The profile too: root in here must not make anything setuid either.
-        "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
+        "security_opt": list(SECURITY_OPT),
         "read_only": True,
         "network_mode": "none",
         "mounts": [Mount(CONTAINER_WORKSPACE, spec.volume, type="volume", read_only=False, no_copy=True)],
@@ -214,7 +216,7 @@ def zmq_probe_kwargs(image: str, runtime: str) -> dict[str, Any]:
         "runtime": runtime,
         "user": f"{DEFAULT_KERNEL_UID}:{DEFAULT_KERNEL_UID}",
         "cap_drop": ["ALL"],
-        "security_opt": ["no-new-privileges:true", f"seccomp={SECCOMP_PROFILE}"],
+        "security_opt": list(SECURITY_OPT),
         "read_only": True,
         "network_mode": "none",
         "detach": True,

@@ -56,6 +56,12 @@ def _in_sandbox_file(name: str) -> str:
 
 
 FAST_IO_FILE = _in_sandbox_file("fast_io")
+STARTUP_SOURCES = {
+    CONTAINER_STARTUP_FILE: _in_sandbox_file("in_kernel"),
+    CONTAINER_STARTUP_MODULE: _in_sandbox_file("in_kernel_startup"),
+    # The start-up module loads it from beside itself.
+    f"{Path(CONTAINER_STARTUP_MODULE).parent}/{Path(FAST_IO_FILE).name}": FAST_IO_FILE,
+}
 
 
 #: Files the host writes into the launch folder before the kernel starts.
@@ -203,13 +209,7 @@ def write_launch_files(
 
 def write_startup_code(launch_dir: Path) -> None:
     """The kernel's start-up code (its PYTHONSTARTUP) and the module it runs, side by side."""
-    startup = {
-        CONTAINER_STARTUP_FILE: _in_sandbox_file("in_kernel"),
-        CONTAINER_STARTUP_MODULE: _in_sandbox_file("in_kernel_startup"),
-        # The start-up module loads it from beside itself.
-        f"{Path(CONTAINER_STARTUP_MODULE).parent}/{Path(FAST_IO_FILE).name}": FAST_IO_FILE,
-    }
-    for path, source in startup.items():
+    for path, source in STARTUP_SOURCES.items():
         (launch_dir / Path(path).name).write_text(Path(source).read_text())
 
 
