@@ -21,7 +21,10 @@ all of them alike):
 
 The table gives p50 and p95 in milliseconds, each path's p50 minus the sandboxed raw p50
 (what the way in adds), and the ratio to the local raw p50; under it, what MCP adds to
-``SandboxSession.run`` and how much of that is the floor.
+``SandboxSession.run`` and how much of that is the floor. Each kernel has a round trip of
+its own, so that difference carries the kernels' spread too; the last lines take it out:
+each call's time minus the ``duration`` its own result reports (the session's round trip
+to its kernel, in the same process), i.e. what the way in costs around the kernel.
 
 Run from the project root::
 
@@ -53,6 +56,8 @@ SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
 PATHS = ("local raw", "sandboxed raw", "SandboxSession.run", "MCP run_code", "MCP empty tool")
 #: The paths on a kernel: the rest have no "p50 - sandboxed raw" of their own.
 ON_KERNELS = PATHS[:4]
+#: What a call took besides the kernel round trip its result reports.
+AROUND = "around its result's duration"
 
 #: The floor's server: one tool that returns at once, the mcp package alone.
 EMPTY_SERVER = """
@@ -80,6 +85,8 @@ class McpClient:
 
     def __init__(self, cwd: str, empty: bool = False) -> None:
         self._empty = empty
+        #: Per run_code call, milliseconds besides the duration its result reports.
+        self.around: list[float] = []
         self._command = [sys.executable, "-c", EMPTY_SERVER] if empty else [str(SK), "mcp", "--cwd", cwd]
         self._loop = asyncio.new_event_loop()
         self._calls: asyncio.Queue[Future[float] | None] | None = None
@@ -142,10 +149,14 @@ class McpClient:
         if result.is_error or [r.get("text") for r in content.get("results", [])] != ["2"]:
             msg = f"MCP run_code({CODE!r}) gave {content or result.content}"
             raise RuntimeError(msg)
+        self.around.append(elapsed - content["duration"] * 1000)
         return elapsed
 
 
-def session_run(session: SandboxSession) -> Callable[[], float]:
+def session_run(session: SandboxSession, around: list[float]) -> Callable[[], float]:
+    """A call of ``SandboxSession.run``; what it took besides its result's duration goes
+    to ``around``."""
+
     def once() -> float:
         started = time.perf_counter()
         result = session.run(CODE)
@@ -153,13 +164,15 @@ def session_run(session: SandboxSession) -> Callable[[], float]:
         if result.text != "2":
             msg = f"SandboxSession.run({CODE!r}) gave {result.to_dict()}"
             raise RuntimeError(msg)
+        around.append(elapsed - result.duration * 1000)
         return elapsed
 
     return once
 
 
 def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dict[str, list[float]]:
-    """Milliseconds per path, ``runs`` each, the paths in a shuffled order every round."""
+    """Milliseconds per path, ``runs`` each, the paths in a shuffled order every round; and
+    per way in on a session, what each call took around its result's duration (AROUND)."""
     with ExitStack() as stack:
         progress(
             f"starting a local {baseline} kernel, a {kernel} kernel, a SandboxSession, an MCP server, "
@@ -170,16 +183,19 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
         session = stack.enter_context(SandboxSession(kernel, cwd))
         mcp = stack.enter_context(McpClient(cwd))
         empty = stack.enter_context(McpClient(cwd, empty=True))
+        around: list[float] = []
         calls: dict[str, Callable[[], float]] = {
             "local raw": lambda: execute_once(local.client) * 1000,
             "sandboxed raw": lambda: execute_once(sandboxed.client) * 1000,
-            "SandboxSession.run": session_run(session),
+            "SandboxSession.run": session_run(session, around),
             "MCP run_code": mcp.call,
             "MCP empty tool": empty.call,
         }
         for _ in range(warmup):
             for call in calls.values():
                 call()
+        around.clear()
+        mcp.around.clear()
         times: dict[str, list[float]] = {path: [] for path in PATHS}
         order = list(PATHS)
         for done in range(runs):
@@ -189,6 +205,8 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
             if (done + 1) % 50 == 0:
                 progress(f"  {done + 1}/{runs} rounds")
         progress("stopping the kernels")
+    times[f"SandboxSession.run {AROUND}"] = around
+    times[f"MCP run_code {AROUND}"] = mcp.around
     return times
 
 
@@ -212,11 +230,16 @@ def format_table(times: dict[str, list[float]]) -> str:
     session = percentile(times["SandboxSession.run"], 50)
     added = percentile(times["MCP run_code"], 50) - session
     floor = percentile(times["MCP empty tool"], 50)
-    footer = (
+    session_around = percentile(times[f"SandboxSession.run {AROUND}"], 50)
+    mcp_around = percentile(times[f"MCP run_code {AROUND}"], 50)
+    footer = [
         f"MCP run_code adds {added:.2f} ms to SandboxSession.run (p50s); the mcp package's own "
-        f"client and server over stdio, calling a tool that returns at once, take {floor:.2f} ms"
-    )
-    return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:], "", footer])
+        f"client and server over stdio, calling a tool that returns at once, take {floor:.2f} ms.",
+        f"Each call {AROUND} (p50): SandboxSession.run {session_around:.2f} ms, MCP run_code "
+        f"{mcp_around:.2f} ms (its server runs a SandboxSession); less the session's and the mcp "
+        f"package's floor, the MCP server's own work is {mcp_around - session_around - floor:.2f} ms.",
+    ]
+    return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:], "", *footer])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
