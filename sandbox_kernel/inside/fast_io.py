@@ -17,16 +17,33 @@ that sleeps costs ten times as much or more (``bench/wakeups.py`` measures both)
   everything written before is on the IOPub socket already, which is what the wait is for.
   Otherwise the flush is ipykernel's own. (:data:`SKIP_EMPTY_FLUSHES` turns it off, as
   for a benchmark's "before".)
+- Every IOPub message (busy, the input, the result, idle, each display) is handed to the
+  IOPub thread, which wakes to send it: four wakes for ``1+1``, the IOPub thread's and
+  then ZeroMQ's I/O thread's. Here the thread that makes a message sends it on the IOPub
+  socket itself when the IOPub thread has nothing handed to it still to do (so nothing can
+  be overtaken), holding the lock that counts that work: the socket is used by one thread
+  at a time, as ZeroMQ requires, and messages go in the order they were made. Whatever the
+  IOPub thread still has goes after it, through it, as before. The IOPub socket's own
+  reading (a client's subscription, answered with ``iopub_welcome``) counts as its work
+  too; a send that finds a subscription waiting wakes the IOPub thread for it, since a
+  ZeroMQ socket signals it only once, to whichever thread looks first.
+  (:data:`DIRECT_SENDS` turns it off.)
+- ipykernel asks ``Thread.is_alive()`` of the IOPub thread for every message. On Python
+  3.11 an exception from a signal handler landing inside it (an interrupt, a timeout)
+  marks the running thread stopped for good, and from then on ipykernel sends every
+  message from the calling thread beside the IOPub thread: messages are cut and lost.
+  Here the IOPub thread's ``is_alive()`` reads the thread's lock without taking it.
 - Before each ``execute_reply`` ipykernel sleeps 0.5 ms ("on rare occasions, the flush
   doesn't seem to make it to the clients"), 1.1 ms under gVisor. Here it does not: the flush
   before it has handed every output to the IOPub socket, and the channel relay
   (kernel_relay.py) passes the kernel's IOPub messages on before its replies when both are
   waiting.
 
-What goes out, in which order and with which parent, is unchanged: the IOPub thread still
-sends every message, in the order it was handed them. :func:`install` returns what undoes
-it. Like in_kernel_startup.py, it is copied into the launch folder by the host and uses the
-standard library and ipykernel only.
+What goes out, in which order and with which parent, is unchanged: every message is sent
+in the order it was made or handed to the IOPub thread. :func:`install` returns what undoes
+it (the IOPub socket's reading stays counted, which changes nothing by itself). Like
+in_kernel_startup.py, it is copied into the launch folder by the host and uses the
+standard library, pyzmq and ipykernel only.
 """
 
 from __future__ import annotations
@@ -39,6 +56,9 @@ from typing import Any
 
 #: Whether a flush with nothing to send returns at once (read at each flush).
 SKIP_EMPTY_FLUSHES = True
+#: Whether a thread sends an IOPub message itself when the IOPub thread has nothing to do
+#: (read at each send).
+DIRECT_SENDS = True
 #: This process's pid, as the fork hook keeps it.
 _pid = [os.getpid()]
 _hooked = [False]
@@ -87,6 +107,7 @@ def install(kernel: Any) -> Callable[[], None]:
         AttributeError: this ipykernel has not the parts the shortcuts replace (then
             nothing is changed).
     """
+    import zmq
     from ipykernel import iostream
 
     for stream in (sys.stdout, sys.stderr):
@@ -97,6 +118,7 @@ def install(kernel: Any) -> Callable[[], None]:
     # Every part replaced, looked up first: an ipykernel without one is left as it is.
     originals = {
         "schedule": pub_thread.schedule,
+        "send_multipart": pub_thread.send_multipart,
         "flush": stream_class.flush,
         "_flush": stream_class._flush,
         "stream_master": stream_class._is_master_process,
@@ -134,8 +156,67 @@ def install(kernel: Any) -> Callable[[], None]:
     def is_master_process(self: Any) -> bool:
         return bool(current_pid() == self._master_pid)
 
+    # Thread.is_alive() on Python 3.11 and earlier: an exception from a signal handler
+    # (an interrupt, a timeout) landing inside it marks the running thread stopped for
+    # good (CPython's fallback for bpo-45274 releases the lock the thread itself holds).
+    # ipykernel asks it of the IOPub thread for every message: once wrong, it sends
+    # every message from the calling thread, alongside the IOPub thread, and messages
+    # are cut. Here the answer reads that lock without taking it.
+    thread = pub_thread.thread
+    running = thread._tstate_lock
+
+    def io_thread_alive() -> bool:
+        return bool(running.locked()) and current_pid() == pub_thread._master_pid
+
+    # The IOPub socket's reading (XPUB: a client's subscription) runs on the IOPub thread;
+    # counted as its work, it never meets a send from another thread. Sends go direct
+    # only once the IOPub thread has taken that up (it cannot be changed from here).
+    xpub: Any = getattr(pub_thread, "_xpub_stream", None)
+    reading_counted = threading.Event()
+
+    def counted_reading(fd: Any, events: int) -> None:
+        in_flight.add(1)
+        try:
+            type(xpub)._handle_events(xpub, fd, events)
+        finally:
+            in_flight.add(-1)
+
+    def count_reading() -> None:
+        if xpub is not None and xpub.socket is not None:
+            xpub._handle_events = counted_reading  # what its own callbacks look up
+            xpub.io_loop.remove_handler(xpub.socket)
+            xpub.io_loop.add_handler(xpub.socket, counted_reading, xpub.io_loop.READ)
+        reading_counted.set()
+
+    send_frames = whole_message_sender()
+
+    def send_multipart(msg: list[Any], *args: Any, **kwargs: Any) -> None:
+        waiting = False
+        with in_flight.lock:
+            direct = (
+                DIRECT_SENDS
+                and not args
+                and not kwargs.get("track")
+                and in_flight.count == 0
+                and reading_counted.is_set()
+                and thread.is_alive()
+                and not pub_thread.closed
+                and msg
+                and all(type(frame) is bytes for frame in msg)
+            )
+            if direct and send_frames is not None:
+                send_frames(pub_thread.socket, msg)
+                # The send may have taken the socket's signal of a subscription waiting.
+                waiting = xpub is not None and bool(pub_thread.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        if not direct or send_frames is None:
+            originals["send_multipart"](msg, *args, **kwargs)  # through the IOPub thread
+        elif waiting:
+            pub_thread.io_loop.add_callback(counted_reading, xpub.socket, 0)
+
     replaced: list[tuple[Any, str, Any]] = [
+        *([(thread, "is_alive", io_thread_alive)] if running is not None else []),  # (once started)
         (pub_thread, "schedule", schedule),
+        (pub_thread, "send_multipart", send_multipart),
         (stream_class, "_flush", counted_flush),
         (stream_class, "flush", flush),
         (stream_class, "_is_master_process", is_master_process),
@@ -145,6 +226,7 @@ def install(kernel: Any) -> Callable[[], None]:
     for owner, name, replacement in replaced:
         setattr(owner, name, replacement)
     kernel._execute_sleep = 0.0
+    pub_thread.io_loop.add_callback(count_reading)
 
     def uninstall() -> None:
         for owner, name, original in reversed(put_back):
@@ -163,6 +245,45 @@ def uninstall() -> None:
     "before" on the same kernel)."""
     while _undo:
         _undo.pop()()
+
+
+def whole_message_sender() -> Callable[[Any, list[bytes]], None] | None:
+    """A send of a message's frames on a ZeroMQ socket that no signal handler can stop
+    between two frames; None where this pyzmq offers no way to it.
+
+    A thread other than the IOPub thread sending on its own is the main thread, mostly,
+    where Python runs signal handlers: one raising (KeyboardInterrupt, a timeout) between
+    two frames of pyzmq's ``send_multipart``, which checks for signals after each frame,
+    would leave a message cut, and the next one would be read as its rest. Here the
+    frames go through libzmq's ``zmq_send`` by ctypes, which checks for none, called
+    by ``map`` in C: no Python code runs between two frames, so no handler can.
+    """
+    import ctypes
+    import errno as errnos
+
+    import zmq
+
+    try:
+        from zmq.backend.cython import _zmq
+
+        library = ctypes.CDLL(_zmq.__file__, use_errno=True)
+        zmq_send = library.zmq_send
+    except (ImportError, OSError, AttributeError):
+        return None
+    zmq_send.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    zmq_send.restype = ctypes.c_int
+    more = zmq.SNDMORE
+
+    def send(socket: Any, frames: list[bytes]) -> None:
+        flags = [more] * (len(frames) - 1) + [0]
+        handle = socket.underlying
+        sent = list(map(zmq_send, [handle] * len(frames), frames, map(len, frames), flags))
+        if min(sent) < 0:
+            error = ctypes.get_errno()
+            if error not in (errnos.ENOTSOCK, zmq.ETERM):  # not as it closes (ipykernel's own)
+                raise zmq.ZMQError(error)
+
+    return send
 
 
 def _nothing_to_wait_for(stream: Any, in_flight: InFlight) -> bool:

@@ -138,3 +138,61 @@ def test_an_interrupted_flood_of_prints_ends_cleanly_and_the_kernel_goes_on(
     assert kinds(messages) == ["status:busy", "execute_input", "stream", "execute_result", "status:idle"]
     assert messages[2]["content"]["text"] == "after\n"
     assert run_ok(kc, "print(i > 0)") == "True\n"
+
+
+#: Output sent from the main thread while a timer's handler raises in it every 0.2 ms (as
+#: a user's timeout decorator, the wall clock's limit or an interrupt would): each
+#: message either goes whole or not at all, never cut between its frames.
+INTERRUPTED_SENDS = """\
+import signal, time
+kernel = get_ipython().kernel
+class Tick(Exception):
+    pass
+sending = False
+def tick(signum, frame):  # raises only inside a send, once each
+    global sending
+    if sending:
+        sending = False
+        raise Tick
+before = signal.signal(signal.SIGALRM, tick)
+sent, ticks = [], 0
+signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+for i in range(3000):
+    try:
+        sending = True
+        kernel.session.send(kernel.iopub_socket, "stream", {"name": "stderr", "text": "%d," % i},
+                            parent=kernel.get_parent("shell"))
+        sending = False
+        sent.append(i)
+    except Tick:
+        ticks += 1
+    time.sleep(0.001)  # under the IOPub socket's high-water mark, where ZeroMQ drops
+signal.setitimer(signal.ITIMER_REAL, 0)
+signal.signal(signal.SIGALRM, before)
+print(" sent", *sent, "ticks", ticks)"""
+
+
+def test_a_signal_raising_in_the_main_thread_never_cuts_a_message_in_two(start_kernel: KernelStarter) -> None:
+    """A message is several ZeroMQ frames; one cut after some of them takes the next
+    message's frames as its own, and the client loses both (and a local ipykernel on
+    Python 3.11 does: a handler raising inside Thread.is_alive(), which ipykernel asks
+    of its IOPub thread for every message, marks that thread stopped for good, and from
+    then on the main thread sends alongside it). The main thread also sends IOPub
+    messages itself here (fast_io), where signal handlers run: thousands of interrupts
+    land during sends, and every message the cell counted as sent arrives, in order."""
+    _, kc = start_kernel()
+    messages, reply = messages_of(kc, INTERRUPTED_SENDS, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+
+    def text(name: str) -> str:
+        return "".join(m["content"]["text"] for m in messages if m["content"].get("name") == name)
+
+    *sent, _, ticks = (int(n) for n in text("stdout").replace("sent", "").replace("ticks", "0").split())
+    got = [int(n) for n in text("stderr").split(",") if n]
+    lost = sorted(set(sent) - set(got))
+    assert ticks > 100, f"the timer hardly interrupted anything ({ticks} ticks)"
+    assert got == sorted(set(got)), "messages came out of order or twice"
+    assert not lost, f"{len(lost)} of {len(sent)} messages sent were lost ({ticks} interrupts): {lost[:10]}"
+    for _ in range(3):
+        quick, _ = messages_of(kc, "1+1")
+        assert kinds(quick) == ["status:busy", "execute_input", "execute_result", "status:idle"]

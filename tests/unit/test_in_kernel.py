@@ -631,3 +631,187 @@ def test_undoing_the_shortcuts_gives_ipykernel_s_own_output_path_back(iopub: Any
     assert iopub.kernel._execute_sleep == 0.0005
     iopub.stream.flush()
     assert len(iopub.scheduled) == 2  # ipykernel's flush: its _flush, then the event it waits for
+
+
+def test_asking_whether_the_iopub_thread_runs_takes_no_lock(iopub: Any) -> None:
+    """Python 3.11's Thread.is_alive() takes the thread's lock and, if a signal handler
+    raises meanwhile, releases it and marks the running thread stopped for good
+    (bpo-45274's fallback); ipykernel asks it for every message, and then sends from
+    the main thread beside its IOPub thread. Here the answer takes no lock: right while
+    the thread runs, in a forked child (no such thread) and once it has stopped."""
+    iopub.fast_io.install(iopub.kernel)
+    thread = iopub.kernel.iopub_thread.thread
+
+    def no_lock(*args: Any) -> None:
+        raise AssertionError("is_alive() took the thread's lock")
+
+    thread._wait_for_tstate_lock = no_lock
+    try:
+        assert thread.is_alive()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not thread.is_alive() else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        del thread._wait_for_tstate_lock
+    iopub.kernel.iopub_thread.stop()
+    assert not thread.is_alive()
+
+
+def test_a_message_made_with_nothing_in_flight_is_sent_by_its_own_thread(iopub: Any) -> None:
+    """Each hand-off to the IOPub thread wakes it (four for `1+1`); with nothing handed to
+    it still to do, the thread that makes a message sends it itself."""
+    iopub.fast_io.install(iopub.kernel)
+    wait_for_direct_sends(iopub.kernel.iopub_thread)
+    iopub.kernel.iopub_thread.send_multipart([b"direct"])
+    assert iopub.scheduled == []
+    assert [m[0] for m in received(iopub.sub)] == [b"direct"]
+
+
+def test_a_message_made_while_the_iopub_thread_has_work_goes_after_that_work(iopub: Any) -> None:
+    """The IOPub thread holds a message: one made after it waits its turn (through the
+    IOPub thread), and one made once all is sent goes direct again."""
+    iopub.fast_io.install(iopub.kernel)
+    thread = iopub.kernel.iopub_thread
+    wait_for_direct_sends(thread)
+    busy = threading.Event()
+    thread.schedule(busy.wait)
+    thread.send_multipart([b"first"])
+    thread.send_multipart([b"second"])  # made while "first" is in flight
+    busy.set()
+    assert [m[0] for m in received(iopub.sub)] == [b"first", b"second"]
+    iopub.scheduled.clear()
+    thread.send_multipart([b"third"])
+    assert iopub.scheduled == []
+    assert [m[0] for m in received(iopub.sub)] == [b"third"]
+
+
+def test_with_the_switch_off_every_message_goes_through_the_iopub_thread(
+    iopub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    iopub.fast_io.install(iopub.kernel)
+    monkeypatch.setattr(iopub.fast_io, "DIRECT_SENDS", False)  # read at each send
+    wait_for_direct_sends(iopub.kernel.iopub_thread)
+    iopub.kernel.iopub_thread.send_multipart([b"through"])
+    assert len(iopub.scheduled) == 1
+    assert [m[0] for m in received(iopub.sub)] == [b"through"]
+
+
+def test_messages_from_many_threads_all_arrive_each_thread_s_in_order(iopub: Any) -> None:
+    """ZeroMQ sockets are not thread-safe: the direct sends, the hand-offs and the
+    stream's flushes from several threads at once must never use the socket together
+    (that would lose messages or crash libzmq), and each thread's order holds."""
+    iopub.fast_io.install(iopub.kernel)
+    thread = iopub.kernel.iopub_thread
+    wait_for_direct_sends(thread)
+    threads, each = 4, 300
+
+    def sender(n: int) -> None:
+        for i in range(each):
+            thread.send_multipart([f"{n}:{i}".encode()])
+            if i % 50 == 0:
+                iopub.stream.write(f"w{n}\n")
+                iopub.stream.flush()
+
+    senders = [REAL_THREAD(target=sender, args=(n,)) for n in range(threads)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(60)
+    got = [m[0] for m in received(iopub.sub)]
+    for n in range(threads):
+        mine = [g for g in got if g.startswith(f"{n}:".encode())]
+        assert mine == [f"{n}:{i}".encode() for i in range(each)]
+    assert got.count(b"stream.stdout") >= 1
+
+
+def test_a_subscription_whose_signal_a_direct_send_took_is_still_welcomed(iopub_xpub: Any) -> None:
+    """ipykernel's IOPub socket is an XPUB: it answers each new subscription with an
+    iopub_welcome, read on the IOPub thread when the socket signals it. A ZeroMQ socket
+    signals a waiting subscription once, to whichever thread uses the socket first: when
+    that is a direct send from another thread, the IOPub thread hears nothing. Here the
+    IOPub thread stops listening to the socket, as if its signal had been taken: the
+    send that finds the subscription waiting must have it answered."""
+    import zmq
+
+    thread, context, address = iopub_xpub
+    stream = thread._xpub_stream
+    deaf = threading.Event()
+
+    def stop_listening() -> None:
+        stream.io_loop.remove_handler(stream.socket)
+        deaf.set()
+
+    stream.io_loop.add_callback(stop_listening)
+    assert deaf.wait(5)
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"topic")
+        sub.connect(address)
+        time.sleep(0.3)  # the subscription is at the kernel's socket, unread
+        thread.send_multipart([b"other", b"x"])  # direct: the subscription is seen waiting
+        assert sub.poll(3000), "no iopub_welcome for the subscription waiting at a direct send"
+        assert sub.recv_multipart()[0] == b"topic"
+    finally:
+        sub.close(linger=0)
+
+
+def test_clients_subscribing_during_direct_sends_all_get_their_welcome(iopub_xpub: Any) -> None:
+    """The same, as it happens: one thread sending all the time while clients subscribe."""
+    import zmq
+
+    thread, context, address = iopub_xpub
+    stop = threading.Event()
+
+    def keep_sending() -> None:
+        while not stop.is_set():
+            thread.send_multipart([b"busy", b"x"])
+            time.sleep(0.0002)
+
+    sending = REAL_THREAD(target=keep_sending)
+    sending.start()
+    subscribers = []
+    try:
+        for _ in range(20):
+            sub = context.socket(zmq.SUB)
+            subscribers.append(sub)
+            topic = os.urandom(8).hex().encode()
+            sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(address)
+            assert sub.poll(3000), "no iopub_welcome for a new subscription while others sent"
+            assert sub.recv_multipart()[0] == topic
+    finally:
+        stop.set()
+        sending.join(10)
+        for sub in subscribers:
+            sub.close(linger=0)
+
+
+@pytest.fixture
+def iopub_xpub() -> Any:
+    """ipykernel's IOPub thread on an XPUB socket, as in a kernel, with fast_io on; its
+    context and address for subscribers."""
+    import zmq
+    from jupyter_client.session import Session
+
+    from sandbox_kernel.inside import fast_io
+
+    context = zmq.Context()
+    xpub = context.socket(zmq.XPUB)
+    address = f"tcp://127.0.0.1:{xpub.bind_to_random_port('tcp://127.0.0.1')}"
+    thread = iostream.IOPubThread(xpub, session=Session(key=b""))
+    thread.start()
+    fast_io.install(types.SimpleNamespace(iopub_thread=thread, _execute_sleep=0.0005))
+    wait_for_direct_sends(thread)
+    yield thread, context, address
+    fast_io.uninstall()
+    thread.stop()
+    thread.close()
+    context.term()
+
+
+def wait_for_direct_sends(thread: Any) -> None:
+    """Until the IOPub thread has taken up counting its socket's reading (install asks it to)."""
+    done = threading.Event()
+    thread.io_loop.add_callback(done.set)
+    assert done.wait(5)
