@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from contextlib import ExitStack
 from pathlib import Path
 
-from latency import CODE, execute_once, percentile, positive_int, progress, running_kernel, workspace
+from latency import CODE, aligned, execute_once, percentile, positive_int, progress, running_kernel, workspace
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from sandbox_kernel import SandboxSession
@@ -220,13 +220,6 @@ def format_table(times: dict[str, list[float]]) -> str:
             lines.append((path, f"{p50:.2f}", f"{p95:.2f}", f"{p50 - raw:+.2f} ms", f"{p50 / local:.2f}x"))
         else:
             lines.append((path, f"{p50:.2f}", f"{p95:.2f}", "", ""))
-    widths = [max(len(line[col]) for line in lines) for col in range(5)]
-    rendered = [
-        "  ".join(
-            [line[0].ljust(widths[0]), *(v.rjust(w) for v, w in zip(line[1:], widths[1:], strict=True))]
-        )
-        for line in lines
-    ]
     session = percentile(times["SandboxSession.run"], 50)
     added = percentile(times["MCP run_code"], 50) - session
     floor = percentile(times["MCP empty tool"], 50)
@@ -239,7 +232,7 @@ def format_table(times: dict[str, list[float]]) -> str:
         f"{mcp_around:.2f} ms (its server runs a SandboxSession); less the session's and the mcp "
         f"package's floor, the MCP server's own work is {mcp_around - session_around - floor:.2f} ms.",
     ]
-    return "\n".join([rendered[0], "  ".join("-" * w for w in widths), *rendered[1:], "", *footer])
+    return "\n".join([aligned(lines), "", *footer])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -516,7 +516,13 @@ def format_table(local: dict[str, float], sandboxed: dict[str, float], headers: 
     for key, label, unit in ROWS:
         ratio = sandboxed[key] / local[key] if local[key] else math.nan
         lines.append((label, cell(local[key], unit), cell(sandboxed[key], unit), f"{ratio:.2f}x"))
-    widths = [max(len(line[col]) for line in lines) for col in range(4)]
+    return aligned(lines)
+
+
+def aligned(lines: list[tuple[str, ...]]) -> str:
+    """``lines`` (the first the header) as a plain-text table: the first column to the
+    left, the others to the right, a rule under the header."""
+    widths = [max(len(line[col]) for line in lines) for col in range(len(lines[0]))]
 
     def render(line: tuple[str, ...]) -> str:
         label, *values = line

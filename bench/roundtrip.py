@@ -5,7 +5,7 @@ A client's message to a sandboxed kernel crosses, in turn: the host's bridge (in
 client's process for a ``KernelManager``, signatures checked, output budgeted), the relay
 inside the sandbox (the kernel's parent, holding the host-facing ipc sockets), and the
 kernel's own tcp ports on the sandbox's loopback. This measures ``execute_interactive('1+1')``
-(from the ``execute_request`` sent until its reply and the ``idle`` status are in) five ways:
+(from the ``execute_request`` sent until its reply and the ``idle`` status are in) four ways:
 
 * ``local``: a local ipykernel, as the baseline;
 * ``bridge``: the sandboxed kernel as every client reaches it (bridge -> relay -> kernel);
@@ -13,10 +13,7 @@ kernel's own tcp ports on the sandbox's loopback. This measures ``execute_intera
   sockets (the bridge left out: the difference to ``bridge`` is the bridge's);
 * ``inside``: the same kernel from a client inside its sandbox (``docker exec``, the
   image's jupyter_client) on the kernel's own ports (relay and host sockets left out; the
-  client pays gVisor's costs too, so this is an upper bound of the kernel's own share);
-* ``handed``: a second sandboxed kernel, as clients reach it, whose IOPub messages all go
-  through ipykernel's IOPub thread, as ipykernel sends them (``fast_io.DIRECT_SENDS``
-  off): what sending them from the thread that makes them saves.
+  client pays gVisor's costs too, so this is an upper bound of the kernel's own share).
 
 Each sample is also split in two by the kernel's own clock: the kernel itself (from its
 ``busy`` status to its ``idle`` one: ipykernel's handling of the request, in its own
@@ -25,7 +22,7 @@ and the kernel's process receiving the request before it says ``busy`` and sendi
 last message after ``idle``).
 
 Each round takes ``--batch`` samples of each way in turn, ``--rounds`` times, so that a
-change of the machine's load touches all five alike. The sandboxed kernel's idle freeze is
+change of the machine's load touches all four alike. The sandboxed kernel's idle freeze is
 turned off for the run (a kernelspec variant), since the ``relay`` and ``inside`` clients'
 messages do not pass the bridge, which is what keeps a kernel thawed. Run as root from the
 project root::
@@ -56,15 +53,12 @@ from roundtrip_once import once
 
 #: Where the launch folder (connection file, the relay's ipc sockets) is in the sandbox.
 LAUNCH_FOLDER = "/run/sandbox-kernel"
-WAYS = ("local", "bridge", "relay", "inside", "handed")
-#: Turns off, in a sandboxed kernel, the sending of IOPub messages by the thread that makes them.
-HAND_EVERY_MESSAGE = "import sys; sys.modules['sandbox_kernel_fast_io'].DIRECT_SENDS = False"
+WAYS = ("local", "bridge", "relay", "inside")
 LABELS = {
     "local": "local ipykernel",
     "bridge": "sandboxed: bridge -> relay -> kernel (what clients use)",
     "relay": "sandboxed: host client -> relay -> kernel (no bridge)",
     "inside": "sandboxed: client in the sandbox -> kernel's ports",
-    "handed": "sandboxed, every IOPub message through the IOPub thread (bridge -> relay -> kernel)",
 }
 
 #: Run with the image's Python inside the sandbox: on each line "N", N timed round trips
@@ -193,13 +187,7 @@ def measure(
             relay = relay_client(sandboxed, docker_client)
             started.append((sandboxed, relay))
             inside = InsideClient(sandboxed.provisioner.container_id)
-            started.append(start(unfrozen, str(cwd)))
-            handed = started[-1][1]
-            reply = handed.execute_interactive(HAND_EVERY_MESSAGE, timeout=60)
-            if reply["content"]["status"] != "ok":
-                msg = f"cannot turn fast_io's direct sends off: {reply['content']}"
-                raise RuntimeError(msg)
-            clients = {"local": local, "bridge": bridge, "relay": relay, "handed": handed}
+            clients = {"local": local, "bridge": bridge, "relay": relay}
             for client in clients.values():
                 for _ in range(warmup):
                     once(client)
@@ -254,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", default="sandboxed-python", help="the sandboxed kernelspec")
     parser.add_argument("--local", default="python3", help="the local kernelspec (the baseline)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds of all five ways (default 8)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of all four ways (default 8)")
     parser.add_argument("--batch", type=int, default=25, help="round trips of each way per round")
     parser.add_argument("--warmup", type=int, default=20, help="untimed round trips of each way first")
     parser.add_argument("--json", action="store_true", help="also print the samples as JSON")
