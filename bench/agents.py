@@ -34,9 +34,7 @@ Run from the project root::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -47,7 +45,15 @@ from concurrent.futures import Future
 from contextlib import ExitStack
 from pathlib import Path
 
-from latency import CODE, aligned, execute_once, percentile, positive_int, progress, running_kernel, workspace
+from latency import (
+    CODE,
+    aligned,
+    execute_once,
+    in_turns_main,
+    percentile,
+    progress,
+    running_kernel,
+)
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from sandbox_kernel import SandboxSession
@@ -235,29 +241,8 @@ def format_table(times: dict[str, list[float]]) -> str:
     return "\n".join([aligned(lines), "", *footer])
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--runs", type=positive_int, default=150, help=f"timed {CODE!r} rounds (each path once)"
-    )
-    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed rounds first")
-    parser.add_argument("--kernel", default="sandboxed-python", help="sandboxed kernelspec")
-    parser.add_argument("--baseline", default="python3", help="local kernelspec for the ratios")
-    parser.add_argument("--json", action="store_true", help="also print the samples as JSON")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    with workspace() as cwd:
-        times = measure(args.kernel, args.baseline, args.runs, args.warmup, cwd)
-    print(f"`{CODE}` round trip, {args.runs} rounds, paths in turns (load: {os.getloadavg()[0]:.2f})")
-    print(format_table(times))
-    if args.json:
-        print(json.dumps(times))
-    return 0
+    return in_turns_main(__doc__, measure, format_table, argv, runs=150, warmup=5, each="path")
 
 
 if __name__ == "__main__":

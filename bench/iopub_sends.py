@@ -22,14 +22,18 @@ root::
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import sys
 from contextlib import ExitStack
 
-from latency import aligned, execute_once, percentile, positive_int, progress, running_kernel, workspace
+from latency import (
+    aligned,
+    execute_once,
+    in_turns_main,
+    percentile,
+    progress,
+    running_kernel,
+)
 
 KERNELS = ("local", "sandboxed", "sandboxed, handed")
 #: Run in the second sandboxed kernel: every IOPub message through its IOPub thread.
@@ -78,22 +82,7 @@ def format_table(times: dict[str, list[float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--runs", type=positive_int, default=300, help="timed rounds (each kernel once)")
-    parser.add_argument("--warmup", type=positive_int, default=20, help="untimed rounds first")
-    parser.add_argument("--kernel", default="sandboxed-python", help="sandboxed kernelspec")
-    parser.add_argument("--baseline", default="python3", help="local kernelspec for the ratios")
-    parser.add_argument("--json", action="store_true", help="also print the samples as JSON")
-    args = parser.parse_args(argv)
-    with workspace() as cwd:
-        times = measure(args.kernel, args.baseline, args.runs, args.warmup, cwd)
-    print(f"`1+1` round trip, {args.runs} rounds, kernels in turns (load: {os.getloadavg()[0]:.2f})")
-    print(format_table(times))
-    if args.json:
-        print(json.dumps(times))
-    return 0
+    return in_turns_main(__doc__, measure, format_table, argv, runs=300, warmup=20, each="kernel")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -519,7 +519,7 @@ def format_table(local: dict[str, float], sandboxed: dict[str, float], headers: 
     return aligned(lines)
 
 
-def aligned(lines: list[tuple[str, ...]]) -> str:
+def aligned(lines: Sequence[tuple[str, ...]]) -> str:
     """``lines`` (the first the header) as a plain-text table: the first column to the
     left, the others to the right, a rule under the header."""
     widths = [max(len(line[col]) for line in lines) for col in range(len(lines[0]))]
@@ -531,6 +531,39 @@ def aligned(lines: list[tuple[str, ...]]) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([render(lines[0]), rule, *(render(line) for line in lines[1:])])
+
+
+def in_turns_main(
+    doc: str,
+    measure: Callable[[str, str, int, int, str], dict[str, list[float]]],
+    format_table: Callable[[dict[str, list[float]]], str],
+    argv: list[str] | None,
+    *,
+    runs: int,
+    warmup: int,
+    each: str,
+) -> int:
+    """The command line of a benchmark that times ``CODE`` on several kernels (or ``each``
+    way to one) in turns: ``measure(kernel, baseline, runs, warmup, cwd)``'s samples as
+    ``format_table`` renders them, and with ``--json`` the samples themselves."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--runs", type=positive_int, default=runs, help=f"timed {CODE!r} rounds (each {each} once)"
+    )
+    parser.add_argument("--warmup", type=positive_int, default=warmup, help="untimed rounds first")
+    parser.add_argument("--kernel", default="sandboxed-python", help="sandboxed kernelspec")
+    parser.add_argument("--baseline", default="python3", help="local kernelspec for the ratios")
+    parser.add_argument("--json", action="store_true", help="also print the samples as JSON")
+    args = parser.parse_args(argv)
+    with workspace() as cwd:
+        times = measure(args.kernel, args.baseline, args.runs, args.warmup, cwd)
+    print(f"`{CODE}` round trip, {args.runs} rounds, {each}s in turns (load: {os.getloadavg()[0]:.2f})")
+    print(format_table(times))
+    if args.json:
+        print(json.dumps(times))
+    return 0
 
 
 @contextmanager
