@@ -77,19 +77,48 @@ def _forked() -> None:
 
 
 class InFlight:
-    """How many pieces of work the IOPub thread has been handed and not finished."""
+    """How many pieces of work the IOPub thread has been handed and not finished, and the
+    lock under which that count changes, work is handed over and a message is sent directly.
+
+    A thread holding the lock can run Python code meanwhile that makes output of its own:
+    a signal handler, or a finalizer the garbage collector runs. That code must neither wait
+    for the lock (the thread would wait for itself) nor reach the socket in the middle of
+    a message: :meth:`holding` tells it, and what it makes goes after (:meth:`later`,
+    :meth:`run_deferred`).
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.count = 0
+        self._local = threading.local()
+
+    def holding(self) -> bool:
+        """Whether this thread is about to take the lock, holds it, or has just let it go."""
+        return bool(getattr(self._local, "holding", False))
+
+    def hold(self, holding: bool) -> None:
+        self._local.holding = holding
+
+    def later(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``call`` once this thread has let go of the lock (what it made meanwhile)."""
+        deferred = getattr(self._local, "deferred", None)
+        if deferred is None:
+            deferred = self._local.deferred = []
+        deferred.append((call, args, kwargs))
+
+    def run_deferred(self) -> None:
+        """What this thread made while it held the lock, in the order it made it."""
+        deferred = getattr(self._local, "deferred", None)
+        while deferred and not self.holding():
+            call, args, kwargs = deferred.pop(0)
+            call(*args, **kwargs)
 
     def add(self, delta: int) -> None:
         with self.lock:
             self.count += delta
 
-    def wrap(self, work: Callable[[], Any]) -> Callable[[], Any]:
-        """``work``, counted from now until it has run."""
-        self.add(1)
+    def counted(self, work: Callable[[], Any]) -> Callable[[], Any]:
+        """``work``, that takes its count back once it has run (the count is the caller's)."""
 
         def counted() -> Any:
             try:
@@ -98,6 +127,11 @@ class InFlight:
                 self.add(-1)
 
         return counted
+
+    def after_fork_in_child(self) -> None:
+        """Another thread may have held the lock at the fork: the child's own, free."""
+        self.lock = threading.Lock()
+        self._local = threading.local()
 
 
 def install(kernel: Any) -> Callable[[], None]:
@@ -132,7 +166,24 @@ def install(kernel: Any) -> Callable[[], None]:
     in_flight = InFlight()
 
     def schedule(work: Callable[[], Any]) -> Any:
-        return originals["schedule"](in_flight.wrap(work))
+        if in_flight.holding():  # from a handler or finalizer amid this thread's hand-over
+            in_flight.later(schedule, work)
+            return None
+        if not thread.is_alive():
+            return originals["schedule"](work)  # ipykernel's: runs it here
+        counted = in_flight.counted(work)
+        # The count and the hand-over under the lock, with no call between them that could
+        # run a signal handler: an exception from one cannot leave one without the other.
+        in_flight.hold(True)
+        try:
+            with in_flight.lock:
+                in_flight.count += 1
+                pub_thread._events.append(counted)
+        finally:
+            in_flight.hold(False)
+        pub_thread._event_pipe.send(b"")  # wakes the IOPub thread (ipykernel's own)
+        in_flight.run_deferred()
+        return None
 
     def counted_flush(self: Any) -> None:
         # The timer's flush runs on the IOPub thread, not through schedule: between taking
@@ -144,6 +195,8 @@ def install(kernel: Any) -> Callable[[], None]:
             in_flight.add(-1)
 
     def flush(self: Any) -> None:
+        if in_flight.holding():
+            return  # from a handler or finalizer amid a send: waiting would wait for itself
         if (
             SKIP_EMPTY_FLUSHES
             and self.echo is None
@@ -191,32 +244,50 @@ def install(kernel: Any) -> Callable[[], None]:
     send_frames = whole_message_sender()
 
     def send_multipart(msg: list[Any], *args: Any, **kwargs: Any) -> None:
-        waiting = False
-        with in_flight.lock:
-            direct = (
-                DIRECT_SENDS
-                and not args
-                and not kwargs.get("track")
-                and in_flight.count == 0
-                and reading_counted.is_set()
-                and thread.is_alive()
-                and not pub_thread.closed
-                and msg
-                and all(type(frame) is bytes for frame in msg)
-            )
-            if direct and send_frames is not None:
-                send_frames(pub_thread.socket, msg)
-                # The send may have taken the socket's signal of a subscription waiting.
-                waiting = xpub is not None and bool(pub_thread.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-        if not direct or send_frames is None:
+        if in_flight.holding():  # from a handler or finalizer amid this thread's send
+            in_flight.later(send_multipart, msg, *args, **kwargs)
+            return
+        direct = waiting = False
+        in_flight.hold(True)
+        try:
+            with in_flight.lock:
+                direct = (
+                    DIRECT_SENDS
+                    and send_frames is not None
+                    and not args
+                    and not kwargs.get("track")
+                    and in_flight.count == 0
+                    and reading_counted.is_set()
+                    and thread.is_alive()
+                    and not pub_thread.closed
+                    and bool(msg)
+                    and all(type(frame) is bytes for frame in msg)
+                )
+                if direct and send_frames is not None:
+                    send_frames(pub_thread.socket, msg)
+                    # The send may have taken the socket's signal of a subscription waiting.
+                    waiting = xpub is not None and bool(pub_thread.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        finally:
+            in_flight.hold(False)
+        if not direct:
             originals["send_multipart"](msg, *args, **kwargs)  # through the IOPub thread
         elif waiting:
             pub_thread.io_loop.add_callback(counted_reading, xpub.socket, 0)
+        in_flight.run_deferred()
+
+    # The IOPub thread closes its loop, and with it the socket, as it ends: from then on no
+    # direct send (the count never comes back to 0).
+    close_loop = pub_thread.io_loop.close
+
+    def close_for_good(*args: Any, **kwargs: Any) -> None:
+        in_flight.add(1)
+        close_loop(*args, **kwargs)
 
     replaced: list[tuple[Any, str, Any]] = [
         *([(thread, "is_alive", io_thread_alive)] if running is not None else []),  # (once started)
         (pub_thread, "schedule", schedule),
         (pub_thread, "send_multipart", send_multipart),
+        (pub_thread.io_loop, "close", close_for_good),  # what the IOPub thread calls as it ends
         (stream_class, "_flush", counted_flush),
         (stream_class, "flush", flush),
         (stream_class, "_is_master_process", is_master_process),
@@ -226,7 +297,8 @@ def install(kernel: Any) -> Callable[[], None]:
     for owner, name, replacement in replaced:
         setattr(owner, name, replacement)
     kernel._execute_sleep = 0.0
-    pub_thread.io_loop.add_callback(count_reading)
+    os.register_at_fork(after_in_child=in_flight.after_fork_in_child)
+    schedule(count_reading)  # after whatever was handed to the IOPub thread before
 
     def uninstall() -> None:
         for owner, name, original in reversed(put_back):
@@ -255,33 +327,52 @@ def whole_message_sender() -> Callable[[Any, list[bytes]], None] | None:
     where Python runs signal handlers: one raising (KeyboardInterrupt, a timeout) between
     two frames of pyzmq's ``send_multipart``, which checks for signals after each frame,
     would leave a message cut, and the next one would be read as its rest. Here the
-    frames go through libzmq's ``zmq_send`` by ctypes, which checks for none, called
-    by ``map`` in C: no Python code runs between two frames, so no handler can.
+    frames go through libzmq's ``zmq_send`` by ctypes, which checks for none, called by
+    ``map`` in C and holding the interpreter's lock (``PyDLL``: a send to a PUB socket
+    never waits): no Python code runs between two frames, so no handler can. libzmq may
+    refuse a frame with EINTR (a signal during its poll, on Linux; gVisor's poll with no
+    timeout returns at once): the rest of the message then goes with signals blocked.
     """
     import ctypes
     import errno as errnos
+    import itertools
+    import signal
 
     import zmq
 
     try:
         from zmq.backend.cython import _zmq
 
-        library = ctypes.CDLL(_zmq.__file__, use_errno=True)
+        library = ctypes.PyDLL(_zmq.__file__, use_errno=True)
         zmq_send = library.zmq_send
     except (ImportError, OSError, AttributeError):
         return None
     zmq_send.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
     zmq_send.restype = ctypes.c_int
     more = zmq.SNDMORE
+    accepted = (0).__le__  # (in C: the frames stop at the first one refused)
 
     def send(socket: Any, frames: list[bytes]) -> None:
-        flags = [more] * (len(frames) - 1) + [0]
-        handle = socket.underlying
-        sent = list(map(zmq_send, [handle] * len(frames), frames, map(len, frames), flags))
-        if min(sent) < 0:
-            error = ctypes.get_errno()
-            if error not in (errnos.ENOTSOCK, zmq.ETERM):  # not as it closes (ipykernel's own)
-                raise zmq.ZMQError(error)
+        count, handle = len(frames), socket.underlying
+        flags = [more] * (count - 1) + [0]
+        sends = map(zmq_send, [handle] * count, frames, map(len, frames), flags)
+        done = len(list(itertools.takewhile(accepted, sends)))
+        if done == count:
+            return
+        error = ctypes.get_errno()  # the refused frame's
+        if error in (errnos.ENOTSOCK, zmq.ETERM):  # the socket closing (as ipykernel's)
+            return
+        if error != errnos.EINTR:
+            raise zmq.ZMQError(error)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            while done < count:
+                if zmq_send(handle, frames[done], len(frames[done]), flags[done]) >= 0:
+                    done += 1
+                elif ctypes.get_errno() != errnos.EINTR:
+                    raise zmq.ZMQError(ctypes.get_errno())
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     return send
 

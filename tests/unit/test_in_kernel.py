@@ -5,10 +5,12 @@ test_isolation.py: network; test_packages.py: pip)."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import os
 import socket
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -534,11 +536,14 @@ def iopub() -> Any:
         sub.recv_multipart()
     scheduled: list[Any] = []
 
-    def schedule(work: Any) -> None:
-        scheduled.append(work)
-        iostream.IOPubThread.schedule(thread, work)
+    class Handed(collections.deque):  # type: ignore[type-arg]
+        """The IOPub thread's queue, noting what is handed to it."""
 
-    thread.schedule = schedule  # type: ignore[method-assign]
+        def append(self, work: Any) -> None:
+            scheduled.append(work)
+            super().append(work)
+
+    thread._events = Handed()
     stream = iostream.OutStream(Session(key=b""), thread, "stdout", watchfd=False)
     kernel = types.SimpleNamespace(iopub_thread=thread, _execute_sleep=0.0005)
     yield types.SimpleNamespace(kernel=kernel, stream=stream, sub=sub, scheduled=scheduled, fast_io=fast_io)
@@ -561,6 +566,7 @@ def test_a_flush_with_nothing_to_send_does_not_wait_for_the_iopub_thread(iopub: 
     """Under gVisor each hand-off to the IOPub thread and back costs a fraction of a
     millisecond; ipykernel flushes six times for `1+1`, mostly with nothing to send."""
     iopub.fast_io.install(iopub.kernel)
+    wait_for_direct_sends(iopub.kernel.iopub_thread, iopub.scheduled)
     iopub.stream.flush()
     assert iopub.scheduled == []
     assert iopub.kernel._execute_sleep == 0
@@ -624,6 +630,7 @@ def test_undoing_the_shortcuts_gives_ipykernel_s_own_output_path_back(iopub: Any
     own = (iostream.OutStream.flush, iostream.OutStream._flush, iostream.OutStream._is_master_process)
     schedule = iopub.kernel.iopub_thread.schedule
     iopub.fast_io.install(iopub.kernel)
+    wait_for_direct_sends(iopub.kernel.iopub_thread, iopub.scheduled)
     assert iostream.OutStream.flush is not own[0]
     iopub.fast_io.uninstall()
     assert (iostream.OutStream.flush, iostream.OutStream._flush, iostream.OutStream._is_master_process) == own
@@ -662,7 +669,7 @@ def test_a_message_made_with_nothing_in_flight_is_sent_by_its_own_thread(iopub: 
     """Each hand-off to the IOPub thread wakes it (four for `1+1`); with nothing handed to
     it still to do, the thread that makes a message sends it itself."""
     iopub.fast_io.install(iopub.kernel)
-    wait_for_direct_sends(iopub.kernel.iopub_thread)
+    wait_for_direct_sends(iopub.kernel.iopub_thread, iopub.scheduled)
     iopub.kernel.iopub_thread.send_multipart([b"direct"])
     assert iopub.scheduled == []
     assert [m[0] for m in received(iopub.sub)] == [b"direct"]
@@ -673,7 +680,7 @@ def test_a_message_made_while_the_iopub_thread_has_work_goes_after_that_work(iop
     IOPub thread), and one made once all is sent goes direct again."""
     iopub.fast_io.install(iopub.kernel)
     thread = iopub.kernel.iopub_thread
-    wait_for_direct_sends(thread)
+    wait_for_direct_sends(thread, iopub.scheduled)
     busy = threading.Event()
     thread.schedule(busy.wait)
     thread.send_multipart([b"first"])
@@ -691,7 +698,7 @@ def test_with_the_switch_off_every_message_goes_through_the_iopub_thread(
 ) -> None:
     iopub.fast_io.install(iopub.kernel)
     monkeypatch.setattr(iopub.fast_io, "DIRECT_SENDS", False)  # read at each send
-    wait_for_direct_sends(iopub.kernel.iopub_thread)
+    wait_for_direct_sends(iopub.kernel.iopub_thread, iopub.scheduled)
     iopub.kernel.iopub_thread.send_multipart([b"through"])
     assert len(iopub.scheduled) == 1
     assert [m[0] for m in received(iopub.sub)] == [b"through"]
@@ -703,7 +710,7 @@ def test_messages_from_many_threads_all_arrive_each_thread_s_in_order(iopub: Any
     (that would lose messages or crash libzmq), and each thread's order holds."""
     iopub.fast_io.install(iopub.kernel)
     thread = iopub.kernel.iopub_thread
-    wait_for_direct_sends(thread)
+    wait_for_direct_sends(thread, iopub.scheduled)
     threads, each = 4, 300
 
     def sender(n: int) -> None:
@@ -810,8 +817,207 @@ def iopub_xpub() -> Any:
     context.term()
 
 
-def wait_for_direct_sends(thread: Any) -> None:
-    """Until the IOPub thread has taken up counting its socket's reading (install asks it to)."""
+def wait_for_direct_sends(thread: Any, scheduled: list[Any] | None = None) -> None:
+    """Until the IOPub thread has taken up counting its socket's reading (install hands it
+    that); then forgets what was handed to it so far."""
     done = threading.Event()
-    thread.io_loop.add_callback(done.set)
+    iostream.IOPubThread.schedule(thread, done.set)  # behind it in the IOPub thread's queue
     assert done.wait(5)
+    if scheduled is not None:
+        scheduled.clear()
+
+
+#: Builds what fast_io's attacks below need in a fresh process: ipykernel's IOPub thread on
+#: an XPUB socket, a subscriber, a stdout stream, fast_io on, direct sends taken up.
+ATTACK_HARNESS = """
+import gc, os, signal, sys, threading, time, types
+import zmq
+from ipykernel import iostream
+from jupyter_client.session import Session
+from sandbox_kernel.inside import fast_io
+
+context = zmq.Context()
+xpub = context.socket(zmq.XPUB)
+address = f"tcp://127.0.0.1:{xpub.bind_to_random_port('tcp://127.0.0.1')}"
+thread = iostream.IOPubThread(xpub, session=Session(key=b""))
+thread.start()
+sub = context.socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(address)
+assert sub.poll(5000)  # the welcome
+sub.recv_multipart()
+stream = iostream.OutStream(Session(key=b""), thread, "stdout", watchfd=False)
+fast_io.install(types.SimpleNamespace(iopub_thread=thread, _execute_sleep=0.0005))
+ready = threading.Event()
+iostream.IOPubThread.schedule(thread, ready.set)
+assert ready.wait(5)
+in_flight = next(c.cell_contents for c in thread.schedule.__closure__
+                 if isinstance(c.cell_contents, fast_io.InFlight))
+
+def received():
+    out = []
+    while sub.poll(1000 if not out else 200):
+        out.append(sub.recv_multipart())
+    return out
+"""
+
+
+def run_attack(code: str, timeout: float = 60) -> str:
+    """``code`` after :data:`ATTACK_HARNESS` in a fresh Python; its stdout. A hang fails."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ATTACK_HARNESS + code], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as exc:
+        msg = f"the process hung (deadlocked?): {exc.stdout!r} {exc.stderr!r}"
+        raise AssertionError(msg) from exc
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_signal_handler_that_prints_during_a_direct_send_does_not_deadlock_the_kernel() -> None:
+    """A handler runs in the main thread between any two bytecodes, also while that thread
+    holds the lock of a direct send; one that prints (a progress line, a timeout's notice)
+    must neither wait for that lock nor send in the middle of the message."""
+    out = run_attack("""
+ticks = [0]
+def handler(signum, frame):
+    ticks[0] += 1
+    stream.write("tick\\n")
+    stream.flush()
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+for i in range(3000):
+    thread.send_multipart([b"m", str(i).encode()])
+signal.setitimer(signal.ITIMER_REAL, 0)
+stream.flush()
+got = received()
+numbers = [int(m[1]) for m in got if m[0] == b"m"]
+assert numbers == list(range(3000)), numbers[:20]
+print(ticks[0], sum(m[0] == b"stream.stdout" for m in got))
+""")
+    ticks, streams = (int(n) for n in out.split())
+    assert ticks > 10, "the timer hardly ran"
+    assert streams >= 1, "the handlers' output was lost"
+
+
+def test_a_finalizer_that_prints_during_a_direct_send_does_not_deadlock_the_kernel() -> None:
+    """The garbage collector runs finalizers at whatever allocation crosses its threshold,
+    inside a direct send too: one that prints is the same case as a signal handler."""
+    run_attack("""
+class Noisy:
+    def __del__(self):
+        stream.write("gone\\n")
+        stream.flush()
+gc.set_threshold(5)
+for i in range(3000):
+    cycle = Noisy(); cycle.me = cycle; del cycle
+    thread.send_multipart([b"m", str(i).encode()])
+gc.set_threshold(700)
+numbers = [int(m[1]) for m in received() if m[0] == b"m"]
+assert numbers == list(range(3000)), numbers[:20]
+""")
+
+
+def test_exceptions_from_signal_handlers_do_not_leave_work_counted_for_ever() -> None:
+    """An exception landing between counting a hand-over and making it would leave the
+    count above 0: no direct send and no skipped flush for the rest of the kernel's life."""
+    out = run_attack("""
+class Tick(Exception):
+    pass
+sending = [False]
+def tick(signum, frame):
+    if sending[0]:
+        sending[0] = False
+        raise Tick
+signal.signal(signal.SIGALRM, tick)
+signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+ticks, started = 0, time.time()
+while time.time() - started < 3:
+    try:
+        sending[0] = True
+        stream.write("x\\n")
+        thread.schedule(lambda: None)
+        thread.send_multipart([b"m", b"x"])
+        sending[0] = False
+    except Tick:
+        ticks += 1
+signal.setitimer(signal.ITIMER_REAL, 0)
+time.sleep(1)  # the IOPub thread finishes what it was handed
+print(ticks, in_flight.count)
+""")
+    ticks, count = (int(n) for n in out.split())
+    assert ticks > 100, "the timer hardly interrupted anything"
+    assert count == 0, f"{count} pieces of work counted for ever after {ticks} interrupts"
+
+
+def test_a_child_forked_while_another_thread_sends_can_send_too() -> None:
+    """A fork copies the lock of a direct send as another thread holds it, held for ever
+    in the child: the child's first output must not wait for it."""
+    out = run_attack("""
+held, release = threading.Event(), threading.Event()
+def mid_send():
+    with in_flight.lock:
+        held.set()
+        release.wait()
+threading.Thread(target=mid_send, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(5)
+    stream.write("from the child\\n")
+    stream.flush()
+    thread.send_multipart([b"child", b"x"])
+    os._exit(0)
+release.set()
+_, status = os.waitpid(pid, 0)
+print(os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+""")
+    assert out.strip() == "True", "the forked child hung on its first output"
+
+
+def test_a_frame_refused_with_eintr_never_cuts_or_glues_messages() -> None:
+    """On Linux libzmq may refuse a frame with EINTR (a signal during its poll): the rest
+    of the message must still go, in order, and no error reach the code that printed."""
+    out = run_attack("""
+signal.signal(signal.SIGALRM, lambda signum, frame: None)  # a Python handler: no SA_RESTART
+signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+sent, errors, started = 0, 0, time.time()
+while time.time() - started < 3:
+    frames = [b"t", b"<IDS|MSG>", b"sig", b"header%d" % sent, b"parent", b"meta", b"content"]
+    try:
+        thread.send_multipart(frames)
+        sent += 1
+    except zmq.ZMQError:
+        errors += 1
+    if sent % 200 == 0:
+        time.sleep(0.01)  # under the high-water mark
+signal.setitimer(signal.ITIMER_REAL, 0)
+got = [m for m in received() if m[0] == b"t"]
+whole = [m for m in got if len(m) == 7 and m[3].startswith(b"header")]
+print(sent, errors, len(got), len(whole))
+""")
+    sent, errors, got, whole = (int(n) for n in out.split())
+    assert errors == 0, f"{errors} sends raised"
+    assert got == whole, f"{got - whole} of {got} messages arrived cut or glued"
+    assert got == sent, f"{sent - got} of {sent} messages were lost"
+
+
+def test_no_direct_send_meets_the_iopub_thread_closing_its_socket() -> None:
+    """As the kernel stops, the IOPub thread closes its loop and the socket with it, with
+    nothing counted: from then on a thread's message must go ipykernel's way, never
+    straight onto the socket being closed (or closed, its handle freed)."""
+    out = run_attack("""
+stop = threading.Event()
+def sender():
+    while not stop.is_set():
+        thread.send_multipart([b"t", b"x"])
+        time.sleep(0.0005)
+worker = threading.Thread(target=sender)
+worker.start()
+time.sleep(0.2)
+thread.stop()
+stop.set(); worker.join()
+print(in_flight.count)
+""")
+    assert int(out) >= 1, "the IOPub thread closed its socket with direct sends still allowed"
