@@ -307,10 +307,15 @@ def kernelspec_variant(kernel_name: str, suffix: str, config: dict[str, Any], fo
     return name
 
 
+def first_on_jupyter_path(folder: Path) -> None:
+    """Kernelspecs in ``folder``'s kernels found first, for the rest of the run."""
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("JUPYTER_PATH")]))
+
+
 def pooled_kernelspec(kernel_name: str, pool_size: int, folder: Path) -> str:
     """A variant of ``kernel_name`` with a pool, in ``folder`` (put first on JUPYTER_PATH)."""
     name = kernelspec_variant(kernel_name, "bench-pool", {"pool_size": pool_size}, folder)
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("JUPYTER_PATH")]))
+    first_on_jupyter_path(folder)
     return name
 
 

@@ -194,6 +194,8 @@ def _kernelspec_flag(trait: TraitType[Any, Any]) -> TraitType[Any, Any]:
         return Float(0, config=True, help=help_text)
     if isinstance(trait, Int):
         return Int(0, config=True, help=help_text)
+    if isinstance(trait, Bool):
+        return Bool(trait.default_value, config=True, help=help_text)
     return Unicode("", config=True, help=help_text)
 
 

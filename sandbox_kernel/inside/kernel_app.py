@@ -20,6 +20,15 @@ Python's selectors would spin. The image's libzmq is built to poll too (images/D
 and so are the channel and egress relays (the latter with this policy's twin: each file
 runs alone in the sandbox): poll(2) keeps nothing between calls for a restore to spoil.
 
+And it can run without subshells (``--SandboxedKernelApp.subshells=False``, what the
+kernelspec key ``subshells: false`` asks): ipykernel 7 reads the shell channel in a thread
+of its own and hands each request to the main thread (and each reply back) so that
+subshells (JEP 91) can run beside the main shell. Without that thread, as in ipykernel 6,
+the main thread reads the shell channel itself: two fewer thread wake-ups per request,
+which gVisor makes dear (1.4 to 2 ms of a sandboxed ``1+1`` on a 2-core host, see
+docs/benchmarks.md); the kernel then stops advertising ``kernel subshells``, so JupyterLab
+sends widgets' messages on the main shell, where they wait for a running cell.
+
 The image does not have this package: the host copies this file into the kernel's launch
 folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
 ``sys.path``). It uses ipykernel, pyzmq and the standard library only.
@@ -31,6 +40,7 @@ import asyncio
 import selectors
 
 from ipykernel.kernelapp import IPKernelApp
+from traitlets import Bool
 
 
 class PollingEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
@@ -42,12 +52,24 @@ class PollingEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 class SandboxedKernelApp(IPKernelApp):
-    """``python -m ipykernel_launcher``, with shell and stdin taking a reconnecting peer's identity over."""
+    """``python -m ipykernel_launcher``, with shell and stdin taking a reconnecting peer's
+    identity over, and subshells optional."""
+
+    subshells = Bool(
+        True,
+        config=True,
+        help="Read the shell channel in a thread of its own, so that subshells can run "
+        "(ipykernel 7); False: in the main thread, as ipykernel 6 did, with no subshells.",
+    )
 
     def init_sockets(self) -> None:
         super().init_sockets()  # type: ignore[no-untyped-call]
         for sock in (self.shell_socket, self.stdin_socket):
             sock.router_handover = 1
+        if not self.subshells:
+            # ipykernel's own path for a kernel without the thread (init_kernel, and
+            # Kernel._supports_kernel_subshells, which kernel_info_reply's features follow).
+            self.shell_channel_thread = None
 
 
 if __name__ == "__main__":

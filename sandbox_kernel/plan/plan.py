@@ -1045,7 +1045,7 @@ def plan_sandbox(
     egress = settings.egress_policy()
     credentials = settings.credential_specs(egress)
     place = place_workspace(settings, launch)
-    command = relay_command(kernel_command(launch.argv, launch.extra_arguments))
+    command = relay_command(kernel_command(launch.argv, launch.extra_arguments, subshells=settings.subshells))
     policy = kernel_policy(settings, egress, credentials)
     if egress is not None:
         command = egress_command(command)

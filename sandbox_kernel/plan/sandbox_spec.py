@@ -248,8 +248,15 @@ def is_launcher(argv: Sequence[str]) -> bool:
     return any(a == "-m" and b == LAUNCHER_MODULE for a, b in itertools.pairwise(argv))
 
 
-def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> list[str]:
-    """The command run in the container, from the kernelspec's ``argv``.
+#: The kernel application's option for a kernel without subshells (setting ``subshells``).
+NO_SUBSHELLS_ARG = "--SandboxedKernelApp.subshells=False"
+
+
+def kernel_command(
+    argv: Sequence[str], extra_arguments: Sequence[str] = (), *, subshells: bool = True
+) -> list[str]:
+    """The command run in the container, from the kernelspec's ``argv``; with
+    ``subshells=False``, the launcher's kernel reads the shell channel in its main thread.
 
     ``km.format_kernel_cmd`` would swap ``python`` for the server's interpreter and use
     the host path of the connection file, so the command is built here instead.
@@ -263,7 +270,14 @@ def kernel_command(argv: Sequence[str], extra_arguments: Sequence[str] = ()) -> 
     if is_launcher(argv):
         # What a front end that ignores provisioners runs on the host (see
         # sandbox_kernel.launch); in the sandbox it is the kernel itself.
-        argv = SANDBOXED_KERNEL_ARGV
+        argv = SANDBOXED_KERNEL_ARGV if subshells else (*SANDBOXED_KERNEL_ARGV, NO_SUBSHELLS_ARG)
+    elif not subshells:
+        msg = (
+            "The kernelspec sets subshells: false, which only a kernelspec whose argv runs "
+            f"sandbox-kernel's launcher (python -m {LAUNCHER_MODULE} ...) can have; this one "
+            f"runs {' '.join(argv[:3])} ...: drop the setting, or use the launcher's argv."
+        )
+        raise ConfigurationError(msg)
     return [arg.replace("{connection_file}", CONTAINER_CONNECTION_FILE) for arg in argv] + list(
         extra_arguments
     )

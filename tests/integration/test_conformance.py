@@ -3,14 +3,18 @@ run) against a sandboxed kernel: every message validated against the messaging s
 replies and outputs of execution, errors, completion, code completeness, the pager,
 history, inspection, rich display and ``clear_output``, as a local IPython kernel gives
 them. What runs differently in the sandbox (the relay, the host's bridge, the kernel's
-start-up code, IPython's history kept in memory) must not show here."""
+start-up code, IPython's history kept in memory) must not show here; nor may a kernelspec
+that turns subshells off (``subshells: false``)."""
 
 from __future__ import annotations
 
+import time
 import unittest
+from collections.abc import Callable
 
 import jupyter_kernel_test as jkt
 import pytest
+from jupyter_client.blocking import BlockingKernelClient
 
 from .conftest import KernelStarter
 
@@ -66,16 +70,59 @@ class IPythonKernelTests(jkt.KernelTests):
 CHECKS = sorted(name for name in dir(jkt.KernelTests) if name.startswith("test_"))
 
 
+def run_checks(km: object, kc: BlockingKernelClient, checks: list[str]) -> list[str]:
+    """What fails of jupyter_kernel_test's ``checks`` on the kernel ``km``/``kc``, in words;
+    a check that skips part of itself fails too."""
+    problems = []
+    for check in checks:
+        case = IPythonKernelTests(check)
+        case.km, case.kc = km, kc
+        result = unittest.TestResult()
+        case.run(result)
+        problems += [f"{test}: {trace}" for test, trace in (*result.failures, *result.errors)]
+        skipped = {reason for _, reason in result.skipped} - {"History range not supported"}
+        problems += [f"{check} did not run all of itself: {skipped}"] if skipped else []
+    return problems
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_a_sandboxed_kernel_passes_jupyters_kernel_conformance_suite(
     start_kernel: KernelStarter, check: str
 ) -> None:
     km, kc = start_kernel()
-    case = IPythonKernelTests(check)
-    case.km, case.kc = km, kc
-    result = unittest.TestResult()
-    case.run(result)
-    problems = [f"{test}: {trace}" for test, trace in (*result.failures, *result.errors)]
+    problems = run_checks(km, kc, [check])
     assert not problems, "\n".join(problems)
-    skipped = {reason for _, reason in result.skipped} - {"History range not supported"}
-    assert not skipped, f"{check} did not run all of itself: {skipped}"
+
+
+def test_a_kernel_without_subshells_passes_the_suite_says_so_and_still_interrupts(
+    start_kernel: KernelStarter, make_kernelspec: Callable[..., str]
+) -> None:
+    """``subshells: false``: the main thread reads the shell channel. The kernel tells
+    clients it has no subshells (JupyterLab then keeps widgets' messages on the main
+    shell), makes none when asked, and is otherwise the same kernel: the whole suite on it,
+    and an interrupt of a running cell (the signal reaches the main thread, which now
+    also reads the requests)."""
+    km, kc = start_kernel(make_kernelspec("no-subshells", config={"subshells": False}))
+    features = kc.kernel_info(reply=True, timeout=30)["content"].get("supported_features", [])
+    assert "kernel subshells" not in features
+    # A client asking anyway gets no subshell (ipykernel logs it and sends no reply).
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    assert kc.execute_interactive("1+1", timeout=30)["content"]["status"] == "ok"
+
+    problems = run_checks(km, kc, CHECKS)
+    assert not problems, "\n".join(problems)
+
+    msg_id = kc.execute("import time; time.sleep(60)")
+    time.sleep(2)
+    km.interrupt_kernel()
+    reply = kc.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert kc.execute_interactive("1+1", timeout=30)["content"]["status"] == "ok"
+
+
+def test_a_sandboxed_kernel_offers_subshells_by_default(start_kernel: KernelStarter) -> None:
+    """As a local ipykernel 7 does: JupyterLab 4.4 runs widgets' messages on them."""
+    _, kc = start_kernel()
+    features = kc.kernel_info(reply=True, timeout=30)["content"].get("supported_features", [])
+    assert "kernel subshells" in features

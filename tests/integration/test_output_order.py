@@ -2,12 +2,16 @@
 kernel's start-up code shortens ipykernel's output path (sandbox_kernel/inside/fast_io.py)
 and the channel relay passes IOPub first; what a client sees must be what a local kernel
 sends: busy, the input, the outputs (main thread, other threads, file descriptor 1, a
-forked child), the result, then idle last, all with the request as parent, and one reply."""
+forked child), the result, then idle last, all with the request as parent, and one reply.
+Each test runs on a kernel with subshells (the default) and on one without (the kernelspec
+key ``subshells: false``: the main thread reads the requests and sends the replies)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
 from .conftest import KernelStarter, run_ok, shell_reply
@@ -23,6 +27,17 @@ worker.start(); worker.join()
 os.write(1, b"fd\\n")
 time.sleep(0.5)
 6 * 7"""
+
+
+@pytest.fixture(params=[True, False], ids=["subshells", "no-subshells"])
+def start_kernel(
+    request: pytest.FixtureRequest, start_kernel: KernelStarter, make_kernelspec: Callable[..., str]
+) -> KernelStarter:
+    """conftest's ``start_kernel``, of the shipped kernelspec or of a variant without subshells."""
+    if request.param:
+        return start_kernel
+    name = make_kernelspec("no-subshells", config={"subshells": False})
+    return lambda **kwargs: start_kernel(name, **kwargs)
 
 
 def messages_of(kc: BlockingKernelClient, code: str, timeout: float = 60) -> tuple[list[dict[str, Any]], Any]:

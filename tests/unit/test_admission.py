@@ -18,6 +18,7 @@ from sandbox_kernel.plan.admission import require_sandboxed, sandboxed_manager, 
 from sandbox_kernel.plan.sandbox_spec import (
     CONTAINER_CONNECTION_FILE,
     CONTAINER_KERNEL_APP_FILE,
+    NO_SUBSHELLS_ARG,
     is_launcher,
     kernel_command,
     launcher_argv,
@@ -115,6 +116,8 @@ def test_in_the_sandbox_the_launcher_argv_is_the_kernel_itself() -> None:
         CONTAINER_CONNECTION_FILE,
         "--HistoryManager.hist_file=:memory:",
     ]
+    # Without subshells: the kernel application's option, last.
+    assert kernel_command(argv, subshells=False) == [*kernel_command(argv), NO_SUBSHELLS_ARG]
     # A kernelspec's own argv (another kernel in the sandbox) is run as it is.
     own = ["python", "-m", "mykernel", "-f", "{connection_file}"]
     assert not is_launcher(own)
@@ -126,6 +129,9 @@ def test_in_the_sandbox_the_launcher_argv_is_the_kernel_itself() -> None:
         CONTAINER_CONNECTION_FILE,
         "--debug",
     ]
+    # ... and has no option of ours to turn subshells off: the start fails, saying why.
+    with pytest.raises(ConfigurationError, match="subshells: false, which only a kernelspec whose argv runs"):
+        kernel_command(own, subshells=False)
 
 
 def test_a_kernelspec_whose_provisioner_config_is_not_an_object_is_refused_clearly() -> None:

@@ -183,6 +183,13 @@ def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -
     assert installed_spec(tmp_path, "default")["metadata"]["kernel_provisioner"]["config"] == {}  # type: ignore[index]
 
 
+@pytest.mark.parametrize(("value", "written"), [("false", False), ("False", False), ("true", True)])
+def test_install_writes_subshells_as_a_boolean(tmp_path: Path, value: str, written: bool) -> None:
+    run(InstallApp, "--prefix", str(tmp_path), "--name", "quick", f"--subshells={value}")
+    config = installed_spec(tmp_path, "quick")["metadata"]["kernel_provisioner"]["config"]  # type: ignore[index]
+    assert config == {"subshells": written}
+
+
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
@@ -211,6 +218,7 @@ def test_install_takes_the_policy_as_options_and_specs_coexist(tmp_path: Path) -
         ("--memory", "64m", "memory='64m' is too little memory"),
         ("--tmp-size", "1.5gb", "tmp_size='1.5gb' is not a size"),
         ("--image", "", "--image is empty"),
+        ("--subshells", "maybe", "expected a boolean"),
     ],
 )
 def test_install_refuses_an_invalid_policy_and_writes_nothing(

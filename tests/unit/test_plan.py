@@ -348,6 +348,27 @@ def test_a_plan_says_where_the_workspace_appears_and_what_the_kernel_gets(tmp_pa
     assert (pooled.workdir, pooled.workspace_path) == ("/workspace/Sales-2026", "/workspace/Sales-2026")
 
 
+def test_a_kernelspec_without_subshells_runs_its_kernel_so_and_its_pool_alike(tmp_path: Path) -> None:
+    """``subshells: false`` is the kernel's own option (its command): the kernelspec's pool
+    is made of such kernels and serves its starts; a pool of kernels with subshells serves
+    none of them (they start cold, and the log says why)."""
+    from sandbox_kernel.plan.sandbox_spec import NO_SUBSHELLS_ARG, launcher_argv
+    from sandbox_kernel.pool.fit import narrowing
+
+    project = tmp_path / "project"
+    project.mkdir()
+    launch = Launch(kernel_id="k1", kernel_name="ks", argv=launcher_argv("ks"), cwd=project, env={})
+    pooled = plan_sandbox(SandboxSettings(kernel_uid=4321, pool_size=2), launch, {}, []).spec
+    quick = plan_sandbox(SandboxSettings(kernel_uid=4321, pool_size=2, subshells=False), launch, {}, []).spec
+    assert NO_SUBSHELLS_ARG not in pooled.command
+    assert quick.command == [*pooled.command, NO_SUBSHELLS_ARG]
+    assert narrowing(pooled, quick) == "the kernel's command differs from the pool's"
+    quick_pool = plan_sandbox(
+        SandboxSettings(kernel_uid=4321, pool_size=2, subshells=False), launch, {}, []
+    ).spec
+    assert not isinstance(narrowing(quick_pool, quick), str)
+
+
 # ---------------------------------------------------------------- one start's narrower policy
 
 

@@ -1,0 +1,117 @@
+"""What the sandboxed kernel's own choices inside the sandbox save, each against the kernel
+as it runs, in one run.
+
+* Sending IOPub messages from the thread that makes them: inside the sandbox the kernel's
+  start-up code (``sandbox_kernel/inside/fast_io.py``) sends each IOPub message (busy, the
+  input, the result, idle) from the thread that makes it when the IOPub thread has nothing
+  left to do, instead of handing every one to the IOPub thread, which wakes to send it.
+* Subshells off (the kernelspec key ``subshells: false``): ipykernel 7 reads every shell
+  request in a thread of its own and hands it to the main thread (and the reply back), so
+  that subshells can run beside the main shell; without subshells the main thread reads
+  the shell channel itself.
+
+This times ``1+1`` (``execute_interactive``, to the reply and the idle status) on four
+kernels, one sample of each per round in an order shuffled per round, so that the
+machine's load and the kernels' threads falling asleep between samples touch all of them
+alike:
+
+* ``local``: a local ipykernel (``--baseline``), the reference for the ratios;
+* ``sandboxed``: a sandboxed kernel (``--kernel``) as it runs;
+* ``sandboxed, handed``: a second one, alike but for ``fast_io.DIRECT_SENDS`` turned off:
+  every IOPub message through the IOPub thread, as ipykernel sends them;
+* ``sandboxed, no subshells``: a third one, of a variant of the kernelspec with
+  ``subshells: false``.
+
+Each kernel has one client, so each publishes to one subscriber. Run from the project
+root::
+
+    .venv/bin/python bench/kernel_choices.py
+    .venv/bin/python bench/kernel_choices.py --runs 500 --json
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from latency import (
+    aligned,
+    execute_once,
+    first_on_jupyter_path,
+    in_turns_main,
+    kernelspec_variant,
+    percentile,
+    progress,
+    running_kernel,
+)
+
+KERNELS = ("local", "sandboxed", "sandboxed, handed", "sandboxed, no subshells")
+#: Run in the second sandboxed kernel: every IOPub message through its IOPub thread.
+HAND_EVERY_MESSAGE = "import sys; sys.modules['sandbox_kernel_fast_io'].DIRECT_SENDS = False"
+
+
+def without_subshells(kernel: str, folder: Path) -> str:
+    """A variant of the kernelspec ``kernel`` with ``subshells: false``, in ``folder`` (put
+    first on JUPYTER_PATH for the rest of the run); its name."""
+    name = kernelspec_variant(kernel, "no-subshells", {"subshells": False}, folder)
+    first_on_jupyter_path(folder)
+    return name
+
+
+def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dict[str, list[float]]:
+    """Milliseconds per kernel, ``runs`` each, in a shuffled order every round."""
+    with ExitStack() as stack:
+        quick = without_subshells(kernel, Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        progress(f"starting a local {baseline} kernel, two {kernel} kernels and a {quick} kernel")
+        clients = {
+            name: stack.enter_context(running_kernel(spec, cwd)).client
+            for name, spec in zip(KERNELS, (baseline, kernel, kernel, quick), strict=True)
+        }
+        reply = clients["sandboxed, handed"].execute_interactive(HAND_EVERY_MESSAGE, timeout=60)
+        if reply["content"]["status"] != "ok":
+            msg = f"cannot turn fast_io's direct sends off: {reply['content']}"
+            raise RuntimeError(msg)
+        for _ in range(warmup):
+            for client in clients.values():
+                execute_once(client)
+        times: dict[str, list[float]] = {name: [] for name in KERNELS}
+        order = list(KERNELS)
+        for done in range(runs):
+            random.shuffle(order)
+            for name in order:
+                times[name].append(execute_once(clients[name]) * 1000)
+            if (done + 1) % 100 == 0:
+                progress(f"  {done + 1}/{runs} rounds")
+        progress("stopping the kernels")
+    return times
+
+
+def format_table(times: dict[str, list[float]]) -> str:
+    local = {pct: percentile(times["local"], pct) for pct in (50, 95)}
+    lines: list[tuple[str, ...]] = [("kernel", "p50 ms", "p95 ms", "p50 / local", "p95 / local")]
+    for name in KERNELS:
+        p50, p95 = percentile(times[name], 50), percentile(times[name], 95)
+        lines.append((name, f"{p50:.2f}", f"{p95:.2f}", f"{p50 / local[50]:.2f}x", f"{p95 / local[95]:.2f}x"))
+    sandboxed = percentile(times["sandboxed"], 50)
+    handed, quick = (
+        percentile(times["sandboxed, handed"], 50),
+        percentile(times["sandboxed, no subshells"], 50),
+    )
+    footer = [
+        f"Sending from the thread that makes each message saves {handed - sandboxed:.2f} ms at p50 "
+        f"({(handed - sandboxed) / handed:.0%} of the handed kernel's round trip).",
+        f"Subshells off saves {sandboxed - quick:.2f} ms more at p50 "
+        f"({(sandboxed - quick) / sandboxed:.0%} of the sandboxed kernel's round trip).",
+    ]
+    return "\n".join([aligned(lines), "", *footer])
+
+
+def main(argv: list[str] | None = None) -> int:
+    return in_turns_main(__doc__, measure, format_table, argv, runs=300, warmup=20, each="kernel")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
