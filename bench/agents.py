@@ -14,7 +14,11 @@ all of them alike):
 * ``MCP run_code``: the ``mcp`` package's own client calling ``run_code`` on
   ``jupyter sandbox-kernel mcp`` over stdio, to its structured result (JSON-RPC both
   ways, the server's session API, the result's rendering);
-* ``MCP empty tool``: the same client calling a tool that returns at once on a server
+* ``MCP run_code, plain client``: the same server driven by a client that adds nothing of
+  its own: JSON-RPC lines written to its stdin and read from its stdout, in this thread
+  (what a client in another language, with no validation of its own, costs about): the
+  server's share of ``MCP run_code``, apart from the ``mcp`` package's client;
+* ``MCP empty tool``: the ``mcp`` package's client calling a tool that returns at once on a server
   made with the ``mcp`` package alone (its ``MCPServer`` on its own stdio transport): the
   floor of the package's client and server over stdio, which ``MCP run_code`` cannot go
   under.
@@ -35,8 +39,10 @@ Run from the project root::
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +50,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
 from pathlib import Path
+from typing import IO, Any, cast
 
 from latency import (
     CODE,
@@ -59,9 +66,10 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from sandbox_kernel import SandboxSession
 
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
-PATHS = ("local raw", "sandboxed raw", "SandboxSession.run", "MCP run_code", "MCP empty tool")
+PLAIN = "MCP run_code, plain client"
+PATHS = ("local raw", "sandboxed raw", "SandboxSession.run", "MCP run_code", PLAIN, "MCP empty tool")
 #: The paths on a kernel: the rest have no "p50 - sandboxed raw" of their own.
-ON_KERNELS = PATHS[:4]
+ON_KERNELS = PATHS[:5]
 #: What a call took besides the kernel round trip its result reports.
 AROUND = "around its result's duration"
 
@@ -159,6 +167,59 @@ class McpClient:
         return elapsed
 
 
+class PlainMcpClient:
+    """``jupyter-sandbox-kernel mcp --cwd CWD`` driven with JSON-RPC lines on its stdin and
+    stdout, nothing else: the MCP handshake, then a ``run_code`` of :data:`CODE` per call."""
+
+    def __init__(self, cwd: str) -> None:
+        #: Per call, milliseconds besides the duration its result reports.
+        self.around: list[float] = []
+        self._ids = 0
+        argv = [str(SK), "mcp", "--cwd", cwd]
+        self._server = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # noqa: S603 (our own argv)
+        self._stdin, self._stdout = cast(IO[bytes], self._server.stdin), cast(IO[bytes], self._server.stdout)
+
+    def __enter__(self) -> PlainMcpClient:
+        client = {"name": "bench", "version": "1"}
+        self._request(
+            "initialize", {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": client}
+        )
+        self._send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stdin.close()  # the end of its stdin: the server stops its kernel and ends
+        self._server.wait(timeout=120)
+
+    def call(self) -> float:
+        """Milliseconds for one ``run_code``, to its whole answer."""
+        started = time.perf_counter()
+        answer = self._request("tools/call", {"name": "run_code", "arguments": {"code": CODE}})
+        elapsed = (time.perf_counter() - started) * 1000
+        content = answer.get("result", {}).get("structuredContent") or {}
+        if [r.get("text") for r in content.get("results", [])] != ["2"]:
+            msg = f"MCP run_code({CODE!r}) gave {answer}"
+            raise RuntimeError(msg)
+        self.around.append(elapsed - content["duration"] * 1000)
+        return elapsed
+
+    def _send(self, message: dict[str, object]) -> None:
+        self._stdin.write(json.dumps(message).encode() + b"\n")
+        self._stdin.flush()
+
+    def _request(self, method: str, params: dict[str, object]) -> dict[str, Any]:
+        self._ids += 1
+        self._send({"jsonrpc": "2.0", "id": self._ids, "method": method, "params": params})
+        while True:  # (notifications, e.g. logging, come before the answer)
+            line = self._stdout.readline()
+            if not line:
+                msg = f"the MCP server ended before answering {method}"
+                raise RuntimeError(msg)
+            answer: dict[str, Any] = json.loads(line)
+            if answer.get("id") == self._ids:
+                return answer
+
+
 def session_run(session: SandboxSession, around: list[float]) -> Callable[[], float]:
     """A call of ``SandboxSession.run``; what it took besides its result's duration goes
     to ``around``."""
@@ -188,6 +249,7 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
         sandboxed = stack.enter_context(running_kernel(kernel, cwd))
         session = stack.enter_context(SandboxSession(kernel, cwd))
         mcp = stack.enter_context(McpClient(cwd))
+        plain = stack.enter_context(PlainMcpClient(cwd))
         empty = stack.enter_context(McpClient(cwd, empty=True))
         around: list[float] = []
         calls: dict[str, Callable[[], float]] = {
@@ -195,6 +257,7 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
             "sandboxed raw": lambda: execute_once(sandboxed.client) * 1000,
             "SandboxSession.run": session_run(session, around),
             "MCP run_code": mcp.call,
+            PLAIN: plain.call,
             "MCP empty tool": empty.call,
         }
         for _ in range(warmup):
@@ -202,6 +265,7 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
                 call()
         around.clear()
         mcp.around.clear()
+        plain.around.clear()
         times: dict[str, list[float]] = {path: [] for path in PATHS}
         order = list(PATHS)
         for done in range(runs):
@@ -213,6 +277,7 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
         progress("stopping the kernels")
     times[f"SandboxSession.run {AROUND}"] = around
     times[f"MCP run_code {AROUND}"] = mcp.around
+    times[f"{PLAIN} {AROUND}"] = plain.around
     return times
 
 
@@ -231,12 +296,16 @@ def format_table(times: dict[str, list[float]]) -> str:
     floor = percentile(times["MCP empty tool"], 50)
     session_around = percentile(times[f"SandboxSession.run {AROUND}"], 50)
     mcp_around = percentile(times[f"MCP run_code {AROUND}"], 50)
+    plain_around = percentile(times[f"{PLAIN} {AROUND}"], 50)
     footer = [
         f"MCP run_code adds {added:.2f} ms to SandboxSession.run (p50s); the mcp package's own "
         f"client and server over stdio, calling a tool that returns at once, take {floor:.2f} ms.",
         f"Each call {AROUND} (p50): SandboxSession.run {session_around:.2f} ms, MCP run_code "
         f"{mcp_around:.2f} ms (its server runs a SandboxSession); less the session's and the mcp "
         f"package's floor, the MCP server's own work is {mcp_around - session_around - floor:.2f} ms.",
+        f"With the plain client, MCP run_code takes {plain_around:.2f} ms {AROUND}: the server and "
+        f"the pipes {plain_around - session_around:.2f} ms besides its session; the mcp package's "
+        f"client {mcp_around - plain_around:.2f} ms.",
     ]
     return "\n".join([aligned(lines), "", *footer])
 
