@@ -16,7 +16,7 @@ import jupyter_kernel_test as jkt
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from .conftest import KernelStarter
+from .conftest import KernelStarter, shell_reply
 
 pytestmark = pytest.mark.integration
 
@@ -121,8 +121,29 @@ def test_a_kernel_without_subshells_passes_the_suite_says_so_and_still_interrupt
     assert kc.execute_interactive("1+1", timeout=30)["content"]["status"] == "ok"
 
 
-def test_a_sandboxed_kernel_offers_subshells_by_default(start_kernel: KernelStarter) -> None:
-    """As a local ipykernel 7 does: JupyterLab 4.4 runs widgets' messages on them."""
+def test_a_sandboxed_kernel_offers_subshells_by_default_and_runs_one_beside_a_busy_cell(
+    start_kernel: KernelStarter,
+) -> None:
+    """As a local ipykernel 7 does (JupyterLab 4.4 runs widgets' messages on them): a
+    client creates a subshell on the control channel, and a request on it is answered
+    while the main shell is still running a cell; then the subshell is deleted."""
     _, kc = start_kernel()
     features = kc.kernel_info(reply=True, timeout=30)["content"].get("supported_features", [])
     assert "kernel subshells" in features
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    created = kc.control_channel.get_msg(timeout=30)
+    assert created["content"]["status"] == "ok", created["content"]
+    subshell_id = created["content"]["subshell_id"]
+
+    busy = kc.execute("import time; time.sleep(8); 'main done'")
+    time.sleep(1)
+    beside = kc.session.msg("execute_request", {"code": "6 * 7", "silent": False, "store_history": False})
+    beside["header"]["subshell_id"] = subshell_id
+    kc.shell_channel.send(beside)
+    first = shell_reply(kc, 30)
+    assert first["parent_header"]["msg_id"] == beside["header"]["msg_id"], "the subshell waited for the cell"
+    assert first["content"]["status"] == "ok"
+    assert shell_reply(kc, 30)["parent_header"]["msg_id"] == busy
+
+    kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell_id}))
+    assert kc.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
