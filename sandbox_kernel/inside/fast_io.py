@@ -117,6 +117,13 @@ class InFlight:
         with self.lock:
             self.count += delta
 
+    def __enter__(self) -> None:
+        """``with in_flight:`` the work in it counts as in flight while it runs."""
+        self.add(1)
+
+    def __exit__(self, *exc: object) -> None:
+        self.add(-1)
+
     def counted(self, work: Callable[[], Any]) -> Callable[[], Any]:
         """``work``, that takes its count back once it has run (the count is the caller's)."""
 
@@ -188,11 +195,8 @@ def install(kernel: Any) -> Callable[[], None]:
     def counted_flush(self: Any) -> None:
         # The timer's flush runs on the IOPub thread, not through schedule: between taking
         # the buffers and handing their message over, it counts as work in flight.
-        in_flight.add(1)
-        try:
+        with in_flight:
             originals["_flush"](self)
-        finally:
-            in_flight.add(-1)
 
     def flush(self: Any) -> None:
         if in_flight.holding():
@@ -228,11 +232,8 @@ def install(kernel: Any) -> Callable[[], None]:
     reading_counted = threading.Event()
 
     def counted_reading(fd: Any, events: int) -> None:
-        in_flight.add(1)
-        try:
+        with in_flight:
             type(xpub)._handle_events(xpub, fd, events)
-        finally:
-            in_flight.add(-1)
 
     def count_reading() -> None:
         if xpub is not None and xpub.socket is not None:
