@@ -27,7 +27,12 @@ subshells (JEP 91) can run beside the main shell. Without that thread, as in ipy
 the main thread reads the shell channel itself: two fewer thread wake-ups per request,
 which gVisor makes dear (1.4 to 2 ms of a sandboxed ``1+1`` on a 2-core host, see
 docs/benchmarks.md); the kernel then stops advertising ``kernel subshells``, so JupyterLab
-sends widgets' messages on the main shell, where they wait for a running cell.
+sends widgets' messages on the main shell, where they wait for a running cell. ipykernel
+7.4 gets its own case without the thread wrong twice (:class:`KernelWithoutSubshells`
+puts both right): a cell with a top-level ``await`` raised AttributeError after it had
+started, ran on detached and never got its reply; and a request naming a subshell (from
+a client that did not read ``supported_features``) failed an assertion after ``busy``:
+no reply, no ``idle``, and the subshell requests on control got no reply either.
 
 The image does not have this package: the host copies this file into the kernel's launch
 folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
@@ -38,9 +43,20 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import threading
+from typing import Any
 
+from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
 from traitlets import Bool
+
+#: What a kernel without subshells answers a request that names one, or asks for one.
+NO_SUBSHELLS = (
+    "this kernel has no subshells (its kernelspec sets subshells: false, and its "
+    "kernel_info_reply lists no 'kernel subshells' among its supported_features)"
+)
+#: Messages ipykernel takes on any shell, whatever subshell their header names.
+_ANY_SHELL = ("comm_msg", "comm_close")
 
 
 class PollingEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
@@ -49,6 +65,73 @@ class PollingEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
 
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.SelectorEventLoop(selectors.PollSelector())
+
+
+class NoShellChannelThread:
+    """Where ipykernel looks for its shell-channel thread in a kernel without one: false, as
+    its ``if self.shell_channel_thread`` checks expect of none, and with the thread the main
+    shell runs in, which ipykernel 7.4 reads for every cell with a top-level ``await``
+    whether the thread exists or not."""
+
+    def __init__(self) -> None:
+        self.parent_thread = threading.current_thread()
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class KernelWithoutSubshells(IPythonKernel):
+    """ipykernel's kernel for a :class:`NoShellChannelThread`: it says it has no subshells,
+    and answers a request naming one, or asking for one, with an error reply (a kernel with
+    subshells answers a subshell it does not know so: busy, the error, idle)."""
+
+    #: The msg_id of the shell request being handled that named a subshell.
+    _named_a_subshell: str | None = None
+
+    @property
+    def _supports_kernel_subshells(self) -> bool:
+        return False
+
+    def set_parent(self, ident: Any, parent: Any, channel: str = "shell") -> None:
+        header = parent.get("header") if channel == "shell" and isinstance(parent, dict) else None
+        if isinstance(header, dict) and header.get("subshell_id") is not None:
+            if header.get("msg_type") not in _ANY_SHELL:
+                # Past ipykernel's check that the request names the shell handling it (an
+                # AssertionError after busy); should_handle then answers it.
+                self._named_a_subshell = header.get("msg_id")
+                header["subshell_id"] = None
+        super().set_parent(ident, parent, channel)  # type: ignore[no-untyped-call]
+
+    def should_handle(self, stream: Any, msg: dict[str, Any], idents: Any) -> Any:
+        msg_id = msg["header"].get("msg_id")
+        if self._named_a_subshell is None or msg_id != self._named_a_subshell:
+            return super().should_handle(stream, msg, idents)  # type: ignore[no-untyped-call]
+        self._named_a_subshell = None
+        self._refuse(stream, idents, msg)
+        return False  # (ipykernel then publishes idle)
+
+    async def create_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        self._refuse(socket, ident, parent)
+
+    async def delete_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        self._refuse(socket, ident, parent)
+
+    async def list_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        self._refuse(socket, ident, parent)
+
+    def _refuse(self, stream: Any, idents: Any, request: dict[str, Any]) -> None:
+        msg_type = str(request["header"].get("msg_type", ""))
+        content: dict[str, Any] = {
+            "status": "error",
+            "ename": "NoSubshells",
+            "evalue": NO_SUBSHELLS,
+            "traceback": [],
+        }
+        if msg_type == "execute_request":
+            content["execution_count"] = None
+        if self.session is not None:
+            reply_type = msg_type.removesuffix("_request") + "_reply"
+            self.session.send(stream, reply_type, content, parent=request, ident=idents)
 
 
 class SandboxedKernelApp(IPKernelApp):
@@ -67,9 +150,11 @@ class SandboxedKernelApp(IPKernelApp):
         for sock in (self.shell_socket, self.stdin_socket):
             sock.router_handover = 1
         if not self.subshells:
-            # ipykernel's own path for a kernel without the thread (init_kernel, and
-            # Kernel._supports_kernel_subshells, which kernel_info_reply's features follow).
-            self.shell_channel_thread = None
+            # ipykernel's own path for a kernel without the thread (init_kernel and the
+            # kernel's checks), with the corrections of KernelWithoutSubshells.
+            self.shell_channel_thread.io_loop.close()  # made, never to run
+            self.shell_channel_thread = NoShellChannelThread()
+            self.kernel_class = KernelWithoutSubshells
 
 
 if __name__ == "__main__":

@@ -273,9 +273,10 @@ def kernel_command(
         argv = SANDBOXED_KERNEL_ARGV if subshells else (*SANDBOXED_KERNEL_ARGV, NO_SUBSHELLS_ARG)
     elif not subshells:
         msg = (
-            "The kernelspec sets subshells: false, which only a kernelspec whose argv runs "
-            f"sandbox-kernel's launcher (python -m {LAUNCHER_MODULE} ...) can have; this one "
-            f"runs {' '.join(argv[:3])} ...: drop the setting, or use the launcher's argv."
+            "subshells is false (in the kernelspec's provisioner config or the server's), "
+            f"which only a kernelspec whose argv runs sandbox-kernel's launcher (python -m "
+            f"{LAUNCHER_MODULE} ...) can have; this one runs {' '.join(argv[:3])} ...: set "
+            "subshells: true in it, or use the launcher's argv."
         )
         raise ConfigurationError(msg)
     return [arg.replace("{connection_file}", CONTAINER_CONNECTION_FILE) for arg in argv] + list(
