@@ -52,8 +52,8 @@ from traitlets import Bool
 
 #: What a kernel without subshells answers a request that names one, or asks for one.
 NO_SUBSHELLS = (
-    "this kernel has no subshells (its kernelspec sets subshells: false, and its "
-    "kernel_info_reply lists no 'kernel subshells' among its supported_features)"
+    "this kernel has no subshells (subshells: false in its kernelspec or its server's "
+    "config; its kernel_info_reply lists no 'kernel subshells' among supported_features)"
 )
 #: Messages ipykernel takes on any shell, whatever subshell their header names.
 _ANY_SHELL = ("comm_msg", "comm_close")

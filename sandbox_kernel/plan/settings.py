@@ -710,8 +710,8 @@ class SandboxSettings(
         still running. To offer them, ipykernel reads every shell request in a thread of its
         own and hands it to the main thread; false: the main thread reads them, as in
         ipykernel 6, which under gVisor shortens each request's round trip by 1.4 to 2 ms
-        (a sixth of a sandboxed `1+1`, bench/kernel_choices.py), and widgets' messages
-        wait for the running cell. Only for kernelspecs that run
+        (12 to 16 % of a sandboxed `1+1`, bench/kernel_choices.py), and widgets'
+        messages wait for the running cell. Only for kernelspecs that run
         sandbox-kernel's launcher.""",
     ).tag(kernelspec=True)
     safe_output = Bool(
