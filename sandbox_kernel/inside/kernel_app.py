@@ -149,10 +149,11 @@ class SandboxedKernelApp(IPKernelApp):
         super().init_sockets()  # type: ignore[no-untyped-call]
         for sock in (self.shell_socket, self.stdin_socket):
             sock.router_handover = 1
-        if not self.subshells:
+        made = getattr(self, "shell_channel_thread", None)  # (ipykernel 6 has none to drop)
+        if not self.subshells and made is not None:
             # ipykernel's own path for a kernel without the thread (init_kernel and the
             # kernel's checks), with the corrections of KernelWithoutSubshells.
-            self.shell_channel_thread.io_loop.close()  # made, never to run
+            made.io_loop.close()  # made, never to run
             self.shell_channel_thread = NoShellChannelThread()
             self.kernel_class = KernelWithoutSubshells
 
