@@ -90,25 +90,25 @@ class InFlight:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.count = 0
-        self._local = threading.local()
+        #: This thread's own: ``mine.holding``, set and reset by the senders inline (a
+        #: method call between would let a signal handler's exception in before the reset,
+        #: and the thread would defer all its output for ever), and what it deferred.
+        self.mine = threading.local()
 
     def holding(self) -> bool:
         """Whether this thread is about to take the lock, holds it, or has just let it go."""
-        return bool(getattr(self._local, "holding", False))
-
-    def hold(self, holding: bool) -> None:
-        self._local.holding = holding
+        return bool(getattr(self.mine, "holding", False))
 
     def later(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Run ``call`` once this thread has let go of the lock (what it made meanwhile)."""
-        deferred = getattr(self._local, "deferred", None)
+        deferred = getattr(self.mine, "deferred", None)
         if deferred is None:
-            deferred = self._local.deferred = []
+            deferred = self.mine.deferred = []
         deferred.append((call, args, kwargs))
 
     def run_deferred(self) -> None:
         """What this thread made while it held the lock, in the order it made it."""
-        deferred = getattr(self._local, "deferred", None)
+        deferred = getattr(self.mine, "deferred", None)
         while deferred and not self.holding():
             call, args, kwargs = deferred.pop(0)
             call(*args, **kwargs)
@@ -138,7 +138,7 @@ class InFlight:
     def after_fork_in_child(self) -> None:
         """Another thread may have held the lock at the fork: the child's own, free."""
         self.lock = threading.Lock()
-        self._local = threading.local()
+        self.mine = threading.local()
 
 
 def install(kernel: Any) -> Callable[[], None]:
@@ -181,13 +181,14 @@ def install(kernel: Any) -> Callable[[], None]:
         counted = in_flight.counted(work)
         # The count and the hand-over under the lock, with no call between them that could
         # run a signal handler: an exception from one cannot leave one without the other.
-        in_flight.hold(True)
+        mine = in_flight.mine
         try:
+            mine.holding = True
             with in_flight.lock:
                 in_flight.count += 1
                 pub_thread._events.append(counted)
         finally:
-            in_flight.hold(False)
+            mine.holding = False
         pub_thread._event_pipe.send(b"")  # wakes the IOPub thread (ipykernel's own)
         in_flight.run_deferred()
         return None
@@ -249,8 +250,9 @@ def install(kernel: Any) -> Callable[[], None]:
             in_flight.later(send_multipart, msg, *args, **kwargs)
             return
         direct = waiting = False
-        in_flight.hold(True)
+        mine = in_flight.mine
         try:
+            mine.holding = True
             with in_flight.lock:
                 direct = (
                     DIRECT_SENDS
@@ -269,7 +271,7 @@ def install(kernel: Any) -> Callable[[], None]:
                     # The send may have taken the socket's signal of a subscription waiting.
                     waiting = xpub is not None and bool(pub_thread.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         finally:
-            in_flight.hold(False)
+            mine.holding = False
         if not direct:
             originals["send_multipart"](msg, *args, **kwargs)  # through the IOPub thread
         elif waiting:

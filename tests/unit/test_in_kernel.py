@@ -948,11 +948,13 @@ while time.time() - started < 3:
         ticks += 1
 signal.setitimer(signal.ITIMER_REAL, 0)
 time.sleep(1)  # the IOPub thread finishes what it was handed
-print(ticks, in_flight.count)
+print(ticks, in_flight.count, int(in_flight.holding()))
 """)
-    ticks, count = (int(n) for n in out.split())
+    ticks, count, holding = (int(n) for n in out.split())
     assert ticks > 100, "the timer hardly interrupted anything"
     assert count == 0, f"{count} pieces of work counted for ever after {ticks} interrupts"
+    # Left "holding", the thread would defer all its output for ever (never sent).
+    assert not holding, f"the main thread left holding the lock after {ticks} interrupts"
 
 
 def test_a_child_forked_while_another_thread_sends_can_send_too() -> None:
