@@ -272,7 +272,6 @@ def table(rows: list[Row], single_ms: float, local_ms: float) -> str:
 async def main_async(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="sandbox-kernel-density-") as kernelspecs:
         folder = Path(kernelspecs)
-        os.environ["JUPYTER_PATH"] = f"{folder}:{os.environ.get('JUPYTER_PATH', '')}".rstrip(":")
         return await _measure_all(args, variant(args.kernel, args.freeze_after, folder))
 
 

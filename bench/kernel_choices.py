@@ -40,7 +40,6 @@ from pathlib import Path
 from latency import (
     aligned,
     execute_once,
-    first_on_jupyter_path,
     in_turns_main,
     kernelspec_variant,
     percentile,
@@ -53,18 +52,11 @@ KERNELS = ("local", "sandboxed", "sandboxed, handed", "sandboxed, no subshells")
 HAND_EVERY_MESSAGE = "import sys; sys.modules['sandbox_kernel_fast_io'].DIRECT_SENDS = False"
 
 
-def without_subshells(kernel: str, folder: Path) -> str:
-    """A variant of the kernelspec ``kernel`` with ``subshells: false``, in ``folder`` (put
-    first on JUPYTER_PATH for the rest of the run); its name."""
-    name = kernelspec_variant(kernel, "no-subshells", {"subshells": False}, folder)
-    first_on_jupyter_path(folder)
-    return name
-
-
 def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dict[str, list[float]]:
     """Milliseconds per kernel, ``runs`` each, in a shuffled order every round."""
     with ExitStack() as stack:
-        quick = without_subshells(kernel, Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        quick = kernelspec_variant(kernel, "no-subshells", {"subshells": False}, folder)
         progress(f"starting a local {baseline} kernel, two {kernel} kernels and a {quick} kernel")
         clients = {
             name: stack.enter_context(running_kernel(spec, cwd)).client

@@ -297,25 +297,17 @@ def host_memory_mib(manager: KernelManager) -> float:
 
 def kernelspec_variant(kernel_name: str, suffix: str, config: dict[str, Any], folder: Path) -> str:
     """A variant of ``kernel_name`` named ``kernel_name-suffix`` with ``config`` added to its
-    provisioner's, written in ``folder``'s kernels; its name."""
+    provisioner's, written in ``folder``'s kernels (``folder`` put first on JUPYTER_PATH for
+    the rest of the run); its name."""
     spec = KernelSpecManager().get_kernel_spec(kernel_name)
     data = spec.to_dict()
     data["metadata"]["kernel_provisioner"].setdefault("config", {}).update(config)
     name = f"{kernel_name}-{suffix}"
     (folder / "kernels" / name).mkdir(parents=True)
     (folder / "kernels" / name / "kernel.json").write_text(json.dumps(data))
-    return name
-
-
-def first_on_jupyter_path(folder: Path) -> None:
-    """Kernelspecs in ``folder``'s kernels found first, for the rest of the run."""
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("JUPYTER_PATH")]))
-
-
-def pooled_kernelspec(kernel_name: str, pool_size: int, folder: Path) -> str:
-    """A variant of ``kernel_name`` with a pool, in ``folder`` (put first on JUPYTER_PATH)."""
-    name = kernelspec_variant(kernel_name, "bench-pool", {"pool_size": pool_size}, folder)
-    first_on_jupyter_path(folder)
+    paths = os.environ.get("JUPYTER_PATH", "").split(os.pathsep)
+    if str(folder) not in paths:
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(folder), *paths]))
     return name
 
 
@@ -631,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         local = measure(args.baseline, args.starts, args.restarts, args.runs, args.warmup, cwd)
         sandboxed = measure(args.kernel, args.starts, args.restarts, args.runs, args.warmup, cwd)
         if args.pooled_starts:
-            pooled = pooled_kernelspec(args.kernel, args.pool_size, Path(specs))
+            pooled = kernelspec_variant(args.kernel, "bench-pool", {"pool_size": args.pool_size}, Path(specs))
             measure_pool(sandboxed, pooled, args.pool_size, args.pooled_starts, cwd)
         if args.at_once:
             asyncio.run(measure_at_once(local, args.baseline, args.at_once, args.idle_seconds, cwd))

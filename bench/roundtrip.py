@@ -175,9 +175,6 @@ def measure(
         if os.geteuid() == 0:
             os.chown(cwd, SANDBOX_UID, SANDBOX_UID)
         unfrozen = kernelspec_variant(kernel_name, "bench-unfrozen", {"freeze_idle_after": 0}, folder)
-        os.environ["JUPYTER_PATH"] = os.pathsep.join(
-            filter(None, [str(folder), os.environ.get("JUPYTER_PATH")])
-        )
         started: list[tuple[KernelManager, BlockingKernelClient]] = []
         inside: InsideClient | None = None
         try:
