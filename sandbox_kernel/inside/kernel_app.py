@@ -20,19 +20,22 @@ Python's selectors would spin. The image's libzmq is built to poll too (images/D
 and so are the channel and egress relays (the latter with this policy's twin: each file
 runs alone in the sandbox): poll(2) keeps nothing between calls for a restore to spoil.
 
-And it can run without subshells (``--SandboxedKernelApp.subshells=False``, what the
-kernelspec key ``subshells: false`` asks): ipykernel 7 reads the shell channel in a thread
+And it starts its subshells on demand. ipykernel 7 reads the shell channel in a thread
 of its own and hands each request to the main thread (and each reply back) so that
-subshells (JEP 91) can run beside the main shell. Without that thread, as in ipykernel 6,
-the main thread reads the shell channel itself: two fewer thread wake-ups per request,
+subshells (JEP 91) can run beside the main shell: two thread wake-ups more per request,
 which gVisor makes dear (1.4 to 2 ms of a sandboxed ``1+1`` on a 2-core host, see
-docs/benchmarks.md); the kernel then stops advertising ``kernel subshells``, so JupyterLab
-sends widgets' messages on the main shell, where they wait for a running cell. ipykernel
-7.4 gets its own case without the thread wrong twice (:class:`KernelWithoutSubshells`
-puts both right): a cell with a top-level ``await`` raised AttributeError after it had
-started, ran on detached and never got its reply; and a request naming a subshell (from
-a client that did not read ``supported_features``) failed an assertion after ``busy``:
-no reply, no ``idle``, and the subshell requests on control got no reply either.
+docs/benchmarks.md). Here the main thread reads the shell channel itself, as in ipykernel
+6, until a client asks for a subshell (most never do); the control thread then hands the
+shell socket to ipykernel's shell-channel thread (:class:`HandOverStream`,
+:class:`KernelWithSubshellsOnDemand`) and the kernel goes on as ipykernel's own, a cell
+running or not. ``--SandboxedKernelApp.subshells=False`` (the kernelspec key
+``subshells: false``) keeps the main thread on the shell channel for good, and the kernel
+does not advertise ``kernel subshells``. ipykernel 7.4 gets its own case without the
+thread wrong twice (:class:`KernelWithoutSubshells` puts both right): a cell with a
+top-level ``await`` raised AttributeError after it had started, ran on detached and never
+got its reply; and a request naming a subshell (from a client that did not read
+``supported_features``) failed an assertion after ``busy``: no reply, no ``idle``, and the
+subshell requests on control got no reply either.
 
 The image does not have this package: the host copies this file into the kernel's launch
 folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
@@ -42,19 +45,25 @@ folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
 from __future__ import annotations
 
 import asyncio
+import inspect
 import selectors
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from ipykernel._version import version_info as ipykernel_version
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
 from traitlets import Bool
+from zmq.eventloop.zmqstream import ZMQStream
 
 #: What a kernel without subshells answers a request that names one, or asks for one.
 NO_SUBSHELLS = (
     "this kernel has no subshells (subshells: false in its kernelspec or its server's "
     "config; its kernel_info_reply lists no 'kernel subshells' among supported_features)"
 )
+#: What ipykernel 7.4's SubshellManager is made with (:func:`subshells_on_demand_fit`).
+MANAGER_PARAMETERS = ("context", "shell_channel_io_loop", "shell_stream")
 #: Messages ipykernel takes on any shell, whatever subshell their header names.
 _ANY_SHELL = ("comm_msg", "comm_close")
 
@@ -85,8 +94,8 @@ class KernelWithoutSubshells(IPythonKernel):
     and answers a request naming one, or asking for one, with an error reply (a kernel with
     subshells answers a subshell it does not know so: busy, the error, idle)."""
 
-    #: The msg_id of the shell request being handled that named a subshell.
-    _named_a_subshell: str | None = None
+    #: The msg_id of the shell request being handled that named a subshell, and that name.
+    _named_a_subshell: tuple[Any, str] | None = None
 
     @property
     def _supports_kernel_subshells(self) -> bool:
@@ -94,21 +103,29 @@ class KernelWithoutSubshells(IPythonKernel):
 
     def set_parent(self, ident: Any, parent: Any, channel: str = "shell") -> None:
         header = parent.get("header") if channel == "shell" and isinstance(parent, dict) else None
-        if isinstance(header, dict) and header.get("subshell_id") is not None:
-            if header.get("msg_type") not in _ANY_SHELL:
-                # Past ipykernel's check that the request names the shell handling it (an
-                # AssertionError after busy); should_handle then answers it.
-                self._named_a_subshell = header.get("msg_id")
-                header["subshell_id"] = None
+        if (
+            isinstance(header, dict)
+            and header.get("subshell_id") is not None
+            and header.get("msg_type") not in _ANY_SHELL
+            and threading.current_thread() is threading.main_thread()  # (not a subshell's)
+        ):
+            # Past ipykernel's check that the request names the shell handling it (an
+            # AssertionError after busy); should_handle then answers it.
+            self._named_a_subshell = (header.get("msg_id"), str(header["subshell_id"]))
+            header["subshell_id"] = None
         super().set_parent(ident, parent, channel)  # type: ignore[no-untyped-call]
 
     def should_handle(self, stream: Any, msg: dict[str, Any], idents: Any) -> Any:
-        msg_id = msg["header"].get("msg_id")
-        if self._named_a_subshell is None or msg_id != self._named_a_subshell:
+        named = self._named_a_subshell
+        if named is None or msg["header"].get("msg_id") != named[0]:
             return super().should_handle(stream, msg, idents)  # type: ignore[no-untyped-call]
         self._named_a_subshell = None
-        self._refuse(stream, idents, msg)
+        self._refuse(stream, idents, msg, *self._no_such_subshell(named[1]))
         return False  # (ipykernel then publishes idle)
+
+    def _no_such_subshell(self, subshell_id: str) -> tuple[str, str]:
+        """The error name and value of a request for the subshell ``subshell_id``."""
+        return "NoSubshells", NO_SUBSHELLS
 
     async def create_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
         self._refuse(socket, ident, parent)
@@ -119,19 +136,194 @@ class KernelWithoutSubshells(IPythonKernel):
     async def list_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
         self._refuse(socket, ident, parent)
 
-    def _refuse(self, stream: Any, idents: Any, request: dict[str, Any]) -> None:
+    def _refuse(
+        self,
+        stream: Any,
+        idents: Any,
+        request: dict[str, Any],
+        ename: str = "NoSubshells",
+        evalue: str = NO_SUBSHELLS,
+    ) -> None:
         msg_type = str(request["header"].get("msg_type", ""))
-        content: dict[str, Any] = {
-            "status": "error",
-            "ename": "NoSubshells",
-            "evalue": NO_SUBSHELLS,
-            "traceback": [],
-        }
+        content: dict[str, Any] = {"status": "error", "ename": ename, "evalue": evalue, "traceback": []}
         if msg_type == "execute_request":
             content["execution_count"] = None
         if self.session is not None:
             reply_type = msg_type.removesuffix("_request") + "_reply"
             self.session.send(stream, reply_type, content, parent=request, ident=idents)
+
+
+def subshells_on_demand_fit() -> bool:
+    """Whether this ipykernel's shell-channel thread and subshell manager are the ones
+    :class:`KernelWithSubshellsOnDemand` wakes (7.4; with another, ipykernel's own path)."""
+    try:
+        from ipykernel.shellchannel import ShellChannelThread
+        from ipykernel.subshell_manager import SubshellManager
+    except ImportError:
+        return False
+    return (
+        tuple(ipykernel_version[:2]) == (7, 4)
+        and list(inspect.signature(SubshellManager).parameters)
+        == ["context", "shell_channel_io_loop", "shell_stream"]
+        and all(hasattr(ShellChannelThread, name) for name in ("manager", "run"))
+    )
+
+
+class HandOverStream(ZMQStream):
+    """The main thread's stream on the shell socket, until the control thread hands the
+    socket to the shell-channel thread: every use of the socket under :attr:`handover`,
+    then none (its sends go to the shell-channel thread, through :attr:`forward`)."""
+
+    handover: threading.RLock
+    #: Once handed over: sends the frames of a reply through the shell-channel thread.
+    forward: Callable[..., Any] | None
+
+    @classmethod
+    def adopt(cls, stream: ZMQStream) -> HandOverStream:
+        """``stream`` (on the main thread's loop, not yet receiving), made one of these."""
+        stream.__class__ = cls
+        adopted: HandOverStream = stream  # type: ignore[assignment]
+        adopted.handover, adopted.forward = threading.RLock(), None
+        # Its loop calls the handler it was given: this class's from now on.
+        adopted.io_loop.remove_handler(adopted._fd)
+        adopted.io_loop.add_handler(adopted._fd, adopted._handle_events, adopted.io_loop.READ)
+        return adopted
+
+    def _handle_events(self, fd: Any, events: int) -> None:
+        with self.handover:
+            if self.forward is None:
+                super()._handle_events(fd, events)  # type: ignore[no-untyped-call]
+
+    def _update_handler(self, state: int) -> None:
+        with self.handover:
+            if self.forward is None:
+                super()._update_handler(state)  # type: ignore[no-untyped-call]
+
+    def flush(self, flag: int = 3, limit: int | None = None) -> int:  # (zmq.POLLIN | zmq.POLLOUT)
+        with self.handover:
+            return 0 if self.forward is not None else super().flush(flag, limit)
+
+    def send_multipart(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        with self.handover:
+            forward = self.forward
+            if forward is None:
+                super().send_multipart(msg, *args, **kwargs)
+                return
+        forward(msg, *args, **kwargs)  # a reply to a request that began before the hand-over
+
+    def hand_over(self) -> None:
+        """What the main thread queued and has not sent, sent now (the caller holds
+        :attr:`handover`: no thread uses the socket)."""
+        while not self._send_queue.empty():
+            msg, kwargs = self._send_queue.get_nowait()
+            self.socket.send_multipart(msg, **kwargs)
+
+
+class KernelWithSubshellsOnDemand(KernelWithoutSubshells):
+    """A kernel whose main thread reads the shell channel until the first subshell request,
+    which wakes ipykernel's shell-channel thread (:meth:`wake_subshells`): from then on the
+    kernel is ipykernel's own. It advertises subshells throughout."""
+
+    _sleeping: Any = None
+    _direct: HandOverStream | None = None
+    _waking = threading.Lock()
+
+    @property
+    def _supports_kernel_subshells(self) -> bool:
+        return bool(self.shell_channel_thread)
+
+    @property
+    def kernel_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = super().kernel_info
+        features = info.setdefault("supported_features", [])
+        if "kernel subshells" not in features:
+            features.insert(0, "kernel subshells")
+        return info
+
+    def sleep_subshells(self, thread: Any) -> None:
+        """Keep the shell-channel ``thread`` (made, not started) for the first subshell
+        request; until then the main thread reads the shell channel."""
+        self._sleeping = thread
+        if self.shell_stream is not None:
+            self._direct = HandOverStream.adopt(self.shell_stream)
+
+    def wake_subshells(self) -> None:
+        """Hand the shell socket to the shell-channel thread (on the control thread, whatever
+        the main thread is doing): requests read before go on in the main thread, their
+        replies through the shell-channel thread."""
+        from ipykernel.subshell_manager import SubshellManager
+
+        with self._waking:
+            thread, direct = self._sleeping, self._direct
+            if thread is None or direct is None:
+                return
+            made: list[ZMQStream] = []
+            ready = threading.Event()
+
+            def on_its_thread() -> None:  # ipykernel's init_kernel and manager, there
+                try:
+                    stream = ZMQStream(direct.socket, thread.io_loop)
+                    thread.shell_stream = stream
+                    manager = SubshellManager(thread._zmq_context, thread.io_loop, stream)
+                    manager._parent_thread = thread.parent_thread  # (the main shell's thread)
+                    manager._on_recv_callback = self.shell_main
+                    thread._manager = manager
+                    made.append(stream)
+                finally:
+                    ready.set()
+
+            with direct.handover:
+                direct.hand_over()
+                thread.start()
+                thread.io_loop.add_callback(on_its_thread)
+                if not ready.wait(30) or not made:
+                    msg = "the shell-channel thread did not take the shell socket"
+                    raise RuntimeError(msg)
+                stream = made[0]
+                direct.forward = lambda msg, *args, **kwargs: thread.io_loop.add_callback(
+                    stream.send_multipart, msg, *args, **kwargs
+                )
+                self.shell_channel_thread = thread
+                self.shell_stream = stream
+                self._sleeping = None
+            direct.io_loop.add_callback(self._main_thread_reads_from, thread, direct)
+            thread.io_loop.add_callback(stream.on_recv, self.shell_channel_thread_main, copy=False)
+
+    def _main_thread_reads_from(self, thread: Any, direct: HandOverStream) -> None:
+        """On the main thread: it stops watching the socket and reads what the shell-channel
+        thread hands it."""
+        direct.io_loop.remove_handler(direct._fd)
+        thread.manager.set_on_recv_callback(self.shell_main)
+
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        # ipykernel's looks at the thread, then at the stream: no hand-over between.
+        direct = self._direct
+        if direct is None:
+            super()._abort_queues(subshell_id)
+            return
+        with direct.handover:
+            super()._abort_queues(subshell_id)
+
+    def _no_such_subshell(self, subshell_id: str) -> tuple[str, str]:
+        return "UnknownSubshellError", f"Unknown subshell_id {subshell_id!r}"  # (as ipykernel's)
+
+    async def create_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        await self._woken(IPythonKernel.create_subshell_request, socket, ident, parent)
+
+    async def delete_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        await self._woken(IPythonKernel.delete_subshell_request, socket, ident, parent)
+
+    async def list_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        await self._woken(IPythonKernel.list_subshell_request, socket, ident, parent)
+
+    async def _woken(self, handler: Any, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
+        try:
+            self.wake_subshells()
+        except Exception as exc:
+            self.log.exception("Cannot start subshells")
+            self._refuse(socket, ident, parent, "SubshellsFailed", f"cannot start subshells: {exc}")
+            return
+        await handler(self, socket, ident, parent)
 
 
 class SandboxedKernelApp(IPKernelApp):
@@ -141,21 +333,42 @@ class SandboxedKernelApp(IPKernelApp):
     subshells = Bool(
         True,
         config=True,
-        help="Read the shell channel in a thread of its own, so that subshells can run "
-        "(ipykernel 7); False: in the main thread, as ipykernel 6 did, with no subshells.",
+        help="Subshells (ipykernel 7): the main thread reads the shell channel until a "
+        "client asks for one, then a thread of its own does. False: the main thread for "
+        "good, as ipykernel 6 did, with no subshells.",
     )
+    #: The shell-channel thread a kernel with subshells on demand wakes.
+    _sleeping: Any = None
 
     def init_sockets(self) -> None:
         super().init_sockets()  # type: ignore[no-untyped-call]
         for sock in (self.shell_socket, self.stdin_socket):
             sock.router_handover = 1
         made = getattr(self, "shell_channel_thread", None)  # (ipykernel 6 has none to drop)
-        if not self.subshells and made is not None:
-            # ipykernel's own path for a kernel without the thread (init_kernel and the
-            # kernel's checks), with the corrections of KernelWithoutSubshells.
+        if made is None:
+            return
+        if self.subshells and not subshells_on_demand_fit():
+            self.log.warning(
+                "subshells start with the kernel (ipykernel's own path, about 2 ms more per "
+                "request): this kernel wakes them on demand in ipykernel 7.4 only, not %s",
+                ".".join(map(str, ipykernel_version)),
+            )
+            return
+        # ipykernel's own path for a kernel without the thread (init_kernel and the
+        # kernel's checks), with the corrections of KernelWithoutSubshells.
+        self.shell_channel_thread = NoShellChannelThread()
+        if self.subshells:
+            self._sleeping = made
+            self.kernel_class = KernelWithSubshellsOnDemand
+        else:
             made.io_loop.close()  # made, never to run
-            self.shell_channel_thread = NoShellChannelThread()
             self.kernel_class = KernelWithoutSubshells
+
+    def init_kernel(self) -> None:
+        super().init_kernel()  # type: ignore[no-untyped-call]
+        if self._sleeping is not None:
+            self.kernel.sleep_subshells(self._sleeping)
+            self.shell_channel_thread = self._sleeping  # (stopped at the end, if woken)
 
 
 if __name__ == "__main__":

@@ -707,12 +707,13 @@ class SandboxSettings(
         config=True,
         help="""Whether the kernel offers subshells (ipykernel 7, JEP 91): JupyterLab 4.4 and
         later send widgets' messages on them, so a slider's callback runs while a cell is
-        still running. To offer them, ipykernel reads every shell request in a thread of its
-        own and hands it to the main thread; false: the main thread reads them, as in
-        ipykernel 6, which under gVisor shortens each request's round trip by 1.4 to 2 ms
-        (12 to 16 % of a sandboxed `1+1`, bench/kernel_choices.py), and widgets'
-        messages wait for the running cell. Only for kernelspecs that run
-        sandbox-kernel's launcher.""",
+        still running. The kernel's main thread reads the shell channel itself until a
+        client asks for a subshell; from then on ipykernel reads every shell request in a
+        thread of its own and hands it to the main thread, which under gVisor lengthens
+        each round trip by 1.4 to 2 ms (15 % of a sandboxed `1+1`,
+        bench/kernel_choices.py). False: no subshells, the main thread reads the shell
+        channel for good (as in ipykernel 6), and widgets' messages wait for the running
+        cell. Only for kernelspecs that run sandbox-kernel's launcher.""",
     ).tag(kernelspec=True)
     safe_output = Bool(
         True,

@@ -4,7 +4,8 @@ replies and outputs of execution, errors, completion, code completeness, the pag
 history, inspection, rich display and ``clear_output``, as a local IPython kernel gives
 them. What runs differently in the sandbox (the relay, the host's bridge, the kernel's
 start-up code, IPython's history kept in memory) must not show here; nor may a kernelspec
-that turns subshells off (``subshells: false``)."""
+that turns subshells off (``subshells: false``), nor the hand-over of the shell channel
+when a client first asks for a subshell."""
 
 from __future__ import annotations
 
@@ -167,29 +168,65 @@ def test_a_kernel_without_subshells_answers_a_client_that_asks_for_one(
     assert run_ok(kc, "print('ran_in_a_subshell' in dir())").strip() == "False"
 
 
-def test_a_sandboxed_kernel_offers_subshells_by_default_and_runs_one_beside_a_busy_cell(
+def thread_names(kc: BlockingKernelClient) -> list[str]:
+    return sorted(eval(run_ok(kc, "import threading; print(sorted(t.name for t in threading.enumerate()))")))  # noqa: S307
+
+
+def test_a_sandboxed_kernel_offers_subshells_and_starts_them_at_the_first_request_mid_cell(
     start_kernel: KernelStarter,
 ) -> None:
-    """As a local ipykernel 7 does (JupyterLab 4.4 runs widgets' messages on them): a
-    client creates a subshell on the control channel, and a request on it is answered
-    while the main shell is still running a cell; then the subshell is deleted."""
-    _, kc = start_kernel()
+    """As a local ipykernel 7 does (JupyterLab 4.4 runs widgets' messages on them), with the
+    main thread reading the shell channel until a client asks for a subshell: a request
+    naming one before then gets ipykernel's answer to an unknown subshell; a subshell
+    created while a cell runs is created at once and answers beside it; the cell's output
+    and reply, begun before the hand-over, arrive whole and in order; and the kernel, now
+    ipykernel's own, passes the whole suite and still interrupts."""
+    km, kc = start_kernel()
     features = kc.kernel_info(reply=True, timeout=30)["content"].get("supported_features", [])
     assert "kernel subshells" in features
+    assert "Shell channel" not in thread_names(kc)
+    named = kc.session.msg("execute_request", {"code": "ran_in_a_subshell = True", "silent": False})
+    named["header"]["subshell_id"] = "s1"
+    kc.shell_channel.send(named)
+    reply = shell_reply(kc, 30)
+    assert reply["parent_header"]["msg_id"] == named["header"]["msg_id"]
+    assert (reply["content"]["status"], reply["content"]["ename"]) == ("error", "UnknownSubshellError")
+    assert iopub_of(kc, named["header"]["msg_id"]) == ["status:busy", "status:idle"]
+    assert "Shell channel" not in thread_names(kc)
+
+    busy = kc.execute("import time; print('before'); time.sleep(8); print('after'); 'main done'")
+    time.sleep(2)
+    asked = time.monotonic()
     kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
     created = kc.control_channel.get_msg(timeout=30)
     assert created["content"]["status"] == "ok", created["content"]
-    subshell_id = created["content"]["subshell_id"]
-
-    busy = kc.execute("import time; time.sleep(8); 'main done'")
-    time.sleep(1)
+    assert time.monotonic() - asked < 4, "the subshell waited for the cell"
     beside = kc.session.msg("execute_request", {"code": "6 * 7", "silent": False, "store_history": False})
-    beside["header"]["subshell_id"] = subshell_id
+    beside["header"]["subshell_id"] = created["content"]["subshell_id"]
     kc.shell_channel.send(beside)
     first = shell_reply(kc, 30)
     assert first["parent_header"]["msg_id"] == beside["header"]["msg_id"], "the subshell waited for the cell"
     assert first["content"]["status"] == "ok"
-    assert shell_reply(kc, 30)["parent_header"]["msg_id"] == busy
+    last = shell_reply(kc, 30)
+    assert (last["parent_header"]["msg_id"], last["content"]["status"]) == (busy, "ok")
+    assert iopub_of(kc, busy) == [
+        "status:busy",
+        "execute_input",
+        "stream",
+        "stream",
+        "execute_result",
+        "status:idle",
+    ]
+    assert "Shell channel" in thread_names(kc)
 
-    kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell_id}))
+    problems = run_checks(km, kc, CHECKS)
+    assert not problems, "\n".join(problems)
+    msg_id = kc.execute("import time; time.sleep(60)")
+    time.sleep(2)
+    km.interrupt_kernel()
+    reply = shell_reply(kc, 30)
+    assert (reply["parent_header"]["msg_id"], reply["content"]["status"]) == (msg_id, "error")
+    kc.control_channel.send(
+        kc.session.msg("delete_subshell_request", {"subshell_id": created["content"]["subshell_id"]})
+    )
     assert kc.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
