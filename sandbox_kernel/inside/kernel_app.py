@@ -258,27 +258,33 @@ class KernelWithSubshellsOnDemand(KernelWithoutSubshells):
             if thread is None or direct is None:
                 return
             made: list[ZMQStream] = []
-            ready = threading.Event()
+            ready, deciding = threading.Event(), threading.Lock()
 
             def on_its_thread() -> None:  # ipykernel's init_kernel and manager, there
-                try:
-                    stream = ZMQStream(direct.socket, thread.io_loop)
-                    thread.shell_stream = stream
-                    manager = SubshellManager(thread._zmq_context, thread.io_loop, stream)
-                    manager._parent_thread = thread.parent_thread  # (the main shell's thread)
-                    manager._on_recv_callback = self.shell_main
-                    thread._manager = manager
-                    made.append(stream)
-                finally:
-                    ready.set()
+                with deciding:
+                    try:
+                        if not ready.is_set():  # (else given up on: the socket stays the main's)
+                            stream = ZMQStream(direct.socket, thread.io_loop)
+                            thread.shell_stream = stream
+                            manager = SubshellManager(thread._zmq_context, thread.io_loop, stream)
+                            manager._parent_thread = thread.parent_thread  # (the main shell's)
+                            manager._on_recv_callback = self.shell_main
+                            thread._manager = manager
+                            made.append(stream)
+                    finally:
+                        ready.set()
 
             with direct.handover:
                 direct.hand_over()
-                thread.start()
+                if not thread.is_alive():
+                    thread.start()  # (may fail: no thread left under the sandbox's pids limit)
                 thread.io_loop.add_callback(on_its_thread)
-                if not ready.wait(30) or not made:
-                    msg = "the shell-channel thread did not take the shell socket"
-                    raise RuntimeError(msg)
+                ready.wait(30)
+                with deciding:
+                    ready.set()
+                    if not made:
+                        msg = "the shell-channel thread did not take the shell socket in 30 s"
+                        raise RuntimeError(msg)
                 stream = made[0]
                 direct.forward = lambda msg, *args, **kwargs: thread.io_loop.add_callback(
                     stream.send_multipart, msg, *args, **kwargs

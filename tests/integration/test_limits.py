@@ -8,6 +8,7 @@ import queue
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -78,6 +79,45 @@ def test_thread_bomb_gets_a_clean_error(
     assert result.reply["content"]["ename"] == "RuntimeError"  # can't start new thread
     assert int(result.stdout.split()[-1]) < 64
     assert run_ok(kc, "print(1 + 1)").strip() == "2"
+
+
+def test_a_subshell_asked_for_when_code_holds_every_thread_gets_a_clean_error_then_works(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """The kernel starts its subshells' thread at the first request for one: with kernel
+    code holding every thread the pids limit allows, that request gets an error reply that
+    says why, and the kernel goes on; once the threads end, the next request works."""
+    name = make_kernelspec("small-threads", config={"pids": 64})
+    _, kc = start_kernel(kernel_name=name)
+
+    def create() -> dict[str, Any]:
+        request = kc.session.msg("create_subshell_request", {})
+        kc.control_channel.send(request)
+        reply: dict[str, Any] = kc.control_channel.get_msg(timeout=60)
+        assert reply["parent_header"]["msg_id"] == request["header"]["msg_id"]
+        return reply["content"]
+
+    run_ok(
+        kc,
+        "import threading\n"
+        "stop, threads = threading.Event(), []\n"
+        "try:\n"
+        "    for _ in range(10_000):\n"
+        "        t = threading.Thread(target=stop.wait, daemon=True); t.start(); threads.append(t)\n"
+        "except RuntimeError as exc:\n"
+        "    print(exc)",
+    )
+    refused = create()
+    assert (refused["status"], refused["ename"]) == ("error", "SubshellsFailed"), refused
+    assert "can't start new thread" in refused["evalue"]
+    assert run_ok(kc, "stop.set(); [t.join() for t in threads]; print(len(threads))").strip().isdigit()
+    created = create()
+    assert created["status"] == "ok", created
+    on_it = kc.session.msg("execute_request", {"code": "6 * 7", "silent": False, "store_history": False})
+    on_it["header"]["subshell_id"] = created["subshell_id"]
+    kc.shell_channel.send(on_it)
+    reply = shell_reply(kc, 60)
+    assert (reply["parent_header"]["msg_id"], reply["content"]["status"]) == (on_it["header"]["msg_id"], "ok")
 
 
 def test_policy_is_visible_inside_without_host_details(
