@@ -51,6 +51,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import zmq
 from ipykernel._version import version_info as ipykernel_version
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
@@ -126,6 +127,29 @@ class KernelWithoutSubshells(IPythonKernel):
     def _no_such_subshell(self, subshell_id: str) -> tuple[str, str]:
         """The error name and value of a request for the subshell ``subshell_id``."""
         return "NoSubshells", NO_SUBSHELLS
+
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        """Abort the requests queued behind a failing one (stop_on_error). ipykernel's path
+        without the shell-channel thread stops aborting at its loop's next turn, before the
+        requests read while an async cell awaited have had their turn: they ran. Here, as
+        with the thread, aborting stops at a marker queued behind every request read so
+        far (ipykernel's own, which its dispatch_shell takes)."""
+        stream = self.shell_stream
+        callback = getattr(stream, "_recv_callback", None)
+        if self.shell_channel_thread or subshell_id is not None or stream is None or callback is None:
+            super()._abort_queues(subshell_id)
+            return
+        self._aborting = True
+        self.log.info("Aborting queue")
+        stream.flush()  # what has arrived, read: queued behind the failing request
+
+        def queue_marker() -> None:  # the way each request read is queued
+            stream._run_callback(callback, [zmq.Frame(b"stop aborting")])
+
+        if self.stop_on_error_timeout:
+            self.io_loop.call_later(self.stop_on_error_timeout, queue_marker)  # (what comes meanwhile too)
+        else:
+            queue_marker()
 
     async def create_subshell_request(self, socket: Any, ident: Any, parent: dict[str, Any]) -> None:
         self._refuse(socket, ident, parent)
@@ -246,6 +270,16 @@ class KernelWithSubshellsOnDemand(KernelWithoutSubshells):
         self._sleeping = thread
         if self.shell_stream is not None:
             self._direct = HandOverStream.adopt(self.shell_stream)
+        shell = self.shell
+        magic = shell.find_line_magic("subshell") if shell is not None else None
+        if shell is not None and magic is not None:  # ipykernel's %subshell: there, if asleep
+
+            def subshell(line: str) -> Any:
+                self.wake_subshells()
+                return magic(line)
+
+            subshell.__doc__ = magic.__doc__
+            shell.register_magic_function(subshell, "line", "subshell")
 
     def wake_subshells(self) -> None:
         """Hand the shell socket to the shell-channel thread (on the control thread, whatever
@@ -289,20 +323,25 @@ class KernelWithSubshellsOnDemand(KernelWithoutSubshells):
                 direct.forward = lambda msg, *args, **kwargs: thread.io_loop.add_callback(
                     stream.send_multipart, msg, *args, **kwargs
                 )
+                # (self.shell_stream stays ``direct``, which now forwards: the main thread
+                # may have looked at the thread just before, and at the stream just after.)
                 self.shell_channel_thread = thread
-                self.shell_stream = stream
                 self._sleeping = None
             direct.io_loop.add_callback(self._main_thread_reads_from, thread, direct)
             thread.io_loop.add_callback(stream.on_recv, self.shell_channel_thread_main, copy=False)
 
     def _main_thread_reads_from(self, thread: Any, direct: HandOverStream) -> None:
         """On the main thread: it stops watching the socket and reads what the shell-channel
-        thread hands it."""
+        thread hands it, with the callback the kernel gave the socket's stream (ipykernel's
+        wrapper runs every main-shell request in one context: what a cell set in a context
+        variable, the next one sees)."""
         direct.io_loop.remove_handler(direct._fd)
-        thread.manager.set_on_recv_callback(self.shell_main)
+        if thread.is_alive():  # (else shut down meanwhile)
+            pair = thread.manager._shell_channel_to_main
+            pair.on_recv(direct.io_loop, direct._recv_callback, copy=False)
 
     def _abort_queues(self, subshell_id: str | None = None) -> None:
-        # ipykernel's looks at the thread, then at the stream: no hand-over between.
+        # It looks at the thread, then at the stream: no hand-over between.
         direct = self._direct
         if direct is None:
             super()._abort_queues(subshell_id)

@@ -227,3 +227,18 @@ def test_a_sandboxed_kernel_offers_subshells_and_starts_them_at_the_first_reques
         kc.session.msg("delete_subshell_request", {"subshell_id": created["content"]["subshell_id"]})
     )
     assert kc.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("failing", ["1/0", "import asyncio; await asyncio.sleep(0.5); 1/0"])
+def test_run_all_stops_at_a_failing_cell_sync_or_async(start_kernel: KernelStarter, failing: str) -> None:
+    """JupyterLab's "Run All" sends every cell at once (stop_on_error): those behind one
+    that fails are aborted, behind an async cell too (ipykernel 7.4's path without the
+    shell-channel thread, the kernel's until a subshell is asked for, ran them)."""
+    _, kc = start_kernel()
+    sent = [kc.execute(failing)] + [kc.execute(f"ran_{i} = {i}") for i in range(6)]
+    statuses = {}
+    for _ in sent:
+        reply = shell_reply(kc, 30)
+        statuses[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
+    assert [statuses[msg_id] for msg_id in sent] == ["error"] + ["aborted"] * 6
+    assert run_ok(kc, "print(sorted(n for n in dir() if n.startswith('ran_')))").strip() == "[]"

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,35 @@ def kernel_app_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "kernel-app"
 
 
-@pytest.fixture
-def kernel(kernel_app_spec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
-    km, kc = start_new_kernel(kernel_name=kernel_app_spec, startup_timeout=60)
+#: How a kernel is before a client asks for a subshell, after, and with ``subshells: false``.
+WAYS = ("on demand", "subshells started", "subshells off")
+
+
+@contextmanager
+def started(kernel_name: str, way: str = "on demand") -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    extra = ["--SandboxedKernelApp.subshells=False"] if way == "subshells off" else []
+    km, kc = start_new_kernel(kernel_name=kernel_name, startup_timeout=60, extra_arguments=extra)
     try:
+        if way == "subshells started":
+            assert control(kc, "list_subshell_request")["content"]["status"] == "ok"
         yield km, kc
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(kernel_app_spec: str) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    with started(kernel_app_spec) as kernel:
+        yield kernel
+
+
+@pytest.fixture(params=WAYS)
+def kernel_each_way(
+    request: pytest.FixtureRequest, kernel_app_spec: str
+) -> Iterator[tuple[KernelManager, BlockingKernelClient]]:
+    with started(kernel_app_spec, request.param) as kernel:
+        yield kernel
 
 
 def control(kc: BlockingKernelClient, msg_type: str, **content: Any) -> dict[str, Any]:
@@ -93,11 +115,15 @@ def test_requests_in_flight_as_the_shell_socket_is_handed_over_are_each_answered
     counts = [r["content"]["execution_count"] for r in replies]
     assert counts == list(range(counts[0], counts[0] + count))
     printed: dict[str, str] = {}
+    idle: set[str] = set()
     deadline = time.monotonic() + 30
-    while len(printed) < count and time.monotonic() < deadline:
+    while not idle.issuperset(sent) and time.monotonic() < deadline:
         msg = kc.get_iopub_msg(timeout=30)
-        if msg["msg_type"] == "stream":
-            printed[msg["parent_header"]["msg_id"]] = msg["content"]["text"]
+        parent = msg["parent_header"].get("msg_id", "")
+        if msg["msg_type"] == "stream":  # (a print may come in more than one message)
+            printed[parent] = printed.get(parent, "") + msg["content"]["text"]
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            idle.add(parent)
     assert [printed.get(msg_id) for msg_id in sent] == [f"{i}\n" for i in range(count)]
 
     assert created is not None
@@ -110,3 +136,57 @@ def test_requests_in_flight_as_the_shell_socket_is_handed_over_are_each_answered
     answer = kc.get_shell_msg(timeout=30)
     assert answer["parent_header"]["msg_id"] == on_it["header"]["msg_id"]
     assert answer["content"]["status"] == "ok"
+
+
+def test_context_variables_a_cell_set_live_on_after_the_hand_over(
+    kernel: tuple[KernelManager, BlockingKernelClient],
+) -> None:
+    """ipykernel runs every main-shell cell in one context: what a cell set in a context
+    variable (decimal's precision, a tracing library's span) the next cell sees, before and
+    after the first subshell request alike."""
+    _, kc = kernel
+    setup = "import contextvars, decimal; v = contextvars.ContextVar('v', default='lost'); v.set('kept')"
+    assert (
+        kc.execute_interactive(setup + "; decimal.getcontext().prec = 5", timeout=30)["content"]["status"]
+        == "ok"
+    )
+    assert control(kc, "list_subshell_request")["content"]["status"] == "ok"
+    printed = []
+    kc.execute_interactive(
+        "print(v.get(), decimal.getcontext().prec)",
+        timeout=30,
+        output_hook=lambda msg: printed.append(msg["content"].get("text", "")),
+    )
+    assert "".join(printed) == "kept 5\n"
+
+
+@pytest.mark.parametrize("failing", ["1/0", "import asyncio; await asyncio.sleep(0.5); 1/0"])
+def test_a_failing_cell_aborts_the_requests_queued_behind_it(
+    kernel_each_way: tuple[KernelManager, BlockingKernelClient], failing: str
+) -> None:
+    """What "Run All" relies on (stop_on_error): the cells sent behind one that fails are
+    aborted, not run, an async cell's as a sync one's (ipykernel 7.4's own path without
+    the shell-channel thread let an async cell's run on); the next cell runs."""
+    _, kc = kernel_each_way
+    sent = [kc.execute(failing)] + [kc.execute(f"ran_{i} = {i}") for i in range(6)]
+    statuses = {}
+    for _ in sent:
+        reply = kc.get_shell_msg(timeout=30)
+        statuses[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
+    assert [statuses[msg_id] for msg_id in sent] == ["error"] + ["aborted"] * 6
+    reply = kc.execute_interactive("print(sorted(n for n in dir() if n.startswith('ran_')))", timeout=30)
+    assert reply["content"]["status"] == "ok"
+
+
+def test_the_subshell_magic_answers_as_ipykernel_s_before_any_request(
+    kernel: tuple[KernelManager, BlockingKernelClient],
+) -> None:
+    """``%subshell`` (ipykernel's) lists the subshells: the kernel offers them from the
+    start, so the magic does not say it has none."""
+    _, kc = kernel
+    printed: list[str] = []
+    kc.execute_interactive(
+        "%subshell", timeout=30, output_hook=lambda msg: printed.append(msg["content"].get("text", ""))
+    )
+    assert "subshell id: None" in "".join(printed), printed
+    assert "subshell list: []" in "".join(printed), printed
