@@ -261,7 +261,9 @@ class MemoryWatch:
                 targets = [
                     thread.ident
                     for thread in threading.enumerate()
-                    if thread.ident not in self.kernel_threads and thread.ident != me
+                    if thread.ident not in self.kernel_threads
+                    and thread.ident != me
+                    and (not kernels_own(thread) or running_code(thread.ident))
                 ]
                 if self.executing.is_set():  # once per cell: not again while its error is shown
                     targets.append(threading.main_thread().ident)
@@ -287,6 +289,26 @@ class MemoryWatch:
             ": the cell was stopped and the kernel keeps its other variables;"
             " free memory (del) or ask for a higher limit"
         )
+
+
+def kernels_own(thread: threading.Thread) -> bool:
+    """One of ipykernel's threads that start after this watch: the shell-channel thread
+    (at the first subshell request) and the subshells' own. An exception raised in one
+    between requests ends its loop: the subshells stop answering."""
+    base = getattr(sys.modules.get("ipykernel.thread"), "BaseThread", None)
+    return base is not None and isinstance(thread, base)
+
+
+def running_code(ident: int | None) -> bool:
+    """Whether the thread ``ident`` runs a cell's code (a subshell's: stopped like the main
+    shell's)."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def importing(ident: int | None) -> bool:

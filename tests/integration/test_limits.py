@@ -371,6 +371,36 @@ def test_a_cell_that_keeps_allocating_gets_a_memory_error_and_the_kernel_keeps_i
     assert run_ok(kc, "del hoard\nprint(x, pandas.DataFrame({'a': [1, 2]}).a.sum())").split() == ["kept", "3"]
 
 
+def test_a_runaway_cell_leaves_the_subshells_working(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """Found in JupyterLab (its widgets ask for subshells): the memory watch raised its
+    MemoryError in every thread started after the kernel, the shell-channel thread and idle
+    subshells too, whose loops died; the notebook showed their tracebacks. It stops the
+    cell; the subshells answer after."""
+    name = make_kernelspec("small-memory", config={"memory": "512m"})
+    km, kc = start_kernel(kernel_name=name)
+    request = kc.session.msg("create_subshell_request", {})
+    kc.control_channel.send(request)
+    subshell_id = kc.control_channel.get_msg(timeout=60)["content"]["subshell_id"]
+    result = run(kc, "hoard = []\nwhile True:\n    hoard.append(bytearray(16 * 1024**2))", timeout=120)
+    assert result.reply["content"]["ename"] == "MemoryError", result.reply["content"]
+    assert "Exception in thread" not in result.stdout + result.stderr
+    run_ok(kc, "del hoard")
+
+    def on_the_subshell(code: str) -> dict[str, Any]:
+        request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
+        request["header"]["subshell_id"] = subshell_id
+        kc.shell_channel.send(request)
+        reply = shell_reply(kc, 120)
+        assert reply["parent_header"]["msg_id"] == request["header"]["msg_id"]
+        return reply["content"]
+
+    assert on_the_subshell("print(6 * 7)")["status"] == "ok"
+    assert km.is_alive()
+    assert run_ok(kc, "print(1 + 1)").strip() == "2"
+
+
 def test_memory_filled_out_of_the_kernels_reach_kills_it_and_the_waiting_client_is_told_why(
     make_kernelspec: Callable[..., str], start_kernel: KernelStarter
 ) -> None:
