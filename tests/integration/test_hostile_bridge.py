@@ -34,11 +34,15 @@ pytestmark = pytest.mark.integration
 CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
 
 #: In a cell: answer the running execute_request ourselves, as the red team did.
+#: Kernel code answering its own request. The flush sends it now: the main thread reads and
+#: answers the shell channel itself (until a client asks for a subshell), and a send waits
+#: for its loop, which the spinning cell holds.
 FORGE_REPLY = (
     "k = get_ipython().kernel\n"
     "def forge():\n"
     "    k.session.send(k.shell_stream, 'execute_reply', {'status': 'ok', 'execution_count': 1},\n"
     "                   parent=k.get_parent('shell'), ident=k._parent_ident['shell'])\n"
+    "    k.shell_stream.flush()\n"
 )
 
 
