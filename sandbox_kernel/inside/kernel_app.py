@@ -187,8 +187,7 @@ def subshells_on_demand_fit() -> bool:
         return False
     return (
         tuple(ipykernel_version[:2]) == (7, 4)
-        and list(inspect.signature(SubshellManager).parameters)
-        == ["context", "shell_channel_io_loop", "shell_stream"]
+        and tuple(inspect.signature(SubshellManager).parameters) == MANAGER_PARAMETERS
         and all(hasattr(ShellChannelThread, name) for name in ("manager", "run"))
     )
 
