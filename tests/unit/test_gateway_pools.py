@@ -83,12 +83,18 @@ def waiting(user_name: str) -> list[str]:
 
 async def replanned(gateway: Gateway, user_name: str, memory: str, timeout: float = 30.0) -> None:
     """Until ``user_name``'s pool of sandboxed-python is planned with ``memory`` and one of
-    its sandboxes waits (the older plan's removed)."""
+    its sandboxes waits (the older plan's removed): ready in the pool's own count, not only
+    running on the backend (a start between the two went cold)."""
     pool = SandboxPool.instance()
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         plan = pool.plan_of(KERNELSPEC, user_name)
-        if plan is not None and plan.spec.memory == memory and waiting(user_name) == [memory]:
+        if (
+            plan is not None
+            and plan.spec.memory == memory
+            and waiting(user_name) == [memory]
+            and await asyncio.to_thread(pool.wait_ready, KERNELSPEC, 1, 0.0, user_name) == 1
+        ):
             return
         assert asyncio.get_running_loop().time() < deadline, (plan and plan.spec.memory, waiting(user_name))
         await asyncio.sleep(0.05)
