@@ -53,9 +53,10 @@ are the bounds.
 - Output written to file descriptors 1 and 2 (a C library's, a child process's) reaches
   the notebook in 64 KiB reads instead of ipykernel's 1000 bytes: under gVisor each read
   costs system calls enough to slow a flood of it tenfold.
-- With a wall-clock limit, a SIGALRM armed before each cell raises a ``TimeoutError``
-  naming it, so the user keeps the kernel. Code that blocks or ignores the signal is the
-  host's business: the provisioner interrupts, then kills the kernel.
+- With a wall-clock limit, a timer armed before each cell (SIGALRM; on a subshell, a
+  thread's) raises a ``TimeoutError`` naming it, so the user keeps the kernel. Code that
+  blocks or ignores it is the host's business: the provisioner interrupts, then kills the
+  kernel.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ def set_up(shell: Any) -> None:
     explain_unresolved_names(no_route)
     errors = ErrorDisplay(watch, no_route, str(policy.get("image", "")))
     shell.set_custom_exc((MemoryError, OSError, ModuleNotFoundError), errors.show)
-    shell.events.register("pre_run_cell", lambda info: watch.executing.set())
-    shell.events.register("post_run_cell", lambda result: watch.executing.clear())
+    # pre_execute, not pre_run_cell: silent cells too (they get no pre_run_cell).
+    shell.events.register("pre_execute", watch.cell_started)
+    shell.events.register("post_execute", watch.cell_finished)
     if limit > 0:
         threading.Thread(target=watch.watch, name="sandbox-kernel-memory", daemon=True).start()
 
@@ -240,8 +242,10 @@ class MemoryWatch:
         # the kernel's parent in the same container).
         self.threshold = limit - (96 * 2**20 + limit // 16)
         self.step = max(16 * 2**20, limit // 64)
-        #: Set while a cell runs (and its MemoryError is not raised yet).
-        self.executing = threading.Event()
+        #: The threads running a cell (the main shell's, a subshell's) whose MemoryError
+        #: is not raised yet: each cell is stopped once, not again while its error is shown.
+        self.executing: set[int] = set()
+        self.lock = threading.Lock()
         #: The kernel's own threads, never stopped.
         self.kernel_threads = {thread.ident for thread in threading.enumerate()}
 
@@ -258,20 +262,22 @@ class MemoryWatch:
                 stopped_at = 0
             elif not stopped_at or used >= stopped_at + self.step:
                 stopped_at = used
-                targets = [
+                with self.lock:
+                    cells = set(self.executing)
+                targets = cells | {
                     thread.ident
                     for thread in threading.enumerate()
                     if thread.ident not in self.kernel_threads
                     and thread.ident != me
-                    and (not kernels_own(thread) or running_code(thread.ident))
-                ]
-                if self.executing.is_set():  # once per cell: not again while its error is shown
-                    targets.append(threading.main_thread().ident)
+                    and not kernels_own(thread)
+                    and not thread.name.startswith(OWN_THREADS)
+                }
                 if any(importing(ident) for ident in targets):
                     stopped_at = 0  # look again in a moment, once the import is done
                     time.sleep(0.01)
                     continue
-                self.executing.clear()
+                with self.lock:
+                    self.executing -= cells
                 for ident in targets:
                     if ident is not None:
                         ctypes.pythonapi.PyThreadState_SetAsyncExc(
@@ -280,6 +286,14 @@ class MemoryWatch:
             # Look again before the fastest allocation could cross the threshold: an idle
             # kernel far below it costs a wake-up a second, one near it is watched closely.
             time.sleep(min(1.0, max(0.01, (self.threshold - used) / FASTEST_GROWTH)))
+
+    def cell_started(self) -> None:
+        with self.lock:
+            self.executing.add(threading.get_ident())
+
+    def cell_finished(self) -> None:
+        with self.lock:
+            self.executing.discard(threading.get_ident())
 
     def error_text(self, value: BaseException) -> str:
         detail = str(value)
@@ -291,24 +305,18 @@ class MemoryWatch:
         )
 
 
+#: The name of the threads sandbox-kernel starts in the kernel (the wall clock's timers),
+#: which the memory watch leaves alone.
+OWN_THREADS = "sandbox-kernel-"
+
+
 def kernels_own(thread: threading.Thread) -> bool:
     """One of ipykernel's threads that start after this watch: the shell-channel thread
     (at the first subshell request) and the subshells' own. An exception raised in one
-    between requests ends its loop: the subshells stop answering."""
+    between requests ends its loop: the subshells stop answering. A subshell's cell is
+    stopped as the main shell's are, as it starts (``cell_started``)."""
     base = getattr(sys.modules.get("ipykernel.thread"), "BaseThread", None)
     return base is not None and isinstance(thread, base)
-
-
-def running_code(ident: int | None) -> bool:
-    """Whether the thread ``ident`` runs a cell's code (a subshell's: stopped like the main
-    shell's)."""
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def importing(ident: int | None) -> bool:
@@ -491,19 +499,22 @@ class SitePackages:
             (folder, name) for folder in site_dirs for name in os.listdir(folder) if name.endswith(".pth")
         }
         self.stamps: list[int] = []
+        self.lock = threading.Lock()
 
     def changed(self, *args: Any) -> None:
-        """After pip ran (%pip, !pip or a child process): what it installed imports now."""
-        stamps = [os.stat(folder).st_mtime_ns for folder in self.site_dirs if os.path.isdir(folder)]
-        if stamps == self.stamps:
-            return
-        self.stamps[:] = stamps
-        importlib.invalidate_caches()
-        for folder in self.site_dirs:
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".pth") and (folder, name) not in self.pth_seen:
-                    self.pth_seen.add((folder, name))
-                    site.addpackage(folder, name, None)
+        """After pip ran (%pip, !pip or a child process): what it installed imports now.
+        Cells end on subshells too, at once: one at a time reads the ``.pth`` files."""
+        with self.lock:
+            stamps = [os.stat(folder).st_mtime_ns for folder in self.site_dirs if os.path.isdir(folder)]
+            if stamps == self.stamps:
+                return
+            self.stamps[:] = stamps
+            importlib.invalidate_caches()
+            for folder in self.site_dirs:
+                for name in sorted(os.listdir(folder)):
+                    if name.endswith(".pth") and (folder, name) not in self.pth_seen:
+                        self.pth_seen.add((folder, name))
+                        site.addpackage(folder, name, None)
 
 
 class PipError(Exception):
@@ -591,24 +602,63 @@ def pip_magic_for(shell: Any, packages: SitePackages, offline: bool, no_route: s
 
 
 def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
-    """A SIGALRM armed before each cell raises a TimeoutError naming the limit."""
+    """Before each cell, a timer that raises a TimeoutError naming the limit: SIGALRM on
+    the main shell (it interrupts a blocking call too); on a subshell, whose thread no
+    signal handler runs in, a timer thread that raises it in the subshell's thread between
+    two bytecodes (a call blocking in C is the host's to interrupt). Each shell arms and
+    disarms its own."""
+    message = (
+        f"execution stopped: the wall-clock limit of {exec_timeout:g} s per execution was exceeded "
+        "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
+    )
 
     def expired(signum: int, frame: Any) -> None:
-        msg = (
-            f"execution stopped: the wall-clock limit of {exec_timeout:g} s per execution was exceeded "
-            "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
-        )
-        raise TimeoutError(msg)
+        raise TimeoutError(message)
 
-    def arm(info: Any) -> None:
-        signal.signal(signal.SIGALRM, expired)
-        signal.setitimer(signal.ITIMER_REAL, exec_timeout)
+    class OutOfTime(TimeoutError):
+        # Raised by its type alone (PyThreadState_SetAsyncExc): the message is its default,
+        # and its name the main shell's, for the reply's ename and the traceback.
+        def __init__(self, *args: object) -> None:
+            super().__init__(*(args or (message,)))
 
-    def disarm(result: Any) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+    OutOfTime.__name__ = OutOfTime.__qualname__ = "TimeoutError"
+    OutOfTime.__module__ = "builtins"
+    timers: dict[int, threading.Timer] = {}
+    lock = threading.Lock()
 
-    shell.events.register("pre_run_cell", arm)
-    shell.events.register("post_run_cell", disarm)
+    def out_of_time(ident: int) -> None:
+        with lock:
+            if timers.pop(ident, None) is not None:  # not disarmed meanwhile
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(OutOfTime))
+
+    def arm() -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGALRM, expired)
+            signal.setitimer(signal.ITIMER_REAL, exec_timeout)
+            return
+        ident = threading.get_ident()
+        timer = threading.Timer(exec_timeout, out_of_time, (ident,))
+        timer.daemon = True
+        timer.name = f"{OWN_THREADS}wall-clock"
+        with lock:
+            timers[ident] = timer
+        try:
+            timer.start()
+        except RuntimeError:  # no thread left under the pids limit: the host's watch holds
+            with lock:
+                timers.pop(ident, None)
+
+    def disarm() -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            return
+        with lock:
+            timer = timers.pop(threading.get_ident(), None)
+        if timer is not None:
+            timer.cancel()
+
+    shell.events.register("pre_execute", arm)  # silent cells too
+    shell.events.register("post_execute", disarm)
 
 
 # ---------------------------------------------------------------- claim (pooled)

@@ -19,6 +19,7 @@ from sandbox_kernel.errors import ConfigurationError
 
 from .conftest import (
     KERNEL,
+    Execution,
     HostState,
     KernelStarter,
     fill_file,
@@ -371,6 +372,55 @@ def test_a_cell_that_keeps_allocating_gets_a_memory_error_and_the_kernel_keeps_i
     assert run_ok(kc, "del hoard\nprint(x, pandas.DataFrame({'a': [1, 2]}).a.sum())").split() == ["kept", "3"]
 
 
+RUNAWAY = "hoard = []\nwhile True:\n    hoard.append(bytearray(16 * 1024**2))"
+
+
+def create_subshell(kc: Any) -> str:
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    return str(kc.control_channel.get_msg(timeout=60)["content"]["subshell_id"])
+
+
+def send(kc: Any, code: str, subshell_id: str = "") -> str:
+    """Send ``code`` to run (on the subshell ``subshell_id``, if one); its request's id."""
+    request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
+    if subshell_id:
+        request["header"]["subshell_id"] = subshell_id
+    kc.shell_channel.send(request)
+    return str(request["header"]["msg_id"])
+
+
+def finished(kc: Any, *msg_ids: str, timeout: float = 120) -> dict[str, Execution]:
+    """Each request's reply and output, once it has both (its ``idle`` status): requests
+    that run at the same time, on subshells, end in any order."""
+    results = {msg_id: Execution() for msg_id in msg_ids}
+    idle: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(idle) < len(results) or not all(result.reply for result in results.values()):
+        assert time.monotonic() < deadline, {m: (r.reply, r.stdout, r.stderr) for m, r in results.items()}
+        for channel in (kc.get_iopub_msg, kc.get_shell_msg):
+            try:
+                msg = channel(timeout=0.05)
+            except queue.Empty:
+                continue
+            result = results.get(msg["parent_header"].get("msg_id"))
+            if result is None:
+                continue
+            if channel == kc.get_shell_msg:
+                result.reply = msg
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                idle.add(msg["parent_header"]["msg_id"])
+            else:
+                result.hook(msg)
+    return results
+
+
+def on_subshell(kc: Any, subshell_id: str, code: str) -> dict[str, Any]:
+    """The reply's content to ``code`` run on the subshell ``subshell_id``."""
+    msg_id = send(kc, code, subshell_id)
+    content: dict[str, Any] = finished(kc, msg_id)[msg_id].reply["content"]
+    return content
+
+
 def test_a_runaway_cell_leaves_the_subshells_working(
     make_kernelspec: Callable[..., str], start_kernel: KernelStarter
 ) -> None:
@@ -380,25 +430,96 @@ def test_a_runaway_cell_leaves_the_subshells_working(
     cell; the subshells answer after."""
     name = make_kernelspec("small-memory", config={"memory": "512m"})
     km, kc = start_kernel(kernel_name=name)
-    request = kc.session.msg("create_subshell_request", {})
-    kc.control_channel.send(request)
-    subshell_id = kc.control_channel.get_msg(timeout=60)["content"]["subshell_id"]
-    result = run(kc, "hoard = []\nwhile True:\n    hoard.append(bytearray(16 * 1024**2))", timeout=120)
+    subshell_id = create_subshell(kc)
+    result = run(kc, RUNAWAY, timeout=120)
     assert result.reply["content"]["ename"] == "MemoryError", result.reply["content"]
     assert "Exception in thread" not in result.stdout + result.stderr
     run_ok(kc, "del hoard")
-
-    def on_the_subshell(code: str) -> dict[str, Any]:
-        request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
-        request["header"]["subshell_id"] = subshell_id
-        kc.shell_channel.send(request)
-        reply = shell_reply(kc, 120)
-        assert reply["parent_header"]["msg_id"] == request["header"]["msg_id"]
-        return reply["content"]
-
-    assert on_the_subshell("print(6 * 7)")["status"] == "ok"
+    assert on_subshell(kc, subshell_id, "print(6 * 7)")["status"] == "ok"
     assert km.is_alive()
     assert run_ok(kc, "print(1 + 1)").strip() == "2"
+
+
+def test_a_runaway_cell_on_a_subshell_gets_the_memory_error_and_the_kernel_lives(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """Found trying the one above the other way round: with the main shell idle, a
+    subshell's runaway cell made the kernel exit (code 1). The watch, told that a cell ran,
+    raised its MemoryError in the main thread, which waited in its event loop."""
+    name = make_kernelspec("small-memory", config={"memory": "512m"})
+    km, kc = start_kernel(kernel_name=name)
+    run_ok(kc, "x = 'kept'")
+    subshell_id = create_subshell(kc)
+    reply = on_subshell(kc, subshell_id, RUNAWAY)
+    assert reply["status"] == "error"
+    assert reply["ename"] == "MemoryError", reply
+    assert "memory limit 512m of this sandboxed kernel reached" in "".join(reply["traceback"])
+    assert km.is_alive()
+    assert run_ok(kc, "del hoard\nprint(x)").strip() == "kept"
+    assert on_subshell(kc, subshell_id, "print(6 * 7)")["status"] == "ok"
+    assert km.is_alive()
+
+
+def test_a_cell_on_a_subshell_past_its_wall_clock_limit_gets_the_same_error(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """The limit was armed with SIGALRM, whose handler only the main thread may set: a
+    subshell's cell printed IPython's "Error in callback" and ran unbounded until the host
+    interrupted the main thread and then killed the kernel."""
+    name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
+    km, kc = start_kernel(kernel_name=name)
+    run_ok(kc, "x = 'kept'")
+    subshell_id = create_subshell(kc)
+    started = time.monotonic()
+    msg_id = send(kc, "import time\nwhile True:\n    time.sleep(0.1)", subshell_id)
+    result = finished(kc, msg_id)[msg_id]
+    elapsed = time.monotonic() - started
+    assert result.reply["content"]["ename"] == "TimeoutError", result.reply["content"]
+    assert "wall-clock limit of 3 s per execution" in result.reply["content"]["evalue"]
+    assert "Error in callback" not in result.stdout + result.stderr
+    assert 2.5 < elapsed < 10
+    assert km.is_alive()
+    assert run_ok(kc, "print(x)").strip() == "kept"
+    assert on_subshell(kc, subshell_id, "time.sleep(1)")["status"] == "ok", "re-armed per cell"
+
+
+def test_a_silent_execution_past_its_wall_clock_limit_gets_the_same_error(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """IPython runs no pre_run_cell for a silent execution: it ran unbounded until the
+    host's interrupt (found by a review)."""
+    name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
+    km, kc = start_kernel(kernel_name=name)
+    started = time.monotonic()
+    msg_id = kc.execute("import time\ntime.sleep(60)", silent=True)
+    reply = shell_reply(kc, 30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["ename"] == "TimeoutError", reply["content"]
+    assert time.monotonic() - started < 4.5, "before the host's interrupt, at 5 s"
+    assert km.is_alive()
+
+
+def test_a_subshells_cells_leave_the_main_shells_wall_clock_limit_alone(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """A subshell's cell that ended disarmed the main shell's limit: the long cell ran on
+    until the host interrupted it, past the grace."""
+    name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
+    km, kc = start_kernel(kernel_name=name)
+    subshell_id = create_subshell(kc)
+    started = time.monotonic()
+    long_one = send(kc, "import time\ntime.sleep(60)")
+    time.sleep(0.5)
+    short_one = send(kc, "print(6 * 7)", subshell_id)
+    results = finished(kc, long_one, short_one)
+    elapsed = time.monotonic() - started
+    assert results[short_one].reply["content"]["status"] == "ok"
+    assert results[short_one].stdout == "42\n"
+    assert results[short_one].stderr == ""
+    assert results[long_one].reply["content"]["ename"] == "TimeoutError", results[long_one].reply["content"]
+    assert "wall-clock limit of 3 s per execution" in results[long_one].reply["content"]["evalue"]
+    assert 2.5 < elapsed < 10
+    assert km.is_alive()
 
 
 def test_memory_filled_out_of_the_kernels_reach_kills_it_and_the_waiting_client_is_told_why(

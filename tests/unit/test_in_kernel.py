@@ -343,14 +343,17 @@ def test_memory_sizes_are_read_as_docker_writes_them(started: Any, monkeypatch: 
 
 def test_the_wall_clock_limit_is_armed_only_when_set(started: Any) -> None:
     shell, _ = started(exec_timeout=2.5)
+    # pre_execute, silent cells too: the memory watch's "a cell runs", and the alarm
     assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {
-        "pre_run_cell": 2,  # the memory watcher's "a cell runs", and the alarm
-        "post_run_cell": 3,  # ... and what pip installed
+        "pre_execute": 2,
+        "post_execute": 2,
+        "post_run_cell": 1,  # what pip installed
     }
     shell, _ = started()
     assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {
-        "pre_run_cell": 1,
-        "post_run_cell": 2,
+        "pre_execute": 1,
+        "post_execute": 1,
+        "post_run_cell": 1,
     }
 
 
