@@ -116,6 +116,17 @@ LOST_REPLY = (
     "(a message over the size cap cut it off, or code in the kernel withheld it)"
 )
 
+#: Why an execution queued on a subshell that was deleted has no reply.
+SUBSHELL_DELETED = (
+    "its subshell was deleted before it finished, and the kernel drops the requests queued on a "
+    "deleted subshell"
+)
+#: Seconds an execution's reply may come after the kernel began a later request of the
+#: same shell (see ExecutionAuditor._started) before the host takes it for lost.
+OVERTAKEN_GRACE = 2.0
+#: The most subshell deletions waiting for the kernel's reply that the host keeps in mind.
+_MAX_DELETIONS = 64
+
 
 class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
     """Creates every file (the first and each one after a rotation) mode 0600."""
@@ -183,6 +194,10 @@ class PendingExecution:
     #: More of what its audit lines show: who sent it (as the host knows), what else of
     #: the request the kernel runs (user_expressions, silent), the whole code's hash.
     details: dict[str, Any] = field(default_factory=dict)
+    #: When the kernel began a later request of the same shell, this one's reply not come yet.
+    overtaken: float | None = None
+    #: What its client is told (ename, evalue) if the host ends it without the kernel's reply.
+    lost: tuple[str, str] = ("ReplyLost", LOST_REPLY)
 
 
 #: The metadata key in which jupyter_server (see :mod:`~.server_audit`) puts the user it
@@ -259,6 +274,13 @@ def _split(frames: Sequence[zmq.Frame | bytes]) -> tuple[list[bytes], list[bytes
     return [frame_bytes(f) for f in frames[:index]], [frame_bytes(f) for f in frames[index + 1 : index + 6]]
 
 
+def _shell(pending: PendingExecution) -> str | None:
+    """The shell that runs ``pending``: None for the main one, else its subshell's id (as
+    text: a client's header may hold any JSON there)."""
+    shell = pending.header.get("subshell_id")
+    return None if shell is None else str(shell)
+
+
 class ExecutionAuditor:
     """Watches one kernel's shell traffic in the bridge thread: which executions are
     running since when (for the wall-clock limit), and the audit lines (if logging)."""
@@ -273,8 +295,10 @@ class ExecutionAuditor:
         self._pending: dict[str, PendingExecution] = {}
         self._lock = threading.Lock()
         self._last_activity = time.monotonic()
-        #: When the oldest pending execution became the oldest (the one before it ended).
-        self._head_since = time.monotonic()
+        #: Per shell (the main one: None; a subshell: its id), when its oldest pending
+        #: execution became its oldest (the one before it on that shell ended). Each shell
+        #: runs its own queue: another's replies say nothing of this one's.
+        self._head_since: dict[str | None, float] = {}
         #: Set while the kernel is stopped for good (the idle limit): requests get
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
@@ -282,6 +306,8 @@ class ExecutionAuditor:
         #: Called with each execution the kernel went past without its reply reaching
         #: the host (see :meth:`_end_earlier_locked`), so its client can be told.
         self.on_lost: Callable[[PendingExecution], None] | None = None
+        #: The subshell each delete_subshell_request names, by its msg_id, until answered.
+        self._deleting: dict[str, str] = {}
         self._egress_tokens = float(_EGRESS_BURST)
         self._egress_stamp = time.monotonic()
         self._egress_suppressed = 0
@@ -320,9 +346,14 @@ class ExecutionAuditor:
             if not to_kernel:
                 self._started(parts)
         elif to_kernel:
-            return self._request(channel, idents, parts, self._client(frames))
+            passes = self._request(channel, idents, parts, self._client(frames))
+            if passes and channel == "control":
+                self._deletion_asked(parts)
+            return passes
         elif channel == "shell":
             self._reply(parts)
+        else:
+            self._deletion_answered(parts)
         return True
 
     def prompt(self, idents: list[bytes], parts: list[bytes], size: int) -> str | None:
@@ -377,43 +408,100 @@ class ExecutionAuditor:
         }
 
     def _started(self, parts: list[bytes]) -> None:
-        """The kernel announced it runs a request: its wall-clock starts now, not when queued."""
+        """The kernel announced it runs a request: its wall-clock starts now, not when queued.
+
+        The executions before it on the same shell are over, but their replies may still
+        be on their way: once ipykernel's shell-channel thread has the shell socket (a
+        client asked for a subshell), a reply takes a hop through it that the next
+        request's execute_input does not. They no longer count as running; a reply ends
+        each as usual, and one that has not come within :data:`OVERTAKEN_GRACE` seconds
+        (or before a later reply of that shell) is lost (see :meth:`_end_earlier_locked`).
+        """
         if load_dict(parts[1]).get("msg_type") != "execute_input":
             return
         msg_id = str(load_dict(parts[2]).get("msg_id", ""))
+        now = time.monotonic()
         with self._lock:
             pending = self._pending.get(msg_id)
             if pending is None:
                 return
             if pending.running_since is None:
-                pending.running_since = time.monotonic()
-            lost = self._end_earlier_locked(msg_id)
+                pending.running_since = now
+            shell = _shell(pending)
+            for earlier, other in self._pending.items():
+                if earlier == msg_id:
+                    break
+                if _shell(other) == shell and other.overtaken is None:
+                    other.overtaken = now
+            lost = self._overdue_locked(now)
         self._lose(lost)
+
+    def _overdue_locked(self, now: float) -> list[tuple[str, PendingExecution]]:
+        """Take out the overtaken executions whose reply is overdue; hold the lock."""
+        overdue = [
+            msg_id
+            for msg_id, pending in self._pending.items()
+            if pending.overtaken is not None and now - pending.overtaken >= OVERTAKEN_GRACE
+        ]
+        return [(msg_id, self._pending.pop(msg_id)) for msg_id in overdue]
 
     def _end_earlier_locked(self, msg_id: str) -> list[tuple[str, PendingExecution]]:
         """Take out the executions sent before ``msg_id`` to the same shell; hold the lock.
 
         A shell (the main one, or one subshell) runs its requests in order: once the
-        kernel begins or answers a later one, the earlier ones are over even if their
-        replies never reached the host (cut off with a message over the size cap, or
+        kernel answers a later one (or began it a while ago), the earlier ones are over
+        even if their replies never reached the host (cut off with a message over the size cap, or
         withheld). Left pending, the first would pass for running for ever, and every
         later cell's output would be charged to its output budget. Moving on gives the
         kernel nothing it lacks: it could send those replies itself.
         """
-        shell = self._pending[msg_id].header.get("subshell_id")
+        shell = _shell(self._pending[msg_id])
         lost: list[tuple[str, PendingExecution]] = []
         for earlier, pending in list(self._pending.items()):
             if earlier == msg_id:
                 break
-            if pending.header.get("subshell_id") == shell:
+            if _shell(pending) == shell:
                 lost.append((earlier, self._pending.pop(earlier)))
         if lost:
-            self._head_since = time.monotonic()
+            self._head_since[shell] = time.monotonic()
         return lost
+
+    def _deletion_asked(self, parts: list[bytes]) -> None:
+        if load_dict(parts[1]).get("msg_type") != "delete_subshell_request":
+            return
+        subshell_id = load_dict(parts[4]).get("subshell_id")
+        if not isinstance(subshell_id, str):
+            return
+        with self._lock:
+            self._deleting[str(load_dict(parts[1]).get("msg_id", ""))] = subshell_id
+            while len(self._deleting) > _MAX_DELETIONS:
+                del self._deleting[next(iter(self._deleting))]
+
+    def _deletion_answered(self, parts: list[bytes]) -> None:
+        """A subshell the kernel deleted: the requests still queued on it are over.
+
+        ipykernel stops the subshell's thread and drops them, unanswered. Left pending,
+        they would keep the kernel busy for good and, once the oldest, pass for an
+        execution past its wall-clock limit."""
+        if load_dict(parts[1]).get("msg_type") != "delete_subshell_reply":
+            return
+        with self._lock:
+            subshell_id = self._deleting.pop(str(load_dict(parts[2]).get("msg_id", "")), None)
+        if subshell_id is None or load_dict(parts[4]).get("status") != "ok":
+            return
+        with self._lock:
+            dropped = [(m, p) for m, p in self._pending.items() if _shell(p) == subshell_id]
+            for msg_id, pending in dropped:
+                del self._pending[msg_id]
+                pending.lost = ("SubshellDeleted", SUBSHELL_DELETED)
+            self._head_since.pop(subshell_id, None)
+            if dropped:
+                self._last_activity = time.monotonic()
+        self._lose(dropped)
 
     def _lose(self, lost: list[tuple[str, PendingExecution]]) -> None:
         for msg_id, pending in lost:
-            self._finish(msg_id, pending, f"no reply: {LOST_REPLY}", None)
+            self._finish(msg_id, pending, f"no reply: {pending.lost[1]}", None)
             if self.on_lost is not None:
                 self.on_lost(pending)
 
@@ -478,7 +566,7 @@ class ExecutionAuditor:
             lost = self._end_earlier_locked(msg_id)
             pending = self._pending.pop(msg_id)
             self._last_activity = time.monotonic()
-            self._head_since = time.monotonic()
+            self._head_since[_shell(pending)] = time.monotonic()
         self._lose(lost)
         content = load_dict(parts[4])
         status = content.get("status")
@@ -696,9 +784,13 @@ class ExecutionAuditor:
         """(msg_id, seconds running) of the execution the kernel is running, if any.
 
         Requests queued behind it do not count: "Run all" sends every cell at once.
+        Overtaken executions whose reply is overdue are ended here (the watchdog asks
+        twice a second).
         """
         with self._lock:
+            lost = self._overdue_locked(time.monotonic())
             running = self._running_locked()
+        self._lose(lost)
         if running is None:
             return None
         since, msg_id = running
@@ -707,21 +799,33 @@ class ExecutionAuditor:
     def _running_locked(self) -> tuple[float, str] | None:
         """(since, msg_id) of the execution the kernel began first; hold the lock.
 
-        The kernel runs requests in order, so the oldest pending one is running since it
-        arrived or since the one before it was answered, whichever is later, even if the
-        kernel never says so (its execute_input is its word, which code in it can withhold).
+        Each shell (the main one, each subshell) runs its requests in order, so its oldest
+        pending one is running since it arrived or since the one before it on that shell
+        was answered, whichever is later, even if the kernel never says so (its
+        execute_input is its word, which code in it can withhold).
         """
-        running = [(p.running_since, msg_id) for msg_id, p in self._pending.items() if p.running_since]
-        if self._pending:
-            head_id, head = next(iter(self._pending.items()))
-            if head.running_since is None:
-                running.append((max(head.started, self._head_since), head_id))
+        running = [
+            (p.running_since, msg_id)
+            for msg_id, p in self._pending.items()
+            if p.running_since and p.overtaken is None
+        ]
+        heads: set[str | None] = set()
+        for msg_id, pending in self._pending.items():
+            if pending.overtaken is not None:
+                continue
+            shell = _shell(pending)
+            if shell in heads:
+                continue
+            heads.add(shell)
+            if pending.running_since is None:
+                running.append((max(pending.started, self._head_since.get(shell, 0.0)), msg_id))
         return min(running) if running else None
 
     def current(self) -> PendingExecution | None:
-        """The oldest execution still waiting for its reply (host-known: clients sent it)."""
+        """The oldest execution still waiting for its reply (host-known: clients sent it)
+        that the kernel has not gone past."""
         with self._lock:
-            return next(iter(self._pending.values()), None)
+            return next((p for p in self._pending.values() if p.overtaken is None), None)
 
     def idle_for(self) -> float | None:
         """Seconds since the last execution began or ended; None while one is pending."""
@@ -753,7 +857,7 @@ class ExecutionAuditor:
         """
         with self._lock:
             pending, self._pending = self._pending, {}
-            self._head_since = time.monotonic()
+            self._head_since = {}
         for msg_id, item in pending.items():
             self._finish(msg_id, item, reason, None)
         self.flush_egress()  # the kernel's end: its last denials are counted now

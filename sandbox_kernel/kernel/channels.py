@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-from sandbox_kernel.channels.audit import LOST_REPLY, AuditLog, ExecutionAuditor, PendingExecution
+from sandbox_kernel.channels.audit import AuditLog, ExecutionAuditor, PendingExecution
 from sandbox_kernel.channels.bridge import CHANNELS, CurveKeys, KernelBridge
 from sandbox_kernel.channels.output import OutputLimiter
 from sandbox_kernel.channels.sanitize import OutputSanitizer
@@ -102,9 +102,7 @@ class KernelChannels:
             )
             self.auditor = ExecutionAuditor(log_file, s.kernel_id, s.kernel_name)
             self.auditor.on_refused = lambda execution: self.answer_for_kernel(execution, *self.refusal)
-            self.auditor.on_lost = lambda execution: self.answer_for_kernel(
-                execution, "ReplyLost", LOST_REPLY
-            )
+            self.auditor.on_lost = lambda execution: self.answer_for_kernel(execution, *execution.lost)
         return self.auditor
 
     def lifecycle(self, event: str, **details: Any) -> None:

@@ -9,6 +9,7 @@ when a client first asks for a subshell."""
 
 from __future__ import annotations
 
+import queue
 import time
 import unittest
 from collections.abc import Callable
@@ -242,3 +243,49 @@ def test_run_all_stops_at_a_failing_cell_sync_or_async(start_kernel: KernelStart
         statuses[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
     assert [statuses[msg_id] for msg_id in sent] == ["error"] + ["aborted"] * 6
     assert run_ok(kc, "print(sorted(n for n in dir() if n.startswith('ran_')))").strip() == "[]"
+
+
+def test_run_all_after_the_hand_over_gets_every_reply_once(start_kernel: KernelStarter) -> None:
+    """Asked by a review: once the shell-channel thread has the shell socket, a reply goes
+    out through that thread while the next cell's execute_input goes out at once from the
+    main thread. The host, seeing a later cell begin before an earlier one's reply, takes
+    that reply for lost and answers ``ReplyLost`` itself."""
+    _, kc = start_kernel()
+    kc.control_channel.send(kc.session.msg("list_subshell_request", {}))  # the hand-over
+    assert kc.control_channel.get_msg(timeout=60)["content"]["status"] == "ok"
+    sent = [kc.execute(f"print({i})") for i in range(60)]
+    replies = [shell_reply(kc, 30) for _ in sent]
+    assert [(reply["parent_header"]["msg_id"], reply["content"]["status"]) for reply in replies] == [
+        (msg_id, "ok") for msg_id in sent
+    ], [reply["content"] for reply in replies if reply["content"]["status"] != "ok"]
+    with pytest.raises(queue.Empty):
+        kc.get_shell_msg(timeout=2)
+
+
+def test_deleting_a_subshell_answers_the_requests_the_kernel_drops(start_kernel: KernelStarter) -> None:
+    """ipykernel 7.4 deletes a subshell once its running cell ends, and answers neither
+    that cell nor those queued behind it (measured with a local kernel as with this one).
+    The host ended them only at the kernel's next reply on that subshell, which never
+    came: the kernel stayed busy for good, and was killed at its wall-clock limit. Their
+    clients now get a reply saying why."""
+    _, kc = start_kernel()
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    subshell_id = kc.control_channel.get_msg(timeout=60)["content"]["subshell_id"]
+    sent = []
+    for code in ("import time; time.sleep(2)", "print(1)"):
+        request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
+        request["header"]["subshell_id"] = subshell_id
+        kc.shell_channel.send(request)
+        sent.append(request["header"]["msg_id"])
+    time.sleep(0.5)
+    kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell_id}))
+    assert kc.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
+    replies = {}
+    for _ in sent:
+        reply = shell_reply(kc, 10)
+        replies[reply["parent_header"]["msg_id"]] = reply["content"]
+    assert [(replies[msg_id]["status"], replies[msg_id]["ename"]) for msg_id in sent] == [
+        ("error", "SubshellDeleted")
+    ] * 2
+    assert "subshell was deleted" in replies[sent[1]]["evalue"]
+    assert run_ok(kc, "print(6 * 7)").strip() == "42"

@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from sandbox_kernel.channels import audit
 from sandbox_kernel.channels.audit import NO_CELL, NO_STDIN, AuditLog, ExecutionAuditor
 
 
@@ -115,7 +118,9 @@ def test_a_refused_request_is_answered_here_and_never_passed_on() -> None:
     assert auditor("shell", True, _message(session, "execute_request", {"code": "3"})) is True
 
 
-def test_a_lost_reply_does_not_pin_the_kernel_to_a_finished_execution() -> None:
+def test_a_lost_reply_does_not_pin_the_kernel_to_a_finished_execution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A cell sent a message over the bridge's size cap on shell: the bridge cut the kernel
     off, its reply to that cell was lost with it, and the host took that cell as running
     for ever, charging every later cell's output to its spent output budget (the next
@@ -134,12 +139,42 @@ def test_a_lost_reply_does_not_pin_the_kernel_to_a_finished_execution() -> None:
     auditor("iopub", False, _message(session, "execute_input", {"code": "send_40_mib()"}, cut))
     assert _current_code(auditor) == "send_40_mib()"
     auditor("iopub", False, _message(session, "execute_input", {"code": "print('alive')"}, after))
-    assert lost == ["send_40_mib()"]
     assert _current_code(auditor) == "print('alive')"
+    running = auditor.running()
+    assert running is not None
+    assert running[0] == after["header"]["msg_id"]
+    assert lost == [], "its reply may still be on its way"
+    monkeypatch.setattr(audit, "OVERTAKEN_GRACE", 0.05)
+    time.sleep(0.05)
+    auditor.running()  # (the watchdog's look)
+    assert lost == ["send_40_mib()"]
     # Its reply, should it come after all, is no reply to a pending request.
     auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, cut))
     assert lost == ["send_40_mib()"]
     assert _current_code(auditor) == "print('alive')"
+
+
+def test_a_reply_that_comes_after_the_next_cell_began_is_no_lost_one(tmp_path: Path) -> None:
+    """Once ipykernel's shell-channel thread has the shell socket (a client asked for a
+    subshell), a reply takes a hop through it that the next cell's execute_input does not:
+    the host took the reply for lost and answered ReplyLost itself (Run All in a notebook
+    whose widgets asked for a subshell; test_conformance)."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor, path = _auditor(tmp_path)
+    lost: list[str] = []
+    auditor.on_lost = lambda pending: lost.append(pending.code)
+    first, second = (session.msg("execute_request", {"code": code}) for code in ("1", "2"))
+    for request in (first, second):
+        auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+    auditor("iopub", False, _message(session, "execute_input", {"code": "2"}, second))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, first))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, second))
+    assert lost == []
+    finished = [r for r in _records(path) if r["event"] == "finished"]
+    assert [(r["code"], r["status"]) for r in finished] == [("1", "ok"), ("2", "ok")]
+    assert auditor.idle_for() is not None
 
 
 def test_a_later_reply_ends_earlier_executions_even_without_execute_input() -> None:
@@ -177,6 +212,99 @@ def test_a_subshell_runs_beside_the_main_shell_and_ends_none_of_its_executions()
     auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, side))
     assert lost == []
     assert _current_code(auditor) == "long()"
+
+
+def test_a_subshells_replies_do_not_restart_the_main_shells_wall_clock() -> None:
+    """Found by a review, the way an attacker would do it: a silent cell (no execute_input,
+    no pre_run_cell) spins on the main shell while cells come and go on a subshell. Each
+    subshell reply restarted the clock of the oldest pending execution: the spinning one
+    never reached its wall-clock limit. Each shell runs its own queue and has its own clock."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    spin = session.msg("execute_request", {"code": "while True: pass", "silent": True})
+    auditor("shell", True, list(session.serialize(spin, ident=[b"c"])))
+    for _ in range(4):
+        time.sleep(0.05)
+        side = session.msg("execute_request", {"code": "1"})
+        side["header"]["subshell_id"] = "s1"
+        auditor("shell", True, list(session.serialize(side, ident=[b"c"])))
+        auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, side))
+    running = auditor.running()
+    assert running is not None
+    assert running[0] == spin["header"]["msg_id"]
+    assert running[1] >= 0.2
+
+
+def test_a_silent_cell_spinning_on_a_subshell_is_timed_while_the_main_shell_is_idle() -> None:
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    done = session.msg("execute_request", {"code": "1"})
+    auditor("shell", True, list(session.serialize(done, ident=[b"c"])))
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, done))
+    spin = session.msg("execute_request", {"code": "while True: pass", "silent": True})
+    spin["header"]["subshell_id"] = "s1"
+    auditor("shell", True, list(session.serialize(spin, ident=[b"c"])))
+    queued = session.msg("execute_request", {"code": "2"})
+    queued["header"]["subshell_id"] = "s1"
+    auditor("shell", True, list(session.serialize(queued, ident=[b"c"])))
+    time.sleep(0.1)
+    for _ in range(3):  # the main shell answers meanwhile
+        main = session.msg("execute_request", {"code": "3"})
+        auditor("shell", True, list(session.serialize(main, ident=[b"c"])))
+        auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, main))
+    running = auditor.running()
+    assert running is not None
+    assert running[0] == spin["header"]["msg_id"]
+    assert running[1] >= 0.1
+
+
+def test_deleting_a_subshell_ends_its_queued_executions() -> None:
+    """Found by a review: ipykernel stops a deleted subshell's thread and drops the requests
+    queued on it, unanswered. Left pending, they kept the kernel busy for good (no idle
+    stop, pause or freeze) and, once the oldest, past its wall-clock limit: interrupted,
+    then killed. Their clients are told, and the audit says why."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    lost: list[tuple[str, str]] = []
+    auditor.on_lost = lambda pending: lost.append((pending.code, pending.lost[0]))
+    running, queued = (session.msg("execute_request", {"code": code}) for code in ("sleep(20)", "print(1)"))
+    main = session.msg("execute_request", {"code": "main()"})
+    for request in (running, queued):
+        request["header"]["subshell_id"] = "s1"
+    for request in (running, queued, main):
+        auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+    other = session.msg("delete_subshell_request", {"subshell_id": "s2"})
+    auditor("control", True, list(session.serialize(other, ident=[b"c"])))
+    auditor("control", False, _message(session, "delete_subshell_reply", {"status": "ok"}, other))
+    delete = session.msg("delete_subshell_request", {"subshell_id": "s1"})
+    auditor("control", True, list(session.serialize(delete, ident=[b"c"])))
+    assert lost == [], "not before the kernel says it is deleted"
+    auditor("control", False, _message(session, "delete_subshell_reply", {"status": "ok"}, delete))
+    assert lost == [("sleep(20)", "SubshellDeleted"), ("print(1)", "SubshellDeleted")]
+    assert _current_code(auditor) == "main()"
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, main))
+    assert auditor.idle_for() is not None
+
+
+def test_a_refused_deletion_ends_nothing() -> None:
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    queued = session.msg("execute_request", {"code": "print(1)"})
+    queued["header"]["subshell_id"] = "s1"
+    auditor("shell", True, list(session.serialize(queued, ident=[b"c"])))
+    delete = session.msg("delete_subshell_request", {"subshell_id": "s1"})
+    auditor("control", True, list(session.serialize(delete, ident=[b"c"])))
+    error = {"status": "error", "ename": "UnknownSubshellError", "evalue": "", "traceback": []}
+    auditor("control", False, _message(session, "delete_subshell_reply", error, delete))
+    assert _current_code(auditor) == "print(1)"
 
 
 def _current_code(auditor: ExecutionAuditor) -> str | None:
