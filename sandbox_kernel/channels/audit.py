@@ -368,9 +368,12 @@ class ExecutionAuditor:
         the module's docstring). The host's own prompts (:mod:`~.approval`) never pass here.
         """
         header = load_dict(parts[1])
+        parent = load_dict(parts[2]).get("msg_id")
         with self._lock:
-            running = self._running_locked()
-            msg_id = running[1] if running else None
+            running = [msg_id for _, msg_id in sorted(self._heads_locked())]
+            # The prompt's own execution if it runs (subshells run beside the main shell),
+            # else the one that began first.
+            msg_id = parent if parent in running else next(iter(running), None)
             pending = self._pending.get(msg_id) if msg_id is not None else None
             if header.get("msg_type") != "input_request":
                 why = NOT_A_PROMPT
@@ -797,7 +800,11 @@ class ExecutionAuditor:
         return msg_id, time.monotonic() - since
 
     def _running_locked(self) -> tuple[float, str] | None:
-        """(since, msg_id) of the execution the kernel began first; hold the lock.
+        """(since, msg_id) of the execution the kernel began first; hold the lock."""
+        return min(self._heads_locked(), default=None)
+
+    def _heads_locked(self) -> list[tuple[float, str]]:
+        """(since, msg_id) of each execution the kernel runs (one per shell); hold the lock.
 
         Each shell (the main one, each subshell) runs its requests in order, so its oldest
         pending one is running since it arrived or since the one before it on that shell
@@ -819,7 +826,7 @@ class ExecutionAuditor:
             heads.add(shell)
             if pending.running_since is None:
                 running.append((max(pending.started, self._head_since.get(shell, 0.0)), msg_id))
-        return min(running) if running else None
+        return running
 
     def current(self) -> PendingExecution | None:
         """The oldest execution still waiting for its reply (host-known: clients sent it)

@@ -496,3 +496,30 @@ def test_a_gateway_users_kernel_names_her_on_its_egress_and_approval_lines(tmp_p
         ("approval", "alice"),
         ("pause", None),
     ]
+
+
+def test_a_prompt_of_a_subshells_cell_goes_to_its_client_while_the_main_shell_runs() -> None:
+    """input() in a cell on a subshell (a JupyterLab subshell console) while a cell of
+    another client runs on the main shell: the prompt was checked against the main cell,
+    whose request did not allow stdin, and refused; the subshell's cell waited for good.
+    A prompt goes to a running execution's client, on whichever shell it runs."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    main = session.msg("execute_request", {"code": "long()", "allow_stdin": False})
+    auditor("shell", True, list(session.serialize(main, ident=[b"main-client"])))
+    side = session.msg("execute_request", {"code": "input()", "allow_stdin": True})
+    side["header"]["subshell_id"] = "s1"
+    queued = session.msg("execute_request", {"code": "input()", "allow_stdin": True})
+    for request in (side, queued):
+        auditor("shell", True, list(session.serialize(request, ident=[b"console"])))
+    ask = list(
+        session.serialize(session.msg("input_request", {"prompt": "?"}, parent=side), ident=[b"console"])
+    )
+    assert auditor("stdin", False, ask) is True
+    # A parent that is not running (queued on the main shell) gets the main cell's checks.
+    early = list(
+        session.serialize(session.msg("input_request", {"prompt": "?"}, parent=queued), ident=[b"console"])
+    )
+    assert auditor("stdin", False, early) == NO_STDIN
