@@ -123,7 +123,7 @@ SUBSHELL_DELETED = (
 )
 #: Seconds an execution's reply may come after the kernel began a later request of the
 #: same shell (see ExecutionAuditor._started) before the host takes it for lost.
-OVERTAKEN_GRACE = 2.0
+OVERTAKEN_GRACE = 10.0
 #: The most subshell deletions waiting for the kernel's reply that the host keeps in mind.
 _MAX_DELETIONS = 64
 
@@ -569,7 +569,11 @@ class ExecutionAuditor:
             lost = self._end_earlier_locked(msg_id)
             pending = self._pending.pop(msg_id)
             self._last_activity = time.monotonic()
-            self._head_since[_shell(pending)] = time.monotonic()
+            shell = _shell(pending)
+            if any(_shell(other) == shell for other in self._pending.values()):
+                self._head_since[shell] = time.monotonic()
+            else:  # (the next request of that shell starts its clock as it arrives)
+                self._head_since.pop(shell, None)
         self._lose(lost)
         content = load_dict(parts[4])
         status = content.get("status")

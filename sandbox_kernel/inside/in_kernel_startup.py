@@ -66,6 +66,7 @@ import ctypes
 import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -153,9 +154,7 @@ def set_up(shell: Any) -> None:
     explain_unresolved_names(no_route)
     errors = ErrorDisplay(watch, no_route, str(policy.get("image", "")))
     shell.set_custom_exc((MemoryError, OSError, ModuleNotFoundError), errors.show)
-    # pre_execute, not pre_run_cell: silent cells too (they get no pre_run_cell).
-    shell.events.register("pre_execute", watch.cell_started)
-    shell.events.register("post_execute", watch.cell_finished)
+    around_executions(shell, watch.cell_started, watch.cell_finished)
     if limit > 0:
         threading.Thread(target=watch.watch, name="sandbox-kernel-memory", daemon=True).start()
 
@@ -263,7 +262,11 @@ class MemoryWatch:
             elif not stopped_at or used >= stopped_at + self.step:
                 stopped_at = used
                 with self.lock:
-                    cells = set(self.executing)
+                    # A subshell's cell that awaits is not running: an error raised now
+                    # would land in the subshell's event loop and end it (it is stopped
+                    # if it grows on). The main thread's cell gets it, awaiting or not.
+                    main = threading.main_thread().ident
+                    cells = {i for i in self.executing if i == main or running_code(i)}
                 targets = cells | {
                     thread.ident
                     for thread in threading.enumerate()
@@ -305,9 +308,45 @@ class MemoryWatch:
         )
 
 
+#: Seconds between two looks at a cell past its wall-clock limit that is not running code.
+RAISE_RETRY = 0.05
+
 #: The name of the threads sandbox-kernel starts in the kernel (the wall clock's timers),
 #: which the memory watch leaves alone.
 OWN_THREADS = "sandbox-kernel-"
+
+
+def around_executions(shell: Any, started: Callable[[], None], finished: Callable[[], None]) -> None:
+    """Call ``started`` as each execution a client asked for begins (an execute_request,
+    silent ones too, on the main shell or a subshell: in its thread), ``finished`` as it
+    ends, whatever happens. Not IPython's events: pre_run_cell skips silent executions,
+    and pre_execute also fires for each comm message (a widget's) and for the cells a cell
+    runs itself (``%run notebook.ipynb``), while the cell runs."""
+    kernel = shell.kernel
+    run = kernel.do_execute
+
+    @functools.wraps(run)
+    async def do_execute(*args: Any, **kwargs: Any) -> Any:
+        started()
+        try:
+            reply = run(*args, **kwargs)
+            return await reply if inspect.isawaitable(reply) else reply
+        finally:
+            finished()
+
+    kernel.do_execute = do_execute
+
+
+def running_code(ident: int | None) -> bool:
+    """Whether the thread ``ident`` runs a cell's code now (not awaiting, not in its
+    shell's own code before or after it), where an exception stops the cell alone."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def kernels_own(thread: threading.Thread) -> bool:
@@ -602,17 +641,21 @@ def pip_magic_for(shell: Any, packages: SitePackages, offline: bool, no_route: s
 
 
 def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
-    """Before each cell, a timer that raises a TimeoutError naming the limit: SIGALRM on
-    the main shell (it interrupts a blocking call too); on a subshell, whose thread no
-    signal handler runs in, a timer thread that raises it in the subshell's thread between
-    two bytecodes (a call blocking in C is the host's to interrupt). Each shell arms and
-    disarms its own."""
+    """Before each execution, a timer that raises a TimeoutError naming the limit into the
+    cell's code: SIGALRM on the main shell (it interrupts a blocking call too); on a
+    subshell, whose thread no signal handler runs in, a timer thread that raises it in the
+    subshell's thread between two bytecodes of the cell's code (a call blocking in C,
+    or a cell that only awaits, is the host's to stop: raised in the subshell's own event
+    loop, the error would end it). Each shell arms and disarms its own."""
     message = (
         f"execution stopped: the wall-clock limit of {exec_timeout:g} s per execution was exceeded "
         "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
     )
+    main = threading.main_thread()
 
     def expired(signum: int, frame: Any) -> None:
+        # Wherever the main thread is: in a cell that awaits, that can be the event loop's
+        # own code (a race the kernel may not survive; the host then restarts it).
         raise TimeoutError(message)
 
     class OutOfTime(TimeoutError):
@@ -623,25 +666,32 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
 
     OutOfTime.__name__ = OutOfTime.__qualname__ = "TimeoutError"
     OutOfTime.__module__ = "builtins"
-    timers: dict[int, threading.Timer] = {}
+    timers: dict[int, threading.Event] = {}
     lock = threading.Lock()
 
-    def out_of_time(ident: int) -> None:
-        with lock:
-            if timers.pop(ident, None) is not None:  # not disarmed meanwhile
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(OutOfTime))
+    def out_of_time(ident: int, disarmed: threading.Event) -> None:
+        if disarmed.wait(exec_timeout):
+            return
+        while not disarmed.wait(0 if running_code(ident) else RAISE_RETRY):
+            with lock:
+                if running_code(ident) and timers.get(ident) is disarmed:
+                    timers.pop(ident)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(ident), ctypes.py_object(OutOfTime)
+                    )
+                    return
 
     def arm() -> None:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is main:
             signal.signal(signal.SIGALRM, expired)
             signal.setitimer(signal.ITIMER_REAL, exec_timeout)
             return
-        ident = threading.get_ident()
-        timer = threading.Timer(exec_timeout, out_of_time, (ident,))
-        timer.daemon = True
-        timer.name = f"{OWN_THREADS}wall-clock"
+        ident, disarmed = threading.get_ident(), threading.Event()
+        timer = threading.Thread(
+            target=out_of_time, args=(ident, disarmed), name=f"{OWN_THREADS}wall-clock", daemon=True
+        )
         with lock:
-            timers[ident] = timer
+            timers[ident] = disarmed
         try:
             timer.start()
         except RuntimeError:  # no thread left under the pids limit: the host's watch holds
@@ -649,16 +699,15 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
                 timers.pop(ident, None)
 
     def disarm() -> None:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is main:
             signal.setitimer(signal.ITIMER_REAL, 0)
             return
         with lock:
-            timer = timers.pop(threading.get_ident(), None)
-        if timer is not None:
-            timer.cancel()
+            disarmed = timers.pop(threading.get_ident(), None)
+        if disarmed is not None:
+            disarmed.set()
 
-    shell.events.register("pre_execute", arm)  # silent cells too
-    shell.events.register("post_execute", disarm)
+    around_executions(shell, arm, disarm)
 
 
 # ---------------------------------------------------------------- claim (pooled)

@@ -499,6 +499,21 @@ def test_a_silent_execution_past_its_wall_clock_limit_gets_the_same_error(
     assert km.is_alive()
 
 
+def test_a_cell_that_runs_cells_itself_keeps_its_wall_clock_limit(
+    make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """Found by a review: the limit hooked IPython's pre_execute and post_execute, which
+    fire again for the cells a cell runs itself (``%run notebook.ipynb``, ``run_cell``)
+    and for comm messages: the inner end disarmed the outer cell's limit."""
+    name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
+    km, kc = start_kernel(kernel_name=name)
+    started = time.monotonic()
+    result = run(kc, "get_ipython().run_cell('1', silent=True)\nimport time\ntime.sleep(60)")
+    assert result.reply["content"]["ename"] == "TimeoutError", result.reply["content"]
+    assert time.monotonic() - started < 4.5, "before the host's interrupt, at 5 s"
+    assert km.is_alive()
+
+
 def test_a_subshells_cells_leave_the_main_shells_wall_clock_limit_alone(
     make_kernelspec: Callable[..., str], start_kernel: KernelStarter
 ) -> None:

@@ -523,3 +523,18 @@ def test_a_prompt_of_a_subshells_cell_goes_to_its_client_while_the_main_shell_ru
         session.serialize(session.msg("input_request", {"prompt": "?"}, parent=queued), ident=[b"console"])
     )
     assert auditor("stdin", False, early) == NO_STDIN
+
+
+def test_the_clocks_of_answered_shells_are_not_kept() -> None:
+    """A client names whatever subshells it likes: the host keeps no clock for a shell
+    with nothing pending (found by a review)."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    for i in range(100):
+        request = session.msg("execute_request", {"code": "1"})
+        request["header"]["subshell_id"] = f"made-up-{i}" * 100
+        auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+        auditor("shell", False, _message(session, "execute_reply", {"status": "error"}, request))
+    assert auditor._head_since == {}

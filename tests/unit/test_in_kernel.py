@@ -5,10 +5,12 @@ test_isolation.py: network; test_packages.py: pip)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,6 +58,16 @@ class Shell:
         self.shown: list[Any] = []
         self.magics: dict[str, Any] = {}
         self.user_ns: dict[str, Any] = {}
+        self.kernel = Shell._Kernel()
+
+    class _Kernel:
+        def __init__(self) -> None:
+            #: The alarm's time left as each execution ran.
+            self.alarm: list[float] = []
+
+        async def do_execute(self, code: str) -> dict[str, Any]:
+            self.alarm.append(signal.getitimer(signal.ITIMER_REAL)[0])
+            return {"status": "ok"}
 
     class _Events:
         def __init__(self, shell: Shell) -> None:
@@ -341,20 +353,27 @@ def test_memory_sizes_are_read_as_docker_writes_them(started: Any, monkeypatch: 
     assert "sandbox-kernel-memory" not in state["targets"], "an unreadable size: no watch, no crash"
 
 
+def wrappers(kernel: Any) -> int:
+    """How many wrappers the start-up code put around ``kernel.do_execute``."""
+    count, run = 0, kernel.do_execute
+    while hasattr(run, "__wrapped__"):
+        count, run = count + 1, run.__wrapped__
+    return count
+
+
 def test_the_wall_clock_limit_is_armed_only_when_set(started: Any) -> None:
+    """Around each execution the kernel runs (ipykernel's do_execute), not at IPython's
+    events: pre_execute fires for each comm message too, pre_run_cell not for silent ones."""
     shell, _ = started(exec_timeout=2.5)
-    # pre_execute, silent cells too: the memory watch's "a cell runs", and the alarm
-    assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {
-        "pre_execute": 2,
-        "post_execute": 2,
-        "post_run_cell": 1,  # what pip installed
-    }
+    assert wrappers(shell.kernel) == 2, "the memory watch's 'a cell runs', and the alarm"
+    assert asyncio.run(shell.kernel.do_execute("1")) == {"status": "ok"}
+    assert 0 < shell.kernel.alarm[-1] <= 2.5, "armed while it ran"
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "disarmed after"
+    assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {"post_run_cell": 1}
     shell, _ = started()
-    assert {event: len(callbacks) for event, callbacks in shell.registered.items()} == {
-        "pre_execute": 1,
-        "post_execute": 1,
-        "post_run_cell": 1,
-    }
+    assert wrappers(shell.kernel) == 1
+    asyncio.run(shell.kernel.do_execute("1"))
+    assert shell.kernel.alarm == [0.0]
 
 
 def test_blas_threads_follow_the_cpu_limit_unless_the_kernelspec_env_says(
@@ -503,7 +522,7 @@ def test_a_restart_s_claim_hands_the_kernel_the_key_its_clients_hold(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SANDBOX_KERNEL_CLAIM", str(tmp_path / "claim.sock"))
     shell, recorded = started()
-    shell.kernel = types.SimpleNamespace(session=types.SimpleNamespace(key=b"the pooled sandbox's own"))
+    shell.kernel.session = types.SimpleNamespace(key=b"the pooled sandbox's own")
     claim = REAL_THREAD(target=recorded["targets"]["sandbox-kernel-claim"])
     claim.start()
     work = tmp_path / "notebooks"
