@@ -61,6 +61,7 @@ are the bounds.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import ctypes
 import functools
@@ -641,22 +642,36 @@ def pip_magic_for(shell: Any, packages: SitePackages, offline: bool, no_route: s
 
 
 def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
-    """Before each execution, a timer that raises a TimeoutError naming the limit into the
-    cell's code: SIGALRM on the main shell (it interrupts a blocking call too); on a
-    subshell, whose thread no signal handler runs in, a timer thread that raises it in the
-    subshell's thread between two bytecodes of the cell's code (a call blocking in C,
-    or a cell that only awaits, is the host's to stop: raised in the subshell's own event
-    loop, the error would end it). Each shell arms and disarms its own."""
+    """Before each execution, a timer that stops the cell with an error naming the limit:
+    SIGALRM on the main shell (it interrupts a blocking call too); on a subshell, whose
+    thread no signal handler runs in, a timer thread. A cell running its code gets a
+    TimeoutError there (on a subshell between two bytecodes: a call blocking in C is the
+    host's to stop); a cell that awaits has its task cancelled, with the same message (an
+    error raised in its shell's event loop would end the loop). Each shell arms and
+    disarms its own."""
     message = (
         f"execution stopped: the wall-clock limit of {exec_timeout:g} s per execution was exceeded "
         "(sandbox-kernel exec_timeout); split the work into shorter cells or ask for a higher limit"
     )
     main = threading.main_thread()
 
+    def cancel_awaiting(loop: asyncio.AbstractEventLoop) -> bool:
+        """Cancel the task of the cell ``loop`` runs (its own thread); whether there was one."""
+        for task in asyncio.all_tasks(loop):
+            if getattr(task.get_coro(), "__name__", "") == "run_cell_async":  # ipykernel's async cells
+                task.cancel(message)
+                return True
+        return False
+
     def expired(signum: int, frame: Any) -> None:
-        # Wherever the main thread is: in a cell that awaits, that can be the event loop's
-        # own code (a race the kernel may not survive; the host then restarts it).
-        raise TimeoutError(message)
+        if running_code(main.ident):
+            raise TimeoutError(message)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or not cancel_awaiting(loop):  # (ipykernel's own code around the cell)
+            signal.setitimer(signal.ITIMER_REAL, RAISE_RETRY)
 
     class OutOfTime(TimeoutError):
         # Raised by its type alone (PyThreadState_SetAsyncExc): the message is its default,
@@ -672,14 +687,34 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
     def out_of_time(ident: int, disarmed: threading.Event) -> None:
         if disarmed.wait(exec_timeout):
             return
-        while not disarmed.wait(0 if running_code(ident) else RAISE_RETRY):
+        thread = next((t for t in threading.enumerate() if t.ident == ident), None)
+        loop = getattr(getattr(thread, "io_loop", None), "asyncio_loop", None)  # the subshell's
+
+        def in_the_loop(answered: threading.Event) -> None:
             with lock:
-                if running_code(ident) and timers.get(ident) is disarmed:
+                if timers.get(ident) is disarmed and loop is not None and cancel_awaiting(loop):
+                    timers.pop(ident)
+            answered.set()
+
+        # A cell that awaits leaves its loop free, which cancels it in its own thread; a
+        # loop that does not answer runs a cell's code (or ipykernel's around it), which
+        # gets the error between two of its bytecodes.
+        answered: threading.Event | None = None
+        while not disarmed.is_set():
+            if loop is not None and (answered is None or answered.is_set()) and not loop.is_closed():
+                answered = threading.Event()
+                loop.call_soon_threadsafe(in_the_loop, answered)
+                answered.wait(RAISE_RETRY)
+            with lock:
+                if timers.get(ident) is not disarmed:
+                    return
+                if running_code(ident) and (answered is None or not answered.is_set()):
                     timers.pop(ident)
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(
                         ctypes.c_ulong(ident), ctypes.py_object(OutOfTime)
                     )
                     return
+            disarmed.wait(RAISE_RETRY)
 
     def arm() -> None:
         if threading.current_thread() is main:

@@ -514,6 +514,29 @@ def test_a_cell_that_runs_cells_itself_keeps_its_wall_clock_limit(
     assert km.is_alive()
 
 
+@pytest.mark.parametrize("where", ["main shell", "subshell"])
+def test_an_awaiting_cell_past_its_wall_clock_limit_is_stopped_and_the_kernel_lives(
+    where: str, make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """The TimeoutError raised while a cell awaits landed in its shell's event loop: the
+    kernel exited (code 1) on the main shell, the subshell stopped answering on one. The
+    cell's task is cancelled instead, with the same message."""
+    name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
+    km, kc = start_kernel(kernel_name=name)
+    subshell_id = create_subshell(kc) if where == "subshell" else ""
+    for _ in range(2):
+        started = time.monotonic()
+        msg_id = send(kc, "import asyncio\nwhile True:\n    await asyncio.sleep(0.02)", subshell_id)
+        reply = finished(kc, msg_id, timeout=60)[msg_id].reply["content"]
+        assert reply["ename"] in ("TimeoutError", "CancelledError"), reply
+        assert "wall-clock limit of 3 s per execution" in reply["evalue"]
+        assert time.monotonic() - started < 4.5, "before the host's interrupt, at 5 s"
+    assert km.is_alive()
+    assert run_ok(kc, "print(6 * 7)").strip() == "42"
+    if subshell_id:
+        assert on_subshell(kc, subshell_id, "print(1)")["status"] == "ok", "the subshell lives"
+
+
 def test_a_subshells_cells_leave_the_main_shells_wall_clock_limit_alone(
     make_kernelspec: Callable[..., str], start_kernel: KernelStarter
 ) -> None:
