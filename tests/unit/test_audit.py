@@ -214,6 +214,20 @@ def test_a_subshell_runs_beside_the_main_shell_and_ends_none_of_its_executions()
     assert _current_code(auditor) == "long()"
 
 
+def _sent(auditor: ExecutionAuditor, session: Any, code: str, subshell_id: str = "") -> dict[str, Any]:
+    """An execute_request of ``code`` (on the subshell ``subshell_id``, if one), as the
+    auditor sees it on its way to the kernel."""
+    request: dict[str, Any] = session.msg("execute_request", {"code": code})
+    if subshell_id:
+        request["header"]["subshell_id"] = subshell_id
+    auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
+    return request
+
+
+def _answered(auditor: ExecutionAuditor, session: Any, request: dict[str, Any]) -> None:
+    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, request))
+
+
 def test_a_subshells_replies_do_not_restart_the_main_shells_wall_clock() -> None:
     """Found by a review, the way an attacker would do it: a silent cell (no execute_input,
     no pre_run_cell) spins on the main shell while cells come and go on a subshell. Each
@@ -227,10 +241,7 @@ def test_a_subshells_replies_do_not_restart_the_main_shells_wall_clock() -> None
     auditor("shell", True, list(session.serialize(spin, ident=[b"c"])))
     for _ in range(4):
         time.sleep(0.05)
-        side = session.msg("execute_request", {"code": "1"})
-        side["header"]["subshell_id"] = "s1"
-        auditor("shell", True, list(session.serialize(side, ident=[b"c"])))
-        auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, side))
+        _answered(auditor, session, _sent(auditor, session, "1", "s1"))
     running = auditor.running()
     assert running is not None
     assert running[0] == spin["header"]["msg_id"]
@@ -242,20 +253,12 @@ def test_a_silent_cell_spinning_on_a_subshell_is_timed_while_the_main_shell_is_i
 
     session = Session(key=b"k")
     auditor = ExecutionAuditor(None, "k1", "py")
-    done = session.msg("execute_request", {"code": "1"})
-    auditor("shell", True, list(session.serialize(done, ident=[b"c"])))
-    auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, done))
-    spin = session.msg("execute_request", {"code": "while True: pass", "silent": True})
-    spin["header"]["subshell_id"] = "s1"
-    auditor("shell", True, list(session.serialize(spin, ident=[b"c"])))
-    queued = session.msg("execute_request", {"code": "2"})
-    queued["header"]["subshell_id"] = "s1"
-    auditor("shell", True, list(session.serialize(queued, ident=[b"c"])))
+    _answered(auditor, session, _sent(auditor, session, "1"))
+    spin = _sent(auditor, session, "while True: pass", "s1")
+    _sent(auditor, session, "2", "s1")  # queued behind it
     time.sleep(0.1)
     for _ in range(3):  # the main shell answers meanwhile
-        main = session.msg("execute_request", {"code": "3"})
-        auditor("shell", True, list(session.serialize(main, ident=[b"c"])))
-        auditor("shell", False, _message(session, "execute_reply", {"status": "ok"}, main))
+        _answered(auditor, session, _sent(auditor, session, "3"))
     running = auditor.running()
     assert running is not None
     assert running[0] == spin["header"]["msg_id"]
@@ -533,8 +536,5 @@ def test_the_clocks_of_answered_shells_are_not_kept() -> None:
     session = Session(key=b"k")
     auditor = ExecutionAuditor(None, "k1", "py")
     for i in range(100):
-        request = session.msg("execute_request", {"code": "1"})
-        request["header"]["subshell_id"] = f"made-up-{i}" * 100
-        auditor("shell", True, list(session.serialize(request, ident=[b"c"])))
-        auditor("shell", False, _message(session, "execute_reply", {"status": "error"}, request))
+        _answered(auditor, session, _sent(auditor, session, "1", f"made-up-{i}" * 100))
     assert auditor._head_since == {}
