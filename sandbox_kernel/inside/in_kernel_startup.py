@@ -663,14 +663,26 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
                 return True
         return False
 
+    #: Whether the main shell's execution is armed (a SIGALRM handled after its disarm,
+    #: or a retry, must not reach the next one).
+    main_armed = threading.Event()
+
     def expired(signum: int, frame: Any) -> None:
+        if not main_armed.is_set():
+            return
         if running_code(main.ident):
             raise TimeoutError(message)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            loop = None
-        if loop is None or not cancel_awaiting(loop):  # (ipykernel's own code around the cell)
+            signal.setitimer(signal.ITIMER_REAL, RAISE_RETRY)
+            return
+        # From the loop's own turn, which this wakes (a cancel made in the handler would
+        # wait for whatever the loop waited on).
+        loop.call_soon_threadsafe(cancel_on_main, loop)
+
+    def cancel_on_main(loop: asyncio.AbstractEventLoop) -> None:
+        if main_armed.is_set() and not cancel_awaiting(loop):  # (ipykernel's own code around it)
             signal.setitimer(signal.ITIMER_REAL, RAISE_RETRY)
 
     class OutOfTime(TimeoutError):
@@ -719,6 +731,7 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
     def arm() -> None:
         if threading.current_thread() is main:
             signal.signal(signal.SIGALRM, expired)
+            main_armed.set()
             signal.setitimer(signal.ITIMER_REAL, exec_timeout)
             return
         ident, disarmed = threading.get_ident(), threading.Event()
@@ -735,6 +748,7 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
 
     def disarm() -> None:
         if threading.current_thread() is main:
+            main_armed.clear()
             signal.setitimer(signal.ITIMER_REAL, 0)
             return
         with lock:

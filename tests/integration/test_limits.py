@@ -524,9 +524,9 @@ def test_an_awaiting_cell_past_its_wall_clock_limit_is_stopped_and_the_kernel_li
     name = make_kernelspec("three-seconds", config={"exec_timeout": 3})
     km, kc = start_kernel(kernel_name=name)
     subshell_id = create_subshell(kc) if where == "subshell" else ""
-    for _ in range(2):
+    for code in ("while True:\n    await asyncio.sleep(0.02)", "await asyncio.Event().wait()"):
         started = time.monotonic()
-        msg_id = send(kc, "import asyncio\nwhile True:\n    await asyncio.sleep(0.02)", subshell_id)
+        msg_id = send(kc, f"import asyncio\n{code}", subshell_id)
         reply = finished(kc, msg_id, timeout=60)[msg_id].reply["content"]
         assert reply["ename"] in ("TimeoutError", "CancelledError"), reply
         assert "wall-clock limit of 3 s per execution" in reply["evalue"]
