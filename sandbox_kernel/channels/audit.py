@@ -470,13 +470,14 @@ class ExecutionAuditor:
         return lost
 
     def _deletion_asked(self, parts: list[bytes]) -> None:
-        if load_dict(parts[1]).get("msg_type") != "delete_subshell_request":
+        header = load_dict(parts[1])
+        if header.get("msg_type") != "delete_subshell_request":
             return
         subshell_id = load_dict(parts[4]).get("subshell_id")
         if not isinstance(subshell_id, str):
             return
         with self._lock:
-            self._deleting[str(load_dict(parts[1]).get("msg_id", ""))] = subshell_id
+            self._deleting[str(header.get("msg_id", ""))] = subshell_id
             while len(self._deleting) > _MAX_DELETIONS:
                 del self._deleting[next(iter(self._deleting))]
 
