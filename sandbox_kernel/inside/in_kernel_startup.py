@@ -150,7 +150,7 @@ def set_up(shell: Any) -> None:
     allowed = [str(domain) for domain in policy.get("allowed_domains") or []]
 
     limit_threads(policy)
-    watch = MemoryWatch(memory, limit)
+    watch = MemoryWatch(memory, limit, shell)
     no_route = no_route_text(policy.get("network", "none"), allowed)
     explain_unresolved_names(no_route)
     errors = ErrorDisplay(watch, no_route, str(policy.get("image", "")))
@@ -234,9 +234,10 @@ def take_output_shortcuts(shell: Any) -> None:
 class MemoryWatch:
     """The thread that stops cells a margin below the memory limit, and what it says."""
 
-    def __init__(self, memory: str, limit: int) -> None:
+    def __init__(self, memory: str, limit: int, shell: Any = None) -> None:
         #: The limit as the policy writes it, for messages.
         self.memory = memory
+        self.shell = shell  # whose event loops run the cells that await
         self.page = os.sysconf("SC_PAGE_SIZE")
         # The margin: gVisor's own memory and /tmp, and the channel relay (about 27 MiB,
         # the kernel's parent in the same container).
@@ -263,33 +264,43 @@ class MemoryWatch:
             elif not stopped_at or used >= stopped_at + self.step:
                 stopped_at = used
                 with self.lock:
-                    # A subshell's cell that awaits is not running: an error raised now
-                    # would land in the subshell's event loop and end it (it is stopped
-                    # if it grows on). The main thread's cell gets it, awaiting or not.
-                    main = threading.main_thread().ident
-                    cells = {i for i in self.executing if i == main or running_code(i)}
-                targets = cells | {
+                    cells = set(self.executing)
+                threads = {
                     thread.ident
                     for thread in threading.enumerate()
                     if thread.ident not in self.kernel_threads
+                    and thread.ident not in cells
                     and thread.ident != me
                     and not kernels_own(thread)
                     and not thread.name.startswith(OWN_THREADS)
                 }
-                if any(importing(ident) for ident in targets):
+                if any(importing(ident) for ident in cells | threads):
                     stopped_at = 0  # look again in a moment, once the import is done
                     time.sleep(0.01)
                     continue
+                stopped = {ident for ident in cells if self.stop_cell(ident)}
                 with self.lock:
-                    self.executing -= cells
-                for ident in targets:
+                    self.executing -= stopped
+                for ident in threads:
                     if ident is not None:
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                            ctypes.c_ulong(ident), ctypes.py_object(MemoryError)
-                        )
+                        raise_in(ident, MemoryError)
+                if stopped != cells:
+                    stopped_at = 0  # a cell in its shell's own code: look again in a moment
+                    time.sleep(0.01)
+                    continue
             # Look again before the fastest allocation could cross the threshold: an idle
             # kernel far below it costs a wake-up a second, one near it is watched closely.
             time.sleep(min(1.0, max(0.01, (self.threshold - used) / FASTEST_GROWTH)))
+
+    def stop_cell(self, ident: int) -> bool:
+        """Stop the cell that the thread ``ident`` runs: a MemoryError in its code, or, when
+        it awaits, its task cancelled with the message (an error raised in its shell's event
+        loop would end the loop: the kernel, on the main shell). Whether it was stopped."""
+        loop = shell_loop(self.shell, ident)
+        if loop is None or running_code(ident):
+            raise_in(ident, MemoryError)
+            return True
+        return cancel_from(loop, lambda: self.error_text(MemoryError()))
 
     def cell_started(self) -> None:
         with self.lock:
@@ -336,6 +347,56 @@ def around_executions(shell: Any, started: Callable[[], None], finished: Callabl
             finished()
 
     kernel.do_execute = do_execute
+
+
+def raise_in(ident: int, error: type[BaseException]) -> None:
+    """Raise ``error`` in the thread ``ident``, between two of its bytecodes."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(error))
+
+
+def shell_loop(shell: Any, ident: int) -> asyncio.AbstractEventLoop | None:
+    """The event loop of the shell whose thread is ``ident``: the main shell's (the
+    kernel's own), or a subshell's (its thread's)."""
+    if ident == threading.main_thread().ident:
+        io_loop = getattr(getattr(shell, "kernel", None), "io_loop", None)
+    else:
+        thread = next((t for t in threading.enumerate() if t.ident == ident), None)
+        io_loop = getattr(thread, "io_loop", None)
+    loop = getattr(io_loop, "asyncio_loop", None)
+    return loop if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_closed() else None
+
+
+def cancel_awaiting(loop: asyncio.AbstractEventLoop, message: str) -> bool:
+    """Cancel the task of the cell ``loop`` runs, with ``message`` (call in the loop's own
+    thread); whether there was one."""
+    for task in asyncio.all_tasks(loop):
+        if getattr(task.get_coro(), "__name__", "") == "run_cell_async":  # ipykernel's async cells
+            task.cancel(message)
+            return True
+    return False
+
+
+def cancel_from(loop: asyncio.AbstractEventLoop, message: Callable[[], str]) -> bool:
+    """From another thread: cancel the awaiting cell of ``loop``, if it answers within
+    :data:`RAISE_RETRY` (one that does not runs code). Whether it cancelled one; a late
+    answer cancels nothing, so that the caller may stop the cell otherwise."""
+    answered, lock = threading.Event(), threading.Lock()
+    outcome = {"open": True, "cancelled": False}
+
+    def in_the_loop() -> None:
+        with lock:
+            if outcome["open"]:
+                outcome["cancelled"] = cancel_awaiting(loop, message())
+        answered.set()
+
+    try:
+        loop.call_soon_threadsafe(in_the_loop)
+    except RuntimeError:  # closed meanwhile
+        return False
+    answered.wait(RAISE_RETRY)
+    with lock:
+        outcome["open"] = False
+        return outcome["cancelled"]
 
 
 def running_code(ident: int | None) -> bool:
@@ -655,14 +716,6 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
     )
     main = threading.main_thread()
 
-    def cancel_awaiting(loop: asyncio.AbstractEventLoop) -> bool:
-        """Cancel the task of the cell ``loop`` runs (its own thread); whether there was one."""
-        for task in asyncio.all_tasks(loop):
-            if getattr(task.get_coro(), "__name__", "") == "run_cell_async":  # ipykernel's async cells
-                task.cancel(message)
-                return True
-        return False
-
     #: Whether the main shell's execution is armed (a SIGALRM handled after its disarm,
     #: or a retry, must not reach the next one).
     main_armed = threading.Event()
@@ -682,7 +735,7 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
         loop.call_soon_threadsafe(cancel_on_main, loop)
 
     def cancel_on_main(loop: asyncio.AbstractEventLoop) -> None:
-        if main_armed.is_set() and not cancel_awaiting(loop):  # (ipykernel's own code around it)
+        if main_armed.is_set() and not cancel_awaiting(loop, message):  # (ipykernel's code around it)
             signal.setitimer(signal.ITIMER_REAL, RAISE_RETRY)
 
     class OutOfTime(TimeoutError):
@@ -699,12 +752,11 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
     def out_of_time(ident: int, disarmed: threading.Event) -> None:
         if disarmed.wait(exec_timeout):
             return
-        thread = next((t for t in threading.enumerate() if t.ident == ident), None)
-        loop = getattr(getattr(thread, "io_loop", None), "asyncio_loop", None)  # the subshell's
+        loop = shell_loop(shell, ident)
 
         def in_the_loop(answered: threading.Event) -> None:
             with lock:
-                if timers.get(ident) is disarmed and loop is not None and cancel_awaiting(loop):
+                if timers.get(ident) is disarmed and loop is not None and cancel_awaiting(loop, message):
                     timers.pop(ident)
             answered.set()
 
@@ -722,9 +774,7 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
                     return
                 if running_code(ident) and (answered is None or not answered.is_set()):
                     timers.pop(ident)
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                        ctypes.c_ulong(ident), ctypes.py_object(OutOfTime)
-                    )
+                    raise_in(ident, OutOfTime)
                     return
             disarmed.wait(RAISE_RETRY)
 

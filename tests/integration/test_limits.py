@@ -460,6 +460,31 @@ def test_a_runaway_cell_on_a_subshell_gets_the_memory_error_and_the_kernel_lives
     assert km.is_alive()
 
 
+@pytest.mark.parametrize("where", ["main shell", "subshell"])
+def test_an_awaiting_cell_that_keeps_allocating_is_stopped_and_the_kernel_lives(
+    where: str, make_kernelspec: Callable[..., str], start_kernel: KernelStarter
+) -> None:
+    """An async cell that loads data between awaits spends most of its time in its shell's
+    event loop: the watch's MemoryError, raised in the main thread there, ended the loop and
+    the kernel with it (left open by the review of the wall clock's fix). The cell's task is
+    cancelled instead, with the memory message, as the wall clock does."""
+    name = make_kernelspec("small-memory", config={"memory": "512m"})
+    km, kc = start_kernel(kernel_name=name)
+    run_ok(kc, "x = 'kept'")
+    subshell_id = create_subshell(kc) if where == "subshell" else ""
+    msg_id = send(kc, f"import asyncio\n{RUNAWAY}\n    await asyncio.sleep(0.05)", subshell_id)
+    result = finished(kc, msg_id)[msg_id]
+    reply = result.reply["content"]
+    assert reply["status"] == "error"
+    assert reply["ename"] in ("MemoryError", "CancelledError"), reply
+    assert "memory limit 512m of this sandboxed kernel reached" in "".join(reply["traceback"]), reply
+    assert "Exception in thread" not in result.stdout + result.stderr
+    assert km.is_alive()
+    assert run_ok(kc, "del hoard\nprint(x)").strip() == "kept"
+    if subshell_id:
+        assert on_subshell(kc, subshell_id, "print(1)")["status"] == "ok", "the subshell lives"
+
+
 def test_a_cell_on_a_subshell_past_its_wall_clock_limit_gets_the_same_error(
     make_kernelspec: Callable[..., str], start_kernel: KernelStarter
 ) -> None:

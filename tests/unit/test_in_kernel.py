@@ -1053,3 +1053,42 @@ stop.set(); worker.join()
 print(in_flight.count)
 """)
     assert int(out) >= 1, "the IOPub thread closed its socket with direct sends still allowed"
+
+
+def test_an_awaiting_cell_is_cancelled_from_another_thread_and_a_late_answer_cancels_nothing() -> None:
+    """How the memory watch stops a cell that awaits (an error raised in its thread would
+    land in its shell's event loop and end it): its task is cancelled with the message, by
+    the loop itself. A loop busy past the wait runs code, which the watch stops otherwise:
+    the cancel it asked for must not also happen when the loop gets to it."""
+    from sandbox_kernel.inside.in_kernel_startup import RAISE_RETRY, cancel_from
+
+    loop = asyncio.new_event_loop()
+    outcome: list[BaseException] = []
+
+    async def run_cell_async() -> None:  # named as ipykernel's cell task is
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError as error:
+            outcome.append(error)
+
+    thread = REAL_THREAD(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(run_cell_async(), loop)
+        time.sleep(0.05)
+        assert cancel_from(loop, lambda: "memory limit reached") is True
+        time.sleep(0.05)
+        assert [str(error) for error in outcome] == ["memory limit reached"]
+
+        second = asyncio.run_coroutine_threadsafe(run_cell_async(), loop)
+        loop.call_soon_threadsafe(time.sleep, RAISE_RETRY * 4)  # the loop runs code
+        time.sleep(0.01)
+        assert cancel_from(loop, lambda: "too late") is False
+        time.sleep(RAISE_RETRY * 5)
+        assert len(outcome) == 1, "the late answer cancelled the cell too"
+        second.cancel()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    assert cancel_from(loop, lambda: "closed") is False
