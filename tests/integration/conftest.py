@@ -11,6 +11,7 @@ import ast
 import asyncio
 import json
 import os
+import queue
 import secrets
 import shutil
 import subprocess
@@ -443,6 +444,56 @@ def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     result = run(kc, code, timeout)
     assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
     return result.stdout
+
+
+def create_subshell(kc: BlockingKernelClient) -> str:
+    """A new subshell's id (ipykernel 7: a thread of its own that runs cells beside the
+    main shell's, as JupyterLab's widgets and subshell consoles ask for)."""
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    created = kc.control_channel.get_msg(timeout=60)["content"]
+    assert created["status"] == "ok", created
+    return str(created["subshell_id"])
+
+
+def send(kc: BlockingKernelClient, code: str, subshell_id: str = "") -> str:
+    """Send ``code`` to run (on the subshell ``subshell_id``, if one); its request's id."""
+    request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
+    if subshell_id:
+        request["header"]["subshell_id"] = subshell_id
+    kc.shell_channel.send(request)
+    return str(request["header"]["msg_id"])
+
+
+def finished(kc: BlockingKernelClient, *msg_ids: str, timeout: float = 120) -> dict[str, Execution]:
+    """Each request's reply and output, once it has both (its ``idle`` status): requests
+    that run at the same time, on subshells, end in any order."""
+    results = {msg_id: Execution() for msg_id in msg_ids}
+    idle: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(idle) < len(results) or not all(result.reply for result in results.values()):
+        assert time.monotonic() < deadline, {m: (r.reply, r.stdout, r.stderr) for m, r in results.items()}
+        for channel in (kc.get_iopub_msg, kc.get_shell_msg):
+            try:
+                msg = channel(timeout=0.05)
+            except queue.Empty:
+                continue
+            result = results.get(msg["parent_header"].get("msg_id"))
+            if result is None:
+                continue
+            if channel == kc.get_shell_msg:
+                result.reply = msg
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                idle.add(msg["parent_header"]["msg_id"])
+            else:
+                result.hook(msg)
+    return results
+
+
+def on_subshell(kc: BlockingKernelClient, subshell_id: str, code: str) -> dict[str, Any]:
+    """The reply's content to ``code`` run on the subshell ``subshell_id``."""
+    msg_id = send(kc, code, subshell_id)
+    content: dict[str, Any] = finished(kc, msg_id)[msg_id].reply["content"]
+    return content
 
 
 #: Cell code printing how many of the sandbox's processes it could look into, and the

@@ -18,7 +18,7 @@ import jupyter_kernel_test as jkt
 import pytest
 from jupyter_client.blocking import BlockingKernelClient
 
-from .conftest import KernelStarter, run_ok, shell_reply
+from .conftest import KernelStarter, create_subshell, run_ok, send, shell_reply
 
 pytestmark = pytest.mark.integration
 
@@ -162,13 +162,11 @@ def test_a_kernel_without_subshells_answers_a_client_that_asks_for_one(
 
 def assert_refused_on_a_subshell(kc: BlockingKernelClient, ename: str) -> None:
     """Code sent on the subshell ``s1`` gets busy, the error ``ename``, idle; it did not run."""
-    named = kc.session.msg("execute_request", {"code": "ran_in_a_subshell = True", "silent": False})
-    named["header"]["subshell_id"] = "s1"
-    kc.shell_channel.send(named)
+    named = send(kc, "ran_in_a_subshell = True", "s1")
     reply = shell_reply(kc, 30)
-    assert reply["parent_header"]["msg_id"] == named["header"]["msg_id"]
+    assert reply["parent_header"]["msg_id"] == named
     assert (reply["content"]["status"], reply["content"]["ename"]) == ("error", ename)
-    assert iopub_of(kc, named["header"]["msg_id"]) == ["status:busy", "status:idle"]
+    assert iopub_of(kc, named) == ["status:busy", "status:idle"]
     assert run_ok(kc, "print('ran_in_a_subshell' in dir())").strip() == "False"
 
 
@@ -195,15 +193,11 @@ def test_a_sandboxed_kernel_offers_subshells_and_starts_them_at_the_first_reques
     busy = kc.execute("import time; print('before'); time.sleep(8); print('after'); 'main done'")
     time.sleep(2)
     asked = time.monotonic()
-    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
-    created = kc.control_channel.get_msg(timeout=30)
-    assert created["content"]["status"] == "ok", created["content"]
+    subshell_id = create_subshell(kc)
     assert time.monotonic() - asked < 4, "the subshell waited for the cell"
-    beside = kc.session.msg("execute_request", {"code": "6 * 7", "silent": False, "store_history": False})
-    beside["header"]["subshell_id"] = created["content"]["subshell_id"]
-    kc.shell_channel.send(beside)
+    beside = send(kc, "6 * 7", subshell_id)
     first = shell_reply(kc, 30)
-    assert first["parent_header"]["msg_id"] == beside["header"]["msg_id"], "the subshell waited for the cell"
+    assert first["parent_header"]["msg_id"] == beside, "the subshell waited for the cell"
     assert first["content"]["status"] == "ok"
     last = shell_reply(kc, 30)
     assert (last["parent_header"]["msg_id"], last["content"]["status"]) == (busy, "ok")
@@ -224,9 +218,7 @@ def test_a_sandboxed_kernel_offers_subshells_and_starts_them_at_the_first_reques
     km.interrupt_kernel()
     reply = shell_reply(kc, 30)
     assert (reply["parent_header"]["msg_id"], reply["content"]["status"]) == (msg_id, "error")
-    kc.control_channel.send(
-        kc.session.msg("delete_subshell_request", {"subshell_id": created["content"]["subshell_id"]})
-    )
+    kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell_id}))
     assert kc.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"
 
 
@@ -269,14 +261,8 @@ def test_deleting_a_subshell_answers_the_requests_the_kernel_drops(start_kernel:
     came: the kernel stayed busy for good, and was killed at its wall-clock limit. Their
     clients now get a reply saying why."""
     _, kc = start_kernel()
-    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
-    subshell_id = kc.control_channel.get_msg(timeout=60)["content"]["subshell_id"]
-    sent = []
-    for code in ("import time; time.sleep(2)", "print(1)"):
-        request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
-        request["header"]["subshell_id"] = subshell_id
-        kc.shell_channel.send(request)
-        sent.append(request["header"]["msg_id"])
+    subshell_id = create_subshell(kc)
+    sent = [send(kc, code, subshell_id) for code in ("import time; time.sleep(2)", "print(1)")]
     time.sleep(0.5)
     kc.control_channel.send(kc.session.msg("delete_subshell_request", {"subshell_id": subshell_id}))
     assert kc.control_channel.get_msg(timeout=30)["content"]["status"] == "ok"

@@ -19,13 +19,16 @@ from sandbox_kernel.errors import ConfigurationError
 
 from .conftest import (
     KERNEL,
-    Execution,
     HostState,
     KernelStarter,
+    create_subshell,
     fill_file,
+    finished,
+    on_subshell,
     restarting_kernel,
     run,
     run_ok,
+    send,
     shell_reply,
     wait_for_restart,
 )
@@ -373,52 +376,6 @@ def test_a_cell_that_keeps_allocating_gets_a_memory_error_and_the_kernel_keeps_i
 
 
 RUNAWAY = "hoard = []\nwhile True:\n    hoard.append(bytearray(16 * 1024**2))"
-
-
-def create_subshell(kc: Any) -> str:
-    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
-    return str(kc.control_channel.get_msg(timeout=60)["content"]["subshell_id"])
-
-
-def send(kc: Any, code: str, subshell_id: str = "") -> str:
-    """Send ``code`` to run (on the subshell ``subshell_id``, if one); its request's id."""
-    request = kc.session.msg("execute_request", {"code": code, "silent": False, "store_history": False})
-    if subshell_id:
-        request["header"]["subshell_id"] = subshell_id
-    kc.shell_channel.send(request)
-    return str(request["header"]["msg_id"])
-
-
-def finished(kc: Any, *msg_ids: str, timeout: float = 120) -> dict[str, Execution]:
-    """Each request's reply and output, once it has both (its ``idle`` status): requests
-    that run at the same time, on subshells, end in any order."""
-    results = {msg_id: Execution() for msg_id in msg_ids}
-    idle: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while len(idle) < len(results) or not all(result.reply for result in results.values()):
-        assert time.monotonic() < deadline, {m: (r.reply, r.stdout, r.stderr) for m, r in results.items()}
-        for channel in (kc.get_iopub_msg, kc.get_shell_msg):
-            try:
-                msg = channel(timeout=0.05)
-            except queue.Empty:
-                continue
-            result = results.get(msg["parent_header"].get("msg_id"))
-            if result is None:
-                continue
-            if channel == kc.get_shell_msg:
-                result.reply = msg
-            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                idle.add(msg["parent_header"]["msg_id"])
-            else:
-                result.hook(msg)
-    return results
-
-
-def on_subshell(kc: Any, subshell_id: str, code: str) -> dict[str, Any]:
-    """The reply's content to ``code`` run on the subshell ``subshell_id``."""
-    msg_id = send(kc, code, subshell_id)
-    content: dict[str, Any] = finished(kc, msg_id)[msg_id].reply["content"]
-    return content
 
 
 def test_a_runaway_cell_leaves_the_subshells_working(
