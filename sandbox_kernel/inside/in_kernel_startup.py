@@ -243,9 +243,11 @@ class MemoryWatch:
         # the kernel's parent in the same container).
         self.threshold = limit - (96 * 2**20 + limit // 16)
         self.step = max(16 * 2**20, limit // 64)
-        #: The threads running a cell (the main shell's, a subshell's) whose MemoryError
-        #: is not raised yet: each cell is stopped once, not again while its error is shown.
-        self.executing: set[int] = set()
+        #: The executions running a cell (the main shell's, a subshell's) not stopped yet:
+        #: each thread's current one, numbered, so that a stop meant for one never reaches
+        #: the next on that thread. Each is stopped once, not again while its error is shown.
+        self.executing: dict[int, int] = {}
+        self._executions = 0
         self.lock = threading.Lock()
         #: The kernel's own threads, never stopped.
         self.kernel_threads = {thread.ident for thread in threading.enumerate()}
@@ -257,14 +259,14 @@ class MemoryWatch:
     def watch(self) -> None:
         me = threading.get_ident()
         stopped_at = 0  # memory in use when cells were last stopped; 0: below the threshold
+        left: dict[int, int] = {}  # cells to stop that were in their shell's own code
         while True:
             used = self.resident()
             if used < self.threshold:
-                stopped_at = 0
+                stopped_at, left = 0, {}
             elif not stopped_at or used >= stopped_at + self.step:
-                stopped_at = used
                 with self.lock:
-                    cells = set(self.executing)
+                    cells = dict(self.executing)
                 threads = {
                     thread.ident
                     for thread in threading.enumerate()
@@ -274,41 +276,73 @@ class MemoryWatch:
                     and not kernels_own(thread)
                     and not thread.name.startswith(OWN_THREADS)
                 }
-                if any(importing(ident) for ident in cells | threads):
-                    stopped_at = 0  # look again in a moment, once the import is done
-                    time.sleep(0.01)
+                if any(importing(ident) for ident in threads):
+                    time.sleep(0.01)  # look again in a moment, once the import is done
                     continue
-                stopped = {ident for ident in cells if self.stop_cell(ident)}
-                with self.lock:
-                    self.executing -= stopped
                 for ident in threads:
                     if ident is not None:
                         raise_in(ident, MemoryError)
-                if stopped != cells:
-                    stopped_at = 0  # a cell in its shell's own code: look again in a moment
+                stopped_at, left = used, cells
+            if left:
+                left = self.stop_cells(left)
+                if left:  # in their shell's own code, or importing: look again in a moment
                     time.sleep(0.01)
                     continue
             # Look again before the fastest allocation could cross the threshold: an idle
             # kernel far below it costs a wake-up a second, one near it is watched closely.
             time.sleep(min(1.0, max(0.01, (self.threshold - used) / FASTEST_GROWTH)))
 
-    def stop_cell(self, ident: int) -> bool:
+    def stop_cells(self, cells: dict[int, int]) -> dict[int, int]:
+        """Stop the executions ``cells`` (thread: execution) still running; those that could
+        not be stopped yet."""
+        left = {}
+        for ident, execution in cells.items():
+            if not self.runs(ident, execution):
+                continue
+            if self.stop_cell(ident, execution):
+                with self.lock:
+                    if self.executing.get(ident) == execution:
+                        del self.executing[ident]
+            else:
+                left[ident] = execution
+        return left
+
+    def stop_cell(self, ident: int, execution: int) -> bool:
         """Stop the cell that the thread ``ident`` runs: a MemoryError in its code, or, when
         it awaits, its task cancelled with the message (an error raised in its shell's event
         loop would end the loop: the kernel, on the main shell). Whether it was stopped."""
+        if importing(ident):
+            return False
         loop = shell_loop(self.shell, ident)
         if loop is None or running_code(ident):
             raise_in(ident, MemoryError)
             return True
-        return cancel_from(loop, lambda: self.error_text(MemoryError()))
+        cancelled = cancel_from(loop, self.cancel_text, lambda: self.runs(ident, execution))
+        if cancelled is None:
+            # Its loop runs code of the kernel's or the user's around the cell (a hook, a
+            # comm's handler, user_expressions): stopped there, as any code it runs.
+            raise_in(ident, MemoryError)
+            return True
+        return cancelled
+
+    def runs(self, ident: int, execution: int) -> bool:
+        """Whether the thread ``ident`` still runs ``execution``, not stopped yet."""
+        with self.lock:
+            return self.executing.get(ident) == execution
+
+    def cancel_text(self) -> str:
+        """The message of a cancelled cell (in its loop, as the cancel is made)."""
+        lift_clamp()  # as the MemoryError's display does (see ErrorDisplay)
+        return self.error_text(MemoryError())
 
     def cell_started(self) -> None:
         with self.lock:
-            self.executing.add(threading.get_ident())
+            self._executions += 1
+            self.executing[threading.get_ident()] = self._executions
 
     def cell_finished(self) -> None:
         with self.lock:
-            self.executing.discard(threading.get_ident())
+            self.executing.pop(threading.get_ident(), None)
 
     def error_text(self, value: BaseException) -> str:
         detail = str(value)
@@ -367,25 +401,45 @@ def shell_loop(shell: Any, ident: int) -> asyncio.AbstractEventLoop | None:
 
 
 def cancel_awaiting(loop: asyncio.AbstractEventLoop, message: str) -> bool:
-    """Cancel the task of the cell ``loop`` runs, with ``message`` (call in the loop's own
-    thread); whether there was one."""
+    """Cancel the task of the cell ``loop`` runs, with ``message``, if the cell's own code
+    is what it awaits (call in the loop's own thread); whether it did."""
     for task in asyncio.all_tasks(loop):
-        if getattr(task.get_coro(), "__name__", "") == "run_cell_async":  # ipykernel's async cells
+        if getattr(task.get_coro(), "__name__", "") == "run_cell_async" and awaiting_in_cell(task):
             task.cancel(message)
             return True
     return False
 
 
-def cancel_from(loop: asyncio.AbstractEventLoop, message: Callable[[], str]) -> bool:
-    """From another thread: cancel the awaiting cell of ``loop``, if it answers within
-    :data:`RAISE_RETRY` (one that does not runs code). Whether it cancelled one; a late
-    answer cancels nothing, so that the caller may stop the cell otherwise."""
+def awaiting_in_cell(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` (ipykernel's for an async cell) waits in the cell's own code, where
+    a CancelledError stops the cell alone and the cell gets its reply. Not a task that has
+    not begun (cancelled then, it would end ipykernel's execute_request before any reply),
+    nor IPython's code around the cell."""
+    coro: Any = task.get_coro()
+    for _ in range(64):  # the awaits from IPython's run_cell_async down to the cell's code
+        code = getattr(coro, "cr_code", None)
+        if code is None:
+            return False
+        if code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py"):
+            return coro.cr_await is not None
+        coro = coro.cr_await
+    return False
+
+
+def cancel_from(
+    loop: asyncio.AbstractEventLoop, message: Callable[[], str], still: Callable[[], bool]
+) -> bool | None:
+    """From another thread: cancel the awaiting cell of ``loop`` (see
+    :func:`cancel_awaiting`) if ``still()`` holds when the loop gets to it. Whether it
+    cancelled one; None if the loop did not answer within :data:`RAISE_RETRY` (it runs
+    code), and then its answer, when it comes, cancels nothing, so that the caller may stop
+    the cell otherwise."""
     answered, lock = threading.Event(), threading.Lock()
     outcome = {"open": True, "cancelled": False}
 
     def in_the_loop() -> None:
         with lock:
-            if outcome["open"]:
+            if outcome["open"] and still():
                 outcome["cancelled"] = cancel_awaiting(loop, message())
         answered.set()
 
@@ -393,10 +447,10 @@ def cancel_from(loop: asyncio.AbstractEventLoop, message: Callable[[], str]) -> 
         loop.call_soon_threadsafe(in_the_loop)
     except RuntimeError:  # closed meanwhile
         return False
-    answered.wait(RAISE_RETRY)
+    in_time = answered.wait(RAISE_RETRY)
     with lock:
         outcome["open"] = False
-        return outcome["cancelled"]
+        return outcome["cancelled"] if in_time or answered.is_set() else None
 
 
 def running_code(ident: int | None) -> bool:
