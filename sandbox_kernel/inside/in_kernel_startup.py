@@ -248,6 +248,8 @@ class MemoryWatch:
         #: the next on that thread. Each is stopped once, not again while its error is shown.
         self.executing: dict[int, int] = {}
         self._executions = 0
+        #: Per thread, the execution beside which a callback of its loop was stopped.
+        self._callbacks_stopped: dict[int, int] = {}
         self.lock = threading.Lock()
         #: The kernel's own threads, never stopped.
         self.kernel_threads = {thread.ident for thread in threading.enumerate()}
@@ -318,12 +320,17 @@ class MemoryWatch:
             raise_in(ident, MemoryError)
             return True
         cancelled = cancel_from(loop, self.cancel_text, lambda: self.runs(ident, execution))
-        if cancelled is None:
-            # Its loop runs code of the kernel's or the user's around the cell (a hook, a
-            # comm's handler, user_expressions): stopped there, as any code it runs.
+        if cancelled is not None:
+            return cancelled
+        # The loop did not answer in time. One that runs a callback of its own beside the
+        # cell (a comm's handler, a hook) has that stopped, once per execution, as any code
+        # the kernel runs; the cell is cancelled once the loop answers. One that waits for
+        # its next event (late only: another thread held the GIL) gets nothing, as an
+        # error there would end the loop.
+        if in_loop_callback(ident) and self._callbacks_stopped.get(ident) != execution:
+            self._callbacks_stopped[ident] = execution
             raise_in(ident, MemoryError)
-            return True
-        return cancelled
+        return False
 
     def runs(self, ident: int, execution: int) -> bool:
         """Whether the thread ``ident`` still runs ``execution``, not stopped yet."""
@@ -403,11 +410,19 @@ def shell_loop(shell: Any, ident: int) -> asyncio.AbstractEventLoop | None:
 def cancel_awaiting(loop: asyncio.AbstractEventLoop, message: str) -> bool:
     """Cancel the task of the cell ``loop`` runs, with ``message``, if the cell's own code
     is what it awaits (call in the loop's own thread); whether it did."""
+    task = cell_task(loop)
+    if task is not None:
+        task.cancel(message)
+    return task is not None
+
+
+def cell_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
+    """The task of the cell ``loop`` runs (ipykernel's for an async cell), if the cell's own
+    code is what it awaits (call in the loop's own thread)."""
     for task in asyncio.all_tasks(loop):
         if getattr(task.get_coro(), "__name__", "") == "run_cell_async" and awaiting_in_cell(task):
-            task.cancel(message)
-            return True
-    return False
+            return task
+    return None
 
 
 def awaiting_in_cell(task: asyncio.Task[Any]) -> bool:
@@ -438,10 +453,14 @@ def cancel_from(
     outcome = {"open": True, "cancelled": False}
 
     def in_the_loop() -> None:
-        with lock:
-            if outcome["open"] and still():
-                outcome["cancelled"] = cancel_awaiting(loop, message())
-        answered.set()
+        try:
+            with lock:
+                task = cell_task(loop) if outcome["open"] and still() else None
+                if task is not None:
+                    task.cancel(message())
+                    outcome["cancelled"] = True
+        finally:
+            answered.set()
 
     try:
         loop.call_soon_threadsafe(in_the_loop)
@@ -451,6 +470,30 @@ def cancel_from(
     with lock:
         outcome["open"] = False
         return outcome["cancelled"] if in_time or answered.is_set() else None
+
+
+#: Where the code of an event loop's machinery lives (see :func:`in_loop_callback`).
+_MACHINERY = ("/asyncio/", "/tornado/", "/zmq/", "/selectors.py")
+
+
+def in_loop_callback(ident: int) -> bool:
+    """Whether the thread ``ident`` runs a callback of its event loop other than the cell
+    and IPython's code around it (a comm's handler, a hook): where an exception stops that
+    callback alone (asyncio reports it). Not while the loop waits for its next event, nor
+    in the machinery that reads and sends messages (asyncio's, tornado's, pyzmq's own code
+    running now), which an exception could leave without a message it took."""
+    frame = sys._current_frames().get(ident)
+    if frame is None or any(part in frame.f_code.co_filename for part in _MACHINERY):
+        return False
+    in_callback = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith("interactiveshell.py"):
+            return False
+        if code.co_name == "_run" and code.co_filename.endswith("/asyncio/events.py"):
+            in_callback = True
+        frame = frame.f_back
+    return in_callback
 
 
 def running_code(ident: int | None) -> bool:
