@@ -851,27 +851,22 @@ def arm_wall_clock(shell: Any, exec_timeout: float) -> None:
             return
         loop = shell_loop(shell, ident)
 
-        def in_the_loop(answered: threading.Event) -> None:
+        def armed() -> bool:
             with lock:
-                if timers.get(ident) is disarmed and loop is not None and cancel_awaiting(loop, message):
-                    timers.pop(ident)
-            answered.set()
+                return timers.get(ident) is disarmed
 
         # A cell that awaits leaves its loop free, which cancels it in its own thread; a
         # loop that does not answer runs a cell's code (or ipykernel's around it), which
         # gets the error between two of its bytecodes.
-        answered: threading.Event | None = None
-        while not disarmed.is_set():
-            if loop is not None and (answered is None or answered.is_set()) and not loop.is_closed():
-                answered = threading.Event()
-                loop.call_soon_threadsafe(in_the_loop, answered)
-                answered.wait(RAISE_RETRY)
+        while armed():
+            cancelled = None if loop is None else cancel_from(loop, lambda: message, armed)
             with lock:
                 if timers.get(ident) is not disarmed:
                     return
-                if running_code(ident) and (answered is None or not answered.is_set()):
+                if cancelled or (cancelled is None and running_code(ident)):
                     timers.pop(ident)
-                    raise_in(ident, OutOfTime)
+                    if not cancelled:
+                        raise_in(ident, OutOfTime)
                     return
             disarmed.wait(RAISE_RETRY)
 
