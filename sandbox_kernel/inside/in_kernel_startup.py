@@ -84,7 +84,8 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import CodeType
 from typing import Any
 
 #: A memory limit as Docker writes sizes ("2g", "1.5G", "1536m", "512MiB", bytes).
@@ -435,7 +436,7 @@ def awaiting_in_cell(task: asyncio.Task[Any]) -> bool:
         code = getattr(coro, "cr_code", None)
         if code is None:
             return False
-        if code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py"):
+        if is_run_code(code):
             return coro.cr_await is not None
         coro = coro.cr_await
     return False
@@ -482,30 +483,31 @@ def in_loop_callback(ident: int) -> bool:
     callback alone (asyncio reports it). Not while the loop waits for its next event, nor
     in the machinery that reads and sends messages (asyncio's, tornado's, pyzmq's own code
     running now), which an exception could leave without a message it took."""
-    frame = sys._current_frames().get(ident)
-    if frame is None or any(part in frame.f_code.co_filename for part in _MACHINERY):
+    stack = list(codes(ident))
+    if not stack or any(part in stack[0].co_filename for part in _MACHINERY):
         return False
-    in_callback = False
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.endswith("interactiveshell.py"):
-            return False
-        if code.co_name == "_run" and code.co_filename.endswith("/asyncio/events.py"):
-            in_callback = True
-        frame = frame.f_back
-    return in_callback
+    if any(code.co_filename.endswith("interactiveshell.py") for code in stack):
+        return False
+    return any(code.co_name == "_run" and code.co_filename.endswith("/asyncio/events.py") for code in stack)
 
 
 def running_code(ident: int | None) -> bool:
     """Whether the thread ``ident`` runs a cell's code now (not awaiting, not in its
     shell's own code before or after it), where an exception stops the cell alone."""
+    return any(is_run_code(code) for code in codes(ident))
+
+
+def codes(ident: int | None) -> Iterator[CodeType]:
+    """The code of each frame the thread ``ident`` runs now, innermost first."""
     frame = sys._current_frames().get(ident) if ident is not None else None
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py"):
-            return True
+        yield frame.f_code
         frame = frame.f_back
-    return False
+
+
+def is_run_code(code: CodeType) -> bool:
+    """Whether ``code`` is IPython's ``run_code``, which runs (or awaits) a cell's code."""
+    return code.co_name == "run_code" and code.co_filename.endswith("interactiveshell.py")
 
 
 def kernels_own(thread: threading.Thread) -> bool:
@@ -520,12 +522,7 @@ def kernels_own(thread: threading.Thread) -> bool:
 def importing(ident: int | None) -> bool:
     # Never into an import: a module left half-initialised by the MemoryError cannot
     # be imported again in this process ("cannot load module more than once").
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
+    return any(code.co_filename.startswith("<frozen importlib") for code in codes(ident))
 
 
 def lift_clamp() -> None:

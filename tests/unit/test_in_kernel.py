@@ -1055,6 +1055,15 @@ print(in_flight.count)
     assert int(out) >= 1, "the IOPub thread closed its socket with direct sends still allowed"
 
 
+def run_script(script: str, *args: str) -> str:
+    """What ``script`` prints, run by this Python in a process of its own; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
 #: IPython's own shell running cells as ipykernel 7.4 does (``ensure_future`` of
 #: ``run_cell_async``, on a loop in a thread of its own), and the memory watch's way of
 #: stopping one that awaits (:func:`cancel_from`), in a process of its own.
@@ -1145,11 +1154,8 @@ elif case == "over":
 def test_the_memory_watch_cancels_only_a_cell_that_awaits_in_its_own_code(case: str, printed: str) -> None:
     """How the memory watch stops a cell that awaits: an error raised in its thread would
     land in its shell's event loop and end it (the kernel, on the main shell)."""
-    done = subprocess.run(
-        [sys.executable, "-c", CANCEL_SCRIPT, case], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.endswith(printed), done.stdout[-2000:]  # (after the traceback IPython shows)
+    stdout = run_script(CANCEL_SCRIPT, case)
+    assert stdout.endswith(printed), stdout[-2000:]  # (after the traceback IPython shows)
 
 
 #: The memory watch over its threshold, with the main shell's cell in ipykernel's own code
@@ -1188,11 +1194,7 @@ print(len(got), watch.runs(threading.get_ident(), 1))
 def test_while_a_cell_waits_to_be_stopped_the_users_threads_get_one_memory_error() -> None:
     """Found by a review: looking again, every 10 ms, at a cell in its shell's own code
     raised the MemoryError in the user's threads each time (11 in 0.6 s)."""
-    done = subprocess.run(
-        [sys.executable, "-c", RETRY_SCRIPT], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout == "1 True\n", "one MemoryError, and the cell is still to be stopped"
+    assert run_script(RETRY_SCRIPT) == "1 True\n", "one MemoryError, and the cell is still to be stopped"
 
 
 #: The memory watch told that a shell's loop did not answer in time (:func:`cancel_from`
@@ -1233,8 +1235,4 @@ def test_a_loop_that_answers_late_loses_nothing_and_a_callback_beside_the_cell_i
     its selector: the loop ended, and the kernel with it on the main shell. A callback
     that runs beside the cell (a comm's handler) is stopped once, and the cell is still to
     be cancelled (False), once the loop answers."""
-    done = subprocess.run(
-        [sys.executable, "-c", LATE_SCRIPT], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout == "waiting False\ncallback False False\n['MemoryError'] True\n", done.stderr[-2000:]
+    assert run_script(LATE_SCRIPT) == "waiting False\ncallback False False\n['MemoryError'] True\n"
