@@ -299,6 +299,10 @@ class ExecutionAuditor:
         #: execution became its oldest (the one before it on that shell ended). Each shell
         #: runs its own queue: another's replies say nothing of this one's.
         self._head_since: dict[str | None, float] = {}
+        #: The msg_ids of executions sent to a subshell, some perhaps ended since (cleared
+        #: in :meth:`executing`): while there are none, one shell runs, and the output cap
+        #: asks each message's question in one step.
+        self._on_subshells: set[str] = set()
         #: Set while the kernel is stopped for good (the idle limit): requests get
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
@@ -544,6 +548,8 @@ class ExecutionAuditor:
                 if superseded is not None:
                     self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
                 self._pending[msg_id] = pending
+                if _shell(pending) is not None:
+                    self._on_subshells.add(msg_id)
                 if self._prompting == msg_id:
                     self._prompting = None  # (a msg_id used again)
                 self._refused_between = False
@@ -832,6 +838,19 @@ class ExecutionAuditor:
             if pending.running_since is None:
                 running.append((max(pending.started, self._head_since.get(shell, 0.0)), msg_id))
         return running
+
+    def executing(self) -> list[tuple[str, dict[str, Any]]]:
+        """(msg_id, request header) of each execution the kernel runs, one per shell (see
+        :meth:`_heads_locked`), the one it began first first; empty while none is pending.
+
+        The output cap asks it for each message the kernel publishes.
+        """
+        with self._lock:
+            self._on_subshells &= self._pending.keys()
+            if not self._on_subshells:  # the main shell's alone: its oldest not gone past
+                first = next((item for item in self._pending.items() if item[1].overtaken is None), None)
+                return [] if first is None else [(first[0], first[1].header)]
+            return [(msg_id, self._pending[msg_id].header) for _, msg_id in sorted(self._heads_locked())]
 
     def current(self) -> PendingExecution | None:
         """The oldest execution still waiting for its reply (host-known: clients sent it)

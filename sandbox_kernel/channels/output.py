@@ -21,6 +21,10 @@ Of an execution past its budget, the beginning and the end reach clients:
   the next execution's first output, or before the host's own notices (the kernel died,
   a limit stopped it; see :meth:`OutputLimiter.release`).
 
+Cells running on subshells at once (ipykernel 7) each have their own budget and their own
+tail: a message is charged to the running cell whose parent it claims, or to the one begun
+first if it claims none of them.
+
 The kernel's prompts on stdin (``input_request``, the few the auditor lets through) are
 charged to the same budget (:meth:`OutputLimiter.charge`): one that does not fit is dropped.
 The bridge asks the limiter before the output cleaner reads a message, so output past the
@@ -48,6 +52,9 @@ _SMALL_STATUS = 1024
 _STATUS_PAST_CAP = 16
 #: Budgets remembered at once; the oldest are forgotten first.
 _MAX_TRACKED = 256
+#: Executions that ended lately whose output may still be on its way (their replies
+#: overtake it in the bridge, which reads shell first): a message may claim them.
+_MAX_TRAILING = 16
 #: Per-run limits remembered for requests whose output has not begun yet.
 _MAX_REQUESTED = 4096
 #: Most bytes of stdout/stderr held back for the tail of an execution past its budget.
@@ -58,9 +65,10 @@ _MAX_PIECES = 1024
 #: The key under which a client narrows one execution's limit in its request's metadata.
 METADATA_KEY = "sandbox_kernel"
 
-#: Who is executing now, as the host knows it: (msg_id, request header) of the oldest
-#: request a client sent that has no reply yet, or None while idle.
-CurrentExecution = Callable[[], "tuple[str, dict[str, Any]] | None"]
+#: Who is executing now, as the host knows it: (msg_id, request header) of each request
+#: a client sent that a shell runs (the main shell, each subshell: one each), the one begun
+#: first first; empty while idle.
+Executing = Callable[[], Sequence[tuple[str, dict[str, Any]]]]
 Message = Sequence[zmq.Frame | bytes]
 
 
@@ -166,25 +174,33 @@ class OutputLimiter:
     the head and the tail of stdout/stderr past it.
 
     Everything the kernel publishes is charged, status messages included, whatever type
-    or parent it claims, to the request the host knows is running (or to the idle time
-    between requests): a hostile kernel cannot open fresh budgets by inventing parents,
+    it claims, to a request the host knows is running (or to the last one, between
+    requests): the one whose parent it claims if cells run on subshells at once, else the
+    one begun first. A hostile kernel cannot open fresh budgets by inventing parents,
     announcing "idle" or using non-output message types; only a new request from a
-    client does. Past the cap only the held tail and a few plain status messages pass.
+    client does, and it can at most spread output over the budgets of the cells that
+    clients made run at once. Past the cap only the held tails and a few plain status
+    messages pass.
 
     All methods run in the bridge thread (or while it is stopped).
     """
 
-    def __init__(self, limit: int, session: Session, current: CurrentExecution) -> None:
+    def __init__(self, limit: int, session: Session, executing: Executing) -> None:
         self.limit = limit
         self._session = session
-        self._current = current
+        self._executing = executing
         self._budgets: OrderedDict[str, _Budget] = OrderedDict()
         self._requested: OrderedDict[str, int] = OrderedDict()
         self._last: tuple[str, dict[str, Any]] = ("", {})
         #: The latest execute_request a client sent, as (msg_id, header).
         self._latest: tuple[str, dict[str, Any]] | None = None
-        #: The execution whose tail is held back, if any (one at a time).
-        self._held: str | None = None
+        #: The keys of the executions running at the last message, and of those that ended
+        #: lately (with their parents), the latest last.
+        self._running: dict[str, dict[str, Any]] = {}
+        self._trailing: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        #: The executions whose tails are held back, in the order they began holding (more
+        #: than one only while cells run on subshells at once).
+        self._held: dict[str, None] = {}
 
     def request(self, frames: Message) -> None:
         """Note a request from a client (its signature checked): an execute_request may
@@ -207,7 +223,11 @@ class OutputLimiter:
     def charge(self, frames: Message) -> bool:
         """Whether a prompt of the kernel (a stdin message) fits the budget of the execution
         it is charged to (as :meth:`admit` charges output); if so, it is charged."""
-        key, parent = self._charged()
+        index = find_delimiter(frames)
+        if index is None:
+            return False
+        # As the auditor lets prompts through: its own execution's, if it runs.
+        key, parent, _ = self._charged(frames, index, trailing=False)
         budget = self._budget(key, parent)
         held = budget.tail.held if budget.tail is not None else 0
         size = _size(frames)
@@ -216,15 +236,45 @@ class OutputLimiter:
         budget.passed += size
         return True
 
-    def _charged(self) -> tuple[str, dict[str, Any]]:
-        """(key, parent) of the execution output is charged to now."""
-        # Between requests, output is charged to the last one: its reply may overtake the
-        # tail of its output in the bridge (or all of it, the bridge reading shell first),
-        # and idle output opens no budget of its own.
-        current = self._current() or self._latest
-        if current is not None:
-            self._last = current
-        return self._last
+    def _charged(
+        self, frames: Message, index: int, *, trailing: bool = True
+    ) -> tuple[str, dict[str, Any], list[str]]:
+        """(key, parent) of the execution the message ``frames`` is charged to, and the
+        keys of those running now.
+
+        That is the one whose parent the message claims, if it runs or (unless not
+        ``trailing``) ended lately (see :data:`_MAX_TRAILING`); else the one begun first;
+        between requests, the last one a client sent: its reply may overtake the tail of
+        its output in the bridge (or all of it), and idle output opens no budget of its own.
+        """
+        executing = self._executing()
+        running = dict(executing)
+        if running.keys() != self._running.keys():
+            self._ran(running)
+        lately = self._trailing if trailing else {}
+        claimed = None
+        if len(executing) + len(lately) > 1:  # subshells, or a reply just passed
+            claimed = load_dict(frames[index + 3]).get("msg_id")
+        if isinstance(claimed, str) and claimed in running:
+            self._last = (claimed, running[claimed])
+        elif isinstance(claimed, str) and claimed in lately:
+            self._last = (claimed, lately[claimed])
+        elif executing:
+            self._last = executing[0]
+        elif self._latest is not None:
+            self._last = self._latest
+        return (*self._last, list(running))
+
+    def _ran(self, running: dict[str, dict[str, Any]]) -> None:
+        """The executions running now are ``running``: those gone from it have ended."""
+        for key, parent in self._running.items():
+            if key not in running:
+                self._trailing[key] = parent
+        for key in running:
+            self._trailing.pop(key, None)
+        while len(self._trailing) > _MAX_TRAILING:
+            self._trailing.popitem(last=False)
+        self._running = running
 
     def admit(self, frames: Message) -> list[Message]:
         """The messages to send in place of ``frames``: itself, parts of it, a notice,
@@ -233,10 +283,11 @@ class OutputLimiter:
         index = find_delimiter(frames)
         if index is None:
             return []  # not a Jupyter message: no client could use it
-        key, parent = self._charged()
+        key, parent, running = self._charged(frames, index)
         out: list[Message] = []
-        if self._held is not None and self._held != key:
-            out += self.release()  # the execution it belongs to is over
+        if self._held:
+            for ended in [other for other in self._held if other != key and other not in running]:
+                out += self._release(ended)  # the execution it belongs to is over
         budget = self._budget(key, parent)
         if not budget.over and budget.tail is None and budget.passed + size <= budget.head_room:
             budget.passed += size
@@ -248,15 +299,15 @@ class OutputLimiter:
                 return out + self._hold(key, budget, *stream)
         elif kind == "status" and size <= _SMALL_STATUS:
             state = _plain_state(frames[index + 5])
-            if state == "idle" and key == self._held and load_dict(frames[index + 3]).get("msg_id") == key:
-                out += self.release()  # the kernel is done with it: its tail goes first
+            if state == "idle" and key in self._held and load_dict(frames[index + 3]).get("msg_id") == key:
+                out += self._release(key)  # the kernel is done with it: its tail goes first
             if state is not None and budget.statuses < _STATUS_PAST_CAP:
                 budget.statuses += 1
                 budget.passed += size
                 return [*out, frames]
         held = budget.tail.held if budget.tail is not None else 0
         if not budget.over and budget.passed + held + size <= budget.limit:
-            out += self.release()  # what is held came before this
+            out += self._release(key)  # what is held came before this
             budget.passed += size
             return [*out, frames]
         budget.dropped += size
@@ -264,13 +315,20 @@ class OutputLimiter:
         return out + self._notice_once(budget)
 
     def release(self) -> list[Message]:
-        """The held tail, to send now: a marker saying how much was dropped, then the text.
+        """The held tails, to send now: for each, a marker saying how much was dropped,
+        then the text.
 
         The bridge calls it before the host's own notices reach clients (the kernel died
         or was stopped by a limit), and when the kernel is replaced.
         """
-        key, self._held = self._held, None
-        budget = self._budgets.get(key) if key is not None else None
+        return [message for key in list(self._held) for message in self._release(key)]
+
+    def _release(self, key: str) -> list[Message]:
+        """The tail held for the execution ``key``, if any, to send now."""
+        if key not in self._held:
+            return []
+        del self._held[key]
+        budget = self._budgets.get(key)
         if budget is None or budget.tail is None:
             return []
         tail, budget.tail = budget.tail, None
@@ -298,8 +356,10 @@ class OutputLimiter:
             return budget
         budget = _Budget(min(self.limit, self._requested.pop(key, self.limit)), parent)
         self._budgets[key] = budget
-        while len(self._budgets) > _MAX_TRACKED:
-            self._budgets.popitem(last=False)  # never the held one: it is the latest
+        excess = len(self._budgets) - _MAX_TRACKED
+        if excess > 0:  # the oldest, but never a held one: its tail would be lost
+            for old in [old for old in self._budgets if old not in self._held][:excess]:
+                del self._budgets[old]
         return budget
 
     def _hold(self, key: str, budget: _Budget, name: str, text: str) -> list[Message]:
@@ -325,7 +385,7 @@ class OutputLimiter:
                     break
                 head = _utf8_prefix(head, _utf8_len(head) - excess)
             budget.tail = _Tail(max(0, min(tail_reserve(budget.limit), budget.limit - budget.passed)))
-            self._held = key
+            self._held[key] = None
         budget.tail.add(name, text)
         if budget.tail.dropped:
             budget.over = True

@@ -126,12 +126,10 @@ class KernelChannels:
             pooled=pooled,
         )
 
-    def current_execution(self) -> tuple[str, dict[str, Any]] | None:
-        """For the output cap: the request the host knows is running (bridge thread)."""
-        execution = self.auditor.current() if self.auditor is not None else None
-        if execution is None:
-            return None
-        return str(execution.header.get("msg_id", "")), execution.header
+    def executing(self) -> list[tuple[str, dict[str, Any]]]:
+        """For the output cap: the requests the host knows are running, one per shell,
+        the first begun first (bridge thread)."""
+        return self.auditor.executing() if self.auditor is not None else []
 
     def busy(self) -> bool:
         """An execution or another request of a client awaits the kernel's reply."""
@@ -179,7 +177,7 @@ class KernelChannels:
         if self.with_manager:
             self.signer = Session(key=key, signature_scheme=scheme)
             limiter = OutputLimiter(
-                size_bytes("output_limit", self.settings.output_limit), self.signer, self.current_execution
+                size_bytes("output_limit", self.settings.output_limit), self.signer, self.executing
             )
         if self.settings.safe_output:
             sanitizer = OutputSanitizer(self.signer or Session(key=key, signature_scheme=scheme))

@@ -12,7 +12,16 @@ from typing import Any
 from jupyter_client.blocking.client import BlockingKernelClient
 from traitlets.config import Config
 
-from .conftest import Execution, KernelStarter, restarting_kernel, run, run_ok
+from .conftest import (
+    Execution,
+    KernelStarter,
+    create_subshell,
+    finished,
+    restarting_kernel,
+    run,
+    run_ok,
+    send,
+)
 
 ONE_MIB = Config({"SandboxProvisioner": {"output_limit": "1m"}})
 HUGE_PRINT = "print('A' * 3_000_000 + 'MIDDLE' + 'Z' * 3_000_000)"
@@ -57,6 +66,33 @@ def test_a_huge_print_keeps_its_head_and_tail_with_a_marker_between(start_kernel
     assert len(result.stdout) <= 2**20
     assert result.stderr.count("Output truncated: this execution produced more than 1 MiB of output") == 1
     assert run_ok(kc, "print('next cell')") == "next cell\n"  # the budget is per execution
+
+
+def test_a_cell_on_a_subshell_keeps_its_own_output_while_the_main_cell_is_past_the_cap(
+    start_kernel: KernelStarter,
+) -> None:
+    """Was: everything the kernel published was charged to the cell begun first, so the
+    lines a subshell's cell printed while the main cell was past its cap went into the main
+    cell's held tail, and out of it again as the main cell printed on: its client read
+    nothing. Each running cell has its own budget now."""
+    _, kc = start_kernel(config=ONE_MIB)
+    subshell_id = create_subshell(kc)
+    flood = (
+        "import time\nfor _ in range(40):\n    print('A' * 100_000)\n    time.sleep(0.05)\nprint('main done')"
+    )
+    lines = (
+        "import time\ntime.sleep(0.5)\nfor i in range(5):\n    print('subshell line', i)\n    time.sleep(0.1)"
+    )
+    main = send(kc, flood)
+    side = send(kc, lines, subshell_id)
+    results = finished(kc, main, side)
+    assert results[side].reply["content"]["status"] == "ok"
+    assert results[side].stdout == "".join(f"subshell line {i}\n" for i in range(5))
+    assert results[side].stderr == ""
+    assert "of output dropped: over this kernel's output limit of 1 MiB per execution" in results[main].stdout
+    assert results[main].stdout.endswith("main done\n")
+    assert "subshell line" not in results[main].stdout
+    assert results[main].stderr.count("Output truncated") == 1
 
 
 def test_a_run_may_narrow_its_output_limit_in_its_request_metadata(start_kernel: KernelStarter) -> None:

@@ -265,6 +265,32 @@ def test_a_silent_cell_spinning_on_a_subshell_is_timed_while_the_main_shell_is_i
     assert running[1] >= 0.1
 
 
+def test_executing_names_one_running_request_per_shell_the_first_begun_first() -> None:
+    """What the output cap charges to: queued requests are not running; a subshell's cell
+    runs beside the main shell's until answered."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    assert auditor.executing() == []
+    main = _sent(auditor, session, "long()")
+    _sent(auditor, session, "queued()")
+    time.sleep(0.01)  # (the clocks say which began first)
+    side = _sent(auditor, session, "widget()", "s1")
+    _sent(auditor, session, "queued_too()", "s1")
+    ids = [msg_id for msg_id, _ in auditor.executing()]
+    assert ids == [main["header"]["msg_id"], side["header"]["msg_id"]]
+    assert auditor.executing()[1][1]["subshell_id"] == "s1"
+    _answered(auditor, session, main)
+    _answered(auditor, session, side)
+    assert len(auditor.executing()) == 2  # each shell's next
+    for request in list(auditor._pending.values()):
+        _answered(auditor, session, {"header": request.header})
+    assert auditor.executing() == []
+    only = _sent(auditor, session, "1")
+    assert [msg_id for msg_id, _ in auditor.executing()] == [only["header"]["msg_id"]]
+
+
 def test_deleting_a_subshell_ends_its_queued_executions() -> None:
     """Found by a review: ipykernel stops a deleted subshell's thread and drops the requests
     queued on it, unanswered. Left pending, they kept the kernel busy for good (no idle

@@ -609,11 +609,7 @@ def limited(endpoints: dict[str, str], kernel: dict[str, zmq.Socket[bytes]]) -> 
     provisioner wires them."""
     auditor = ExecutionAuditor(None, "k1", "spec")
 
-    def current() -> tuple[str, dict[str, Any]] | None:
-        execution = auditor.current()
-        return None if execution is None else (str(execution.header["msg_id"]), execution.header)
-
-    limiter = OutputLimiter(2**20, Session(key=KEY), current)
+    limiter = OutputLimiter(2**20, Session(key=KEY), auditor.executing)
     bridge = KernelBridge(endpoints, key=KEY, tap=auditor, output_limiter=limiter)
     bridge.start()
     yield bridge
@@ -1120,12 +1116,8 @@ def test_displays_past_the_budget_are_dropped_unread(
     core for 331 s. Here 100 HTML displays of 2 MiB under a 1 MiB budget: none is cleaned."""
     auditor = ExecutionAuditor(None, "k1", "spec")
 
-    def current() -> tuple[str, dict[str, Any]] | None:
-        execution = auditor.current()
-        return None if execution is None else (str(execution.header["msg_id"]), execution.header)
-
     sanitizer = CountingSanitizer(Session(key=KEY))
-    limiter = OutputLimiter(2**20, Session(key=KEY), current)
+    limiter = OutputLimiter(2**20, Session(key=KEY), auditor.executing)
     bridge = KernelBridge(endpoints, key=KEY, tap=auditor, output_limiter=limiter, sanitizer=sanitizer)
     bridge.start()
     try:
@@ -1151,7 +1143,7 @@ def test_output_within_the_budget_is_still_cleaned(
     ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
 ) -> None:
     auditor = ExecutionAuditor(None, "k1", "spec")
-    limiter = OutputLimiter(2**20, Session(key=KEY), lambda: None)
+    limiter = OutputLimiter(2**20, Session(key=KEY), list)
     sanitizer = CountingSanitizer(Session(key=KEY))
     bridge = KernelBridge(endpoints, key=KEY, tap=auditor, output_limiter=limiter, sanitizer=sanitizer)
     bridge.start()

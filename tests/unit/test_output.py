@@ -28,11 +28,12 @@ class Running:
 
     def __init__(self) -> None:
         self.msg_id: str | None = "cell-1"
+        #: Cells running beside it on subshells, begun after it.
+        self.beside: list[str] = []
 
-    def __call__(self) -> tuple[str, dict[str, Any]] | None:
-        if self.msg_id is None:
-            return None
-        return self.msg_id, {"msg_id": self.msg_id, "msg_type": "execute_request"}
+    def __call__(self) -> list[tuple[str, dict[str, Any]]]:
+        running = ([] if self.msg_id is None else [self.msg_id]) + self.beside
+        return [(msg_id, {"msg_id": msg_id, "msg_type": "execute_request"}) for msg_id in running]
 
 
 def kernel_message(
@@ -160,6 +161,82 @@ def test_a_hostile_kernel_cannot_open_fresh_budgets() -> None:
     assert len(streams(read(tail))) < 600  # the reserve, and a marker
     assert limiter.admit(stream(kernel, 3000)) == []  # still no fresh budget
     assert len(streams(read(limiter.release()))) < 600
+
+
+def test_cells_running_on_subshells_at_once_each_have_their_own_budget_and_tail() -> None:
+    """Was: everything was charged to the cell begun first, so a subshell's small output,
+    while the main cell was past its cap, was held in the main cell's tail or dropped."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    assert len(limiter.admit(stream(kernel, 3000))) == 2  # cell-1 past its cap: the head, the notice
+    small = printed(kernel, "progress 50%", parent_id="sub-1")
+    assert limiter.admit(small) == [small]  # whole, and cell-1's tail stays held
+    assert limiter.admit(stream(kernel, 3000, "sub-1"))[0] != small  # sub-1 past its own cap
+    sub_idle = status(kernel, "idle", "sub-1")
+    *sub_tail, last = limiter.admit(sub_idle)
+    assert last == sub_idle
+    marker, tail = read(sub_tail)
+    assert marker["parent_header"]["msg_id"] == tail["parent_header"]["msg_id"] == "sub-1"
+    assert tail["content"]["text"] == "x" * tail_reserve(2000)
+    running.beside = []
+    idle = status(kernel, "idle")
+    *main_tail, last = limiter.admit(idle)
+    assert last == idle
+    assert {m["parent_header"]["msg_id"] for m in read(main_tail)} == {"cell-1"}
+    assert limiter.release() == []
+
+
+def test_a_subshells_held_tail_goes_out_once_its_cell_ends_without_its_idle() -> None:
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    assert len(limiter.admit(stream(kernel, 3000, "sub-1"))) == 2
+    own = stream(kernel, 10)
+    assert limiter.admit(own) == [own]  # cell-1's, within its budget; sub-1's tail stays
+    running.beside = []  # sub-1 answered; its idle withheld
+    small = stream(kernel, 10)
+    *held, passed = limiter.admit(small)
+    assert passed == small
+    assert {m["parent_header"]["msg_id"] for m in read(held)} == {"sub-1"}
+
+
+def test_a_subshells_last_line_read_after_its_reply_is_still_its_own() -> None:
+    """Found by the integration test: the bridge reads shell first, so a subshell cell's
+    last print came after its reply, when the cell no longer ran, and went into the main
+    cell's held tail."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    assert len(limiter.admit(stream(kernel, 3000))) == 2  # cell-1 past its cap
+    first = printed(kernel, "line 0\n", parent_id="sub-1")
+    assert limiter.admit(first) == [first]
+    running.beside = []  # sub-1's reply passed
+    last = printed(kernel, "line 1\n", parent_id="sub-1")
+    assert limiter.admit(last) == [last]
+    marker, tail = read(limiter.release())
+    assert marker["parent_header"]["msg_id"] == tail["parent_header"]["msg_id"] == "cell-1"
+
+
+def test_a_hostile_kernel_beside_subshells_charges_only_cells_that_run() -> None:
+    """Claiming a parent that does not run (invented, or a cell answered before) charges
+    the cell begun first; a forged idle releases only the tail of the cell it names."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    assert len(limiter.admit(stream(kernel, 3000, "invented-parent"))) == 2  # charged to cell-1
+    assert limiter.admit(stream(kernel, 500, "cell-0")) == []  # cell-1's, past its cap
+    small = stream(kernel, 100, "sub-1")
+    assert limiter.admit(small) == [small]  # sub-1's budget is untouched
+    forged_idle = status(kernel, "idle", "sub-1")
+    assert limiter.admit(forged_idle) == [forged_idle]  # nothing of cell-1's released
+    marker, tail = read(limiter.release())
+    assert marker["parent_header"]["msg_id"] == "cell-1"
+    assert tail["content"]["text"] == "x" * tail_reserve(2000)
 
 
 def test_non_jupyter_frames_from_the_kernel_are_dropped() -> None:
