@@ -299,10 +299,11 @@ class ExecutionAuditor:
         #: execution became its oldest (the one before it on that shell ended). Each shell
         #: runs its own queue: another's replies say nothing of this one's.
         self._head_since: dict[str | None, float] = {}
-        #: The msg_ids of executions sent to a subshell, some perhaps ended since (cleared
-        #: in :meth:`executing`): while there are none, one shell runs, and the output cap
-        #: asks each message's question in one step.
-        self._on_subshells: set[str] = set()
+        #: Counts the changes to the pending executions (and their shells' clocks): what
+        #: :meth:`executing` found stays true until the next one. The output cap asks it
+        #: for each message the kernel publishes; a change comes once per request or so.
+        self._changes = 0
+        self._executing: tuple[int, list[tuple[str, dict[str, Any]]]] = (0, [])
         #: Set while the kernel is stopped for good (the idle limit): requests get
         #: ``on_refused`` at once instead of waiting for a kernel that will not answer.
         self._refusing: str | None = None
@@ -434,6 +435,7 @@ class ExecutionAuditor:
                 return
             if pending.running_since is None:
                 pending.running_since = now
+            self._changes += 1
             shell = _shell(pending)
             for earlier, other in self._pending.items():
                 if earlier == msg_id:
@@ -450,6 +452,7 @@ class ExecutionAuditor:
             for msg_id, pending in self._pending.items()
             if pending.overtaken is not None and now - pending.overtaken >= OVERTAKEN_GRACE
         ]
+        # (Overtaken executions run no more: taking them out changes nothing executing() says.)
         return [(msg_id, self._pending.pop(msg_id)) for msg_id in overdue]
 
     def _end_earlier_locked(self, msg_id: str) -> list[tuple[str, PendingExecution]]:
@@ -469,7 +472,7 @@ class ExecutionAuditor:
                 break
             if _shell(pending) == shell:
                 lost.append((earlier, self._pending.pop(earlier)))
-        if lost:
+        if lost:  # (its caller counts the change)
             self._head_since[shell] = time.monotonic()
         return lost
 
@@ -503,6 +506,7 @@ class ExecutionAuditor:
                 del self._pending[msg_id]
                 pending.lost = ("SubshellDeleted", SUBSHELL_DELETED)
             self._head_since.pop(subshell_id, None)
+            self._changes += 1
             if dropped:
                 self._last_activity = time.monotonic()
         self._lose(dropped)
@@ -548,8 +552,7 @@ class ExecutionAuditor:
                 if superseded is not None:
                     self._finish(msg_id, superseded, "unanswered (its msg_id was reused)", None)
                 self._pending[msg_id] = pending
-                if _shell(pending) is not None:
-                    self._on_subshells.add(msg_id)
+                self._changes += 1
                 if self._prompting == msg_id:
                     self._prompting = None  # (a msg_id used again)
                 self._refused_between = False
@@ -575,6 +578,7 @@ class ExecutionAuditor:
                 return  # the kernel's word alone is no activity
             lost = self._end_earlier_locked(msg_id)
             pending = self._pending.pop(msg_id)
+            self._changes += 1
             self._last_activity = time.monotonic()
             shell = _shell(pending)
             if any(_shell(other) == shell for other in self._pending.values()):
@@ -843,14 +847,19 @@ class ExecutionAuditor:
         """(msg_id, request header) of each execution the kernel runs, one per shell (see
         :meth:`_heads_locked`), the one it began first first; empty while none is pending.
 
-        The output cap asks it for each message the kernel publishes.
+        The output cap asks it for each message the kernel publishes: the answer is kept
+        until the pending executions change (the list returned must not be changed).
         """
         with self._lock:
-            self._on_subshells &= self._pending.keys()
-            if not self._on_subshells:  # the main shell's alone: its oldest not gone past
-                first = next((item for item in self._pending.items() if item[1].overtaken is None), None)
-                return [] if first is None else [(first[0], first[1].header)]
-            return [(msg_id, self._pending[msg_id].header) for _, msg_id in sorted(self._heads_locked())]
+            changes, executing = self._executing
+            if changes != self._changes:
+                executing = self._executing_locked()
+                self._executing = (self._changes, executing)
+            return executing
+
+    def _executing_locked(self) -> list[tuple[str, dict[str, Any]]]:
+        """What :meth:`executing` says, found afresh; hold the lock."""
+        return [(msg_id, self._pending[msg_id].header) for _, msg_id in sorted(self._heads_locked())]
 
     def current(self) -> PendingExecution | None:
         """The oldest execution still waiting for its reply (host-known: clients sent it)
@@ -889,6 +898,7 @@ class ExecutionAuditor:
         with self._lock:
             pending, self._pending = self._pending, {}
             self._head_since = {}
+            self._changes += 1
         for msg_id, item in pending.items():
             self._finish(msg_id, item, reason, None)
         self.flush_egress()  # the kernel's end: its last denials are counted now

@@ -716,7 +716,7 @@ class KernelBridge:
         if channel == "iopub" and self._limiter is not None:
             # The host's notice (the kernel died, a limit stopped it) ends the execution:
             # the tail of its output held back by the limiter comes first.
-            for held in self._limiter.release():
+            for held in self._limiter.release(message):
                 self._send(front, channel, held)
         self._send(front, channel, message)
 

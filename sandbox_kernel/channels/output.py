@@ -55,6 +55,8 @@ _MAX_TRACKED = 256
 #: Executions that ended lately whose output may still be on its way (their replies
 #: overtake it in the bridge, which reads shell first): a message may claim them.
 _MAX_TRAILING = 16
+#: Most bytes of a parent header read to learn which execution a message claims.
+_PARENT_BYTES = 2048
 #: Per-run limits remembered for requests whose output has not begun yet.
 _MAX_REQUESTED = 4096
 #: Most bytes of stdout/stderr held back for the tail of an execution past its budget.
@@ -161,6 +163,9 @@ class _Budget:
     #: Something was dropped: from now on only the tail of stdout/stderr passes.
     over: bool = False
     noticed: bool = False
+    #: A marker went out: the next goes only with text of the tail's (a kernel making
+    #: its tail be held and released again and again gets nothing more to clients).
+    marked: bool = False
     statuses: int = 0
     tail: _Tail | None = None
 
@@ -252,12 +257,11 @@ class OutputLimiter:
         if running.keys() != self._running.keys():
             self._ran(running)
         lately = self._trailing if trailing else {}
-        claimed = None
-        if len(executing) + len(lately) > 1:  # subshells, or a reply just passed
-            claimed = load_dict(frames[index + 3]).get("msg_id")
-        if isinstance(claimed, str) and claimed in running:
+        # (Which of several: subshells, or a reply just passed.)
+        claimed = _claimed(frames, index) if len(executing) + len(lately) > 1 else None
+        if claimed in running:
             self._last = (claimed, running[claimed])
-        elif isinstance(claimed, str) and claimed in lately:
+        elif claimed in lately:
             self._last = (claimed, lately[claimed])
         elif executing:
             self._last = executing[0]
@@ -299,7 +303,7 @@ class OutputLimiter:
                 return out + self._hold(key, budget, *stream)
         elif kind == "status" and size <= _SMALL_STATUS:
             state = _plain_state(frames[index + 5])
-            if state == "idle" and key in self._held and load_dict(frames[index + 3]).get("msg_id") == key:
+            if state == "idle" and key in self._held and _claimed(frames, index) == key:
                 out += self._release(key)  # the kernel is done with it: its tail goes first
             if state is not None and budget.statuses < _STATUS_PAST_CAP:
                 budget.statuses += 1
@@ -314,14 +318,24 @@ class OutputLimiter:
         budget.over = True
         return out + self._notice_once(budget)
 
-    def release(self) -> list[Message]:
+    def release(self, notice: Message | None = None) -> list[Message]:
         """The held tails, to send now: for each, a marker saying how much was dropped,
         then the text.
 
-        The bridge calls it before the host's own notices reach clients (the kernel died
-        or was stopped by a limit), and when the kernel is replaced.
+        The bridge calls it before one of the host's own notices (``notice``) reaches
+        clients (the kernel died, a limit stopped it, a reply was lost): the tail of the
+        execution the notice is about, and those of the executions that no longer run (a cell running
+        on another shell keeps its own); and, with no notice, when the kernel is replaced:
+        all of them.
         """
-        return [message for key in list(self._held) for message in self._release(key)]
+        keys = list(self._held)
+        index = find_delimiter(notice) if notice is not None else None
+        if notice is not None and index is not None:
+            about = _claimed(notice, index)
+            if about is not None:
+                running = [key for key, _ in self._executing()]
+                keys = [key for key in keys if key == about or key not in running]
+        return [message for key in keys for message in self._release(key)]
 
     def _release(self, key: str) -> list[Message]:
         """The tail held for the execution ``key``, if any, to send now."""
@@ -333,9 +347,10 @@ class OutputLimiter:
             return []
         tail, budget.tail = budget.tail, None
         pieces = tail.take()
-        dropped, budget.dropped = budget.dropped + tail.dropped, 0
+        dropped = budget.dropped + tail.dropped
         out: list[Message] = []
-        if dropped:
+        if dropped and (pieces or not budget.marked):
+            budget.dropped, budget.marked = 0, True
             whose = (
                 f"this kernel's output limit of {amount(budget.limit)} per execution"
                 if budget.limit >= self.limit
@@ -345,6 +360,8 @@ class OutputLimiter:
             out.append(
                 stream_message(self._session, pieces[0][0] if pieces else tail.name, marker, budget.parent)
             )
+        else:
+            budget.dropped = dropped  # (told with the next marker)
         out += [stream_message(self._session, name, text, budget.parent) for name, text in pieces]
         budget.passed += sum(_size(message) for message in out)
         return out
@@ -408,6 +425,13 @@ class OutputLimiter:
             f"{rest} Write large results to a file in the workspace instead."
         )
         return [stderr_notice(self._session, text, budget.parent)]
+
+
+def _claimed(frames: Message, index: int) -> str | None:
+    """The msg_id of the request a message claims as its parent, if any; a parent header
+    padded past :data:`_PARENT_BYTES` claims none (a real one is a few hundred bytes)."""
+    claimed = load_dict(frames[index + 3], limit=_PARENT_BYTES).get("msg_id")
+    return claimed if isinstance(claimed, str) else None
 
 
 def _size(frames: Message) -> int:

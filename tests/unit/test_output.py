@@ -13,6 +13,7 @@ from jupyter_client.session import Session
 
 from sandbox_kernel.channels.output import (
     TAIL_BYTES,
+    Message,
     OutputLimiter,
     _Tail,
     amount,
@@ -237,6 +238,96 @@ def test_a_hostile_kernel_beside_subshells_charges_only_cells_that_run() -> None
     marker, tail = read(limiter.release())
     assert marker["parent_header"]["msg_id"] == "cell-1"
     assert tail["content"]["text"] == "x" * tail_reserve(2000)
+
+
+def sent_bytes(messages: Sequence[Message], parent_id: str) -> int:
+    """Bytes of ``messages`` that reach clients under ``parent_id``."""
+    return sum(
+        sum(len(frame) for frame in message)
+        for message, parsed in zip(messages, read(messages), strict=True)
+        if parsed["parent_header"].get("msg_id") == parent_id
+    )
+
+
+def test_a_tail_held_and_released_again_and_again_sends_no_more_markers() -> None:
+    """Found by a review: once a cell's tail went out, each later print charged to it was
+    held in a tail of 0 bytes, and each release sent a marker anyway: a kernel alternating
+    prints that claim two cells that ended (during Run All) sent one of them 237 kB more
+    under a 2000-byte cap; between requests, a print and a forged idle did the same."""
+    kernel = Session(key=KEY)
+    running = Running()
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    limiter.admit(stream(kernel, 10, "cell-1"))
+    running.msg_id = "cell-0"
+    limiter.admit(stream(kernel, 10, "cell-0"))
+    running.msg_id = "cell-1"
+    out = limiter.admit(stream(kernel, 3000))  # cell-1 past its cap
+    running.msg_id = "cell-2"  # cell-1 answered; both it and cell-0 ended lately
+    out += limiter.admit(stream(kernel, 10, "cell-2"))  # cell-1's tail goes out
+    assert "of output dropped" in streams(read(out))
+    cycles: list[Message] = []
+    for _ in range(500):
+        cycles += limiter.admit(stream(kernel, 10, "cell-1"))
+        cycles += limiter.admit(stream(kernel, 10, "cell-0"))
+    assert sent_bytes(cycles, "cell-1") == 0
+
+    running.msg_id = None  # between requests: charged to the last one sent
+    limiter.request(execute_request(kernel, "cell-3", {}))
+    assert len(limiter.admit(stream(kernel, 3000, "cell-3"))) == 2
+    after = limiter.admit(status(kernel, "idle", "cell-3"))
+    for _ in range(500):
+        after += limiter.admit(stream(kernel, 10, "cell-3"))
+        after += limiter.admit(status(kernel, "idle", "cell-3"))
+    assert [m["msg_type"] for m in read(after)].count("stream") <= 2  # the first marker and tail
+    assert len(after) <= 2 + 16  # and the few statuses that pass past the cap
+
+
+def test_a_host_notice_about_one_cell_leaves_a_running_cells_tail_held() -> None:
+    """Found by a review: the bridge releases held tails before each notice of its own;
+    a notice about one cell sent the tail of a cell still running on a subshell, whose
+    real end was then dropped."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    limiter.admit(printed(kernel, "y" * 3000, parent_id="sub-1"))  # sub-1 holds its tail
+    notice = printed(kernel, "the host's word on cell-1", "stderr", "cell-1")
+    assert limiter.release(notice) == []
+    limiter.admit(printed(kernel, "THE END", parent_id="sub-1"))
+    out = read(limiter.admit(status(kernel, "idle", "sub-1")))
+    assert streams(out).endswith("THE END")
+    assert limiter.release() == []
+
+
+def test_a_held_tail_outlives_the_budgets_of_a_long_run_all_beside_it() -> None:
+    """Budgets are forgotten oldest first, but never one whose tail is held."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    limiter.admit(printed(kernel, "y" * 3000 + "END", parent_id="sub-1"))
+    for i in range(300):  # Run All on the main shell meanwhile
+        running.msg_id = f"cell-{i}"
+        limiter.admit(printed(kernel, "z", parent_id=f"cell-{i}"))
+    running.beside = []
+    out = read(limiter.admit(printed(kernel, "z", parent_id="cell-299")))
+    assert any(m["parent_header"]["msg_id"] == "sub-1" and m["content"]["text"].endswith("END") for m in out)
+
+
+def test_a_padded_parent_header_claims_no_cell() -> None:
+    """Reading which cell a message claims must not cost the bridge more than its
+    signature: a parent header of 64 KiB is not read, and the message goes to the cell
+    begun first."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    padded = kernel.msg(
+        "stream", {"name": "stdout", "text": "x" * 3000}, parent={"msg_id": "sub-1", "pad": "p" * 65_000}
+    )
+    assert len(limiter.admit([zmq.Frame(part) for part in kernel.serialize(padded, ident=[b"stream"])])) == 2
+    small = stream(kernel, 100, "sub-1")
+    assert limiter.admit(small) == [small]  # sub-1's budget untouched: cell-1 was charged
 
 
 def test_non_jupyter_frames_from_the_kernel_are_dropped() -> None:
