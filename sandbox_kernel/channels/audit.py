@@ -70,7 +70,7 @@ from typing import Any
 import zmq
 
 from sandbox_kernel.channels.bridge import peer_credentials, refusal
-from sandbox_kernel.channels.wire import find_delimiter, frame_bytes, load_dict
+from sandbox_kernel.channels.wire import MAX_HEADER_FRAME, find_delimiter, frame_bytes, load_dict
 from sandbox_kernel.egress.credentials import BoundCredential
 
 log = logging.getLogger(__name__)
@@ -425,23 +425,27 @@ class ExecutionAuditor:
         each as usual, and one that has not come within :data:`OVERTAKEN_GRACE` seconds
         (or before a later reply of that shell) is lost (see :meth:`_end_earlier_locked`).
         """
-        if load_dict(parts[1]).get("msg_type") != "execute_input":
+        if load_dict(parts[1], limit=MAX_HEADER_FRAME).get("msg_type") != "execute_input":
             return
-        msg_id = str(load_dict(parts[2]).get("msg_id", ""))
+        msg_id = str(load_dict(parts[2], limit=MAX_HEADER_FRAME).get("msg_id", ""))
         now = time.monotonic()
         with self._lock:
             pending = self._pending.get(msg_id)
             if pending is None:
                 return
-            if pending.running_since is None:
+            # (Counted only if it changes something: the kernel may repeat its word.)
+            changed = pending.running_since is None
+            if changed:
                 pending.running_since = now
-            self._changes += 1
             shell = _shell(pending)
             for earlier, other in self._pending.items():
                 if earlier == msg_id:
                     break
                 if _shell(other) == shell and other.overtaken is None:
                     other.overtaken = now
+                    changed = True
+            if changed:
+                self._changes += 1
             lost = self._overdue_locked(now)
         self._lose(lost)
 

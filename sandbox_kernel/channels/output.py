@@ -44,7 +44,13 @@ from typing import Any
 import zmq
 from jupyter_client.session import Session
 
-from sandbox_kernel.channels.wire import find_delimiter, load_dict, stderr_notice, stream_message
+from sandbox_kernel.channels.wire import (
+    MAX_HEADER_FRAME,
+    find_delimiter,
+    load_dict,
+    stderr_notice,
+    stream_message,
+)
 
 #: Past the cap, plain status messages (busy/idle, nothing else, this small) still pass,
 #: this many per execution, so clients see the kernel go idle after a capped execution.
@@ -55,8 +61,10 @@ _MAX_TRACKED = 256
 #: Executions that ended lately whose output may still be on its way (their replies
 #: overtake it in the bridge, which reads shell first): a message may claim them.
 _MAX_TRAILING = 16
-#: Most bytes of a parent header read to learn which execution a message claims.
-_PARENT_BYTES = 2048
+#: Markers past the first that go out without text of the tail's (output dropped after
+#: the tail went out, by a thread the cell started, say): a kernel making a cell's tail be
+#: held and released again and again gets no more than these to clients.
+_MARKERS_WITHOUT_TEXT = 4
 #: Per-run limits remembered for requests whose output has not begun yet.
 _MAX_REQUESTED = 4096
 #: Most bytes of stdout/stderr held back for the tail of an execution past its budget.
@@ -163,9 +171,8 @@ class _Budget:
     #: Something was dropped: from now on only the tail of stdout/stderr passes.
     over: bool = False
     noticed: bool = False
-    #: A marker went out: the next goes only with text of the tail's (a kernel making
-    #: its tail be held and released again and again gets nothing more to clients).
-    marked: bool = False
+    #: Markers that went out (see :data:`_MARKERS_WITHOUT_TEXT`).
+    markers: int = 0
     statuses: int = 0
     tail: _Tail | None = None
 
@@ -296,7 +303,7 @@ class OutputLimiter:
         if not budget.over and budget.tail is None and budget.passed + size <= budget.head_room:
             budget.passed += size
             return [*out, frames]
-        kind = load_dict(frames[index + 2]).get("msg_type")
+        kind = load_dict(frames[index + 2], limit=MAX_HEADER_FRAME).get("msg_type")
         if kind == "stream":
             stream = _stream(frames[index + 5])
             if stream is not None:
@@ -349,8 +356,8 @@ class OutputLimiter:
         pieces = tail.take()
         dropped = budget.dropped + tail.dropped
         out: list[Message] = []
-        if dropped and (pieces or not budget.marked):
-            budget.dropped, budget.marked = 0, True
+        if dropped and (pieces or budget.markers <= _MARKERS_WITHOUT_TEXT):
+            budget.dropped, budget.markers = 0, budget.markers + 1
             whose = (
                 f"this kernel's output limit of {amount(budget.limit)} per execution"
                 if budget.limit >= self.limit
@@ -374,8 +381,9 @@ class OutputLimiter:
         budget = _Budget(min(self.limit, self._requested.pop(key, self.limit)), parent)
         self._budgets[key] = budget
         excess = len(self._budgets) - _MAX_TRACKED
-        if excess > 0:  # the oldest, but never a held one: its tail would be lost
-            for old in [old for old in self._budgets if old not in self._held][:excess]:
+        if excess > 0:  # the oldest, but never a held one (its tail) nor a running one's
+            kept = self._held.keys() | self._running.keys()
+            for old in [old for old in self._budgets if old not in kept][:excess]:
                 del self._budgets[old]
         return budget
 
@@ -428,9 +436,9 @@ class OutputLimiter:
 
 
 def _claimed(frames: Message, index: int) -> str | None:
-    """The msg_id of the request a message claims as its parent, if any; a parent header
-    padded past :data:`_PARENT_BYTES` claims none (a real one is a few hundred bytes)."""
-    claimed = load_dict(frames[index + 3], limit=_PARENT_BYTES).get("msg_id")
+    """The msg_id of the request a message claims as its parent, if any (one padded past
+    :data:`~.wire.MAX_HEADER_FRAME` claims none)."""
+    claimed = load_dict(frames[index + 3], limit=MAX_HEADER_FRAME).get("msg_id")
     return claimed if isinstance(claimed, str) else None
 
 

@@ -20,6 +20,10 @@ from jupyter_client.session import Session
 DELIMITER = b"<IDS|MSG>"
 #: Largest frame parsed as JSON where a small one is expected (headers, replies).
 MAX_SMALL_FRAME = 64 * 1024
+#: Most bytes read of a header or parent header the kernel wrote: a real one is a few
+#: hundred bytes; one padded past this is read as empty, not parsed (a kernel's padding
+#: must not cost the bridge more per message than checking its signature).
+MAX_HEADER_FRAME = 2048
 
 
 def frame_bytes(frame: zmq.Frame | bytes) -> bytes:

@@ -327,6 +327,31 @@ def test_executing_stays_what_the_pending_executions_say_through_every_change(
             assert kept == auditor._executing_locked(), step
 
 
+def test_a_kernel_repeating_its_execute_input_changes_nothing_executing_keeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a review: each execute_input counted as a change, so a kernel repeating
+    the running cell's made executing() walk 900 queued requests again per message."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"k")
+    auditor = ExecutionAuditor(None, "k1", "py")
+    first = _sent(auditor, session, "spin()")
+    for i in range(900):
+        _sent(auditor, session, f"queued({i})")
+    _sent(auditor, session, "beside()", "s1")
+    echo = _message(session, "execute_input", {"code": ""}, first)
+    auditor("iopub", False, echo)
+    auditor.executing()
+    walks: list[int] = []
+    fresh = auditor._executing_locked
+    monkeypatch.setattr(auditor, "_executing_locked", lambda: walks.append(1) or fresh())
+    for _ in range(50):
+        auditor("iopub", False, echo)
+        assert auditor.executing() == fresh()
+    assert walks == []
+
+
 def test_deleting_a_subshell_ends_its_queued_executions() -> None:
     """Found by a review: ipykernel stops a deleted subshell's thread and drops the requests
     queued on it, unanswered. Left pending, they kept the kernel busy for good (no idle

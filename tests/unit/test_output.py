@@ -269,7 +269,9 @@ def test_a_tail_held_and_released_again_and_again_sends_no_more_markers() -> Non
     for _ in range(500):
         cycles += limiter.admit(stream(kernel, 10, "cell-1"))
         cycles += limiter.admit(stream(kernel, 10, "cell-0"))
-    assert sent_bytes(cycles, "cell-1") == 0
+    markers = [m for m in read(cycles) if m["parent_header"]["msg_id"] == "cell-1"]
+    assert len(markers) <= 4  # a few markers without text, then nothing
+    assert all("of output dropped" in m["content"]["text"] for m in markers)
 
     running.msg_id = None  # between requests: charged to the last one sent
     limiter.request(execute_request(kernel, "cell-3", {}))
@@ -278,8 +280,43 @@ def test_a_tail_held_and_released_again_and_again_sends_no_more_markers() -> Non
     for _ in range(500):
         after += limiter.admit(stream(kernel, 10, "cell-3"))
         after += limiter.admit(status(kernel, "idle", "cell-3"))
-    assert [m["msg_type"] for m in read(after)].count("stream") <= 2  # the first marker and tail
-    assert len(after) <= 2 + 16  # and the few statuses that pass past the cap
+    assert [m["msg_type"] for m in read(after)].count("stream") <= 2 + 4  # the first marker and tail
+    assert len(after) <= 2 + 4 + 16  # a few markers more, and the statuses that pass past the cap
+
+
+def test_output_dropped_after_a_cells_tail_went_out_is_still_told() -> None:
+    """Found by the review of the fix above: a thread the cell started printed 1 MB after
+    the cell's tail had gone out, and no marker ever said so."""
+    kernel = Session(key=KEY)
+    running = Running()
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    limiter.request(execute_request(kernel, "cell-1", {}))
+    limiter.admit(stream(kernel, 3000))
+    running.msg_id = None  # cell-1 answered
+    assert "of output dropped" in streams(read(limiter.admit(status(kernel, "idle"))))
+    for _ in range(100):  # its thread prints on between requests
+        assert limiter.admit(stream(kernel, 10_000)) == []
+    running.msg_id = "cell-2"
+    limiter.request(execute_request(kernel, "cell-2", {}))
+    later = read(limiter.admit(stream(kernel, 10, "cell-2")))
+    told = streams([m for m in later if m["parent_header"]["msg_id"] == "cell-1"])
+    assert "of output dropped" in told
+    assert "[... 97" in told  # (KiB: 1 MB, less what the tail held)
+
+
+def test_a_running_cells_budget_is_never_forgotten() -> None:
+    """Found by a review: budgets are forgotten oldest first, and a subshell cell's, still
+    running, went during a Run All beside it and was opened afresh: a second budget."""
+    kernel = Session(key=KEY)
+    running = Running()
+    running.beside = ["sub-1"]
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    sent = limiter.admit(stream(kernel, 900, "sub-1"))
+    for i in range(300):  # Run All on the main shell meanwhile
+        running.msg_id = f"cell-{i}"
+        limiter.admit(printed(kernel, "z", parent_id=f"cell-{i}"))
+    sent += limiter.admit(stream(kernel, 900, "sub-1"))
+    assert sent_bytes(sent, "sub-1") <= 2000
 
 
 def test_a_host_notice_about_one_cell_leaves_a_running_cells_tail_held() -> None:
@@ -328,6 +365,30 @@ def test_a_padded_parent_header_claims_no_cell() -> None:
     assert len(limiter.admit([zmq.Frame(part) for part in kernel.serialize(padded, ident=[b"stream"])])) == 2
     small = stream(kernel, 100, "sub-1")
     assert limiter.admit(small) == [small]  # sub-1's budget untouched: cell-1 was charged
+
+
+def test_a_padded_header_past_the_cap_is_not_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: past the cap, the header of a message that is not a stream was
+    parsed whole to learn its type: a comm_msg with a header of 64 KiB cost 0.7 ms."""
+    from sandbox_kernel.channels import output
+
+    kernel = Session(key=KEY)
+    limiter = OutputLimiter(2000, Session(key=KEY), Running())
+    limiter.admit(stream(kernel, 3000))
+    message = kernel.msg("comm_msg", {"data": {}}, parent={"msg_id": "cell-1"})
+    message["header"]["pad"] = [0] * 21_000
+    frames = [zmq.Frame(part) for part in kernel.serialize(message, ident=[b"comm"])]
+    parsed: list[int] = []
+    load_dict = output.load_dict
+
+    def counted(frame: zmq.Frame | bytes, limit: int | None = 2**16) -> dict[str, Any]:
+        if limit is None or len(bytes(frame)) <= limit:
+            parsed.append(len(bytes(frame)))
+        return load_dict(frame, limit)
+
+    monkeypatch.setattr(output, "load_dict", counted)
+    assert limiter.admit(frames) == []
+    assert max(parsed, default=0) <= 2048, parsed
 
 
 def test_non_jupyter_frames_from_the_kernel_are_dropped() -> None:
