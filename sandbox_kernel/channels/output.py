@@ -22,8 +22,9 @@ Of an execution past its budget, the beginning and the end reach clients:
   a limit stopped it; see :meth:`OutputLimiter.release`).
 
 Cells running on subshells at once (ipykernel 7) each have their own budget and their own
-tail: a message is charged to the running cell whose parent it claims, or to the one begun
-first if it claims none of them.
+tail: a message is charged to the running cell whose parent it claims (or to one that
+ended lately: a reply can overtake its cell's last output), or to the one begun first if
+it claims none of them.
 
 The kernel's prompts on stdin (``input_request``, the few the auditor lets through) are
 charged to the same budget (:meth:`OutputLimiter.charge`): one that does not fit is dropped.
@@ -250,9 +251,9 @@ class OutputLimiter:
 
     def _charged(
         self, frames: Message, index: int, *, trailing: bool = True
-    ) -> tuple[str, dict[str, Any], list[str]]:
-        """(key, parent) of the execution the message ``frames`` is charged to, and the
-        keys of those running now.
+    ) -> tuple[str, dict[str, Any], Mapping[str, Any]]:
+        """(key, parent) of the execution the message ``frames`` is charged to, and those
+        running now (by key).
 
         That is the one whose parent the message claims, if it runs or (unless not
         ``trailing``) ended lately (see :data:`_MAX_TRAILING`); else the one begun first;
@@ -274,7 +275,7 @@ class OutputLimiter:
             self._last = executing[0]
         elif self._latest is not None:
             self._last = self._latest
-        return (*self._last, list(running))
+        return (*self._last, running)
 
     def _ran(self, running: dict[str, dict[str, Any]]) -> None:
         """The executions running now are ``running``: those gone from it have ended."""
@@ -331,9 +332,9 @@ class OutputLimiter:
 
         The bridge calls it before one of the host's own notices (``notice``) reaches
         clients (the kernel died, a limit stopped it, a reply was lost): the tail of the
-        execution the notice is about, and those of the executions that no longer run (a cell running
-        on another shell keeps its own); and, with no notice, when the kernel is replaced:
-        all of them.
+        execution the notice is about, and those of the executions that no longer run (a
+        cell running on another shell keeps its own); and, with no notice, when the
+        kernel is replaced: all of them.
         """
         keys = list(self._held)
         index = find_delimiter(notice) if notice is not None else None
