@@ -208,7 +208,7 @@ async def test_code_that_ignores_the_limit_is_killed_and_the_kernel_restarts(
         assert reply["content"]["ename"] == "WallClockLimitExceeded"
         assert "wall-clock limit of 2 s per execution exceeded" in reply["content"]["evalue"]
         assert time.monotonic() - started < 2 + 4 + 15
-        await wait_for_restart(km, restarts, 30, "the killed kernel was not restarted")
+        await wait_for_restart(km, restarts, 90, "the killed kernel was not restarted")
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
@@ -271,15 +271,17 @@ async def test_a_kernel_that_dies_mid_cell_answers_its_client_and_restarts(
         outputs: list[dict] = []
         reply = await kc.execute_interactive(suicide, timeout=60, output_hook=outputs.append)
         content = reply["content"]
-        assert content["status"] == "error"
-        assert content["ename"] == "KernelDied"
-        assert "the kernel stopped" in content["evalue"]
+        assert content["status"] == "error", content
+        assert content["ename"] == "KernelDied", content
+        assert "the kernel stopped" in content["evalue"], content
         notices = [m["content"]["text"] for m in outputs if m["msg_type"] == "stream"]
-        assert any("[sandbox-kernel] the kernel stopped" in text for text in notices)
-        await wait_for_restart(km, restarts, 30, "the dead kernel was not restarted")
+        assert any("[sandbox-kernel] the kernel stopped" in text for text in notices), outputs
+        # A restart starts a new sandbox, slow on a busy machine. (A CI run failed in this test
+        # once, at a step not on record: each assertion now says what it saw.)
+        await wait_for_restart(km, restarts, 90, "the dead kernel was not restarted")
         await kc.wait_for_ready(timeout=60)  # restarted by jupyter_client's restarter
-        again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=30)
-        assert again["content"]["status"] == "ok"
+        again = await kc.execute_interactive("print(open('precious.csv').read())", timeout=60)
+        assert again["content"]["status"] == "ok", again["content"]
     assert (workspace / "precious.csv").read_text() == "a,b\n1,2\n"
 
 

@@ -908,13 +908,23 @@ def run_attack(code: str, timeout: float = 60) -> str:
 def test_a_signal_handler_that_prints_during_a_direct_send_does_not_deadlock_the_kernel() -> None:
     """A handler runs in the main thread between any two bytecodes, also while that thread
     holds the lock of a direct send; one that prints (a progress line, a timeout's notice)
-    must neither wait for that lock nor send in the middle of the message."""
+    must neither wait for that lock nor send in the middle of the message.
+
+    A tick during the last one's flush returns at once: a flush waits for the IOPub thread,
+    which a loaded machine can keep past the timer's 1 ms, and ticks nested in such waits
+    went 1000 deep in a CI run (RecursionError), as they would in any kernel."""
     out = run_attack("""
-ticks = [0]
+ticks, busy = [0], [False]
 def handler(signum, frame):
-    ticks[0] += 1
-    stream.write("tick\\n")
-    stream.flush()
+    if busy[0]:
+        return
+    busy[0] = True
+    try:
+        ticks[0] += 1
+        stream.write("tick\\n")
+        stream.flush()
+    finally:
+        busy[0] = False
 signal.signal(signal.SIGALRM, handler)
 signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
 for i in range(3000):
