@@ -205,8 +205,11 @@ def test_the_launcher_interrupts_restarts_by_relaunch_and_shuts_down_as_a_local_
         kernel = kernel_id(stderr)
         assert run(kc, "x = 41").status == "ok"
         # interrupt_mode "signal": the front end sends SIGINT to the process it started.
-        msg_id = kc.execute("import time; time.sleep(60)")
-        time.sleep(2)
+        msg_id = kc.execute("import time; print('started', flush=True); time.sleep(60)")
+        while True:  # an interrupt before the cell runs is lost (an idle kernel ignores it)
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                break
         process.send_signal(signal.SIGINT)
         reply = shell_reply(kc, timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id

@@ -317,7 +317,8 @@ async def test_each_new_connection_to_a_kernel_first_hears_whether_it_is_idle_or
 
     async def first_message() -> tuple[str, str, dict[str, Any], dict[str, Any]]:
         ws = await gateway.channels(kernel_id, alice)
-        message = json.loads(await ws.read_message())
+        async with asyncio.timeout(60):
+            message = json.loads(await ws.read_message())
         ws.close()
         return message["channel"], message["msg_type"], message["content"], message["parent_header"]
 
@@ -549,7 +550,8 @@ async def test_a_listed_users_kernel_starts_warm_from_their_own_pool_and_another
         assert container.labels[LABEL_POOL] == "true"
         assert container.labels[LABEL_USER] == alice
         assert created_at(container) < asked, "her sandbox was started before she asked"
-        assert took < 1, f"a warm start took {took:.2f} s (bob's cold one {cold:.2f} s)"
+        # (Against bob's cold start of the same run: a busy machine slows both.)
+        assert took < cold / 2, f"a warm start took {took:.2f} s (bob's cold one {cold:.2f} s)"
         ws = await gateway.channels(kernels[alice], alice)
         out = await run_code(ws, "import os; open('warm.txt', 'w').write('x'); print(os.getuid())")
         ws.close()

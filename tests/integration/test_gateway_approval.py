@@ -279,7 +279,7 @@ async def test_a_sessions_handler_on_the_gateway_is_asked_and_its_answers_obeyed
         asked.append(f"{request.method} {request.host}:{request.port} {request.timeout:g}")
         behaviour = behaviours.pop(0)
         if behaviour == "slow":
-            time.sleep(9)  # past the kernel's approval_timeout (5 s)
+            time.sleep(20)  # well past the kernel's approval_timeout (5 s)
             return "once"
         return behaviour
 
@@ -296,7 +296,7 @@ async def test_a_sessions_handler_on_the_gateway_is_asked_and_its_answers_obeyed
         started = time.monotonic()
         slow = (await session.run(fetch())).stdout
         assert "no answer within 5 s (approval_timeout)" in slow, slow
-        assert time.monotonic() - started < 9, "denied at the kernel's timeout, not the handler's answer"
+        assert time.monotonic() - started < 15, "denied at the kernel's timeout, not the handler's answer"
         assert (await session.run(fetch())).stdout.strip() == "OK 200"
         assert (await session.run(fetch())).stdout.strip() == "OK 200"
         assert len(asked) == 4, "allowed for the kernel: not asked again"
@@ -487,7 +487,9 @@ async def test_a_program_that_dies_leaves_its_kernels_requests_denied(
         out = (await session.run(fetch())).stdout
         assert out.startswith("FAILED"), out
         assert "needed approval and was denied by sandbox-kernel: the program that answered approvals" in out
-        assert time.monotonic() - killed < LEASE + 5, "once the lease ran out, not at the timeout"
+        # (The message says which: the approval_timeout's would name it. The time is what a
+        # busy machine's connect and run may add.)
+        assert time.monotonic() - killed < LEASE + 15, "once the lease ran out"
         out = (await session.run(fetch())).stdout
         assert out.startswith("FAILED"), out
         assert "no approval_handler is set" in out, "asked as without a program: its runs cannot answer"

@@ -539,7 +539,7 @@ def test_a_user_server_stops_at_once_while_its_gateway_is_down(setup: Setup) -> 
     gateway.stop(signal.SIGKILL)
     took = user.stop(timeout=30)
     assert user.proc.returncode == 0, user.log.read_text()[-2000:]
-    assert took < 5, f"the user's server took {took:.1f} s to stop"
+    assert took < 15, f"the user's server took {took:.1f} s to stop"
 
 
 def test_a_restarted_user_server_finds_its_kernels_and_sessions_again(setup: Setup) -> None:

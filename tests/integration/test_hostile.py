@@ -187,7 +187,7 @@ def test_bombs_in_one_kernel_leave_another_kernel_the_server_and_the_workspace_u
         assert result.status == "error" or "Output truncated" in result.stderr, attack
         started = time.monotonic()
         assert run_ok(bystander, "print(y)").strip() == "7", attack
-        assert time.monotonic() - started < 5, f"the bystander was slow after the {attack}"
+        assert time.monotonic() - started < 15, f"the bystander was slow after the {attack}"
         if not km.is_alive():
             km.restart_kernel(now=True)
             attacker.wait_for_ready(timeout=60)

@@ -123,8 +123,14 @@ async def test_a_forged_reply_does_not_escape_the_wall_clock_limit(
         reply = await kc.get_shell_msg(timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["status"] == "ok"  # the forged reply: the host cannot tell
-        await wait_for_restart(km, restarts, 40, "the kernel spinning after its forged reply was not stopped")
+        # Stopped within its limit, the grace and 20 s to spare: until the restarter noticed,
+        # not until its new sandbox runs (slow to start on a busy machine).
+        deadline = time.monotonic() + 60
+        while not restarts and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert restarts, "the kernel spinning after its forged reply was not stopped"
         assert time.monotonic() - started < 3 + 2 + 20
+        await wait_for_restart(km, restarts, 90, "the stopped kernel was not restarted")
         await kc.wait_for_ready(timeout=60)
         reply = await kc.execute_interactive("print('back')", timeout=30)
         assert reply["content"]["status"] == "ok"
@@ -415,8 +421,9 @@ def test_kernel_code_flooding_the_relay_with_connections_harms_only_itself(
     # A spin is 200 ticks (a whole core). Not spinning still costs: the relay waits with
     # poll(2) (an epoll set does not survive a pause here, see kernel_relay.py), which
     # looks at all of its 2 x held descriptors each time one connection wakes it (the
-    # bridge's heartbeat): 10-20 % of a core at 3000 connections, measured.
-    assert int(spent) < 100, f"the relay spun: {spent} ticks in 2 s holding {held} connections"
+    # bridge's heartbeat): 10-20 % of a core at 3000 connections, measured; up to 80 % is
+    # let pass for a busier machine, short of a spin.
+    assert int(spent) < 160, f"the relay spun: {spent} ticks in 2 s holding {held} connections"
     assert run_ok(kc, "print(len(held))").strip() == held, "the kernel's own client is answered"
     run_ok(kc, "for s in held: s.close()\nheld.clear()")
     assert run_ok(kc, "print(1 + 1)").strip() == "2"

@@ -128,7 +128,7 @@ def test_a_kernel_whose_start_up_code_did_not_run_is_not_handed_over(
     began = time.monotonic()
     with pytest.raises(KernelStartupError, match="did not finish its start-up code within 10 s") as failed:
         km.start_kernel(cwd=str(workspace), extra_arguments=["--IPKernelApp.exec_PYTHONSTARTUP=False"])
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < 50  # its 10 s start-up timeout, with a start and a removal
     assert "it was not handed over" in str(failed.value)
     assert not km.has_kernel
     assert _kernel_containers(docker_client) - before == set()

@@ -116,7 +116,7 @@ def test_the_next_server_start_sweeps_orphans(
     _, lasting_id, lasting_dir = start_doomed_server(workspace, persistent)
     monkeypatch.setattr(launching, "_swept_orphans", False)  # as in a fresh server process
     start_kernel()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while runtime_dir.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not runtime_dir.exists()
@@ -174,7 +174,7 @@ def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
         label = {"label": f"io.sandbox-kernel.kernel-id={kernel_id}"}
         (orphan,) = docker_client.containers.list(all=True, ignore_removed=True, filters=label)
         assert orphan.status == "running"
-        while time.monotonic() < killed + 60 and (
+        while time.monotonic() < killed + 90 and (
             docker_client.containers.list(all=True, ignore_removed=True, filters=label)
             or runtime_dir.exists()
         ):
@@ -184,7 +184,9 @@ def test_a_live_process_reaps_the_spinning_kernel_of_a_killed_program(
             "the orphan still spins"
         )
         assert not runtime_dir.exists()
-        assert took < interval + 15, f"removed only after {took:.0f} s"
+        # (Removing a spinning sandbox takes a busy machine a while: the bound is for a reaper
+        # that waited for something else, a kernel start or a prune, which never came.)
+        assert took < interval + 45, f"removed only after {took:.0f} s"
         assert f"Removing orphaned kernel {kernel_id} (container " in caplog.text, "this process reaped it"
 
         (lasting,) = docker_client.containers.list(

@@ -160,12 +160,16 @@ def test_without_network_pip_fails_at_once_and_says_why(start_kernel: KernelStar
     assert failed.status == "error"
     assert failed.reply["content"]["evalue"] == f"pip install failed (exit status 1): {NO_NETWORK}"
     assert failed.reply["content"]["traceback"] == [f"PipError: {failed.reply['content']['evalue']}"]
-    assert took < 8, f"pip took {took:.1f} s to fail without network: it should not retry"
+    # It does not retry (9 s of retries with an index): nothing says so, and it is quick.
+    # (pip's own start takes a few seconds under gVisor, more on a busy machine.)
+    assert "Retrying" not in failed.stdout + failed.stderr
+    assert took < 30, f"pip took {took:.1f} s to fail without network"
     # A shell escape or a script cannot fail the cell, but fails as fast.
     started = time.monotonic()
     shell = run(kc, "!pip install sk_demo_pkg", timeout=120)
     assert "No matching distribution found for sk_demo_pkg" in shell.stdout + shell.stderr
-    assert time.monotonic() - started < 8
+    assert "Retrying" not in shell.stdout + shell.stderr
+    assert time.monotonic() - started < 30
     assert run_ok(kc, "%pip install requests", timeout=120).count("Requirement already satisfied") >= 1
 
 

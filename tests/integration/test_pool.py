@@ -210,8 +210,9 @@ def test_docker_stopping_a_waiting_frozen_sandbox_is_not_held_up(
     started = time.monotonic()
     subprocess.run(["docker", "stop", "-t", "1", doomed], check=True, timeout=60)
     took = time.monotonic() - started
-    assert took < 10, f"docker stop of a waiting sandbox took {took:.1f} s"
-    deadline = time.monotonic() + 10
+    # Held up, it waits for the 60 s timeout above; a busy machine's stop is a few seconds.
+    assert took < 45, f"docker stop of a waiting sandbox took {took:.1f} s"
+    deadline = time.monotonic() + 30
     while pool.ready(pooled) > 1:
         assert time.monotonic() < deadline, "the stopped sandbox is still in the pool"
         time.sleep(0.1)

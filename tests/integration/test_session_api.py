@@ -562,10 +562,15 @@ def test_giving_up_on_a_run_stops_its_code_and_spoils_no_later_run(session_dir: 
     asyncio.run(scenario())
 
 
-def test_a_kernel_stopped_between_runs_says_why_it_was_restarted(session_dir: Path) -> None:
+def test_a_kernel_stopped_between_runs_says_why_it_was_restarted(
+    session_dir: Path, docker_client: docker.DockerClient
+) -> None:
     with SandboxSession(cwd=session_dir, idle_timeout=2) as sandbox:
         sandbox.run("x = 1")
-        time.sleep(5)  # stopped by its idle limit
+        deadline = time.monotonic() + 60  # until its idle limit has stopped it
+        while any(c.status == "running" for c in _containers(docker_client, str(sandbox.kernel_id))):
+            assert time.monotonic() < deadline, "the idle limit did not stop the kernel"
+            time.sleep(0.2)
         after = sandbox.run("print('fresh')")
         assert (after.status, after.stdout, after.restarted) == ("ok", "fresh\n", True)
         assert after.restart_reason is not None

@@ -552,14 +552,22 @@ def iopub() -> Any:
 
     context = zmq.Context()
     pub, sub = context.socket(zmq.PUB), context.socket(zmq.SUB)
+    # No high-water marks: a test sends over a thousand messages before reading any, and a
+    # busy machine's ZeroMQ I/O threads fall behind (then PUB drops what is over the mark).
+    pub.sndhwm = 0
+    sub.rcvhwm = 0
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}")
     thread = iostream.IOPubThread(pub)
     thread.start()
     while not sub.poll(20):  # until the subscription is through
         thread.send_multipart([b"probe"])
-    while sub.poll(50):
-        sub.recv_multipart()
+    # Probes still on their way must not reach a test: read up to one sent after them all.
+    thread.send_multipart([b"last probe"])
+    while True:
+        assert sub.poll(10_000), "the subscriber lost the last probe"
+        if sub.recv_multipart() == [b"last probe"]:
+            break
     scheduled: list[Any] = []
 
     class Handed(collections.deque):  # type: ignore[type-arg]
@@ -581,9 +589,10 @@ def iopub() -> Any:
 
 
 def received(sub: Any) -> list[list[bytes]]:
-    """Every message the subscriber has, waiting a moment for the first."""
+    """Every message the subscriber gets until none comes for a second (a loaded machine's
+    threads can pause for longer than 0.1 s between two messages)."""
     messages = []
-    while sub.poll(1000 if not messages else 100):
+    while sub.poll(1000):
         messages.append(sub.recv_multipart())
     return messages
 
@@ -781,9 +790,14 @@ def test_a_subscription_whose_signal_a_direct_send_took_is_still_welcomed(iopub_
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"topic")
         sub.connect(address)
-        time.sleep(0.3)  # the subscription is at the kernel's socket, unread
-        thread.send_multipart([b"other", b"x"])  # direct: the subscription is seen waiting
-        assert sub.poll(3000), "no iopub_welcome for the subscription waiting at a direct send"
+        # Direct sends until one finds the subscription waiting at the kernel's socket,
+        # unread (it travels in its own time): the deaf IOPub thread never answers it alone.
+        deadline = time.monotonic() + 10
+        while True:
+            thread.send_multipart([b"other", b"x"])
+            if sub.poll(100):
+                break
+            assert time.monotonic() < deadline, "no iopub_welcome for the subscription at direct sends"
         assert sub.recv_multipart()[0] == b"topic"
     finally:
         sub.close(linger=0)
@@ -811,7 +825,7 @@ def test_clients_subscribing_during_direct_sends_all_get_their_welcome(iopub_xpu
             topic = os.urandom(8).hex().encode()
             sub.setsockopt(zmq.SUBSCRIBE, topic)
             sub.connect(address)
-            assert sub.poll(3000), "no iopub_welcome for a new subscription while others sent"
+            assert sub.poll(10_000), "no iopub_welcome for a new subscription while others sent"
             assert sub.recv_multipart()[0] == topic
     finally:
         stop.set()
@@ -983,7 +997,17 @@ while time.time() - started < 3:
     except Tick:
         ticks += 1
 signal.setitimer(signal.ITIMER_REAL, 0)
-time.sleep(1)  # the IOPub thread finishes what it was handed
+# Until the IOPub thread has done what it was handed (an event behind it all) and the
+# count is back to 0; a stream's flush timer (0.2 s) may still count while it runs, but a
+# count left above 0 for ever never comes back to 0.
+deadline = time.time() + 30
+while True:
+    done = threading.Event()
+    iostream.IOPubThread.schedule(thread, done.set)
+    assert done.wait(30)
+    if in_flight.count == 0 or time.time() > deadline:
+        break
+    time.sleep(0.05)
 print(ticks, in_flight.count, int(in_flight.holding()))
 """)
     ticks, count, holding = (int(n) for n in out.split())
@@ -1080,6 +1104,7 @@ def run_script(script: str, *args: str) -> str:
 CANCEL_SCRIPT = r"""
 import asyncio, sys, threading, time
 from IPython.core.interactiveshell import InteractiveShell
+from sandbox_kernel.inside import in_kernel_startup
 from sandbox_kernel.inside.in_kernel_startup import RAISE_RETRY, cancel_from
 
 shell = InteractiveShell.instance()
@@ -1108,6 +1133,10 @@ def outcome(future):
 
 AWAITS = "began.set()\nimport asyncio\nawait asyncio.Event().wait()"
 case = sys.argv[1]
+if case in ("awaiting", "over"):
+    # A loop that waits answers at once, but a loaded machine may not run its thread
+    # within RAISE_RETRY (then None: not answered in time, which "busy" is about).
+    in_kernel_startup.RAISE_RETRY = 10
 if case == "awaiting":
     future = execute(AWAITS)
     began.wait(10)
@@ -1134,10 +1163,15 @@ elif case == "not begun":
 elif case == "busy":
     future = execute(AWAITS)
     began.wait(10)
-    loop.call_soon_threadsafe(time.sleep, RAISE_RETRY * 4)  # the loop runs code
-    time.sleep(0.01)
+    busy = threading.Event()
+    # The loop runs code, far longer than RAISE_RETRY (this thread may be paused meanwhile).
+    loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(RAISE_RETRY * 40)))
+    busy.wait(10)
     print(cancel_from(loop, lambda: "too late", lambda: True))
-    time.sleep(RAISE_RETRY * 5)
+    answered = threading.Event()
+    loop.call_soon_threadsafe(answered.set)  # behind the watch's late answer
+    answered.wait(30)
+    time.sleep(RAISE_RETRY * 5)  # what a cancel would have set off
     print(future.done())
 elif case == "over":
     future = execute(AWAITS)
@@ -1211,9 +1245,15 @@ def test_while_a_cell_waits_to_be_stopped_the_users_threads_get_one_memory_error
 #: gives None): once while the loop waits for its next event (late only: another thread
 #: held the GIL), once while it runs a callback beside the cell; in a process of its own.
 LATE_SCRIPT = r"""
-import asyncio, threading, time, types
+import asyncio, sys, threading, time, types
 from sandbox_kernel.inside import in_kernel_startup
 from sandbox_kernel.inside.in_kernel_startup import MemoryWatch
+
+def until(condition, what):
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within 10 s"
+        time.sleep(0.01)
 
 loop = asyncio.new_event_loop()
 reported = []
@@ -1221,20 +1261,32 @@ loop.set_exception_handler(lambda loop, context: reported.append(type(context.ge
 shell_thread = threading.Thread(target=loop.run_forever, daemon=True)
 shell_thread.io_loop = types.SimpleNamespace(asyncio_loop=loop)  # as a subshell's thread has it
 shell_thread.start()
-time.sleep(0.1)
+
+def waiting():  # for its next event, in the selector
+    frame = sys._current_frames().get(shell_thread.ident)
+    return frame is not None and frame.f_code.co_filename.endswith("selectors.py")
+
+until(waiting, "waiting")
 in_kernel_startup.cancel_from = lambda *args: None  # the loop answers late
 watch = MemoryWatch("512m", 512 * 2**20)
 watch.executing[shell_thread.ident] = 1
 print("waiting", watch.stop_cell(shell_thread.ident, 1))
 time.sleep(0.1)
+inside, done = threading.Event(), threading.Event()
 
-def handler():  # a comm's handler, say
-    time.sleep(0.3)
+def handler():  # a comm's handler, say: works until the watch has looked at it
+    inside.set()
+    while not done.is_set():
+        time.sleep(0.01)
 
 loop.call_soon_threadsafe(handler)
-time.sleep(0.05)
+assert inside.wait(10)
 print("callback", watch.stop_cell(shell_thread.ident, 1), watch.stop_cell(shell_thread.ident, 1))
-time.sleep(0.4)
+done.set()
+until(lambda: reported, "reported")
+ran = threading.Event()
+loop.call_soon_threadsafe(ran.set)  # the loop goes on after it
+ran.wait(10)
 print(reported, shell_thread.is_alive())
 """
 

@@ -72,13 +72,19 @@ def control(kc: BlockingKernelClient, msg_type: str, **content: Any) -> dict[str
 
 
 def thread_names(kc: BlockingKernelClient) -> list[str]:
-    kc.execute("import threading; print(sorted(t.name for t in threading.enumerate()))")
+    msg_id = kc.execute("import threading; print(sorted(t.name for t in threading.enumerate()))")
+    printed = ""
     while True:
         msg = kc.get_iopub_msg(timeout=30)
-        if msg["msg_type"] == "stream":
-            names: list[str] = eval(msg["content"]["text"])  # noqa: S307 (the kernel's own print of a list)
-            kc.get_shell_msg(timeout=30)
-            return names
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue  # not this cell's (a line the kernel printed as it started, say)
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            printed += msg["content"]["text"]  # (a print may come in more than one message)
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert kc.get_shell_msg(timeout=30)["parent_header"]["msg_id"] == msg_id
+    names: list[str] = eval(printed)  # noqa: S307 (the kernel's own print of a list)
+    return names
 
 
 def test_the_main_thread_reads_the_shell_channel_until_a_subshell_is_asked_for(
