@@ -383,6 +383,15 @@ def shell_reply(kc: BlockingKernelClient, timeout: float) -> dict[str, Any]:
     return reply
 
 
+def printing(kc: BlockingKernelClient, msg_id: str, timeout: float = 60) -> None:
+    """Until the request ``msg_id`` has printed (its cell runs): an interrupt sent sooner is
+    lost, since an idle kernel ignores SIGINT. Its IOPub messages up to there are read."""
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            return
+
+
 def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any) -> Execution:
     """Execute ``code`` and wait for its reply and all its output."""
     result = Execution()

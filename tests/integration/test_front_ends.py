@@ -33,7 +33,7 @@ from sandbox_kernel import SandboxSession
 from sandbox_kernel.cli.resources import data_path
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 
-from .conftest import KERNEL, SANDBOX_UID, HostState, KernelStarter, run, shell_reply
+from .conftest import KERNEL, SANDBOX_UID, HostState, KernelStarter, printing, run, shell_reply
 from .test_mcp import mcp_server
 from .test_mcp import run as mcp_run
 
@@ -206,10 +206,7 @@ def test_the_launcher_interrupts_restarts_by_relaunch_and_shuts_down_as_a_local_
         assert run(kc, "x = 41").status == "ok"
         # interrupt_mode "signal": the front end sends SIGINT to the process it started.
         msg_id = kc.execute("import time; print('started', flush=True); time.sleep(60)")
-        while True:  # an interrupt before the cell runs is lost (an idle kernel ignores it)
-            msg = kc.get_iopub_msg(timeout=60)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                break
+        printing(kc, msg_id)
         process.send_signal(signal.SIGINT)
         reply = shell_reply(kc, timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id

@@ -23,6 +23,7 @@ from .conftest import (
     KERNEL,
     HostState,
     KernelStarter,
+    printing,
     restarting_kernel,
     run,
     run_ok,
@@ -42,10 +43,7 @@ def test_interrupt_stops_a_busy_cell_and_keeps_state(start_kernel: KernelStarter
     km, kc = start_kernel()
     run_ok(kc, "x = 41")
     msg_id = kc.execute("print('started', flush=True)\nwhile True: pass")
-    while True:  # the loop runs (ipykernel ignores SIGINT while idle)
-        msg = kc.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            break
+    printing(kc, msg_id)
     sent = time.monotonic()
     km.interrupt_kernel()
     reply = shell_reply(kc, 30)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from .conftest import KernelStarter, run_ok, shell_reply
+from .conftest import KernelStarter, printing, run_ok, shell_reply
 
 #: Output from the main thread, another thread and file descriptor 1, then a value. The
 #: pipe behind fd 1 is read by ipykernel's own thread: the pause lets it catch up, as it
@@ -140,10 +140,7 @@ def test_an_interrupted_flood_of_prints_ends_cleanly_and_the_kernel_goes_on(
     idle follows, and the next cell's messages are whole and in order."""
     km, kc = start_kernel()
     msg_id = kc.execute("i = 0\nwhile True:\n    print(i)\n    i += 1")
-    while True:  # printing has begun
-        msg = kc.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            break
+    printing(kc, msg_id)
     km.interrupt_kernel()
     reply = shell_reply(kc, 60)
     assert reply["parent_header"]["msg_id"] == msg_id
