@@ -37,6 +37,9 @@ from sandbox_kernel.host.mounts import mounts_under
 from sandbox_kernel.lifecycle.ownership import list_kernels, server_identity
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.plan.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
+from tests.executions import Execution as Execution
+from tests.executions import run as run
+from tests.executions import run_ok as run_ok
 
 KERNEL = "sandboxed-python"
 SANDBOX_UID = 1000
@@ -349,30 +352,6 @@ def container_report(client: docker.DockerClient, km: KernelManager) -> str:
     )
 
 
-class Execution:
-    """What one execute request produced, collected from iopub."""
-
-    def __init__(self) -> None:
-        self.stdout = ""
-        self.stderr = ""
-        self.outputs: list[dict[str, Any]] = []
-        self.reply: dict[str, Any] = {}
-
-    def hook(self, msg: dict[str, Any]) -> None:
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            if content["name"] == "stdout":
-                self.stdout += content["text"]
-            else:
-                self.stderr += content["text"]
-        elif kind in ("display_data", "execute_result", "error"):
-            self.outputs.append({"type": kind, **content})
-
-    @property
-    def status(self) -> str:
-        return str(self.reply["content"]["status"])
-
-
 def shell_reply(kc: BlockingKernelClient, timeout: float) -> dict[str, Any]:
     """The next reply on the shell channel that is not a ``kernel_info_reply``: a slow
     start has ``wait_for_ready()`` send another ``kernel_info_request``, whose reply may
@@ -390,13 +369,6 @@ def printing(kc: BlockingKernelClient, msg_id: str, timeout: float = 60) -> None
         msg = kc.get_iopub_msg(timeout=timeout)
         if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
             return
-
-
-def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any) -> Execution:
-    """Execute ``code`` and wait for its reply and all its output."""
-    result = Execution()
-    result.reply = kc.execute_interactive(code, timeout=timeout, output_hook=result.hook, **kwargs)
-    return result
 
 
 @asynccontextmanager
@@ -446,13 +418,6 @@ def fill_file(path: str, chunk_mib: int = 1) -> str:
         "    while True:\n"
         "        f.write(chunk); f.flush()"
     )
-
-
-def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
-    """Execute ``code``, insist it succeeded, and return its stdout."""
-    result = run(kc, code, timeout)
-    assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
-    return result.stdout
 
 
 def create_subshell(kc: BlockingKernelClient) -> str:

@@ -19,6 +19,7 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
 from sandbox_kernel.inside import kernel_app
+from tests.executions import run_ok
 
 
 @pytest.fixture
@@ -72,17 +73,7 @@ def control(kc: BlockingKernelClient, msg_type: str, **content: Any) -> dict[str
 
 
 def thread_names(kc: BlockingKernelClient) -> list[str]:
-    msg_id = kc.execute("import threading; print(sorted(t.name for t in threading.enumerate()))")
-    printed = ""
-    while True:
-        msg = kc.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue  # not this cell's (a line the kernel printed as it started, say)
-        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
-            printed += msg["content"]["text"]  # (a print may come in more than one message)
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    assert kc.get_shell_msg(timeout=30)["parent_header"]["msg_id"] == msg_id
+    printed = run_ok(kc, "import threading; print(sorted(t.name for t in threading.enumerate()))", timeout=30)
     names: list[str] = eval(printed)  # noqa: S307 (the kernel's own print of a list)
     return names
 
@@ -152,18 +143,9 @@ def test_context_variables_a_cell_set_live_on_after_the_hand_over(
     after the first subshell request alike."""
     _, kc = kernel
     setup = "import contextvars, decimal; v = contextvars.ContextVar('v', default='lost'); v.set('kept')"
-    assert (
-        kc.execute_interactive(setup + "; decimal.getcontext().prec = 5", timeout=30)["content"]["status"]
-        == "ok"
-    )
+    run_ok(kc, setup + "; decimal.getcontext().prec = 5", timeout=30)
     assert control(kc, "list_subshell_request")["content"]["status"] == "ok"
-    printed = []
-    kc.execute_interactive(
-        "print(v.get(), decimal.getcontext().prec)",
-        timeout=30,
-        output_hook=lambda msg: printed.append(msg["content"].get("text", "")),
-    )
-    assert "".join(printed) == "kept 5\n"
+    assert run_ok(kc, "print(v.get(), decimal.getcontext().prec)", timeout=30) == "kept 5\n"
 
 
 @pytest.mark.parametrize("failing", ["1/0", "import asyncio; await asyncio.sleep(0.5); 1/0"])
@@ -180,8 +162,7 @@ def test_a_failing_cell_aborts_the_requests_queued_behind_it(
         reply = kc.get_shell_msg(timeout=30)
         statuses[reply["parent_header"]["msg_id"]] = reply["content"]["status"]
     assert [statuses[msg_id] for msg_id in sent] == ["error"] + ["aborted"] * 6
-    reply = kc.execute_interactive("print(sorted(n for n in dir() if n.startswith('ran_')))", timeout=30)
-    assert reply["content"]["status"] == "ok"
+    assert run_ok(kc, "print(sorted(n for n in dir() if n.startswith('ran_')))", timeout=30) == "[]\n"
 
 
 def test_the_subshell_magic_answers_as_ipykernel_s_before_any_request(
@@ -190,9 +171,6 @@ def test_the_subshell_magic_answers_as_ipykernel_s_before_any_request(
     """``%subshell`` (ipykernel's) lists the subshells: the kernel offers them from the
     start, so the magic does not say it has none."""
     _, kc = kernel
-    printed: list[str] = []
-    kc.execute_interactive(
-        "%subshell", timeout=30, output_hook=lambda msg: printed.append(msg["content"].get("text", ""))
-    )
-    assert "subshell id: None" in "".join(printed), printed
-    assert "subshell list: []" in "".join(printed), printed
+    printed = run_ok(kc, "%subshell", timeout=30)
+    assert "subshell id: None" in printed, printed
+    assert "subshell list: []" in printed, printed

@@ -23,6 +23,7 @@ from jupyter_client.session import Session
 from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.egress import relay as egress_relay
 from sandbox_kernel.inside import kernel_app, kernel_relay
+from tests.executions import run_ok
 
 CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
@@ -98,18 +99,6 @@ def _client(prefix: Path) -> BlockingKernelClient:
     return kc
 
 
-def _run(kc: BlockingKernelClient, code: str) -> str:
-    out: list[str] = []
-
-    def hook(msg: dict[str, object]) -> None:
-        if msg["msg_type"] == "stream":
-            out.append(str(msg["content"]["text"]))  # type: ignore[index]
-
-    reply = kc.execute_interactive(code, timeout=30, output_hook=hook)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    return "".join(out)
-
-
 def test_a_paused_relay_holds_no_host_socket_and_the_kernel_keeps_its_state(
     relayed: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
@@ -117,7 +106,7 @@ def test_a_paused_relay_holds_no_host_socket_and_the_kernel_keeps_its_state(
     SIGUSR2: bound again, and a new client finds the kernel as it was, prompts too."""
     relay, prefix = relayed
     kc = _client(prefix)
-    assert _run(kc, "x = 42; print('set')") == "set\n"
+    assert run_ok(kc, "x = 42; print('set')") == "set\n"
     kc.stop_channels()
     relay.send_signal(signal.SIGUSR1)
     _wait(lambda: not any(_sockets(prefix)), "closing of the host sockets")
@@ -126,7 +115,7 @@ def test_a_paused_relay_holds_no_host_socket_and_the_kernel_keeps_its_state(
     _wait(lambda: all(_sockets(prefix)), "host sockets again")
     kc = _client(prefix)
     try:
-        assert _run(kc, "print(x)") == "42\n"
+        assert run_ok(kc, "print(x)") == "42\n"
         answered = kc.execute_interactive(
             "print(input('name? '))",
             timeout=30,
@@ -145,7 +134,7 @@ def test_sigusr2_binds_afresh_where_the_host_removed_the_files_of_open_sockets(
     socket files and asks again; the relay binds new ones even if it had never closed."""
     relay, prefix = relayed
     kc = _client(prefix)
-    assert _run(kc, "x = 42; print('set')") == "set\n"
+    assert run_ok(kc, "x = 42; print('set')") == "set\n"
     kc.stop_channels()
     for number in CHANNELS.values():
         Path(f"{prefix}-{number}").unlink()
@@ -153,7 +142,7 @@ def test_sigusr2_binds_afresh_where_the_host_removed_the_files_of_open_sockets(
     _wait(lambda: all(_sockets(prefix)), "host sockets again")
     kc = _client(prefix)
     try:
-        assert _run(kc, "print(x)") == "42\n"
+        assert run_ok(kc, "print(x)") == "42\n"
     finally:
         kc.stop_channels()
 
@@ -241,7 +230,7 @@ def test_signals_reach_the_kernel_and_its_status_is_the_relays(
         reply = kc.get_shell_msg(timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["ename"] == "KeyboardInterrupt"
-        assert _run(kc, "print('still here')") == "still here\n"
+        assert run_ok(kc, "print('still here')") == "still here\n"
     finally:
         kc.stop_channels()
     relay.send_signal(signal.SIGTERM)

@@ -1,0 +1,46 @@
+"""Executing a cell from a jupyter_client client and collecting what it produced: shared
+by the unit tests that start kernels (on the host) and the integration tests (sandboxed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_client.blocking.client import BlockingKernelClient
+
+
+class Execution:
+    """What one execute request produced, collected from iopub."""
+
+    def __init__(self) -> None:
+        self.stdout = ""
+        self.stderr = ""
+        self.outputs: list[dict[str, Any]] = []
+        self.reply: dict[str, Any] = {}
+
+    def hook(self, msg: dict[str, Any]) -> None:
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                self.stdout += content["text"]
+            else:
+                self.stderr += content["text"]
+        elif kind in ("display_data", "execute_result", "error"):
+            self.outputs.append({"type": kind, **content})
+
+    @property
+    def status(self) -> str:
+        return str(self.reply["content"]["status"])
+
+
+def run(kc: BlockingKernelClient, code: str, timeout: float = 60, **kwargs: Any) -> Execution:
+    """Execute ``code`` and wait for its reply and all its output."""
+    result = Execution()
+    result.reply = kc.execute_interactive(code, timeout=timeout, output_hook=result.hook, **kwargs)
+    return result
+
+
+def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
+    """Execute ``code``, insist it succeeded, and return its stdout."""
+    result = run(kc, code, timeout)
+    assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
+    return result.stdout
