@@ -7,6 +7,7 @@ sent the way a local user without the key, or code in the kernel, would send the
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import random
@@ -438,6 +439,27 @@ def fuzz_frames(rng: random.Random, session: Session) -> list[bytes]:
     return [b"topic", *message, rng.randbytes(rng.randrange(0, 10))]
 
 
+def kernel_answers_again(ctx: Ctx, session: Session, kernel: zmq.Socket[bytes], address: str) -> int:
+    """A new client's request reaches the kernel and its reply comes back: how many were
+    sent. The fuzzing's signed requests that the bridge passed on may still be arriving
+    (the kernel reads up to the new one), and one sent while the bridge replaces a
+    kernel-facing socket that ZeroMQ cut off for an oversized frame is lost with it (in
+    the server, the meter cuts first, and ZeroMQ reconnects the same socket)."""
+    dealer = client(ctx, zmq.DEALER, address)
+    for sent in itertools.count(1):
+        marker = session.msg("kernel_info_request", {})
+        dealer.send_multipart(list(session.serialize(marker)))
+        while kernel.poll(2000):  # (the fuzzing's signed messages may be garbage, or sent twice)
+            received = kernel.recv_multipart()
+            if marker["header"]["msg_id"].encode() in session.feed_identities(received)[1][1]:
+                answer(session, kernel, received)
+                reply = session.deserialize(session.feed_identities(recv(dealer))[1])
+                assert reply["parent_header"]["msg_id"] == marker["header"]["msg_id"]
+                return sent
+        assert sent < 10, "the kernel never got a request again"
+    raise AssertionError  # (unreachable)
+
+
 def test_fuzz_every_channel_from_both_sides(
     ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str], tap: Tap
 ) -> None:
@@ -463,16 +485,9 @@ def test_fuzz_every_channel_from_both_sides(
                 kernel["iopub"].send_multipart(frames)
             elif KERNEL_SOCKET_TYPES[channel] == zmq.ROUTER:
                 kernel[channel].send_multipart([b"sandbox-kernel-bridge", *frames])
-        time.sleep(0.5)
-        assert bridge.running
-        for sock in kernel.values():  # drop what the fuzzing delivered
-            while sock.poll(10):
-                sock.recv_multipart()
         for channel in ("shell", "control"):
-            assert (
-                round_trip(ctx, session, kernel[channel], bridge.endpoint(channel))["msg_type"]
-                == "kernel_info_reply"
-            )
+            assert kernel_answers_again(ctx, session, kernel[channel], bridge.endpoint(channel)) <= 3
+        assert bridge.running
         assert publish_until_received(kernel["iopub"], subscriber(ctx, bridge), status(session)) is not None
     finally:
         bridge.stop()
