@@ -113,7 +113,7 @@ _EGRESS_SUMMARY = ("method", "host", "port", "verdict", "reason")
 #: Why an execution the kernel went past has no reply (the audit line, and its client).
 LOST_REPLY = (
     "the kernel went on to its next request without a reply to this one reaching the host "
-    "(a message over the size cap cut it off, or code in the kernel withheld it)"
+    "(it was over the size cap and dropped, or code in the kernel withheld it)"
 )
 
 #: Why an execution queued on a subshell that was deleted has no reply.
@@ -464,7 +464,7 @@ class ExecutionAuditor:
 
         A shell (the main one, or one subshell) runs its requests in order: once the
         kernel answers a later one (or began it a while ago), the earlier ones are over
-        even if their replies never reached the host (cut off with a message over the size cap, or
+        even if their replies never reached the host (over the size cap and dropped, or
         withheld). Left pending, the first would pass for running for ever, and every
         later cell's output would be charged to its output budget. Moving on gives the
         kernel nothing it lacks: it could send those replies itself.

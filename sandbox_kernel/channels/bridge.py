@@ -128,7 +128,8 @@ class CurveKeys:
 
 @dataclass(frozen=True)
 class SizeCaps:
-    """Largest ZeroMQ frame each side may send; a peer sending a bigger one is cut off.
+    """Largest ZeroMQ frame each side may send; a peer sending a bigger one is cut off (on
+    the kernel's side, the meter drops a whole message over its cap before that).
 
     Clients send requests (a few KiB; comm messages with buffers may be larger) and
     subscriptions; the kernel sends replies and output, whose total per execution the
@@ -483,7 +484,7 @@ class KernelBridge:
         the kernel's, which bounds whole messages (see :mod:`.meter`)."""
         if self._meter_folder is None:
             return dict(endpoints)
-        self._meter = Meter(self._meter_folder, self._on_cut)
+        self._meter = Meter(self._meter_folder, self._on_refused)
         return {
             channel: self._meter.endpoint(channel, endpoint.removeprefix("ipc://"), self._caps.back(channel))
             if endpoint.startswith("ipc://")
@@ -491,8 +492,9 @@ class KernelBridge:
             for channel, endpoint in endpoints.items()
         }
 
-    def _on_cut(self, channel: str, why: str) -> None:
-        """The meter cut the kernel's ``channel`` off (ZeroMQ connects again)."""
+    def _on_refused(self, channel: str, why: str) -> None:
+        """The meter dropped a message of the kernel's on ``channel``, or cut the channel
+        off for breaking the framing (ZeroMQ connects again)."""
         self._drop(channel, False, why)
 
     def _connect_back(self, channel: str) -> zmq.Socket[bytes]:
@@ -693,7 +695,8 @@ class KernelBridge:
     def _reconnect(self, channel: str, routes: _Routes) -> None:
         """The kernel-facing socket of ``channel`` lost its kernel: connect a new one.
 
-        A kernel that sent an oversized frame was cut off and ZeroMQ would not reconnect;
+        A kernel that sent a frame over ZeroMQ's own cap (behind the meter's, which drops
+        whole messages first) was cut off and ZeroMQ would not reconnect;
         a kernel that died is simply reconnected to (its successor binds the same path).
         """
         routes.disconnect(self._backs[channel], self._monitors[channel])

@@ -11,12 +11,14 @@ the server, one listening unix socket per channel in the kernel's server-only ru
 folder, which connects on to the sandbox's socket and passes the bytes through, both
 ways, unchanged. ZeroMQ still speaks the protocol at both ends; the meter only reads the
 frame headers of what comes from the sandbox (ZMTP 3: a 64-byte greeting, then frames,
-each a flags byte and a length) and, before it passes on a frame that would take the
-message over its channel's cap (all its frames together, 64 bytes counted for each, at
-most ``max_frames`` of them) or one that breaks the framing, cuts the connection. ZeroMQ
-drops the part it holds and connects again, as when a frame is over its own cap; the
-bridge answers the requests that were waiting (``ReplyLost``). The server so holds at most
-one channel's cap of a message, whoever sent it.
+each a flags byte and a length) and holds each message back until its last frame has
+come. A message that would go over its channel's cap (all its frames together, 64 bytes
+counted for each, at most ``max_frames`` of them) is dropped whole, and the connection
+goes on: what the kernel sends next passes as usual (cutting the connection instead, as
+the meter once did, lost whatever the kernel sent until ZeroMQ had connected again: the
+reply to the next cell, say). A reply dropped so is answered by the host (``ReplyLost``)
+once the kernel has gone on to a later request. Bytes that break the framing cut the
+connection. The server so holds at most one channel's cap of a message, whoever sent it.
 
 What comes from clients is capped by the bridge's client-facing sockets, and checked once
 whole; what the host sends the sandbox is passed as it is.
@@ -61,44 +63,63 @@ GREETING_WAIT = 1.0
 _METERS = itertools.count()
 
 
+class BrokenFraming(Exception):
+    """What the sandbox sent is not ZMTP 3 that the meter can follow: the link is cut."""
+
+
 @dataclass
 class MessageMeter:
-    """Reads the frame headers of one connection's bytes from the sandbox.
+    """Reads the frame headers of one connection's bytes from the sandbox, and holds each
+    message back until its last frame has come.
 
-    :meth:`feed` is given each chunk before it is passed on, and says whether it may be:
-    None, or why not (the link is then cut: nothing of that chunk passes).
+    :meth:`feed` is given each chunk as it comes and returns what of it may be passed on:
+    the greeting and commands as they come, a message once whole. A message that goes past
+    the cap (or ``max_frames``) is dropped whole: what was held of it is let go, the rest
+    read and thrown away as it comes, and the next message passes as usual on the same
+    connection, so nothing the kernel sends after it is lost to a reconnection. Why each
+    was dropped waits in :attr:`dropped` for the caller. Bytes the meter cannot follow as
+    frames raise :class:`BrokenFraming`.
     """
 
     cap: int
     max_frames: int = 1024
+    #: Why each message dropped since the caller last looked was (the caller clears it).
+    dropped: list[str] = field(default_factory=list)
     _greeting: bytearray = field(default_factory=bytearray)
     _header: bytearray = field(default_factory=bytearray)
     _body_left: int = 0  # bytes of the current frame's body still to come
+    _sink: str = "pass"  # where the current frame's bytes go: "pass", "hold" or "drop"
+    _last: bool = False  # the current frame ends its message
+    _held: bytearray = field(default_factory=bytearray)  # the message so far
+    _dropping: bool = False  # the current message is over a bound: thrown away
     _message: int = 0  # cost of the message so far
     _frames: int = 0
 
-    def feed(self, data: bytes) -> str | None:
+    def feed(self, data: bytes) -> bytearray:
+        out = bytearray()
         view = memoryview(data)
         while view:
+            broken = None
             if len(self._greeting) < GREETING:
                 taken = view[: GREETING - len(self._greeting)]
                 self._greeting += taken
+                out += taken
                 view = view[len(taken) :]
-                why = self._check_greeting()
-                if why is not None:
-                    return why
-                continue
-            if self._body_left:
+                broken = self._check_greeting()
+            elif self._body_left:
                 step = min(self._body_left, len(view))
+                self._put(out, view[:step])
                 self._body_left -= step
                 view = view[step:]
-                continue
-            self._header.append(view[0])
-            view = view[1:]
-            why = self._frame()
-            if why is not None:
-                return why
-        return None
+                if not self._body_left:
+                    self._frame_done(out)
+            else:
+                self._header.append(view[0])
+                view = view[1:]
+                broken = self._frame(out)
+            if broken is not None:
+                raise BrokenFraming(broken)
+        return out
 
     def _check_greeting(self) -> str | None:
         greeting = self._greeting
@@ -108,8 +129,9 @@ class MessageMeter:
             return f"ZMTP version {greeting[10]}, not 3"
         return None
 
-    def _frame(self) -> str | None:
-        """A frame header read so far: check it once whole."""
+    def _frame(self, out: bytearray) -> str | None:
+        """A frame header read so far: once whole, check it and say where its bytes go
+        (returns why the framing is broken, if it is)."""
         flags = self._header[0]
         if flags & ~(MORE | LONG | COMMAND):
             return "a frame with unknown flags"
@@ -117,21 +139,47 @@ class MessageMeter:
         if len(self._header) < 1 + length_bytes:
             return None
         size = int.from_bytes(self._header[1:], "big")
-        self._header.clear()
-        self._body_left = size
         if flags & COMMAND:
             if flags & MORE:
                 return "a command with the MORE flag"
-            return "a command over 64 KiB" if size > MAX_COMMAND else None
-        self._frames += 1
-        self._message += size + FRAME_COST
-        if self._message > self.cap:
-            return f"a message over {self.cap / 2**20:g} MiB"
-        if self._frames > self.max_frames:
-            return f"a message of more than {self.max_frames} frames"
-        if not flags & MORE:
-            self._message, self._frames = 0, 0
+            if size > MAX_COMMAND:
+                return "a command over 64 KiB"
+            # In its place among a message's frames if that message is held; else now.
+            self._sink, self._last = ("hold" if self._frames and not self._dropping else "pass"), False
+        else:
+            self._frames += 1
+            self._message += size + FRAME_COST
+            if not self._dropping:
+                if self._message > self.cap:
+                    self._drop(f"a message over {self.cap / 2**20:g} MiB")
+                elif self._frames > self.max_frames:
+                    self._drop(f"a message of more than {self.max_frames} frames")
+            self._sink, self._last = ("drop" if self._dropping else "hold"), not flags & MORE
+        self._put(out, self._header)
+        self._header.clear()
+        self._body_left = size
+        if not size:
+            self._frame_done(out)
         return None
+
+    def _put(self, out: bytearray, data: bytearray | memoryview) -> None:
+        if self._sink == "pass":
+            out += data
+        elif self._sink == "hold":
+            self._held += data
+
+    def _drop(self, why: str) -> None:
+        self.dropped.append(why)
+        self._dropping = True
+        self._held = bytearray()  # (let go at once: it may be the whole cap)
+
+    def _frame_done(self, out: bytearray) -> None:
+        if not self._last:
+            return
+        if not self._dropping:
+            out += self._held
+            self._held = bytearray()
+        self._dropping, self._message, self._frames, self._last = False, 0, 0, False
 
 
 @dataclass(eq=False)
@@ -155,12 +203,13 @@ class Meter:
     """The meter of one kernel's channels: a thread, and a listening socket per channel.
 
     ``folder``: where its sockets go, readable by this process alone (the kernel's runtime
-    folder). ``on_cut(channel, reason)``: told (from the meter's thread) of every link cut.
+    folder). ``on_refused(channel, reason)``: told (from the meter's thread) of every
+    message dropped and every link cut.
     """
 
-    def __init__(self, folder: Path, on_cut: Callable[[str, str], None]) -> None:
+    def __init__(self, folder: Path, on_refused: Callable[[str, str], None]) -> None:
         self.folder = folder
-        self.on_cut = on_cut
+        self.on_refused = on_refused
         self._selector = selectors.DefaultSelector()
         self._wake_rx, self._wake_tx = socket.socketpair()
         self._wake_rx.setblocking(False)
@@ -330,11 +379,18 @@ class Meter:
                 if link in self._silent:  # it greets: a live socket
                     self._silent.discard(link)
                     link.unanswered.clear()
-                why = link.meter.feed(data)
-                if why is not None:
-                    self._cut(link, why)
+                try:
+                    passed = link.meter.feed(data)
+                except BrokenFraming as exc:
+                    self._cut(link, str(exc))
                     return
-                link.to_bridge += data
+                for why in link.meter.dropped:
+                    self.on_refused(link.channel, why)
+                link.meter.dropped.clear()
+                if link.to_bridge:
+                    link.to_bridge += passed
+                else:  # (no copy: a whole message may be the channel's cap)
+                    link.to_bridge = passed
             elif data:
                 link.to_sandbox += data
         for target, outgoing in ((link.bridge, link.to_bridge), (link.sandbox, link.to_sandbox)):
@@ -353,13 +409,13 @@ class Meter:
         self._watch(link)
 
     def _cut(self, link: _Link, why: str | None) -> None:
-        """End ``link`` (``why``: it broke the meter's bounds; None: a side closed, and
-        what the sandbox sent before it did still goes to the bridge, as it would have)."""
+        """End ``link`` (``why``: it broke the framing; None: a side closed, and what the
+        sandbox sent before it did still goes to the bridge, as it would have)."""
         self._links.discard(link)
         self._waiting.discard(link)
         self._silent.discard(link)
         if why is not None:
-            self.on_cut(link.channel, why)  # (told before the bridge sees the link go)
+            self.on_refused(link.channel, why)  # (told before the bridge sees the link go)
         elif link.to_bridge:
             with contextlib.suppress(OSError):
                 link.bridge.settimeout(1.0)

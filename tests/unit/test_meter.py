@@ -16,7 +16,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from sandbox_kernel.channels.meter import GREETING, MessageMeter, Meter
+from sandbox_kernel.channels.meter import BrokenFraming, MessageMeter, Meter
 from tests.unit.conftest import Ctx
 
 
@@ -42,22 +42,48 @@ def _frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
     return bytes([flags, len(body)]) + body
 
 
-def test_the_meter_reads_frames_in_any_chunks_and_bounds_whole_messages() -> None:
-    stream = _greeting() + _frame(b"\x05READY", command=True)
-    stream += b"".join(_frame(b"x" * 1000, more=True) for _ in range(9)) + _frame(b"end")
+READY = _frame(b"\x05READY", command=True)
+
+
+def _feed(meter: MessageMeter, stream: bytes, size: int) -> bytes:
+    return b"".join(meter.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+
+
+def test_the_meter_reads_frames_in_any_chunks_and_passes_each_message_once_whole() -> None:
+    message = b"".join(_frame(b"x" * 1000, more=True) for _ in range(9)) + _frame(b"end")
+    stream = _greeting() + READY + message + _frame(b"", more=True) + _frame(b"")
     for size in (1, 7, 64, len(stream)):
         meter = MessageMeter(cap=16 * 1024)
-        assert [meter.feed(stream[i : i + size]) for i in range(0, len(stream), size)] == [None] * len(
-            range(0, len(stream), size)
-        )
-    # The same message once more, under a smaller cap: refused at the frame that passes it,
-    # before its body.
-    meter = MessageMeter(cap=5000)
-    assert meter.feed(stream[: GREETING + 8 + 3 * 1002]) is None
-    assert (
-        meter.feed(stream[GREETING + 8 + 3 * 1002 : GREETING + 8 + 5 * 1002])
-        == "a message over 0.00476837 MiB"
-    )
+        assert _feed(meter, stream, size) == stream
+        assert meter.dropped == []
+    # Held back until its last frame has come: the greeting and the command pass at once.
+    meter = MessageMeter(cap=16 * 1024)
+    assert meter.feed(_greeting() + READY + message[:-5]) == _greeting() + READY
+    assert meter.feed(message[-5:]) == message
+
+
+def test_a_message_over_the_cap_is_dropped_whole_and_the_next_one_passes() -> None:
+    """Refused at the frame that takes it past the cap: what was held of it is let go,
+    the rest thrown away as it comes; the connection goes on."""
+    big = b"".join(_frame(b"x" * 1000, more=True) for _ in range(9)) + _frame(b"end")
+    after = _frame(b"reply", more=True) + _frame(b"{}")
+    stream = _greeting() + READY + big + after
+    for size in (1, 7, 64, 3000, len(stream)):
+        meter = MessageMeter(cap=5000)
+        assert _feed(meter, stream, size) == _greeting() + READY + after
+        assert meter.dropped == ["a message over 0.00476837 MiB"]
+    meter = MessageMeter(cap=2**30)
+    many = b"".join(_frame(b"", more=True) for _ in range(1025)) + _frame(b"")
+    assert meter.feed(_greeting() + many + after) == _greeting() + after
+    assert meter.dropped == ["a message of more than 1024 frames"]
+
+
+def test_a_command_between_a_message_s_frames_keeps_its_place() -> None:
+    ping = _frame(b"\x04PING\x00\x00", command=True)
+    stream = _greeting() + _frame(b"a", more=True) + ping + _frame(b"b")
+    assert MessageMeter(cap=2**20).feed(stream) == stream
+    dropped = _greeting() + _frame(b"a" * 200, more=True) + ping + _frame(b"b")
+    assert MessageMeter(cap=100).feed(dropped) == _greeting() + ping
 
 
 @pytest.mark.parametrize(
@@ -67,14 +93,12 @@ def test_the_meter_reads_frames_in_any_chunks_and_bounds_whole_messages() -> Non
         (_greeting()[:10] + b"\x02" + _greeting()[11:], "ZMTP version 2, not 3"),
         (_greeting() + b"\x08\x01x", "a frame with unknown flags"),
         (_greeting() + _frame(b"x" * 70000, command=True), "a command over 64 KiB"),
-        (
-            _greeting() + b"".join(_frame(b"", more=True) for _ in range(1025)),
-            "a message of more than 1024 frames",
-        ),
+        (_greeting() + bytes([1 | 4, 1]) + b"x", "a command with the MORE flag"),
     ],
 )
 def test_what_breaks_the_framing_is_refused(stream: bytes, why: str) -> None:
-    assert MessageMeter(cap=2**30).feed(stream) == why
+    with pytest.raises(BrokenFraming, match=why):
+        MessageMeter(cap=2**30).feed(stream)
 
 
 def test_messages_pass_both_ways_unchanged(
@@ -95,6 +119,36 @@ def test_messages_pass_both_ways_unchanged(
     assert bridge.poll(10_000)
     assert bridge.recv_multipart() == [b"reply", big, b"end"]
     assert cuts == []
+    bridge.close(linger=0)
+    relay.close(linger=0)
+
+
+def test_a_reply_sent_right_after_an_oversized_one_arrives_on_the_same_connection(
+    ctx: Ctx, tmp_path: Path, meter: tuple[Meter, list[tuple[str, str]]]
+) -> None:
+    """The meter once cut the link at an oversized message, and what the kernel sent
+    before ZeroMQ had connected again was lost: the reply to the next cell, sent at once."""
+    the_meter, refused = meter
+    relay = ctx.socket(zmq.ROUTER)
+    relay.bind(f"ipc://{tmp_path}/kernel-7")
+    bridge = ctx.socket(zmq.DEALER)
+    bridge.setsockopt(zmq.IDENTITY, b"bridge")
+    monitor = bridge.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    bridge.connect(the_meter.endpoint("shell", str(tmp_path / "kernel-7"), 32 * 2**20))
+    bridge.send(b"request")
+    assert relay.poll(10_000)
+    relay.recv_multipart()
+    relay.send_multipart([b"bridge", b"oversized", b"x" * (40 * 2**20)])
+    relay.send_multipart([b"bridge", b"next", b"reply"])
+    assert bridge.poll(10_000)
+    assert bridge.recv_multipart() == [b"next", b"reply"]
+    assert refused == [("shell", "a message over 32 MiB")]
+    events = []
+    while monitor.poll(200):
+        events.append(parse_monitor_message(monitor.recv_multipart())["event"])
+    assert events == [zmq.EVENT_CONNECTED], "one connection, never cut"
+    bridge.disable_monitor()
+    monitor.close(linger=0)
     bridge.close(linger=0)
     relay.close(linger=0)
 
