@@ -76,6 +76,9 @@ _SOCKET_TYPES: Mapping[str, tuple[int, int]] = {
     "iopub": (zmq.XPUB, zmq.XSUB),
 }
 CHANNELS = tuple(_SOCKET_TYPES)
+#: The bridge's own command (see :meth:`KernelBridge.inject`): the meter dropped an IOPub
+#: message of the kernel's whole.
+_REFUSED = "\x00refused"
 #: Channels whose messages are signed Jupyter messages (hb echoes raw bytes).
 _SIGNED = ("shell", "control", "stdin", "iopub")
 #: Channels where the kernel only answers: one reply per request a client sent.
@@ -492,10 +495,12 @@ class KernelBridge:
             for channel, endpoint in endpoints.items()
         }
 
-    def _on_refused(self, channel: str, why: str) -> None:
-        """The meter dropped a message of the kernel's on ``channel``, or cut the channel
-        off for breaking the framing (ZeroMQ connects again)."""
+    def _on_refused(self, channel: str, why: str, dropped: bool) -> None:
+        """The meter dropped a message of the kernel's on ``channel`` whole (``dropped``), or
+        cut the channel off for breaking the framing (ZeroMQ connects again)."""
         self._drop(channel, False, why)
+        if dropped and channel == "iopub":
+            self.inject(_REFUSED, [])  # (the bridge's thread tells the execution's client)
 
     def _connect_back(self, channel: str) -> zmq.Socket[bytes]:
         """A new kernel-facing socket for ``channel``, connected, with a disconnect monitor."""
@@ -713,6 +718,11 @@ class KernelBridge:
         if not target:  # the bridge's own command
             self._release_due = True
             self._release_if_connected()
+            return
+        if target == _REFUSED.encode():
+            if self._limiter is not None and "iopub" in fronts:
+                for notice in self._limiter.refused(self._caps.back("iopub")):
+                    self._send(fronts["iopub"], "iopub", notice)
             return
         channel = target.decode()
         front = fronts[channel]

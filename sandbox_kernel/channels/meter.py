@@ -203,11 +203,11 @@ class Meter:
     """The meter of one kernel's channels: a thread, and a listening socket per channel.
 
     ``folder``: where its sockets go, readable by this process alone (the kernel's runtime
-    folder). ``on_refused(channel, reason)``: told (from the meter's thread) of every
-    message dropped and every link cut.
+    folder). ``on_refused(channel, reason, dropped)``: told (from the meter's thread) of
+    every message dropped whole (``dropped``: the link goes on) and every link cut.
     """
 
-    def __init__(self, folder: Path, on_refused: Callable[[str, str], None]) -> None:
+    def __init__(self, folder: Path, on_refused: Callable[[str, str, bool], None]) -> None:
         self.folder = folder
         self.on_refused = on_refused
         self._selector = selectors.DefaultSelector()
@@ -385,7 +385,7 @@ class Meter:
                     self._cut(link, str(exc))
                     return
                 for why in link.meter.dropped:
-                    self.on_refused(link.channel, why)
+                    self.on_refused(link.channel, why, True)
                 link.meter.dropped.clear()
                 if link.to_bridge:
                     link.to_bridge += passed
@@ -415,7 +415,7 @@ class Meter:
         self._waiting.discard(link)
         self._silent.discard(link)
         if why is not None:
-            self.on_refused(link.channel, why)  # (told before the bridge sees the link go)
+            self.on_refused(link.channel, why, False)  # (told before the bridge sees the link go)
         elif link.to_bridge:
             with contextlib.suppress(OSError):
                 link.bridge.settimeout(1.0)

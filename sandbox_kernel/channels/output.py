@@ -326,6 +326,30 @@ class OutputLimiter:
         budget.over = True
         return out + self._notice_once(budget)
 
+    def refused(self, size: int) -> list[Message]:
+        """The messages to send for one of the kernel's IOPub messages that the meter
+        dropped whole, unread, for being over ``size`` (the channel's cap): charged as
+        dropped output to the execution running now (or the last one a client sent), so
+        its client is told as of any output past its budget, and its stdout goes on to the
+        held tail, shown when it ends with the amount dropped."""
+        executing = self._executing()
+        if executing:
+            key, parent = executing[0]
+        elif self._latest is not None:
+            key, parent = self._latest
+        else:
+            return []
+        budget = self._budget(key, parent)
+        if not budget.over and budget.passed + size <= budget.limit:  # (a limit above the cap)
+            text = (
+                f"Output dropped: one message of more than {amount(size)}, the most the host takes "
+                "from a kernel. Write large results to a file in the workspace instead."
+            )
+            return [stderr_notice(self._session, text, parent)]
+        budget.dropped += size
+        budget.over = True
+        return self._notice_once(budget)
+
     def release(self, notice: Message | None = None) -> list[Message]:
         """The held tails, to send now: for each, a marker saying how much was dropped,
         then the text.

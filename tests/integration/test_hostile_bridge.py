@@ -27,7 +27,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.session import Session
 from traitlets.config import Config
 
-from .conftest import KernelStarter, restarting_kernel, run_ok, wait_for_restart
+from .conftest import KernelStarter, restarting_kernel, run, run_ok, wait_for_restart
 
 pytestmark = pytest.mark.integration
 
@@ -239,6 +239,25 @@ def test_malformed_and_oversized_frames_from_the_kernel_leave_the_bridge_working
     km.restart_kernel(now=True)
     kc.wait_for_ready(timeout=60)
     assert run_ok(kc, "print('restarted')").strip() == "restarted"
+
+
+def test_a_display_over_the_iopub_cap_is_dropped_and_the_cell_ends_as_usual(
+    start_sandboxed: KernelStarter,
+) -> None:
+    """What the cell prints after a display over IOPub's 64 MiB cap, and its idle status,
+    reach the client (when the meter cut the connection instead, what the kernel sent
+    before ZeroMQ had connected again was lost, and a front end showed the kernel busy for
+    good), and the client is told, as of any output past the output limit."""
+    km, kc = start_sandboxed()
+    big = "display({'text/plain': 'x' * (70 * 2**20)}, raw=True)"
+    out = run(kc, f"from IPython.display import display\n{big}\nprint('after')")
+    assert (out.status, out.outputs) == ("ok", []), out.reply
+    marker = "[... 64 MiB of output dropped: over this kernel's output limit of 10 MiB per execution ...]"
+    assert out.stdout == f"\n{marker}\nafter\n"
+    assert "] Output truncated: this execution produced more than 10 MiB of output" in out.stderr, out.stderr
+    dropped = km.provisioner.bridge.dropped  # type: ignore[union-attr]
+    assert dropped["iopub message from the kernel: a message over 64 MiB"] == 1, dropped
+    assert run_ok(kc, "print('next')") == "next\n"
 
 
 #: In a cell: send prompts on stdin ourselves, routed to the cell's client, signed.

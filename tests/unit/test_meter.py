@@ -25,7 +25,7 @@ def meter(tmp_path: Path) -> Iterator[tuple[Meter, list[tuple[str, str]]]]:
     cuts: list[tuple[str, str]] = []
     folder = tmp_path / "runtime"
     folder.mkdir(mode=0o700)
-    meter = Meter(folder, lambda channel, why: cuts.append((channel, why)))
+    meter = Meter(folder, lambda channel, why, _dropped: cuts.append((channel, why)))
     yield meter, cuts
     meter.close()
     assert list(folder.iterdir()) == [], "the meter removes its sockets"

@@ -129,6 +129,31 @@ def test_output_past_the_budget_gets_one_signed_notice_and_only_the_tail_follows
     assert tail["content"]["text"] == "x" * tail_reserve(2000)
 
 
+def test_a_message_the_meter_dropped_over_the_cap_is_told_to_the_running_cells_client() -> None:
+    """The meter drops an IOPub message over the channel's cap whole, unread: the cell
+    running is charged as for output past its budget (one notice; its stdout after that
+    held, and shown with a marker when it ends). Under a limit above the cap, one notice."""
+    kernel = Session(key=KEY)
+    running = Running()
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    (notice,) = read(limiter.refused(64 * 2**20))
+    assert (notice["content"]["name"], notice["parent_header"]["msg_id"]) == ("stderr", "cell-1")
+    assert "Output truncated" in notice["content"]["text"]
+    assert limiter.refused(64 * 2**20) == []  # (told once)
+    assert limiter.admit(printed(kernel, "after\n")) == []
+    marker, tail = read(limiter.release())
+    assert "[... 128 MiB of output dropped" in marker["content"]["text"]
+    assert tail["content"]["text"] == "after\n"
+
+    wide = OutputLimiter(2**30, Session(key=KEY), running)
+    (notice,) = read(wide.refused(64 * 2**20))
+    assert "] Output dropped: one message of more than 64 MiB, the most" in notice["content"]["text"]
+    after = printed(kernel, "after\n")
+    assert wide.admit(after) == [after]  # (the budget is not spent)
+    running.msg_id = None
+    assert OutputLimiter(2000, Session(key=KEY), running).refused(64 * 2**20) == []  # (no cell, no client)
+
+
 def test_a_new_request_from_a_client_gets_a_new_budget_after_the_last_ones_tail() -> None:
     kernel = Session(key=KEY)
     running = Running()
