@@ -350,6 +350,11 @@ class KernelBridge:
         self._release_due = False
         # Channels whose kernel-facing socket has completed a connection to the kernel.
         self._connected: set[str] = set()
+        # Bytes of the kernel's IOPub messages the meter dropped whole, not told yet, and
+        # whether a word of them is on its way to the bridge's thread (see _on_refused).
+        self._refused_lock = threading.Lock()
+        self._refused_bytes = 0
+        self._refused_due = False
         #: Called (bridge thread) with the message type of every signed message that
         #: arrives while held: it must be quick (schedule the resume); it may be called
         #: many times.
@@ -456,6 +461,8 @@ class KernelBridge:
         self._kernel_endpoints = dict(kernel_endpoints)
         self._back_endpoints = self._metered(self._kernel_endpoints)
         self._pending.clear()  # the next kernel answers none of the last one's requests
+        with self._refused_lock:  # (nor is charged what the meter dropped of the last one)
+            self._refused_bytes, self._refused_due = 0, False
         self._held, self._held_bytes, self._release_due = None, 0, False
         if self._limiter is not None and "iopub" in self._fronts:
             # The last kernel's held output tail, before anything of the next one (no
@@ -495,12 +502,21 @@ class KernelBridge:
             for channel, endpoint in endpoints.items()
         }
 
-    def _on_refused(self, channel: str, why: str, dropped: bool) -> None:
-        """The meter dropped a message of the kernel's on ``channel`` whole (``dropped``), or
-        cut the channel off for breaking the framing (ZeroMQ connects again)."""
+    def _on_refused(self, channel: str, why: str, size: int | None) -> None:
+        """The meter dropped a message of the kernel's on ``channel`` whole (of ``size``
+        bytes, at least), or cut the channel off for breaking the framing (``size`` None;
+        ZeroMQ connects again)."""
         self._drop(channel, False, why)
-        if dropped and channel == "iopub":
-            self.inject(_REFUSED, [])  # (the bridge's thread tells the execution's client)
+        if size is None or channel != "iopub":
+            return
+        # The bridge's thread tells the execution's client. One word on the way at a time,
+        # however fast the kernel has messages dropped: the meter's thread never waits.
+        with self._refused_lock:
+            self._refused_bytes += size
+            if self._refused_due:
+                return
+            self._refused_due = True
+        self.inject(_REFUSED, [])
 
     def _connect_back(self, channel: str) -> zmq.Socket[bytes]:
         """A new kernel-facing socket for ``channel``, connected, with a disconnect monitor."""
@@ -714,14 +730,19 @@ class KernelBridge:
         inject_rx: zmq.Socket[bytes],
         fronts: Mapping[str, zmq.Socket[bytes]],
     ) -> None:
-        target, *message = inject_rx.recv_multipart()
+        try:  # (what polled readable may have been taken since: see inject())
+            target, *message = inject_rx.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
         if not target:  # the bridge's own command
             self._release_due = True
             self._release_if_connected()
             return
         if target == _REFUSED.encode():
-            if self._limiter is not None and "iopub" in fronts:
-                for notice in self._limiter.refused(self._caps.back("iopub")):
+            with self._refused_lock:
+                size, self._refused_bytes, self._refused_due = self._refused_bytes, 0, False
+            if size and self._limiter is not None and "iopub" in fronts:
+                for notice in self._limiter.refused(size):
                     self._send(fronts["iopub"], "iopub", notice)
             return
         channel = target.decode()

@@ -6,19 +6,20 @@ Whatever binds the sockets the bridge connects to (the channel relay, or code th
 its place) could send frames of just under the cap with the MORE flag set, without end,
 and the server would hold them all (a kernel with 1 GiB sent 3 GiB in 6 s that way).
 
-So the bridge does not connect to the sandbox's sockets itself: it connects to a meter in
-the server, one listening unix socket per channel in the kernel's server-only runtime
+So the bridge does not connect to the sandbox's sockets itself: it connects to a meter
+in the server, one listening unix socket per channel in the kernel's server-only runtime
 folder, which connects on to the sandbox's socket and passes the bytes through, both
-ways, unchanged. ZeroMQ still speaks the protocol at both ends; the meter only reads the
-frame headers of what comes from the sandbox (ZMTP 3: a 64-byte greeting, then frames,
-each a flags byte and a length) and holds each message back until its last frame has
-come. A message that would go over its channel's cap (all its frames together, 64 bytes
-counted for each, at most ``max_frames`` of them) is dropped whole, and the connection
-goes on: what the kernel sends next passes as usual (cutting the connection instead, as
-the meter once did, lost whatever the kernel sent until ZeroMQ had connected again: the
-reply to the next cell, say). A reply dropped so is answered by the host (``ReplyLost``)
-once the kernel has gone on to a later request. Bytes that break the framing cut the
-connection. The server so holds at most one channel's cap of a message, whoever sent it.
+ways. ZeroMQ still speaks the protocol at both ends; the meter only reads the frame
+headers of what comes from the sandbox (ZMTP 3: a 64-byte greeting, then frames, each a
+flags byte and a length) and holds each message back until its last frame has come
+(commands pass at once: ZeroMQ takes them apart from messages). A message that would go
+over its channel's cap (all its frames together, 64 bytes counted for each, at most
+``max_frames`` of them) is dropped whole, and the connection goes on: what the kernel
+sends next passes as usual (cutting the connection instead, as the meter once did, lost
+whatever the kernel sent until ZeroMQ had connected again: the reply to the next cell,
+say). A reply dropped so is answered by the host (``ReplyLost``) once the kernel has
+gone on to a later request. Bytes that break the framing cut the connection. The server
+so holds at most one channel's cap of a message, whoever sent it.
 
 What comes from clients is capped by the bridge's client-facing sockets, and checked once
 whole; what the host sends the sandbox is passed as it is.
@@ -83,43 +84,45 @@ class MessageMeter:
 
     cap: int
     max_frames: int = 1024
-    #: Why each message dropped since the caller last looked was (the caller clears it).
-    dropped: list[str] = field(default_factory=list)
+    #: Why each message dropped since the caller last looked was, and its bytes counted
+    #: until then (the caller clears it).
+    dropped: list[tuple[str, int]] = field(default_factory=list)
     _greeting: bytearray = field(default_factory=bytearray)
     _header: bytearray = field(default_factory=bytearray)
     _body_left: int = 0  # bytes of the current frame's body still to come
     _sink: str = "pass"  # where the current frame's bytes go: "pass", "hold" or "drop"
     _last: bool = False  # the current frame ends its message
     _held: bytearray = field(default_factory=bytearray)  # the message so far
+    _out: bytearray = field(default_factory=bytearray)  # what feed() passes on
     _dropping: bool = False  # the current message is over a bound: thrown away
     _message: int = 0  # cost of the message so far
     _frames: int = 0
 
     def feed(self, data: bytes) -> bytearray:
-        out = bytearray()
         view = memoryview(data)
         while view:
             broken = None
             if len(self._greeting) < GREETING:
                 taken = view[: GREETING - len(self._greeting)]
                 self._greeting += taken
-                out += taken
+                self._out += taken
                 view = view[len(taken) :]
                 broken = self._check_greeting()
             elif self._body_left:
                 step = min(self._body_left, len(view))
-                self._put(out, view[:step])
+                self._put(view[:step])
                 self._body_left -= step
                 view = view[step:]
                 if not self._body_left:
-                    self._frame_done(out)
+                    self._frame_done()
             else:
                 self._header.append(view[0])
                 view = view[1:]
-                broken = self._frame(out)
+                broken = self._frame()
             if broken is not None:
                 raise BrokenFraming(broken)
-        return out
+        passed, self._out = self._out, bytearray()
+        return passed
 
     def _check_greeting(self) -> str | None:
         greeting = self._greeting
@@ -129,7 +132,7 @@ class MessageMeter:
             return f"ZMTP version {greeting[10]}, not 3"
         return None
 
-    def _frame(self, out: bytearray) -> str | None:
+    def _frame(self) -> str | None:
         """A frame header read so far: once whole, check it and say where its bytes go
         (returns why the framing is broken, if it is)."""
         flags = self._header[0]
@@ -144,8 +147,9 @@ class MessageMeter:
                 return "a command with the MORE flag"
             if size > MAX_COMMAND:
                 return "a command over 64 KiB"
-            # In its place among a message's frames if that message is held; else now.
-            self._sink, self._last = ("hold" if self._frames and not self._dropping else "pass"), False
+            # At once, even between a held message's frames: ZeroMQ takes commands apart
+            # from messages, and a held command would cost the server beyond the cap.
+            self._sink, self._last = "pass", False
         else:
             self._frames += 1
             self._message += size + FRAME_COST
@@ -155,30 +159,30 @@ class MessageMeter:
                 elif self._frames > self.max_frames:
                     self._drop(f"a message of more than {self.max_frames} frames")
             self._sink, self._last = ("drop" if self._dropping else "hold"), not flags & MORE
-        self._put(out, self._header)
+        self._put(self._header)
         self._header.clear()
         self._body_left = size
         if not size:
-            self._frame_done(out)
+            self._frame_done()
         return None
 
-    def _put(self, out: bytearray, data: bytearray | memoryview) -> None:
+    def _put(self, data: bytearray | memoryview) -> None:
         if self._sink == "pass":
-            out += data
+            self._out += data
         elif self._sink == "hold":
             self._held += data
 
     def _drop(self, why: str) -> None:
-        self.dropped.append(why)
+        self.dropped.append((why, self._message))
         self._dropping = True
         self._held = bytearray()  # (let go at once: it may be the whole cap)
 
-    def _frame_done(self, out: bytearray) -> None:
+    def _frame_done(self) -> None:
         if not self._last:
             return
-        if not self._dropping:
-            out += self._held
-            self._held = bytearray()
+        if not self._dropping:  # (the message may be the whole cap: what passes before it goes in front)
+            self._held[:0] = self._out
+            self._out, self._held = self._held, bytearray()
         self._dropping, self._message, self._frames, self._last = False, 0, 0, False
 
 
@@ -203,11 +207,12 @@ class Meter:
     """The meter of one kernel's channels: a thread, and a listening socket per channel.
 
     ``folder``: where its sockets go, readable by this process alone (the kernel's runtime
-    folder). ``on_refused(channel, reason, dropped)``: told (from the meter's thread) of
-    every message dropped whole (``dropped``: the link goes on) and every link cut.
+    folder). ``on_refused(channel, reason, size)``: told (from the meter's thread) of
+    every message dropped whole (``size``: its bytes counted until then; the link goes
+    on) and every link cut (``size`` None).
     """
 
-    def __init__(self, folder: Path, on_refused: Callable[[str, str, bool], None]) -> None:
+    def __init__(self, folder: Path, on_refused: Callable[[str, str, int | None], None]) -> None:
         self.folder = folder
         self.on_refused = on_refused
         self._selector = selectors.DefaultSelector()
@@ -384,13 +389,12 @@ class Meter:
                 except BrokenFraming as exc:
                     self._cut(link, str(exc))
                     return
-                for why in link.meter.dropped:
-                    self.on_refused(link.channel, why, True)
+                for why, size in link.meter.dropped:
+                    self.on_refused(link.channel, why, size)
                 link.meter.dropped.clear()
-                if link.to_bridge:
-                    link.to_bridge += passed
-                else:  # (no copy: a whole message may be the channel's cap)
-                    link.to_bridge = passed
+                # (No copy of what passes: a whole message may be the channel's cap.)
+                passed[:0] = link.to_bridge
+                link.to_bridge = passed
             elif data:
                 link.to_sandbox += data
         for target, outgoing in ((link.bridge, link.to_bridge), (link.sandbox, link.to_sandbox)):
@@ -415,7 +419,7 @@ class Meter:
         self._waiting.discard(link)
         self._silent.discard(link)
         if why is not None:
-            self.on_refused(link.channel, why, False)  # (told before the bridge sees the link go)
+            self.on_refused(link.channel, why, None)  # (told before the bridge sees the link go)
         elif link.to_bridge:
             with contextlib.suppress(OSError):
                 link.bridge.settimeout(1.0)

@@ -172,6 +172,8 @@ class _Budget:
     #: Something was dropped: from now on only the tail of stdout/stderr passes.
     over: bool = False
     noticed: bool = False
+    #: Told of a message the meter dropped, under a limit above the channel's cap.
+    refused_noticed: bool = False
     #: Markers that went out (see :data:`_MARKERS_WITHOUT_TEXT`).
     markers: int = 0
     statuses: int = 0
@@ -327,11 +329,12 @@ class OutputLimiter:
         return out + self._notice_once(budget)
 
     def refused(self, size: int) -> list[Message]:
-        """The messages to send for one of the kernel's IOPub messages that the meter
-        dropped whole, unread, for being over ``size`` (the channel's cap): charged as
-        dropped output to the execution running now (or the last one a client sent), so
-        its client is told as of any output past its budget, and its stdout goes on to the
-        held tail, shown when it ends with the amount dropped."""
+        """The messages to send for IOPub messages of the kernel's that the meter dropped
+        whole, unread (``size`` bytes counted of them): charged as dropped output to the
+        execution running now (or the last one a client sent). Past its budget (as a
+        message over the channel's cap is under any limit below the cap) its client is told
+        as of any output past it, and its stdout after that is held, shown when it ends
+        with the amount dropped; under a limit above the cap, told once."""
         executing = self._executing()
         if executing:
             key, parent = executing[0]
@@ -340,15 +343,18 @@ class OutputLimiter:
         else:
             return []
         budget = self._budget(key, parent)
-        if not budget.over and budget.passed + size <= budget.limit:  # (a limit above the cap)
-            text = (
-                f"Output dropped: one message of more than {amount(size)}, the most the host takes "
-                "from a kernel. Write large results to a file in the workspace instead."
-            )
-            return [stderr_notice(self._session, text, parent)]
         budget.dropped += size
-        budget.over = True
-        return self._notice_once(budget)
+        if budget.over or budget.passed + size > budget.limit:
+            budget.over = True
+            return self._notice_once(budget)
+        if budget.refused_noticed:
+            return []
+        budget.refused_noticed = True
+        text = (
+            "Output dropped: a message larger than the host takes from a kernel. "
+            "Write large results to a file in the workspace instead."
+        )
+        return [stderr_notice(self._session, text, parent)]
 
     def release(self, notice: Message | None = None) -> list[Message]:
         """The held tails, to send now: for each, a marker saying how much was dropped,

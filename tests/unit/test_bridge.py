@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -490,6 +491,45 @@ def test_fuzz_every_channel_from_both_sides(
         assert bridge.running
         assert publish_until_received(kernel["iopub"], subscriber(ctx, bridge), status(session)) is not None
     finally:
+        bridge.stop()
+
+
+@pytest.mark.timeout(60)  # (the bridge's thread once blocked for good here, and stop() with it)
+def test_an_injection_from_the_bridge_thread_while_others_wait_leaves_the_bridge_relaying(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], endpoints: dict[str, str]
+) -> None:
+    """The auditor injects from the bridge's own thread (a reply it takes for lost), which
+    delivers at once whatever other threads injected before (the meter's word of a
+    dropped message, the host's notices). The relay then went on to the inject socket it
+    had polled readable in the same round, found it emptied, and blocked reading it."""
+    busy, go_on = threading.Event(), threading.Event()
+
+    def tap(channel: str, to_kernel: bool, frames: Any) -> None:
+        if channel == "control" and to_kernel:
+            busy.set()
+            go_on.wait(10)  # the bridge's thread held while the next two wait
+        elif channel == "shell" and to_kernel:
+            bridge.inject("iopub", status(session))
+
+    bridge = KernelBridge(endpoints, key=KEY, tap=tap)
+    bridge.start()
+    try:
+        shell = client(ctx, zmq.DEALER, bridge.endpoint("shell"))
+        control = client(ctx, zmq.DEALER, bridge.endpoint("control"))
+        control.send_multipart(request(session))
+        assert busy.wait(10)
+        bridge.inject("iopub", status(session))  # from another thread
+        shell.send_multipart(request(session))  # its tap injects on the bridge's thread
+        time.sleep(0.2)  # (both at the bridge's sockets when it polls again)
+        go_on.set()
+        assert recv(kernel["control"])
+        shell.send_multipart(request(session))
+        for _ in range(2):
+            assert session.deserialize(session.feed_identities(recv(kernel["shell"]))[1])["msg_type"] == (
+                "kernel_info_request"
+            )
+    finally:
+        go_on.set()
         bridge.stop()
 
 
