@@ -85,7 +85,7 @@ class MessageMeter:
     cap: int
     max_frames: int = 1024
     #: Why each message dropped since the caller last looked was, and its bytes counted
-    #: until then (the caller clears it).
+    #: until then, at most the cap (the caller clears it).
     dropped: list[tuple[str, int]] = field(default_factory=list)
     _greeting: bytearray = field(default_factory=bytearray)
     _header: bytearray = field(default_factory=bytearray)
@@ -173,14 +173,20 @@ class MessageMeter:
             self._held += data
 
     def _drop(self, why: str) -> None:
-        self.dropped.append((why, self._message))
+        # (Counted up to the cap: past it, the frame's length is only the kernel's word.)
+        self.dropped.append((why, min(self._message, self.cap)))
         self._dropping = True
         self._held = bytearray()  # (let go at once: it may be the whole cap)
 
     def _frame_done(self) -> None:
         if not self._last:
             return
-        if not self._dropping:  # (the message may be the whole cap: what passes before it goes in front)
+        if self._dropping:
+            pass
+        elif len(self._out) >= len(self._held):  # (each byte copied a bounded number of times)
+            self._out += self._held
+            self._held = bytearray()
+        else:  # (the message may be the whole cap: what passes before it goes in front)
             self._held[:0] = self._out
             self._out, self._held = self._held, bytearray()
         self._dropping, self._message, self._frames, self._last = False, 0, 0, False

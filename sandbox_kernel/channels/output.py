@@ -344,7 +344,8 @@ class OutputLimiter:
             return []
         budget = self._budget(key, parent)
         budget.dropped += size
-        if budget.over or budget.passed + size > budget.limit:
+        held = budget.tail.held if budget.tail is not None else 0
+        if budget.over or budget.passed + held + size > budget.limit:
             budget.over = True
             return self._notice_once(budget)
         if budget.refused_noticed:

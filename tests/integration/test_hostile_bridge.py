@@ -252,7 +252,7 @@ def test_a_display_over_the_iopub_cap_is_dropped_and_the_cell_ends_as_usual(
     big = "display({'text/plain': 'x' * (70 * 2**20)}, raw=True)"
     out = run(kc, f"from IPython.display import display\n{big}\nprint('after')")
     assert (out.status, out.outputs) == ("ok", []), out.reply
-    marker = "[... 70 MiB of output dropped: over this kernel's output limit of 10 MiB per execution ...]"
+    marker = "[... 64 MiB of output dropped: over this kernel's output limit of 10 MiB per execution ...]"
     assert out.stdout == f"\n{marker}\nafter\n"
     assert "] Output truncated: this execution produced more than 10 MiB of output" in out.stderr, out.stderr
     dropped = km.provisioner.bridge.dropped  # type: ignore[union-attr]

@@ -97,6 +97,18 @@ def test_a_command_inside_a_message_passes_at_once_and_is_never_held() -> None:
     assert len(endless._held) < 100
 
 
+@pytest.mark.timeout(60)  # (the meter's thread once copied the big one per small one: an hour)
+def test_many_small_messages_read_with_a_large_one_cost_no_copy_of_it_each() -> None:
+    """A message near the cap ending at the start of a read, then a read's worth of empty
+    messages: each message passes, and the large one is not copied again for each."""
+    cap = 64 * 2**20
+    large = _frame(b"x" * (cap - 200))
+    meter = MessageMeter(cap=cap)
+    assert meter.feed(_greeting() + large[:-10]) == _greeting()
+    small = _frame(b"") * 131_000
+    assert meter.feed(large[-10:] + small) == large + small
+
+
 @pytest.mark.parametrize(
     ("stream", "why"),
     [
