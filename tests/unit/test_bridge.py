@@ -445,7 +445,7 @@ def kernel_answers_again(ctx: Ctx, session: Session, kernel: zmq.Socket[bytes], 
     sent. The fuzzing's signed requests that the bridge passed on may still be arriving
     (the kernel reads up to the new one), and one sent while the bridge replaces a
     kernel-facing socket that ZeroMQ cut off for an oversized frame is lost with it (in
-    the server, the meter cuts first, and ZeroMQ reconnects the same socket)."""
+    the server, the meter drops such a message first, and the socket stays connected)."""
     dealer = client(ctx, zmq.DEALER, address)
     for sent in itertools.count(1):
         marker = session.msg("kernel_info_request", {})
