@@ -311,7 +311,10 @@ class KernelChannels:
         if self.auditor is None:
             return
         # Whatever the kernel sent before it died passes first: a real reply in flight wins.
-        await asyncio.sleep(2 * SETTLE)
+        # With nothing waiting (a shutdown, a restart between cells) there is nothing to
+        # win: the kernel's end is told at once (poll waits for this, and restarts with it).
+        if self.auditor.idle_for() is None:
+            await asyncio.sleep(2 * SETTLE)
         self.answer_pending(ename, reason)
 
     def answer_pending(self, ename: str, reason: str) -> int:

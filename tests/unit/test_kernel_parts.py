@@ -22,6 +22,7 @@ from jupyter_client.session import Session
 from sandbox_kernel.backends.fake import FakeBackend
 from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.errors import PauseError
+from sandbox_kernel.kernel import channels as channels_module
 from sandbox_kernel.kernel.channels import ChannelSettings, KernelChannels
 from sandbox_kernel.kernel.egress import KernelEgress
 from sandbox_kernel.kernel.exits import Exits
@@ -286,6 +287,29 @@ async def test_the_watchdog_notes_an_end_and_refuses_new_executions_until_a_rest
     assert parts.channels.refusal[0] == "KernelDied"
     assert "restart it" in parts.channels.refusal[1]
     assert parts.exits.limit_stop is None
+
+
+async def test_an_end_with_no_execution_waiting_is_told_at_once_and_one_waiting_gets_its_reply_first(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each restart and shutdown waited 0.2 s (what the bridge is given to pass on a reply
+    in flight) before the end was noted and ``poll`` answered, with no execution waiting
+    for a reply. The wait is made an hour here: only an execution waiting may take it."""
+    monkeypatch.setattr(channels_module, "SETTLE", 3600.0)
+    await asyncio.wait_for(parts.exits.note(parts.container_id, 0), 10)
+    assert parts.exits.noted == parts.container_id
+    assert parts.bridge.injected == []  # nobody to answer
+
+    other = await parts.backend.create(parts.site.spec)  # (the kernel after a restart)
+    parts.channels.accept()
+    session = Session(key=b"secret")
+    request = session.msg("execute_request", {"code": "1", "silent": False})
+    assert parts.channels.ledger()("shell", True, session.serialize(request, ident=[b"client"]))
+    noting = asyncio.create_task(parts.exits.note(other, 1))
+    await asyncio.sleep(0.5)
+    assert not noting.done(), "its reply in flight, if any, was not given time to pass first"
+    noting.cancel()
+    await parts.backend.remove(other)
 
 
 async def test_an_end_by_the_memory_limit_is_named_and_kept_on_record(parts: Parts) -> None:
