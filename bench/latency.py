@@ -13,6 +13,8 @@ of ``jupyter_client`` would see it:
   asks of the server: a graceful shutdown, then a new kernel with the same connection)
   to the new kernel's first ``kernel_info`` reply, over ``--restarts`` restarts of one
   kernel (median and max). The workspace stays; the interpreter is new.
+* shutdown: ``KernelManager.shutdown_kernel()`` (graceful, as a server shuts down a
+  notebook's kernel) until it returns, for each of the ``--starts`` kernels (median).
 * execute round trip: ``client.execute_interactive("1+1")``, i.e. from sending the
   ``execute_request`` until both the ``execute_reply`` and the ``idle`` status on
   IOPub have arrived, ``--runs`` times after ``--warmup`` untimed runs, on one kernel
@@ -118,6 +120,7 @@ class Timings:
     kernel_info_s: list[float] = field(default_factory=list)
     ready_s: list[float] = field(default_factory=list)
     restart_s: list[float] = field(default_factory=list)
+    shutdown_s: list[float] = field(default_factory=list)
     execute_ms: list[float] = field(default_factory=list)
     memory_idle_mib: float = math.nan
     memory_pandas_mib: float = math.nan
@@ -193,9 +196,13 @@ def measure(kernel_name: str, starts: int, restarts: int, runs: int, warmup: int
         with running_kernel(kernel_name, cwd) as kernel:
             timings.kernel_info_s.append(kernel.kernel_info_s)
             timings.ready_s.append(kernel.ready_s)
+            started = time.perf_counter()
+            kernel.manager.shutdown_kernel()  # (as a server's, when a notebook's kernel is shut down)
+            timings.shutdown_s.append(time.perf_counter() - started)
             progress(
                 f"[{kernel_name}] start {i}/{starts}: kernel_info reply after "
-                f"{kernel.kernel_info_s:.3f} s, ready after {kernel.ready_s:.3f} s"
+                f"{kernel.kernel_info_s:.3f} s, ready after {kernel.ready_s:.3f} s; "
+                f"shut down in {timings.shutdown_s[-1]:.3f} s"
             )
 
     progress(f"[{kernel_name}] execute {CODE!r}: {warmup} warm-up + {runs} timed runs on a new kernel")
@@ -461,6 +468,7 @@ def summarize(t: Timings) -> dict[str, float]:
         "ready_max_s": max(t.ready_s),
         "restart_median_s": statistics.median(t.restart_s) if t.restart_s else math.nan,
         "restart_max_s": max(t.restart_s) if t.restart_s else math.nan,
+        "shutdown_median_s": statistics.median(t.shutdown_s) if t.shutdown_s else math.nan,
         "execute_p50_ms": percentile(t.execute_ms, 50),
         "execute_p95_ms": percentile(t.execute_ms, 95),
         "session_p50_ms": percentile(t.session_run_ms, 50),
@@ -480,6 +488,7 @@ ROWS = (
     ("ready_max_s", "start -> wait_for_ready() returns, max", "s"),
     ("restart_median_s", "restart -> kernel_info reply, median", "s"),
     ("restart_max_s", "restart -> kernel_info reply, max", "s"),
+    ("shutdown_median_s", "shutdown_kernel() returns, median", "s"),
     ("execute_p50_ms", f"execute {CODE!r} round trip, p50", "ms"),
     ("execute_p95_ms", f"execute {CODE!r} round trip, p95", "ms"),
     ("session_p50_ms", f"SandboxSession.run({CODE!r}), p50", "ms"),
