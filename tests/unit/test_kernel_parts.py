@@ -5,6 +5,7 @@ milliseconds, without Docker. The same paths under real gVisor: tests/integratio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -309,6 +310,8 @@ async def test_an_end_with_no_execution_waiting_is_told_at_once_and_one_waiting_
     await asyncio.sleep(0.5)
     assert not noting.done(), "its reply in flight, if any, was not given time to pass first"
     noting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await noting
     await parts.backend.remove(other)
 
 
