@@ -290,7 +290,7 @@ async def test_the_watchdog_notes_an_end_and_refuses_new_executions_until_a_rest
     assert parts.exits.limit_stop is None
 
 
-async def test_an_end_with_no_execution_waiting_is_told_at_once_and_one_waiting_gets_its_reply_first(
+async def test_an_end_with_no_execution_waiting_is_told_at_once_and_one_waiting_gives_its_reply_time(
     parts: Parts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each restart and shutdown waited 0.2 s (what the bridge is given to pass on a reply
