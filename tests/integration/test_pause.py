@@ -29,6 +29,7 @@ from sandbox_kernel.kernel import launching
 from sandbox_kernel.lifecycle import ownership
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
+from tests.executions import CLOSE_CHANNEL_KEEPER
 
 from .conftest import KernelStarter, epoll_holders, run, run_ok
 
@@ -383,6 +384,81 @@ def test_code_holding_a_socket_in_the_workspace_blocks_the_pause_and_the_kernel_
     run_ok(kc, "listener.close()")
     run_sync(km.provisioner.pause)()  # once it lets go, the kernel pauses
     assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
+
+
+#: Printed by kernel code: for the channel relay (the kernel's parent) and the kernel, the
+#: channels whose unix sockets each holds open (listeners and accepted connections).
+WHO_HOLDS = """\
+import os
+def _held(pid):
+    table = {f[6]: f[7] for f in (l.split() for l in open('/proc/net/unix').readlines()[1:]) if len(f) > 7}
+    links = []
+    for fd in os.listdir(f'/proc/{pid}/fd'):
+        try:
+            links.append(os.readlink(f'/proc/{pid}/fd/{fd}'))
+        except OSError:
+            pass
+    inodes = [l[8:-1] for l in links if l.startswith('socket:[')]
+    return sorted({table[i].rsplit('-', 1)[1] for i in inodes if i in table})
+print(_held(os.getppid()), _held(os.getpid()))
+"""
+
+
+def test_the_kernel_holds_shell_and_iopub_itself_through_pauses(start_kernel: KernelStarter) -> None:
+    """The relay lends the kernel the listeners of shell (1) and IOPub (2) and relays the
+    rest; the kernel lets go of them for each pause and takes new ones after it."""
+    km, kc = start_kernel()
+    held_before = run_ok(kc, WHO_HOLDS + "x = 42")
+    assert held_before == "['3', '4', '5'] ['1', '2']\n"
+    for _ in range(2):
+        run_sync(km.provisioner.pause)()
+        assert run_ok(kc, WHO_HOLDS + "print(x)", timeout=120) == held_before + "42\n"
+
+
+def test_kernel_code_that_closes_its_channel_keeper_cannot_break_a_pause_or_its_kernel(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """The attack: kernel code closes the socket through which its channel keeper takes the
+    listeners and gives them back. A pause then either goes through or fails saying so,
+    the kernel running on; either way the kernel keeps its state and answers, its relay
+    now passing every channel on."""
+    km, kc = start_kernel()
+    closed = run_ok(kc, "x = 42\n" + CLOSE_CHANNEL_KEEPER)
+    assert closed == "closed\n"
+    for _ in range(2):
+        try:
+            run_sync(km.provisioner.pause)()
+        except PauseError as exc:
+            assert str(exc).endswith("It keeps running."), exc  # noqa: PT017 - either way is fair
+            assert _status(docker_client, km) == "running"
+        assert run_ok(kc, "print(x)", timeout=120) == "42\n"
+    assert run_ok(kc, WHO_HOLDS).startswith("['1', '2', '3', '4', '5']")
+
+
+def test_a_kernel_whose_thread_holds_the_interpreter_fails_its_pause_and_runs_on(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """A background thread in a long call made in C that keeps the interpreter's lock (here
+    libc's sleep through ``ctypes.PyDLL``): the kernel's channel keeper cannot give the
+    listeners back, the pause fails saying so, and the kernel runs on with its state; once
+    the call returns, it pauses."""
+    km, kc = start_kernel()
+    run_ok(
+        kc,
+        "import ctypes, threading, time\n"
+        "x = 42\n"
+        "def hold():\n"
+        "    time.sleep(0.5)\n"
+        "    ctypes.PyDLL(None).sleep(30)\n"
+        "threading.Thread(target=hold, daemon=True).start()",
+    )
+    time.sleep(1)
+    with pytest.raises(PauseError, match=r"could not be paused: .*let go of its channels.*keeps running\.$"):
+        run_sync(km.provisioner.pause)()
+    assert _status(docker_client, km) == "running"
+    assert run_ok(kc, "print(x)", timeout=60) == "42\n"
+    run_sync(km.provisioner.pause)()
+    assert run_ok(kc, "print(x)", timeout=120) == "42\n"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="runsc saves the sandbox itself only for a root server (CI's)")
