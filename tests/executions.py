@@ -46,8 +46,8 @@ def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     return result.stdout
 
 
-#: Kernel code that closes the socket pair its channel keeper reads (an attack; the keeper
-#: is the kernel's only socket of that type): prints "closed".
+#: Kernel code that shuts down and closes the socket pair its channel keeper reads (an
+#: attack; the keeper is the kernel's only socket of that type): prints "closed".
 CLOSE_CHANNEL_KEEPER = """\
 import os, socket
 for fd in os.listdir('/proc/self/fd'):
@@ -56,7 +56,7 @@ for fd in os.listdir('/proc/self/fd'):
     except OSError:
         continue
     if s.type == socket.SOCK_SEQPACKET:
-        s.close(); print('closed')
+        s.shutdown(socket.SHUT_RDWR); s.close(); print('closed')
     else:
         s.detach()
 """

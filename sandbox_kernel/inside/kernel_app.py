@@ -54,6 +54,7 @@ import contextlib
 import inspect
 import os
 import selectors
+import signal
 import socket
 import struct
 import threading
@@ -438,8 +439,8 @@ class ChannelKeeper:
             sock = socket.socket(fileno=int(fd))
         except OSError:
             return None
-        if not take:
-            sock.close()
+        if not take or getattr(zmq, "USE_FD", None) is None or zmq.zmq_version_info() < (4, 2):
+            sock.close()  # (a libzmq that cannot adopt a listener: every channel relayed)
             return None
         keeper = cls(sock)
         try:
@@ -457,14 +458,25 @@ class ChannelKeeper:
         self.serving.set()
 
     def run(self) -> None:
+        # Signals are the main thread's: a SIGINT taken here would not wake a cell asleep
+        # there, and the interrupt would come only once it woke (seen: 1 in 15 runs).
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         self.serving.wait()
+        try:
+            mine = os.fstat(self.sock.fileno()).st_ino
+        except OSError:
+            return
         while True:
             try:
+                # Kernel code may close the descriptor, and its number go to another socket
+                # (a host connection ZeroMQ accepted): this thread then reads it no more.
+                if os.fstat(self.sock.fileno()).st_ino != mine:
+                    return
                 message, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(struct.calcsize("i")))
             except OSError:
                 return
             if not message:
-                return  # the relay is gone: so is the kernel, soon
+                return  # the relay is gone (or kernel code shut the pair down)
             fds = [
                 fd
                 for level, kind, data in ancillary
@@ -475,13 +487,17 @@ class ChannelKeeper:
             try:
                 if words[0] == "bind" and len(words) == 3 and words[1] in ("shell", "iopub") and fds:
                     self.bind(words[1], f"ipc://{words[2]}", fds.pop(0))
-                elif words[0] == "release" and not self._more_waiting():
+                elif words[0] == "release" and len(words) == 2 and not self._more_waiting():
                     self.release()
-                    self.sock.send(b"released")
+                    self.sock.send(f"released {words[1]}".encode())
+            except OSError:  # its socket is gone: nothing more will come through it
+                self.app.log.exception("channel keeper: %s", words[0])
+                return
             except Exception:  # the kernel goes on; a pause fails, and the host says why
                 self.app.log.exception("channel keeper: %s", words[0])
-            for fd in fds:
-                os.close(fd)
+            finally:
+                for fd in fds:  # (what came with a request it did not take)
+                    os.close(fd)
 
     def _more_waiting(self) -> bool:
         """Whether the relay has sent more since: then a request to let go came too late
@@ -493,7 +509,8 @@ class ChannelKeeper:
             return False
 
     def _socket(self, channel: str) -> Any:
-        return self.app.shell_socket if channel == "shell" else self.app.iopub_socket
+        # (IOPub's own socket: the app's iopub_socket is ipykernel's deprecated wrapper.)
+        return self.app.shell_socket if channel == "shell" else self.app.iopub_thread.socket
 
     def bind(self, channel: str, endpoint: str, fd: int) -> None:
         """Bind ``channel``'s socket to the listener ``fd`` (at ``endpoint``), beside any it
@@ -505,19 +522,23 @@ class ChannelKeeper:
 
         def work() -> None:
             try:
+                sock.setsockopt(zmq.USE_FD, fd)
                 try:
-                    sock.setsockopt(zmq.USE_FD, fd)
                     sock.bind(endpoint)
-                except zmq.ZMQError:
-                    os.close(fd)
-                    raise
                 finally:
                     sock.setsockopt(zmq.USE_FD, -1)
-                self.bound[channel] = endpoint
             except Exception:
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # (not taken: a bind that fails leaves the descriptor)
                 self.app.log.exception("channel keeper: cannot bind %s", channel)
+                return
+            self.bound[channel] = endpoint
 
-        self.on_owner(channel, work)
+        try:
+            self.on_owner(channel, work)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def release(self) -> None:
         """Unbind every socket bound to a lent listener, and wait until ZeroMQ's I/O thread
@@ -555,9 +576,11 @@ class ChannelKeeper:
 
     def on_owner(self, channel: str, work: Callable[[], None]) -> None:
         """Run ``work`` where ``channel``'s socket may be used: now, or on its owner's
-        thread."""
+        thread; then have the socket's stream look again for a message waiting (ZeroMQ
+        signals one once, to whichever thread looks first, and a bind or an unbind looks)."""
         if channel == "iopub":
-            self.app.iopub_thread.schedule(work)
+            pub = self.app.iopub_thread
+            self._then_look(pub.schedule, work, getattr(pub, "_xpub_stream", None))
             return
         kernel = self.app.kernel
         direct = getattr(kernel, "_direct", None)
@@ -565,10 +588,23 @@ class ChannelKeeper:
             with direct.handover:
                 if direct.forward is None:  # the main thread's, and it waits for the lock
                     work()
+                    direct._rebuild_io_state()  # type: ignore[no-untyped-call]
                     return
-            kernel.shell_channel_thread.io_loop.add_callback(work)
+            thread = kernel.shell_channel_thread
+            self._then_look(thread.io_loop.add_callback, work, thread.shell_stream)
         else:
-            kernel.shell_stream.io_loop.add_callback(work)
+            self._then_look(kernel.shell_stream.io_loop.add_callback, work, kernel.shell_stream)
+
+    @staticmethod
+    def _then_look(hand: Callable[[Callable[[], None]], Any], work: Callable[[], None], stream: Any) -> None:
+        def run() -> None:
+            try:
+                work()
+            finally:
+                if stream is not None:
+                    stream._rebuild_io_state()
+
+        hand(run)
 
 
 class SandboxedKernelApp(IPKernelApp):

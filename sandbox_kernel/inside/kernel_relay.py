@@ -178,7 +178,13 @@ class Keeper:
         self.sock, self.kernel_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Never waits: kernel code may leave its end unread, and this relay must go on.
         self.sock.setblocking(False)
+        #: The channels whose listeners the kernel holds, as far as this relay knows (one
+        #: it did not give back stays here: see :meth:`take_back`).
         self.lent: set[str] = set()
+        #: Whether the kernel's end is gone (kernel code closed it): lend nothing more.
+        self.gone = False
+        #: The number of the last request to give the listeners back (answers name it).
+        self.asked = 0
 
     def env(self) -> dict[str, str]:
         """The kernel's environment: where its end of the pair is."""
@@ -197,26 +203,44 @@ class Keeper:
             return False
 
     def lend(self, name: str, path: str, listener: socket.socket) -> None:
-        """Hand ``listener`` (bound at ``path``) to the kernel, for channel ``name``."""
+        """Hand ``listener`` (bound at ``path``) to the kernel, for channel ``name``.
+
+        Raises:
+            OSError: the kernel's end is gone, or does not take more now.
+        """
         rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", listener.fileno()))
-        self.sock.sendmsg([f"bind {name} {path}".encode()], [rights])
+        try:
+            self.sock.sendmsg([f"bind {name} {path}".encode()], [rights])
+        except OSError:
+            self.gone = True
+            raise
         self.lent.add(name)
 
     def take_back(self, timeout: float) -> bool:
-        """Ask the kernel to let go of every listener lent and their connections; whether it
-        said it has within ``timeout`` seconds."""
+        """Ask the kernel to let go of every listener lent and of their connections; whether
+        it said it has within ``timeout`` seconds. Answers are numbered: one to an earlier
+        request, come late, or anything else kernel code writes, is read past; its end
+        closed is no answer. Until it answers, :attr:`lent` says it may hold them still."""
         if not self.lent:
             return True
-        self.lent = set()
+        self.asked += 1
+        answer = f"released {self.asked}".encode()
+        deadline = time.monotonic() + timeout
         try:
-            with contextlib.suppress(BlockingIOError):
-                while True:  # (an answer that came too late, last time)
-                    self.sock.recv(16)
-            self.sock.send(b"release")
-            ready = select.select([self.sock], [], [], timeout)[0]
-            return bool(ready) and self.sock.recv(16) == b"released"
+            self.sock.send(f"release {self.asked}".encode())
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self.sock], [], [], left)[0]:
+                    return False
+                said = self.sock.recv(64)
+                if not said:
+                    self.gone = True
+                    return False
+                if said == answer:
+                    self.lent = set()
+                    return True
         except OSError:
-            return False
+            self.gone = True
+        return False
 
 
 class _Stream:
@@ -259,8 +283,8 @@ class Relay:
 
     def open(self) -> None:
         """Bind the host-facing listeners (a file left at a path is replaced), and lend the
-        kernel those it takes over."""
-        if self.opened():
+        kernel those it takes over (beside any it kept through a failed pause)."""
+        if self.listeners:
             return
         for name, (path, _) in self.channels.items():
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -277,14 +301,13 @@ class Relay:
             finally:
                 os.umask(previous)
             listener.listen(16)
-            if self.keeper is not None and name in HANDED:
+            if self.keeper is not None and not self.keeper.gone and name in HANDED:
                 try:
                     self.keeper.lend(name, path, listener)
                 except OSError:
-                    # Its end is gone (kernel code closed it): this relay passes every
+                    # Its end is gone (kernel code closed it): this relay passes the
                     # channel on from now on, to the kernel's port, as for any kernel.
                     print(f"kernel relay: the kernel cannot take {name} over; relaying it", file=sys.stderr)
-                    self.keeper = None
                 else:
                     listener.close()
                     continue
@@ -292,14 +315,13 @@ class Relay:
             self.listeners[listener.fileno()] = (listener, name)
             self.poller.register(listener, select.POLLIN)
 
-    def opened(self) -> bool:
-        return bool(self.listeners) or bool(self.keeper and self.keeper.lent)
-
-    def close(self) -> None:
+    def close(self, kernel_ended: bool = False) -> None:
         """Close the listeners and every connection, host's and kernel's; remove the
-        listeners' files (the kernel's too: ZeroMQ leaves an adopted listener's file)."""
-        if self.keeper is not None:
-            self.keeper.lent = set()  # (a kernel that kept them lets go as it takes new ones)
+        listeners' files, and those of the listeners the kernel gave back (ZeroMQ leaves an
+        adopted listener's file), or held until it ended. The files of listeners it may
+        still hold stay: where the host cannot see the sandbox's sockets, it looks for
+        them there, and must not save a sandbox that holds one."""
+        if self.keeper is not None and (kernel_ended or not self.keeper.lent):
             for name in HANDED:
                 _unlink(self.channels[name][0])
         for fd, (listener, name) in list(self.listeners.items()):
@@ -427,7 +449,7 @@ class Relay:
             if not ready:
                 break
             self.pass_on([(fd, events) for fd, events in ready if fd not in self.listeners])
-        self.close()
+        self.close(kernel_ended=True)
 
 
 class Holding:

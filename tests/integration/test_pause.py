@@ -386,6 +386,24 @@ def test_code_holding_a_socket_in_the_workspace_blocks_the_pause_and_the_kernel_
     assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
 
 
+#: Kernel code (an attack): a thread that plants a folder in the launch folder whenever it
+#: finds it its own (``seen``, ``planted``), until ``stop``.
+WATCH_THE_FOLDER = """\
+import os, threading, time
+seen, planted = [], []
+def watch():
+    while not stop:
+        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():
+            seen.append(time.time())
+            try:
+                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)
+            except OSError:
+                pass
+stop = False
+threading.Thread(target=watch, daemon=True).start()
+"""
+#: What a pause that the kernel's shell and IOPub sockets held up says.
+NOT_GIVEN_BACK = r"did not give back its shell and iopub sockets.*keeps running\.$"
 #: Printed by kernel code: for the channel relay (the kernel's parent) and the kernel, the
 #: channels whose unix sockets each holds open (listeners and accepted connections).
 WHO_HOLDS = """\
@@ -415,24 +433,40 @@ def test_the_kernel_holds_shell_and_iopub_itself_through_pauses(start_kernel: Ke
         assert run_ok(kc, WHO_HOLDS + "print(x)", timeout=120) == held_before + "42\n"
 
 
-def test_kernel_code_that_closes_its_channel_keeper_cannot_break_a_pause_or_its_kernel(
+def test_kernel_code_that_closes_its_channel_keeper_cannot_pause_it_but_it_runs_on(
     start_kernel: KernelStarter, docker_client: docker.DockerClient
 ) -> None:
-    """The attack: kernel code closes the socket through which its channel keeper takes the
-    listeners and gives them back. A pause then either goes through or fails saying so,
-    the kernel running on; either way the kernel keeps its state and answers, its relay
-    now passing every channel on."""
+    """The attack: kernel code shuts down and closes the socket pair through which its
+    channel keeper takes the listeners and gives them back. The kernel keeps shell's and
+    IOPub's (nothing can make it let go of them now), so each pause fails, saying so, the
+    kernel running on with its state; its relay passes every channel on afresh."""
     km, kc = start_kernel()
-    closed = run_ok(kc, "x = 42\n" + CLOSE_CHANNEL_KEEPER)
-    assert closed == "closed\n"
+    assert run_ok(kc, "x = 42\n" + CLOSE_CHANNEL_KEEPER) == "closed\n"
     for _ in range(2):
-        try:
+        with pytest.raises(PauseError, match=NOT_GIVEN_BACK):
             run_sync(km.provisioner.pause)()
-        except PauseError as exc:
-            assert str(exc).endswith("It keeps running."), exc  # noqa: PT017 - either way is fair
-            assert _status(docker_client, km) == "running"
-        assert run_ok(kc, "print(x)", timeout=120) == "42\n"
-    assert run_ok(kc, WHO_HOLDS).startswith("['1', '2', '3', '4', '5']")
+        assert _status(docker_client, km) == "running"
+        assert run_ok(kc, "print(x)", timeout=60) == "42\n"
+    assert run_ok(kc, WHO_HOLDS) == "['1', '2', '3', '4', '5'] ['1', '2']\n"
+
+
+def test_kernel_code_that_stops_its_channel_relay_never_gets_the_launch_folder(
+    start_kernel: KernelStarter,
+) -> None:
+    """The attack: kernel code stops the channel relay (its parent, the kernel's uid) so
+    that it never stops the rest of the sandbox for a pause, and watches for the launch
+    folder to become its own, as the host lent it after a failed pause. The relay's own
+    sockets still answer: the host lends nothing, the pause fails saying so, and the
+    kernel (which holds shell's and IOPub's sockets itself) answers on."""
+    km, kc = start_kernel()
+    run_ok(kc, WATCH_THE_FOLDER + "import signal\nos.kill(os.getppid(), signal.SIGSTOP)")
+    with pytest.raises(PauseError, match=r"relay did not let go of its channels.*keeps running\.$"):
+        run_sync(km.provisioner.pause)()
+    assert run_ok(kc, "stop = True\nprint(len(seen), len(planted))", timeout=60) == "0 0\n"
+    launch_dir = km.provisioner.launch_dir
+    assert launch_dir is not None
+    assert not (launch_dir / "planted").exists()
+    assert launch_dir.stat().st_uid == 0
 
 
 def test_a_kernel_whose_thread_holds_the_interpreter_fails_its_pause_and_runs_on(
@@ -453,7 +487,7 @@ def test_a_kernel_whose_thread_holds_the_interpreter_fails_its_pause_and_runs_on
         "threading.Thread(target=hold, daemon=True).start()",
     )
     time.sleep(1)
-    with pytest.raises(PauseError, match=r"could not be paused: .*let go of its channels.*keeps running\.$"):
+    with pytest.raises(PauseError, match=NOT_GIVEN_BACK):
         run_sync(km.provisioner.pause)()
     assert _status(docker_client, km) == "running"
     assert run_ok(kc, "print(x)", timeout=60) == "42\n"
@@ -633,21 +667,8 @@ def test_no_pause_lends_the_launch_folder_to_the_kernel(
     stops them as the pause begins, and lets them go on once the host has sealed it
     again), through failed and successful pauses."""
     km, kc = start_kernel()
-    watch = (
-        "import os, threading, time\n"
-        "seen, planted = [], []\n"
-        "def watch():\n"
-        "    while not stop:\n"
-        "        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():\n"
-        "            seen.append(time.time())\n"
-        "            try:\n"
-        "                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)\n"
-        "            except OSError:\n"
-        "                pass\n"
-        "stop = False\n"
-        "threading.Thread(target=watch, daemon=True).start()\n"
-        "import socket\nlistener = socket.socket(socket.AF_UNIX)\nlistener.bind('held.sock')"
-    )
+    watch = WATCH_THE_FOLDER + "import socket\nlistener = socket.socket(socket.AF_UNIX)\n"
+    watch += "listener.bind('held.sock')"
     run_ok(kc, watch)
     for _ in range(3):  # pauses the kernel makes fail at will
         with pytest.raises(PauseError):

@@ -42,7 +42,20 @@ def _free_ports(count: int) -> list[int]:
 @pytest.fixture
 def relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """(the relay process, the ipc prefix its host sockets are bound at)."""
-    args, prefix = _relay_arguments(tmp_path)
+    with _running_relay(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+def all_relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``relayed``, with a kernel that leaves shell and IOPub to the relay too."""
+    with _running_relay(tmp_path, "--SandboxedKernelApp.take_channels=False") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _running_relay(tmp_path: Path, *kernel_arguments: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    args, prefix = _relay_arguments(tmp_path, *kernel_arguments)
     relay = subprocess.Popen([sys.executable, kernel_relay.__file__, *args], start_new_session=True)
     try:
         _wait(lambda: all(_sockets(prefix)), "the relay's host sockets")
@@ -213,7 +226,7 @@ def test_kernel_code_that_closes_its_keeper_keeps_its_channels_and_is_relayed_af
         closed = run_ok(kc, CLOSE_CHANNEL_KEEPER)
         assert closed == "closed\n"
         relay.send_signal(signal.SIGUSR1)
-        _wait(lambda: not _open_at(prefix).get("control"), "the relay's own sockets closed", timeout=20)
+        _wait(lambda: not _open_at(prefix).get("control"), "the relay's own sockets closed", timeout=5)
         held = _open_at(prefix)
         assert set().union(*held.values()) <= {kernel}, held
     finally:
@@ -476,13 +489,16 @@ def test_a_peer_connecting_again_as_itself_takes_its_identity_over(
 
 
 def test_a_client_that_stops_reading_output_holds_up_only_its_own_connection(
-    relayed: tuple[subprocess.Popen[bytes], Path],
+    all_relayed: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
-    """Flow control is each connection's own: while one client reads none of a flood of
-    output, the kernel goes on (its IOPub drops what that client cannot take, as ZeroMQ
-    does for any slow subscriber), another client gets every line and the reply, and the
-    first one's own requests are still answered."""
-    _, prefix = relayed
+    """The relay's flow control is each connection's own: while one client reads none of a
+    flood of output, the kernel goes on (its IOPub drops what that client cannot take, as
+    ZeroMQ does for any slow subscriber), another client gets every line and the reply,
+    and the first one's own requests are still answered. (A kernel that holds IOPub's
+    listener itself is ZeroMQ's alone, as a local kernel: one subscriber's queue full
+    drops that subscriber's messages. In the product its one subscriber is the host's
+    bridge.)"""
+    _, prefix = all_relayed
     stalled, other = _client(prefix), _client(prefix)
     try:
         stalled.iopub_channel.stop()  # reads nothing from now on: its socket stays connected
@@ -539,8 +555,10 @@ def test_the_kernel_welcomes_each_iopub_subscriber_through_the_relay(
 
 
 def test_the_keeper_never_waits_past_its_timeout_nor_takes_a_late_answer_for_a_new_one() -> None:
-    """A kernel that does not answer costs the relay ``timeout`` seconds, no more; its
-    answer, come late, is not taken for the answer to the next pause's request."""
+    """A kernel that does not answer costs the relay ``timeout`` seconds, no more, and is
+    taken to hold its listeners still; its answer, come late (read before or after the
+    next request went out), or anything else kernel code writes, is not taken for the
+    answer to the next pause's request."""
     keeper = kernel_relay.Keeper()
     kernel_end = keeper.kernel_end
     try:
@@ -550,16 +568,41 @@ def test_the_keeper_never_waits_past_its_timeout_nor_takes_a_late_answer_for_a_n
         started = time.monotonic()
         assert not keeper.take_back(0.3)
         assert 0.3 <= time.monotonic() - started < 2
+        assert keeper.lent == {"shell"}
         assert kernel_end.recv(64) == b"bind shell /nowhere"
-        assert kernel_end.recv(64) == b"release"
-        kernel_end.send(b"released")  # late
-        keeper.lent.add("shell")
+        assert kernel_end.recv(64) == b"release 1"
+        kernel_end.send(b"released 1")  # late: waiting before the next request
         assert not keeper.take_back(0.3), "a late answer was taken for this one"
-        assert kernel_end.recv(64) == b"release"
-        keeper.lent.add("shell")
-        threading.Timer(0.1, kernel_end.send, (b"released",)).start()  # in time
+        assert kernel_end.recv(64) == b"release 2"
+        threading.Timer(0.05, kernel_end.send, (b"released 2",)).start()  # late
+        threading.Timer(0.1, kernel_end.send, (b"released",)).start()  # kernel code's
+        assert not keeper.take_back(0.3)
+        assert kernel_end.recv(64) == b"release 3"
+        kernel_end.send(b"released 3")  # late
+        threading.Timer(0.1, kernel_end.send, (b"released 4",)).start()  # in time, after the late one
         assert keeper.take_back(5)
+        assert kernel_end.recv(64) == b"release 4"
         assert not keeper.lent
     finally:
         keeper.sock.close()
         kernel_end.close()
+
+
+def test_a_keeper_whose_kernel_end_is_shut_down_is_given_up_at_once() -> None:
+    """The attack: kernel code shuts its end down, so that every read of the relay's end
+    returns at once with nothing. The relay neither spins nor waits: no answer, the
+    listeners taken to be held still, and nothing more lent."""
+    keeper = kernel_relay.Keeper()
+    try:
+        listener = socket.socket(socket.AF_UNIX)
+        keeper.lend("shell", "/nowhere", listener)
+        listener.close()
+        keeper.kernel_end.shutdown(socket.SHUT_RDWR)
+        started = time.monotonic()
+        assert not keeper.take_back(30)
+        assert time.monotonic() - started < 1
+        assert keeper.gone
+        assert keeper.lent == {"shell"}
+    finally:
+        keeper.sock.close()
+        keeper.kernel_end.close()
