@@ -31,6 +31,7 @@ from sandbox_kernel.lifecycle.pausing import (
     check_budget,
     checkpoint_name,
     lend_launch_dir,
+    relay_kept_its_sockets,
     wait_for_channels,
     wait_for_egress,
 )
@@ -231,7 +232,8 @@ class Pauser:
             await self._exits.note(container_id, code or 1, "pause failed")
             return PauseError(f"Kernel {self.kernel_id}: {reason}. Restart it to start fresh.")
         try:
-            if signalled:
+            held = functools.partial(self._backend.host_sockets, container_id)
+            if signalled and not await relay_kept_its_sockets(launch_dir, held):
                 await self._reopen_channels(container_id, launch_dir)
             else:  # its relays still hold their sockets: the folder is never lent
                 await self._egress.suspend(False)

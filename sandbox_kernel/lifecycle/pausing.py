@@ -128,6 +128,21 @@ async def wait_for_channels(
         raise PauseError(msg)
 
 
+async def relay_kept_its_sockets(
+    launch_dir: Path, held: Callable[[], Awaitable[list[str] | None]] | None = None
+) -> bool:
+    """Whether the channel relay still holds any of the kernel's channel sockets after a
+    failed pause: then it has not stopped the rest of the sandbox (it does that before it
+    closes them: kernel_relay.Holding; kernel code may have stopped the relay itself), and
+    the launch folder must not be lent, kernel code would run meanwhile. ``held`` (the
+    sandbox's bound host sockets) tells; where it cannot (None: a server that is not root,
+    which seals no folder), False. The paths cannot tell: gVisor's gofer goes on accepting
+    connections at them for a moment after they closed."""
+    paths = await held() if held is not None else None
+    inside = {f"{CONTAINER_RUNTIME_DIR}/{path.name}" for path in kernel_sockets(launch_dir).values()}
+    return paths is not None and bool(inside & set(paths))
+
+
 async def wait_for_egress(launch_dir: Path, timeout: float = EGRESS_TIMEOUT) -> bool:
     """Whether the egress relay binds its socket in ``launch_dir`` again within
     ``timeout`` seconds (kernel code may have ended it: the kernel resumes all the same)."""

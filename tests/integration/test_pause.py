@@ -546,6 +546,56 @@ def _checkpoints(client: docker.DockerClient, container_id: str) -> list[str]:
     return [entry["Name"] for entry in listed or []]
 
 
+#: Kernel code (an attack): a thread that plants a folder in the launch folder whenever it
+#: finds it its own (``seen``, ``planted``), until ``stop``.
+WATCH_THE_FOLDER = """\
+import os, threading, time
+seen, planted = [], []
+def watch():
+    while not stop:
+        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():
+            seen.append(time.time())
+            try:
+                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)
+            except OSError:
+                pass
+stop = False
+threading.Thread(target=watch, daemon=True).start()
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
+def test_kernel_code_that_stops_its_channel_relay_never_gets_the_launch_folder(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient, workspace: Path
+) -> None:
+    """The attack: kernel code stops the channel relay (its parent, the kernel's uid) so
+    that it never stops the rest of the sandbox for a pause, and watches for the launch
+    folder to become its own. The host lent it after the failed pause (the thread planted
+    a folder there a million times). Now it sees the relay still holds its sockets: it
+    lends nothing, and the pause fails saying why, the sandbox running on."""
+    km, kc = start_kernel()
+    stop_the_relay = (
+        "import signal\n"
+        "def tell():\n"  # in the workspace: the host's seal drops what it made in the folder
+        "    while not seen:\n"
+        "        time.sleep(0.01)\n"
+        "    time.sleep(0.5)\n"
+        "    open('seen-the-folder', 'w').write(f'{len(seen)} {len(planted)}')\n"
+        "threading.Thread(target=tell, daemon=True).start()\n"
+        "threading.Timer(0.5, os.kill, (os.getppid(), signal.SIGSTOP)).start()"  # once its reply is out
+    )
+    run_ok(kc, WATCH_THE_FOLDER + stop_the_relay)
+    time.sleep(1.5)
+    with pytest.raises(PauseError, match=r"relay did not let go of its channels within 20 s.*keeps running"):
+        run_sync(km.provisioner.pause)()
+    assert _status(docker_client, km) == "running"
+    launch_dir = km.provisioner.launch_dir
+    assert launch_dir is not None
+    assert launch_dir.stat().st_uid == 0
+    time.sleep(1)
+    assert not (workspace / "seen-the-folder").exists()
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
 def test_no_pause_lends_the_launch_folder_to_the_kernel(
     start_kernel: KernelStarter, docker_client: docker.DockerClient

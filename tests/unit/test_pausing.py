@@ -20,6 +20,7 @@ from sandbox_kernel.lifecycle.pausing import (
     ask_holder,
     check_budget,
     checkpoint_name,
+    relay_kept_its_sockets,
     wait_for_channels,
 )
 from sandbox_kernel.plan.sandbox_spec import CONTAINER_RUNTIME_DIR, kernel_sockets
@@ -154,3 +155,26 @@ def test_a_sandbox_that_holds_none_of_its_channel_sockets_has_let_go_though_the_
         for listener in listeners:
             listener.close()
     asyncio.run(wait(5))
+
+
+def test_a_relay_that_still_holds_a_channel_socket_is_told_apart(tmp_path: Path) -> None:
+    """After a failed pause the host lends the launch folder back only to a relay that let
+    go of its channel sockets, as the host sees the sandbox hold them: the relay stops the
+    rest of the sandbox before it closes them, so kernel code cannot run while the folder
+    is lent. The paths themselves cannot tell (gVisor's gofer goes on accepting at them
+    for a moment); a host that cannot see (None: not root) seals no folder."""
+    launch_dir = tmp_path / "launch"
+    held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in range(1, 6)]
+
+    async def sandbox_holds() -> list[str] | None:
+        return held
+
+    assert asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
+    held = [f"{CONTAINER_RUNTIME_DIR}/kernel-4"]
+    assert asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
+    held = ["/workspace/kernel-1", f"{CONTAINER_RUNTIME_DIR}/own.sock"]  # not the relay's
+    assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
+    held = []
+    assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
+    held = None
+    assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
