@@ -8,6 +8,7 @@ key ``subshells: false``: the main thread reads the requests and sends the repli
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -137,7 +138,10 @@ def test_an_interrupted_flood_of_prints_ends_cleanly_and_the_kernel_goes_on(
     start_kernel: KernelStarter,
 ) -> None:
     """SIGINT lands while the cell prints as fast as it can: the reply is the interrupt's,
-    idle follows, and the next cell's messages are whole and in order."""
+    idle follows, and the next cell's messages are whole and in order. Its print may come
+    as two stream messages, as from a local ipykernel: the flood's last flush timer (0.2 s)
+    can fire between ``after`` and its newline when the next cell comes that soon (a local
+    kernel split 19 of 20 such cells; Jupyter's front ends join a stream's messages)."""
     km, kc = start_kernel()
     msg_id = kc.execute("i = 0\nwhile True:\n    print(i)\n    i += 1")
     printing(kc, msg_id)
@@ -147,8 +151,9 @@ def test_an_interrupted_flood_of_prints_ends_cleanly_and_the_kernel_goes_on(
     assert reply["content"]["status"] == "error"
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     messages, reply = messages_of(kc, "print('after'); 1+1")
-    assert kinds(messages) == ["status:busy", "execute_input", "stream", "execute_result", "status:idle"]
-    assert messages[2]["content"]["text"] == "after\n"
+    order = [kind for kind, _ in itertools.groupby(kinds(messages))]  # (a stream's run as one)
+    assert order == ["status:busy", "execute_input", "stream", "execute_result", "status:idle"]
+    assert "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream") == "after\n"
     assert run_ok(kc, "print(i > 0)") == "True\n"
 
 
