@@ -5,13 +5,16 @@ as it runs, in one run.
   start-up code (``sandbox_kernel/inside/fast_io.py``) sends each IOPub message (busy, the
   input, the result, idle) from the thread that makes it when the IOPub thread has nothing
   left to do, instead of handing every one to the IOPub thread, which wakes to send it.
+* Shell and IOPub without the channel relay: the kernel takes over their host-facing
+  listeners from the relay, which lets go of its sockets for a pause
+  (``sandbox_kernel/inside/kernel_relay.py``, ``Keeper``).
 * Subshells on demand: ipykernel 7 reads every shell request in a thread of its own and
   hands it to the main thread (and the reply back), so that subshells can run beside the
   main shell. The sandboxed kernel's main thread reads the shell channel itself until a
   client asks for a subshell (``sandbox_kernel/inside/kernel_app.py``); the kernelspec key
   ``subshells: false`` keeps it so for good.
 
-This times ``1+1`` (``execute_interactive``, to the reply and the idle status) on five
+This times ``1+1`` (``execute_interactive``, to the reply and the idle status) on six
 kernels, one sample of each per round in an order shuffled per round, so that the
 machine's load and the kernels' threads falling asleep between samples touch all of them
 alike:
@@ -23,7 +26,11 @@ alike:
 * ``sandboxed, handed``: a third one, alike but for ``fast_io.DIRECT_SENDS`` turned off:
   every IOPub message through the IOPub thread, as ipykernel sends them;
 * ``sandboxed, no subshells``: a fourth one, of a variant of the kernelspec with
-  ``subshells: false``.
+  ``subshells: false``;
+* ``sandboxed, all relayed``: a fifth one, started with the kernel's argument
+  ``--SandboxedKernelApp.take_channels=False``: the channel relay keeps shell and IOPub
+  too (their host connections cross the relay's process, as before the kernel took their
+  listeners over).
 
 Each kernel has one client, so each publishes to one subscriber. Run from the project
 root::
@@ -56,7 +63,10 @@ KERNELS = (
     "sandboxed, subshells started",
     "sandboxed, handed",
     "sandboxed, no subshells",
+    "sandboxed, all relayed",
 )
+#: The start of the kernel whose relay keeps every channel.
+RELAY_ALL = {"extra_arguments": ["--SandboxedKernelApp.take_channels=False"]}
 #: Run in the second sandboxed kernel: every IOPub message through its IOPub thread.
 HAND_EVERY_MESSAGE = "import sys; sys.modules['sandbox_kernel_fast_io'].DIRECT_SENDS = False"
 
@@ -66,10 +76,13 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
     with ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         quick = kernelspec_variant(kernel, "no-subshells", {"subshells": False}, folder)
-        progress(f"starting a local {baseline} kernel, three {kernel} kernels and a {quick} kernel")
+        progress(f"starting a local {baseline} kernel, four {kernel} kernels and a {quick} kernel")
+        specs = (baseline, kernel, kernel, kernel, quick, kernel)
         clients = {
-            name: stack.enter_context(running_kernel(spec, cwd)).client
-            for name, spec in zip(KERNELS, (baseline, kernel, kernel, kernel, quick), strict=True)
+            name: stack.enter_context(
+                running_kernel(spec, cwd, **(RELAY_ALL if name.endswith("relayed") else {}))
+            ).client
+            for name, spec in zip(KERNELS, specs, strict=True)
         }
         started = clients["sandboxed, subshells started"]
         asked = started.session.msg("list_subshell_request", {})
@@ -102,8 +115,10 @@ def format_table(times: dict[str, list[float]]) -> str:
     for name in KERNELS:
         p50, p95 = percentile(times[name], 50), percentile(times[name], 95)
         lines.append((name, f"{p50:.2f}", f"{p95:.2f}", f"{p50 / local[50]:.2f}x", f"{p95 / local[95]:.2f}x"))
-    sandboxed, started, handed, quick = (percentile(times[name], 50) for name in KERNELS[1:])
+    sandboxed, started, handed, quick, relayed = (percentile(times[name], 50) for name in KERNELS[1:])
     footer = [
+        f"The kernel holding the shell and IOPub listeners itself saves {relayed - sandboxed:.2f} ms at p50 "
+        f"({(relayed - sandboxed) / relayed:.0%} of the round trip with every channel relayed).",
         f"Sending from the thread that makes each message saves {handed - sandboxed:.2f} ms at p50 "
         f"({(handed - sandboxed) / handed:.0%} of the handed kernel's round trip).",
         f"The main thread reading the shell channel until a subshell is asked for saves "

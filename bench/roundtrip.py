@@ -2,15 +2,18 @@
 stretch of its path, interleaved in one run, against a local ipykernel.
 
 A client's message to a sandboxed kernel crosses, in turn: the host's bridge (in the
-client's process for a ``KernelManager``, signatures checked, output budgeted), the relay
-inside the sandbox (the kernel's parent, holding the host-facing ipc sockets), and the
-kernel's own tcp ports on the sandbox's loopback. This measures ``execute_interactive('1+1')``
-(from the ``execute_request`` sent until its reply and the ``idle`` status are in) four ways:
+client's process for a ``KernelManager``, signatures checked, output budgeted) and the
+host-facing ipc sockets in the launch folder: shell's and IOPub's held by the kernel
+itself, the other three by the channel relay inside the sandbox (the kernel's parent),
+which passes their bytes on to the kernel's tcp ports on the sandbox's loopback. This
+measures ``execute_interactive('1+1')`` (from the ``execute_request`` sent until its reply
+and the ``idle`` status are in) four ways:
 
 * ``local``: a local ipykernel, as the baseline;
-* ``bridge``: the sandboxed kernel as every client reaches it (bridge -> relay -> kernel);
-* ``relay``: the same kernel from a host client connected straight to the relay's ipc
-  sockets (the bridge left out: the difference to ``bridge`` is the bridge's);
+* ``bridge``: the sandboxed kernel as every client reaches it (bridge -> the launch
+  folder's sockets -> kernel);
+* ``relay``: the same kernel from a host client connected straight to the launch folder's
+  ipc sockets (the bridge left out: the difference to ``bridge`` is the bridge's);
 * ``inside``: the same kernel from a client inside its sandbox (``docker exec``, the
   image's jupyter_client) on the kernel's own ports (relay and host sockets left out; the
   client pays gVisor's costs too, so this is an upper bound of the kernel's own share).
@@ -56,8 +59,8 @@ LAUNCH_FOLDER = "/run/sandbox-kernel"
 WAYS = ("local", "bridge", "relay", "inside")
 LABELS = {
     "local": "local ipykernel",
-    "bridge": "sandboxed: bridge -> relay -> kernel (what clients use)",
-    "relay": "sandboxed: host client -> relay -> kernel (no bridge)",
+    "bridge": "sandboxed: bridge -> sandbox's sockets -> kernel (what clients use)",
+    "relay": "sandboxed: host client -> sandbox's sockets -> kernel (no bridge)",
     "inside": "sandboxed: client in the sandbox -> kernel's ports",
 }
 
@@ -134,7 +137,7 @@ class InsideClient:
 
 
 def relay_client(manager: KernelManager, docker_client: docker.DockerClient) -> BlockingKernelClient:
-    """A host client on the relay's own ipc sockets (the launch folder's ``kernel-N``)."""
+    """A host client on the launch folder's ipc sockets (``kernel-N``)."""
     container_id = manager.provisioner.container_id
     mounts = docker_client.api.inspect_container(container_id)["Mounts"]
     folder = next(m["Source"] for m in mounts if m["Destination"] == LAUNCH_FOLDER)

@@ -44,3 +44,19 @@ def run_ok(kc: BlockingKernelClient, code: str, timeout: float = 60) -> str:
     result = run(kc, code, timeout)
     assert result.status == "ok", f"cell failed: {result.outputs} {result.reply['content']}"
     return result.stdout
+
+
+#: Kernel code that shuts down and closes the socket pair its channel keeper reads (an
+#: attack; the keeper is the kernel's only socket of that type): prints "closed".
+CLOSE_CHANNEL_KEEPER = """\
+import os, socket
+for fd in os.listdir('/proc/self/fd'):
+    try:
+        s = socket.socket(fileno=int(fd))
+    except OSError:
+        continue
+    if s.type == socket.SOCK_SEQPACKET:
+        s.shutdown(socket.SHUT_RDWR); s.close(); print('closed')
+    else:
+        s.detach()
+"""

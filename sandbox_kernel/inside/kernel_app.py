@@ -37,6 +37,11 @@ got its reply; and a request naming a subshell (from a client that did not read
 ``supported_features``) failed an assertion after ``busy``: no reply, no ``idle``, and the
 subshell requests on control got no reply either.
 
+And it takes over the host-facing listeners of shell and IOPub from the channel relay
+(:class:`ChannelKeeper`): the host's connections reach the kernel without a hop through
+the relay's process, about 1 ms of a ``1+1`` under gVisor, and the kernel lets go of them
+for a pause when the relay asks.
+
 The image does not have this package: the host copies this file into the kernel's launch
 folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
 ``sys.path``). It uses ipykernel, pyzmq and the standard library only.
@@ -45,9 +50,15 @@ folder and runs it with the image's Python (PYTHONSAFEPATH keeps its folder off
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import selectors
+import signal
+import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -370,6 +381,232 @@ class KernelWithSubshellsOnDemand(KernelWithoutSubshells):
         await handler(self, socket, ident, parent)
 
 
+#: Where the channel relay put the kernel's end of the keeper's socket pair (kernel_relay.py).
+KEEPER_FD = "SANDBOX_KERNEL_CHANNEL_KEEPER_FD"
+#: How long a channel's owner thread may take to bind or unbind a listener.
+OWNER_TIMEOUT = 2.0
+
+
+def held_at(paths: set[str]) -> bool:
+    """Whether this process holds a unix socket open at one of ``paths`` (a listener, or a
+    connection it accepted: ``/proc/net/unix`` names both by the listener's path)."""
+    try:
+        with open("/proc/net/unix") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+        inodes = {row[6] for row in rows if len(row) > 7 and row[7] in paths}
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}")[8:-1] in inodes:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+class ChannelKeeper:
+    """The kernel's end of the channel relay's keeper (kernel_relay.Keeper): it binds the
+    shell and IOPub sockets to the listeners the relay lends (ZeroMQ adopts a bound
+    listener's descriptor, ``ZMQ_USE_FD``), and unbinds them when the relay asks for them
+    back, for a pause: ZeroMQ then closes each listener and every connection it accepted,
+    and the sandbox holds no host socket of theirs.
+
+    Each socket is touched only by the thread that owns it, as ZeroMQ requires: shell's by
+    the thread reading it (the main thread's, under :attr:`HandOverStream.handover` while
+    it reads it, else on the owner's loop), IOPub's on the IOPub thread (its ``schedule``,
+    which the direct sends of fast_io.py wait behind). A thread of its own reads the
+    relay's requests, started before the kernel says it takes listeners over (a kernel
+    with no thread left under its pids limit says nothing, and has every channel relayed).
+    Kernel code that holds the interpreter delays it: the pause then fails (the host sees
+    the sockets still held), the kernel running on.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.app: Any = None
+        self.serving = threading.Event()
+        #: channel -> the endpoint its socket is bound to, lent by the relay.
+        self.bound: dict[str, str] = {}
+
+    @classmethod
+    def open(cls, take: bool) -> ChannelKeeper | None:
+        """The keeper, if the relay gave the kernel its end and the kernel ``take``s
+        listeners over, having told the relay so (before the kernel opens its ports, which
+        the relay waits for); it serves once :meth:`serve` gives it the kernel."""
+        fd = os.environ.pop(KEEPER_FD, "")
+        if not fd.isdigit():
+            return None
+        try:
+            sock = socket.socket(fileno=int(fd))
+        except OSError:
+            return None
+        if not take or getattr(zmq, "USE_FD", None) is None or zmq.zmq_version_info() < (4, 2):
+            sock.close()  # (a libzmq that cannot adopt a listener: every channel relayed)
+            return None
+        keeper = cls(sock)
+        try:
+            sock.set_inheritable(False)  # (not to kernel code's children)
+            threading.Thread(target=keeper.run, name="channel-keeper", daemon=True).start()
+            sock.send(b"hello")
+        except (OSError, RuntimeError):  # (RuntimeError: no thread left)
+            sock.close()
+            return None
+        return keeper
+
+    def serve(self, app: IPKernelApp) -> None:
+        """The kernel's sockets exist: bind what the relay lends."""
+        self.app = app
+        self.serving.set()
+
+    def run(self) -> None:
+        # Signals are the main thread's: a SIGINT taken here would not wake a cell asleep
+        # there, and the interrupt would come only once it woke (seen: 1 in 15 runs).
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        self.serving.wait()
+        try:
+            mine = os.fstat(self.sock.fileno()).st_ino
+        except OSError:
+            return
+        while True:
+            try:
+                # Kernel code may close the descriptor, and its number go to another socket
+                # (a host connection ZeroMQ accepted): this thread then reads it no more.
+                if os.fstat(self.sock.fileno()).st_ino != mine:
+                    return
+                message, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(struct.calcsize("i")))
+            except OSError:
+                return
+            if not message:
+                return  # the relay is gone (or kernel code shut the pair down)
+            fds = [
+                fd
+                for level, kind, data in ancillary
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                for (fd,) in struct.iter_unpack("i", data[: len(data) - len(data) % 4])
+            ]
+            words = message.decode(errors="replace").split(" ", 2)
+            try:
+                if words[0] == "bind" and len(words) == 3 and words[1] in ("shell", "iopub") and fds:
+                    self.bind(words[1], f"ipc://{words[2]}", fds.pop(0))
+                elif words[0] == "release" and len(words) == 2 and not self._more_waiting():
+                    self.release()
+                    self.sock.send(f"released {words[1]}".encode())
+            except OSError:  # its socket is gone: nothing more will come through it
+                self.app.log.exception("channel keeper: %s", words[0])
+                return
+            except Exception:  # the kernel goes on; a pause fails, and the host says why
+                self.app.log.exception("channel keeper: %s", words[0])
+            finally:
+                for fd in fds:  # (what came with a request it did not take)
+                    os.close(fd)
+
+    def _more_waiting(self) -> bool:
+        """Whether the relay has sent more since: then a request to let go came too late
+        (the relay gave up on it, and the pause failed; the listeners it lends now come
+        beside those kept, whose connections go on)."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:
+            return False
+
+    def _socket(self, channel: str) -> Any:
+        # (IOPub's own socket: the app's iopub_socket is ipykernel's deprecated wrapper.)
+        return self.app.shell_socket if channel == "shell" else self.app.iopub_thread.socket
+
+    def bind(self, channel: str, endpoint: str, fd: int) -> None:
+        """Bind ``channel``'s socket to the listener ``fd`` (at ``endpoint``), beside any it
+        kept through a failed pause (the host removed that one's file; its connections go
+        on until the next pause unbinds both, ZeroMQ unbinding every listener of an
+        endpoint), on its owner's thread, whenever that runs (the main thread's loop
+        starts after the kernel's start-up code)."""
+        sock = self._socket(channel)
+
+        def work() -> None:
+            try:
+                sock.setsockopt(zmq.USE_FD, fd)
+                try:
+                    sock.bind(endpoint)
+                finally:
+                    sock.setsockopt(zmq.USE_FD, -1)
+            except Exception:
+                with contextlib.suppress(OSError):
+                    os.close(fd)  # (not taken: a bind that fails leaves the descriptor)
+                self.app.log.exception("channel keeper: cannot bind %s", channel)
+                return
+            self.bound[channel] = endpoint
+
+        try:
+            self.on_owner(channel, work)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def release(self) -> None:
+        """Unbind every socket bound to a lent listener, and wait until ZeroMQ's I/O thread
+        has closed it and the connections it accepted (the sandbox's ``/proc/net/unix``
+        lists both at the listener's path: the host sees a listener, not every connection,
+        and a checkpoint that meets one fails and ends the sandbox).
+
+        Raises:
+            TimeoutError: an owner did not unbind, or a socket is still open, after
+                OWNER_TIMEOUT seconds.
+        """
+        paths = {endpoint.removeprefix("ipc://") for endpoint in self.bound.values()}
+        for channel in list(self.bound):
+            done, sock = threading.Event(), self._socket(channel)
+
+            def work(channel: str = channel, sock: Any = sock, done: threading.Event = done) -> None:
+                try:
+                    endpoint = self.bound.pop(channel, None)
+                    if endpoint is not None:
+                        with contextlib.suppress(zmq.ZMQError):
+                            sock.unbind(endpoint)
+                finally:
+                    done.set()
+
+            self.on_owner(channel, work)
+            if not done.wait(OWNER_TIMEOUT):
+                msg = f"the thread of the {channel} socket did not unbind it in time"
+                raise TimeoutError(msg)
+        deadline = time.monotonic() + OWNER_TIMEOUT
+        while held_at(paths):
+            if time.monotonic() > deadline:
+                msg = "ZeroMQ did not close the channels' host sockets in time"
+                raise TimeoutError(msg)
+            time.sleep(0.002)
+
+    def on_owner(self, channel: str, work: Callable[[], None]) -> None:
+        """Run ``work`` where ``channel``'s socket may be used: now, or on its owner's
+        thread; then have the socket's stream look again for a message waiting (ZeroMQ
+        signals one once, to whichever thread looks first, and a bind or an unbind looks)."""
+        if channel == "iopub":
+            pub = self.app.iopub_thread
+            self._then_look(pub.schedule, work, getattr(pub, "_xpub_stream", None))
+            return
+        kernel = self.app.kernel
+        direct = getattr(kernel, "_direct", None)
+        if isinstance(direct, HandOverStream):
+            with direct.handover:
+                if direct.forward is None:  # the main thread's, and it waits for the lock
+                    work()
+                    direct._rebuild_io_state()  # type: ignore[no-untyped-call]
+                    return
+            thread = kernel.shell_channel_thread
+            self._then_look(thread.io_loop.add_callback, work, thread.shell_stream)
+        else:
+            self._then_look(kernel.shell_stream.io_loop.add_callback, work, kernel.shell_stream)
+
+    @staticmethod
+    def _then_look(hand: Callable[[Callable[[], None]], Any], work: Callable[[], None], stream: Any) -> None:
+        def run() -> None:
+            try:
+                work()
+            finally:
+                if stream is not None:
+                    stream._rebuild_io_state()
+
+        hand(run)
+
+
 class SandboxedKernelApp(IPKernelApp):
     """``python -m ipykernel_launcher``, with shell and stdin taking a reconnecting peer's
     identity over, and subshells optional."""
@@ -381,10 +618,21 @@ class SandboxedKernelApp(IPKernelApp):
         "client asks for one, then a thread of its own does. False: the main thread for "
         "good, as ipykernel 6 did, with no subshells.",
     )
+    take_channels = Bool(
+        True,
+        config=True,
+        help="Take the host-facing listeners of shell and IOPub over from the channel relay "
+        "(about 1 ms less per request under gVisor; given back for a pause). False: the relay "
+        "passes every channel on, as for a kernel that cannot (bench/kernel_choices.py).",
+    )
     #: The shell-channel thread a kernel with subshells on demand wakes.
     _sleeping: Any = None
 
+    #: The channel keeper, when the channel relay lends listeners.
+    _keeper: ChannelKeeper | None = None
+
     def init_sockets(self) -> None:
+        self._keeper = ChannelKeeper.open(self.take_channels)  # before the ports the relay waits for
         super().init_sockets()  # type: ignore[no-untyped-call]
         for sock in (self.shell_socket, self.stdin_socket):
             sock.router_handover = 1
@@ -413,6 +661,8 @@ class SandboxedKernelApp(IPKernelApp):
         if self._sleeping is not None:
             self.kernel.sleep_subshells(self._sleeping)
             self.shell_channel_thread = self._sleeping  # (stopped at the end, if woken)
+        if self._keeper is not None:
+            self._keeper.serve(self)
 
 
 if __name__ == "__main__":

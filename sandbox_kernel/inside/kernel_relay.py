@@ -11,12 +11,20 @@ relay itself needs no ZeroMQ: one thread, woken once per read, where a relay of 
 messages woke ZeroMQ's I/O thread and its own on each side (bench/roundtrip.py: a third of
 the sandboxed round trip under load).
 
+Shell and IOPub, the channels of every request and its output, skip that hop: the relay
+binds their listeners and lends them to the kernel (:class:`Keeper`), whose ZeroMQ sockets
+adopt them, so that the host's connections reach the kernel directly (about 1 ms less per
+``1+1`` under gVisor, where every wake-up of this process is dear). A kernel that cannot
+take them (another kernel's command, or ``--SandboxedKernelApp.take_channels=False``) has
+all five relayed.
+
 Why a relay: gVisor cannot checkpoint a sandbox that holds a host socket. ``SIGUSR1``
-closes the listeners (their files removed) and every connection, the kernel's with a reset
-(no TCP state of them left in the sandbox for the checkpoint to save); ``SIGUSR2`` binds
-them afresh, and the bridge connects again. Both signals go on to the egress relay, if the
-kernel has one (its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``), which holds host sockets
-of its own.
+takes the lent listeners back (the kernel unbinds them, which closes them and the
+connections they accepted), then closes the relay's own (their files removed) and every
+connection, the kernel's with a reset (no TCP state of them left in the sandbox for the
+checkpoint to save); ``SIGUSR2`` binds them afresh and lends shell and IOPub again, and
+the bridge connects again. Both signals go on to the egress relay, if the kernel has one
+(its pid in ``SANDBOX_KERNEL_EGRESS_RELAY_PID``), which holds host sockets of its own.
 
 While the host lends the launch folder back for the sockets to be bound again (after a
 pause, failed or not), nothing else in the sandbox runs (see :class:`Holding`): on
@@ -63,8 +71,8 @@ from collections.abc import Callable
 USAGE = "usage: kernel_relay.py CHANNEL=IPC_PATH:PORT [...] -- CMD [ARGS...]"
 CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
 #: The order in which waiting bytes are passed on: the kernel sends a cell's output on
-#: IOPub before its reply on shell, so output waiting beside the reply goes first (the
-#: kernel's start-up code spares ipykernel's sleep before each reply that did this by luck).
+#: IOPub before its reply on shell, so output waiting beside the reply goes first (for a
+#: kernel that has both relayed; one that holds their listeners sends them itself).
 PASS_ORDER = ("iopub", "shell", "stdin", "control", "hb")
 #: Bytes read from a connection at a time.
 CHUNK = 64 * 1024
@@ -74,6 +82,13 @@ LAST_WORDS_TIMEOUT = 2.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: How long the kernel may take to open its ports.
 STARTUP_TIMEOUT = 300.0
+#: The channels whose host-facing listeners the kernel takes over (see :class:`Keeper`):
+#: those of every request and its output, where a hop through this relay is dearest.
+HANDED = ("shell", "iopub")
+#: The kernel's end of the keeper's socket pair, as an inherited descriptor's number.
+KEEPER_FD = "SANDBOX_KERNEL_CHANNEL_KEEPER_FD"
+#: How long the kernel may take to let go of the listeners it took over, for a pause.
+TAKE_BACK_TIMEOUT = 8.0
 #: The egress relay's pid, when one runs (see sandbox_kernel.egress.relay).
 EGRESS_RELAY_PID = "SANDBOX_KERNEL_EGRESS_RELAY_PID"
 #: How long the rest of the sandbox stays stopped for the host to seal the launch folder
@@ -139,6 +154,95 @@ def wait_for_ports(ports: list[int], kernel: subprocess.Popen[bytes], timeout: f
     return True
 
 
+class Keeper:
+    """The relay's end of a socket pair with the kernel's channel keeper (kernel_app.py),
+    through which the kernel takes over the host-facing listeners of :data:`HANDED`.
+
+    gVisor cannot save a sandbox that holds a host socket, which is why this relay exists:
+    it lets go of its sockets for a pause. A kernel that can let go of its own takes the
+    listeners of shell and IOPub from the relay (:meth:`lend`: the bound listener's
+    descriptor, which ZeroMQ adopts, ``ZMQ_USE_FD``), and the host's connections to them
+    reach the kernel directly: no hop through this process, whose wake-up gVisor makes dear
+    (about 1 ms of a ``1+1``). For a pause the relay asks for them back (:meth:`take_back`:
+    the kernel unbinds them, which closes them and their connections) before it stops the
+    rest of the sandbox; after a resume it binds new ones and lends them again. The kernel
+    never gets the launch folder: only descriptors of sockets already bound in it.
+
+    A kernel says it can (:meth:`said_hello`) before it opens its ports; one that does not
+    (another kernel's command) has all five channels relayed, as before. A kernel that
+    does not let go in time (kernel code holding its interpreter) is stopped with the
+    rest: the host sees its sockets still held and the pause fails, the kernel running on.
+    """
+
+    def __init__(self) -> None:
+        self.sock, self.kernel_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Never waits: kernel code may leave its end unread, and this relay must go on.
+        self.sock.setblocking(False)
+        #: The channels whose listeners the kernel holds, as far as this relay knows (one
+        #: it did not give back stays here: see :meth:`take_back`).
+        self.lent: set[str] = set()
+        #: Whether the kernel's end is gone (kernel code closed it): lend nothing more.
+        self.gone = False
+        #: The number of the last request to give the listeners back (answers name it).
+        self.asked = 0
+
+    def env(self) -> dict[str, str]:
+        """The kernel's environment: where its end of the pair is."""
+        return {**os.environ, KEEPER_FD: str(self.kernel_end.fileno())}
+
+    def started(self) -> None:
+        """The kernel runs, with its own copy of its end."""
+        self.kernel_end.close()
+
+    def said_hello(self) -> bool:
+        """Whether the kernel has said it takes listeners over (it does before it opens its
+        ports, which the relay waits for first)."""
+        try:
+            return self.sock.recv(16, socket.MSG_DONTWAIT) == b"hello"
+        except OSError:
+            return False
+
+    def lend(self, name: str, path: str, listener: socket.socket) -> None:
+        """Hand ``listener`` (bound at ``path``) to the kernel, for channel ``name``.
+
+        Raises:
+            OSError: the kernel's end is gone, or does not take more now.
+        """
+        rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", listener.fileno()))
+        try:
+            self.sock.sendmsg([f"bind {name} {path}".encode()], [rights])
+        except OSError:
+            self.gone = True
+            raise
+        self.lent.add(name)
+
+    def take_back(self, timeout: float) -> bool:
+        """Ask the kernel to let go of every listener lent and of their connections; whether
+        it said it has within ``timeout`` seconds. Answers are numbered: one to an earlier
+        request, come late, or anything else kernel code writes, is read past; its end
+        closed is no answer. Until it answers, :attr:`lent` says it may hold them still."""
+        if not self.lent:
+            return True
+        self.asked += 1
+        answer = f"released {self.asked}".encode()
+        deadline = time.monotonic() + timeout
+        try:
+            self.sock.send(f"release {self.asked}".encode())
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self.sock], [], [], left)[0]:
+                    return False
+                said = self.sock.recv(64)
+                if not said:
+                    self.gone = True
+                    return False
+                if said == answer:
+                    self.lent = set()
+                    return True
+        except OSError:
+            self.gone = True
+        return False
+
+
 class _Stream:
     """One direction of a connection pair: bytes read from ``source``, not yet written to
     ``sink`` (the sink could not take them all: the source is not read meanwhile)."""
@@ -161,8 +265,10 @@ class Relay:
     cannot take more is not sent more, and its peer is not read until it can.
     """
 
-    def __init__(self, channels: dict[str, tuple[str, int]]) -> None:
+    def __init__(self, channels: dict[str, tuple[str, int]], keeper: Keeper | None = None) -> None:
         self.channels = channels
+        #: Where the listeners of :data:`HANDED` go, if the kernel takes them over.
+        self.keeper = keeper
         # poll(2), not epoll: an epoll set can come back from a restore holding a
         # descriptor closed before the pause, ready for ever (see kernel_app.py).
         self.poller = select.poll()
@@ -176,7 +282,8 @@ class Relay:
         self._view = memoryview(self._buffer)
 
     def open(self) -> None:
-        """Bind the host-facing listeners (a file left at a path is replaced)."""
+        """Bind the host-facing listeners (a file left at a path is replaced), and lend the
+        kernel those it takes over (beside any it kept through a failed pause)."""
         if self.listeners:
             return
         for name, (path, _) in self.channels.items():
@@ -194,13 +301,29 @@ class Relay:
             finally:
                 os.umask(previous)
             listener.listen(16)
+            if self.keeper is not None and not self.keeper.gone and name in HANDED:
+                try:
+                    self.keeper.lend(name, path, listener)
+                except OSError:
+                    # Its end is gone (kernel code closed it): this relay passes the
+                    # channel on from now on, to the kernel's port, as for any kernel.
+                    print(f"kernel relay: the kernel cannot take {name} over; relaying it", file=sys.stderr)
+                else:
+                    listener.close()
+                    continue
             listener.setblocking(False)
             self.listeners[listener.fileno()] = (listener, name)
             self.poller.register(listener, select.POLLIN)
 
-    def close(self) -> None:
+    def close(self, kernel_ended: bool = False) -> None:
         """Close the listeners and every connection, host's and kernel's; remove the
-        listeners' files."""
+        listeners' files, and those of the listeners the kernel gave back (ZeroMQ leaves an
+        adopted listener's file), or held until it ended. The files of listeners it may
+        still hold stay: where the host cannot see the sandbox's sockets, it looks for
+        them there, and must not save a sandbox that holds one."""
+        if self.keeper is not None and (kernel_ended or not self.keeper.lent):
+            for name in HANDED:
+                _unlink(self.channels[name][0])
         for fd, (listener, name) in list(self.listeners.items()):
             self.poller.unregister(fd)
             listener.close()
@@ -326,7 +449,7 @@ class Relay:
             if not ready:
                 break
             self.pass_on([(fd, events) for fd, events in ready if fd not in self.listeners])
-        self.close()
+        self.close(kernel_ended=True)
 
 
 class Holding:
@@ -553,11 +676,15 @@ def main(argv: list[str]) -> int:
         signal.signal(signum, lambda signum, _frame: received.append(signum))
     egress = os.environ.pop(EGRESS_RELAY_PID, "")
     egress_pid = int(egress) if egress.isdigit() else None
+    keeper = Keeper()
     try:
-        kernel = subprocess.Popen(command)  # noqa: S603 - the kernelspec's own command
+        kernel = subprocess.Popen(  # noqa: S603 - the kernelspec's own command
+            command, pass_fds=(keeper.kernel_end.fileno(),), env=keeper.env()
+        )
     except OSError as exc:
         print(f"kernel relay: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         return 127
+    keeper.started()
     if not wait_for_ports([port for _, port in channels.values()], kernel, STARTUP_TIMEOUT):
         kernel.wait()
         return _status(kernel.returncode)
@@ -567,7 +694,7 @@ def main(argv: list[str]) -> int:
             MemoryClamp(kernel.pid, limit).start()
         except OSError:  # the kernel ended already: its status follows
             pass
-    relay = Relay(channels)
+    relay = Relay(channels, keeper if keeper.said_hello() else None)
     relay.open()
     holding = Holding(os.path.dirname(channels["shell"][0]), egress_pid)
     relay.poller.register(wake_read, select.POLLIN)
@@ -584,7 +711,12 @@ def main(argv: list[str]) -> int:
                 if number in FORWARDED and kernel.poll() is None:
                     kernel.send_signal(number)
                 elif number == signal.SIGUSR1:
-                    holding.stop()  # before the host sees the sockets go, and lends the folder
+                    # The kernel lets go of what it took over while it still runs; then the
+                    # rest stops, before the host sees the sockets go and lends the folder.
+                    if not keeper.take_back(TAKE_BACK_TIMEOUT):
+                        # Its sockets stay open: the host sees them and the pause fails.
+                        print("kernel relay: the kernel did not let go of its channels", file=sys.stderr)
+                    holding.stop()
                     relay.close()
                     pass_on(egress_pid, number)
                 elif number == signal.SIGUSR2:

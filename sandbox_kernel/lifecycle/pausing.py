@@ -39,6 +39,10 @@ from sandbox_kernel.host.background import poll_until
 from sandbox_kernel.lifecycle.launch_folder import seal_launch_dir
 from sandbox_kernel.plan.sandbox_spec import CONTAINER_EGRESS_SOCKET, CONTAINER_RUNTIME_DIR, kernel_sockets
 
+#: The channels whose sockets the kernel holds itself, lent by the channel relay
+#: (kernel_relay.HANDED), and those the relay always keeps.
+KEPT_BY_KERNEL = ("shell", "iopub")
+KEPT_BY_RELAY = ("stdin", "control", "hb")
 #: How long the relay may take to close or bind its host sockets.
 CHANNELS_TIMEOUT = 20.0
 #: How long the egress relay may take to bind its socket again, once the channels are.
@@ -112,34 +116,49 @@ async def wait_for_channels(
     Raises:
         PauseError: not within ``timeout`` seconds.
     """
+    by_name = {path.name: channel for channel, path in kernel_sockets(launch_dir).items()}
     sockets = list(kernel_sockets(launch_dir).values())
     if egress and not bound:
         sockets.append(egress_socket(launch_dir))
+    still: list[str] = []
 
     async def done() -> bool:
         paths = await held() if not bound and held is not None else None
         if paths is not None:  # known: it alone tells (a connection may outlive its listener)
-            return all(Path(path).parent != Path(CONTAINER_RUNTIME_DIR) for path in paths)
+            ours = [Path(path) for path in paths if Path(path).parent == Path(CONTAINER_RUNTIME_DIR)]
+            names = {by_name.get(path.name, path.name) for path in ours}
+            still[:] = [channel for channel in KEPT_BY_KERNEL if channel in names] + sorted(
+                names - set(KEPT_BY_KERNEL)
+            )
+            return not ours
         return await _all_in_use(sockets, bound)
 
     if not await poll_until(done, timeout, 0.02):
-        what = "bind its channels again" if bound else "let go of its channels"
-        msg = f"the kernel's channel relay did not {what} within {timeout:g} s"
+        if bound:
+            msg = f"the kernel's channel relay did not bind its channels again within {timeout:g} s"
+        elif set(still) <= set(KEPT_BY_KERNEL) and still:
+            msg = (
+                f"the kernel did not give back its {' and '.join(still)} socket{'s' * (len(still) > 1)} "
+                f"within {timeout:g} s "
+                "(code in the kernel keeping the interpreter busy in a thread, e.g. a long call made in C)"
+            )
+        else:
+            msg = f"the kernel's channel relay did not let go of its channels within {timeout:g} s"
         raise PauseError(msg)
 
 
 async def relay_kept_its_sockets(
     launch_dir: Path, held: Callable[[], Awaitable[list[str] | None]] | None = None
 ) -> bool:
-    """Whether the channel relay still holds any of the kernel's channel sockets after a
-    failed pause: then it has not stopped the rest of the sandbox (it does that before it
-    closes them: kernel_relay.Holding; kernel code may have stopped the relay itself), and
-    the launch folder must not be lent, kernel code would run meanwhile. ``held`` (the
-    sandbox's bound host sockets) tells; where it cannot (None: a server that is not root,
-    which seals no folder), False. The paths cannot tell: gVisor's gofer goes on accepting
-    connections at them for a moment after they closed."""
+    """Whether the channel relay still holds the sockets of the channels it always keeps:
+    then it has not stopped the rest of the sandbox, which it does before it closes them
+    (kernel_relay.Holding), and the launch folder must not be lent (kernel code would run
+    meanwhile). ``held`` (the sandbox's bound host sockets) tells; where it cannot (None:
+    a server that is not root, which lends no folder), False. The paths cannot tell:
+    gVisor's gofer goes on accepting connections at them for a moment after they closed."""
+    sockets = kernel_sockets(launch_dir)
     paths = await held() if held is not None else None
-    inside = {f"{CONTAINER_RUNTIME_DIR}/{path.name}" for path in kernel_sockets(launch_dir).values()}
+    inside = {f"{CONTAINER_RUNTIME_DIR}/{sockets[channel].name}" for channel in KEPT_BY_RELAY}
     return paths is not None and bool(inside & set(paths))
 
 

@@ -111,7 +111,8 @@ CONTAINER_STARTUP_MODULE = f"{CONTAINER_RUNTIME_DIR}/in_kernel_startup.py"
 #: :mod:`~sandbox_kernel.inside.kernel_app`).
 CONTAINER_KERNEL_APP_FILE = f"{CONTAINER_RUNTIME_DIR}/kernel_app.py"
 #: The kernel's parent in the sandbox: binds its channels' host sockets (see
-#: :mod:`~sandbox_kernel.inside.kernel_relay`), so that the kernel itself holds none.
+#: :mod:`~sandbox_kernel.inside.kernel_relay`), lends the kernel shell's and IOPub's, and
+#: takes them back before a pause, so that the sandbox then holds none.
 CONTAINER_KERNEL_RELAY_FILE = f"{CONTAINER_RUNTIME_DIR}/kernel_relay.py"
 #: The kernel binds its channels here, on the sandbox's own loopback: below gVisor's
 #: ephemeral ports (16000-65535), which an outgoing connection made while the kernel

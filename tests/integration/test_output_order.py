@@ -1,6 +1,6 @@
 """Every message of an execution, in Jupyter's order, from a real sandboxed kernel: the
 kernel's start-up code shortens ipykernel's output path (sandbox_kernel/inside/fast_io.py)
-and the channel relay passes IOPub first; what a client sees must be what a local kernel
+and the kernel holds its IOPub socket itself; what a client sees must be what a local kernel
 sends: busy, the input, the outputs (main thread, other threads, file descriptor 1, a
 forked child), the result, then idle last, all with the request as parent, and one reply.
 Each test runs on a kernel with subshells (the default) and on one without (the kernelspec

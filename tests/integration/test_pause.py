@@ -29,6 +29,7 @@ from sandbox_kernel.kernel import launching
 from sandbox_kernel.lifecycle import ownership
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
+from tests.executions import CLOSE_CHANNEL_KEEPER
 
 from .conftest import KernelStarter, epoll_holders, run, run_ok
 
@@ -385,6 +386,116 @@ def test_code_holding_a_socket_in_the_workspace_blocks_the_pause_and_the_kernel_
     assert run_ok(kc, "print(x)", timeout=120).strip() == "42"
 
 
+#: Kernel code (an attack): a thread that plants a folder in the launch folder whenever it
+#: finds it its own (``seen``, ``planted``), until ``stop``.
+WATCH_THE_FOLDER = """\
+import os, threading, time
+seen, planted = [], []
+def watch():
+    while not stop:
+        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():
+            seen.append(time.time())
+            try:
+                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)
+            except OSError:
+                pass
+stop = False
+threading.Thread(target=watch, daemon=True).start()
+"""
+#: What a pause that the kernel's shell and IOPub sockets held up says.
+NOT_GIVEN_BACK = r"did not give back its shell and iopub sockets.*keeps running\.$"
+#: Printed by kernel code: for the channel relay (the kernel's parent) and the kernel, the
+#: channels whose unix sockets each holds open (listeners and accepted connections).
+WHO_HOLDS = """\
+import os
+def _held(pid):
+    table = {f[6]: f[7] for f in (l.split() for l in open('/proc/net/unix').readlines()[1:]) if len(f) > 7}
+    links = []
+    for fd in os.listdir(f'/proc/{pid}/fd'):
+        try:
+            links.append(os.readlink(f'/proc/{pid}/fd/{fd}'))
+        except OSError:
+            pass
+    inodes = [l[8:-1] for l in links if l.startswith('socket:[')]
+    return sorted({table[i].rsplit('-', 1)[1] for i in inodes if i in table})
+print(_held(os.getppid()), _held(os.getpid()))
+"""
+
+
+def test_the_kernel_holds_shell_and_iopub_itself_through_pauses(start_kernel: KernelStarter) -> None:
+    """The relay lends the kernel the listeners of shell (1) and IOPub (2) and relays the
+    rest; the kernel lets go of them for each pause and takes new ones after it."""
+    km, kc = start_kernel()
+    held_before = run_ok(kc, WHO_HOLDS + "x = 42")
+    assert held_before == "['3', '4', '5'] ['1', '2']\n"
+    for _ in range(2):
+        run_sync(km.provisioner.pause)()
+        assert run_ok(kc, WHO_HOLDS + "print(x)", timeout=120) == held_before + "42\n"
+
+
+def test_kernel_code_that_closes_its_channel_keeper_cannot_pause_it_but_it_runs_on(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """The attack: kernel code shuts down and closes the socket pair through which its
+    channel keeper takes the listeners and gives them back. The kernel keeps shell's and
+    IOPub's (nothing can make it let go of them now), so each pause fails, saying so, the
+    kernel running on with its state; its relay passes every channel on afresh."""
+    km, kc = start_kernel()
+    assert run_ok(kc, "x = 42\n" + CLOSE_CHANNEL_KEEPER) == "closed\n"
+    for _ in range(2):
+        with pytest.raises(PauseError, match=NOT_GIVEN_BACK):
+            run_sync(km.provisioner.pause)()
+        assert _status(docker_client, km) == "running"
+        assert run_ok(kc, "print(x)", timeout=60) == "42\n"
+    assert run_ok(kc, WHO_HOLDS) == "['1', '2', '3', '4', '5'] ['1', '2']\n"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
+def test_kernel_code_that_stops_its_channel_relay_never_gets_the_launch_folder(
+    start_kernel: KernelStarter,
+) -> None:
+    """The attack: kernel code stops the channel relay (its parent, the kernel's uid) so
+    that it never stops the rest of the sandbox for a pause, and watches for the launch
+    folder to become its own, as the host lent it after a failed pause. The relay's own
+    sockets still answer: the host lends nothing, the pause fails saying so, and the
+    kernel (which holds shell's and IOPub's sockets itself) answers on."""
+    km, kc = start_kernel()
+    run_ok(kc, WATCH_THE_FOLDER + "import signal\nos.kill(os.getppid(), signal.SIGSTOP)")
+    with pytest.raises(PauseError, match=r"relay did not let go of its channels.*keeps running\.$"):
+        run_sync(km.provisioner.pause)()
+    assert run_ok(kc, "stop = True\nprint(len(seen), len(planted))", timeout=60) == "0 0\n"
+    launch_dir = km.provisioner.launch_dir
+    assert launch_dir is not None
+    assert not (launch_dir / "planted").exists()
+    assert launch_dir.stat().st_uid == 0
+
+
+def test_a_kernel_whose_thread_holds_the_interpreter_fails_its_pause_and_runs_on(
+    start_kernel: KernelStarter, docker_client: docker.DockerClient
+) -> None:
+    """A background thread in a long call made in C that keeps the interpreter's lock (here
+    libc's sleep through ``ctypes.PyDLL``): the kernel's channel keeper cannot give the
+    listeners back, the pause fails saying so, and the kernel runs on with its state; once
+    the call returns, it pauses."""
+    km, kc = start_kernel()
+    run_ok(
+        kc,
+        "import ctypes, threading, time\n"
+        "x = 42\n"
+        "def hold():\n"
+        "    time.sleep(0.5)\n"
+        "    ctypes.PyDLL(None).sleep(30)\n"
+        "threading.Thread(target=hold, daemon=True).start()",
+    )
+    time.sleep(1)
+    with pytest.raises(PauseError, match=NOT_GIVEN_BACK):
+        run_sync(km.provisioner.pause)()
+    assert _status(docker_client, km) == "running"
+    assert run_ok(kc, "print(x)", timeout=60) == "42\n"
+    run_sync(km.provisioner.pause)()
+    assert run_ok(kc, "print(x)", timeout=120) == "42\n"
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="runsc saves the sandbox itself only for a root server (CI's)")
 def test_a_pause_that_fails_once_the_sandbox_stopped_ends_the_kernel_saying_so_and_leaves_nothing(
     start_kernel: KernelStarter, workspace: Path
@@ -546,56 +657,6 @@ def _checkpoints(client: docker.DockerClient, container_id: str) -> list[str]:
     return [entry["Name"] for entry in listed or []]
 
 
-#: Kernel code (an attack): a thread that plants a folder in the launch folder whenever it
-#: finds it its own (``seen``, ``planted``), until ``stop``.
-WATCH_THE_FOLDER = """\
-import os, threading, time
-seen, planted = [], []
-def watch():
-    while not stop:
-        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():
-            seen.append(time.time())
-            try:
-                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)
-            except OSError:
-                pass
-stop = False
-threading.Thread(target=watch, daemon=True).start()
-"""
-
-
-@pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
-def test_kernel_code_that_stops_its_channel_relay_never_gets_the_launch_folder(
-    start_kernel: KernelStarter, docker_client: docker.DockerClient, workspace: Path
-) -> None:
-    """The attack: kernel code stops the channel relay (its parent, the kernel's uid) so
-    that it never stops the rest of the sandbox for a pause, and watches for the launch
-    folder to become its own. The host lent it after the failed pause (the thread planted
-    a folder there a million times). Now it sees the relay still holds its sockets: it
-    lends nothing, and the pause fails saying why, the sandbox running on."""
-    km, kc = start_kernel()
-    stop_the_relay = (
-        "import signal\n"
-        "def tell():\n"  # in the workspace: the host's seal drops what it made in the folder
-        "    while not seen:\n"
-        "        time.sleep(0.01)\n"
-        "    time.sleep(0.5)\n"
-        "    open('seen-the-folder', 'w').write(f'{len(seen)} {len(planted)}')\n"
-        "threading.Thread(target=tell, daemon=True).start()\n"
-        "threading.Timer(0.5, os.kill, (os.getppid(), signal.SIGSTOP)).start()"  # once its reply is out
-    )
-    run_ok(kc, WATCH_THE_FOLDER + stop_the_relay)
-    time.sleep(1.5)
-    with pytest.raises(PauseError, match=r"relay did not let go of its channels within 20 s.*keeps running"):
-        run_sync(km.provisioner.pause)()
-    assert _status(docker_client, km) == "running"
-    launch_dir = km.provisioner.launch_dir
-    assert launch_dir is not None
-    assert launch_dir.stat().st_uid == 0
-    time.sleep(1)
-    assert not (workspace / "seen-the-folder").exists()
-
-
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
 def test_no_pause_lends_the_launch_folder_to_the_kernel(
     start_kernel: KernelStarter, docker_client: docker.DockerClient
@@ -607,21 +668,8 @@ def test_no_pause_lends_the_launch_folder_to_the_kernel(
     stops them as the pause begins, and lets them go on once the host has sealed it
     again), through failed and successful pauses."""
     km, kc = start_kernel()
-    watch = (
-        "import os, threading, time\n"
-        "seen, planted = [], []\n"
-        "def watch():\n"
-        "    while not stop:\n"
-        "        if os.stat('/run/sandbox-kernel').st_uid == os.getuid():\n"
-        "            seen.append(time.time())\n"
-        "            try:\n"
-        "                os.mkdir('/run/sandbox-kernel/planted'); planted.append(1)\n"
-        "            except OSError:\n"
-        "                pass\n"
-        "stop = False\n"
-        "threading.Thread(target=watch, daemon=True).start()\n"
-        "import socket\nlistener = socket.socket(socket.AF_UNIX)\nlistener.bind('held.sock')"
-    )
+    watch = WATCH_THE_FOLDER + "import socket\nlistener = socket.socket(socket.AF_UNIX)\n"
+    watch += "listener.bind('held.sock')"
     run_ok(kc, watch)
     for _ in range(3):  # pauses the kernel makes fail at will
         with pytest.raises(PauseError):

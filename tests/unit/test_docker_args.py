@@ -312,8 +312,8 @@ class TestValidateSize:
 
 
 def test_the_kernel_listens_on_the_sandboxs_loopback_only() -> None:
-    """The kernel holds no host socket (gVisor cannot checkpoint one): its channels are on
-    the sandbox's loopback, where the channel relay connects."""
+    """The kernel's own ports are on the sandbox's loopback, where the channel relay
+    connects (its host sockets, shell's and IOPub's, are the relay's, lent)."""
     info = container_connection_info(b"s3cret", "hmac-sha256", "sandboxed-python")
     assert info == {
         "transport": "tcp",

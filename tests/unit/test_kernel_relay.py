@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from jupyter_client.session import Session
 from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.egress import relay as egress_relay
 from sandbox_kernel.inside import kernel_app, kernel_relay
-from tests.executions import run_ok
+from tests.executions import CLOSE_CHANNEL_KEEPER, run_ok
 
 CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
@@ -41,23 +42,21 @@ def _free_ports(count: int) -> list[int]:
 @pytest.fixture
 def relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """(the relay process, the ipc prefix its host sockets are bound at)."""
-    ports = dict(zip(CHANNELS, _free_ports(len(CHANNELS)), strict=True))
-    connection = tmp_path / "connection.json"
-    info = {"transport": "tcp", "ip": "127.0.0.1", "key": "k", "signature_scheme": "hmac-sha256"}
-    connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
-    prefix = tmp_path / "kernel"
-    args = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
-    # The kernel as the sandbox runs it (kernel_app.py, IPython's history in memory).
-    kernel = [
-        sys.executable,
-        kernel_app.__file__,
-        "-f",
-        str(connection),
-        "--HistoryManager.hist_file=:memory:",
-    ]
-    relay = subprocess.Popen(
-        [sys.executable, kernel_relay.__file__, *args, "--", *kernel], start_new_session=True
-    )
+    with _running_relay(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+def all_relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``relayed``, with a kernel that leaves shell and IOPub to the relay too."""
+    with _running_relay(tmp_path, "--SandboxedKernelApp.take_channels=False") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _running_relay(tmp_path: Path, *kernel_arguments: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    args, prefix = _relay_arguments(tmp_path, *kernel_arguments)
+    relay = subprocess.Popen([sys.executable, kernel_relay.__file__, *args], start_new_session=True)
     try:
         _wait(lambda: all(_sockets(prefix)), "the relay's host sockets")
         yield relay, prefix
@@ -70,6 +69,18 @@ def relayed(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
 def _kernel(connection: Path) -> list[str]:
     """The kernel as the sandbox runs it (kernel_app.py, IPython's history in memory)."""
     return [sys.executable, kernel_app.__file__, "-f", str(connection), "--HistoryManager.hist_file=:memory:"]
+
+
+def _relay_arguments(tmp_path: Path, *kernel_arguments: str) -> tuple[list[str], Path]:
+    """(the channel relay's arguments, its kernel's command included, as the sandbox runs
+    them; the ipc prefix its host sockets are bound at)."""
+    ports = dict(zip(CHANNELS, _free_ports(len(CHANNELS)), strict=True))
+    connection = tmp_path / "connection.json"
+    info = {"transport": "tcp", "ip": "127.0.0.1", "key": "k", "signature_scheme": "hmac-sha256"}
+    connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
+    prefix = tmp_path / "kernel"
+    channels = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
+    return [*channels, "--", *_kernel(connection), *kernel_arguments], prefix
 
 
 def _sockets(prefix: Path) -> list[bool]:
@@ -127,6 +138,113 @@ def test_a_paused_relay_holds_no_host_socket_and_the_kernel_keeps_its_state(
         kc.stop_channels()
 
 
+def _open_at(prefix: Path) -> dict[str, set[int]]:
+    """channel -> the pids of the processes holding a unix socket open at its path (a
+    listener, or a connection it accepted): what a checkpoint would meet."""
+    paths = {f"{prefix}-{number}": name for name, number in CHANNELS.items()}
+    inodes: dict[str, str] = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 7 and fields[7] in paths:
+            inodes[fields[6]] = paths[fields[7]]
+    held: dict[str, set[int]] = {}
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                held.setdefault(inodes[link[8:-1]], set()).add(int(fd.parts[2]))
+    return held
+
+
+def _kernel_pid(relay: subprocess.Popen[bytes]) -> int:
+    (child,) = Path(f"/proc/{relay.pid}/task/{relay.pid}/children").read_text().split()
+    return int(child)
+
+
+def test_the_kernel_holds_shell_and_iopub_itself_and_lets_go_of_them_for_a_pause(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """The relay lends the kernel the listeners of shell and IOPub (a client's connection
+    reaches the kernel with no hop through the relay) and relays the other three. On
+    SIGUSR1 no socket of any channel stays open, the connections the kernel accepted
+    included (gVisor cannot save one); on SIGUSR2 the kernel holds new ones, and a client
+    finds it as it was."""
+    relay, prefix = relayed
+    kernel = _kernel_pid(relay)
+    kc = _client(prefix)
+    try:
+        assert run_ok(kc, "x = 42; print('set')") == "set\n"
+        held = _open_at(prefix)
+        assert held["shell"] == held["iopub"] == {kernel}, held
+        assert held["control"] == held["stdin"] == held["hb"] == {relay.pid}, held
+        relay.send_signal(signal.SIGUSR1)
+        _wait(lambda: not _open_at(prefix), "every socket at the channels' paths closed")
+    finally:
+        kc.stop_channels()
+    relay.send_signal(signal.SIGUSR2)
+    _wait(lambda: all(_sockets(prefix)), "host sockets again")
+    kc = _client(prefix)
+    try:
+        assert run_ok(kc, "print(x)") == "42\n"
+        held = _open_at(prefix)
+        assert held["shell"] == held["iopub"] == {kernel}, held
+    finally:
+        kc.stop_channels()
+
+
+def test_a_kernel_told_not_to_take_the_channels_over_has_all_five_relayed(tmp_path: Path) -> None:
+    """``--SandboxedKernelApp.take_channels=False`` (bench/kernel_choices.py's "all
+    relayed"): the relay passes every channel on, as for a kernel that cannot."""
+    args, prefix = _relay_arguments(tmp_path, "--SandboxedKernelApp.take_channels=False")
+    relay = subprocess.Popen([sys.executable, kernel_relay.__file__, *args], start_new_session=True)
+    try:
+        _wait(lambda: all(_sockets(prefix)), "the relay's host sockets")
+        kc = _client(prefix)
+        try:
+            assert run_ok(kc, "print(1+1)") == "2\n"
+            assert set().union(*_open_at(prefix).values()) == {relay.pid}
+        finally:
+            kc.stop_channels()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(relay.pid, signal.SIGKILL)
+        relay.wait()
+
+
+def test_kernel_code_that_closes_its_keeper_keeps_its_channels_and_is_relayed_after(
+    relayed: tuple[subprocess.Popen[bytes], Path],
+) -> None:
+    """The attack: kernel code closes the socket its channel keeper reads. The relay never
+    waits on it: a pause's request is answered or not (the keeper may still be reading the
+    socket as it is closed), and either the kernel let go of its listeners or it holds them
+    still, which the host sees (the pause fails, the kernel running on). Asked to bind
+    again, the relay cannot lend them: it relays shell and IOPub itself, and clients go on."""
+    relay, prefix = relayed
+    kernel = _kernel_pid(relay)
+    kc = _client(prefix)
+    try:
+        closed = run_ok(kc, CLOSE_CHANNEL_KEEPER)
+        assert closed == "closed\n"
+        relay.send_signal(signal.SIGUSR1)
+        _wait(lambda: not _open_at(prefix).get("control"), "the relay's own sockets closed", timeout=5)
+        held = _open_at(prefix)
+        assert set().union(*held.values()) <= {kernel}, held
+    finally:
+        kc.stop_channels()
+    for number in CHANNELS.values():  # as the host does before it asks again
+        Path(f"{prefix}-{number}").unlink(missing_ok=True)
+    relay.send_signal(signal.SIGUSR2)
+    _wait(lambda: all(_sockets(prefix)), "host sockets again")
+    kc = _client(prefix)
+    try:
+        assert run_ok(kc, "print('still here')") == "still here\n"
+        held = _open_at(prefix)
+        assert relay.pid in held["shell"], held
+        assert relay.pid in held["iopub"], held
+    finally:
+        kc.stop_channels()
+
+
 def test_sigusr2_binds_afresh_where_the_host_removed_the_files_of_open_sockets(
     relayed: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
@@ -151,24 +269,10 @@ def test_behind_the_egress_relay_the_pause_signals_reach_it_too(tmp_path: Path) 
     """As in a kernel with network "allowlist": the egress relay starts first, becomes a
     daemon and runs the channel relay, which the host signals; both let go of their host
     sockets on SIGUSR1 and bind them again on SIGUSR2."""
-    ports = dict(zip(CHANNELS, _free_ports(len(CHANNELS)), strict=True))
-    connection = tmp_path / "connection.json"
-    info = {"transport": "tcp", "ip": "127.0.0.1", "key": "k", "signature_scheme": "hmac-sha256"}
-    connection.write_text(json.dumps({**info, **{f"{name}_port": port for name, port in ports.items()}}))
-    prefix, egress = tmp_path / "kernel", tmp_path / "egress.sock"
-    channels = [f"{name}={prefix}-{CHANNELS[name]}:{port}" for name, port in ports.items()]
-    # The kernel as the sandbox runs it (kernel_app.py, IPython's history in memory).
-    kernel = [
-        sys.executable,
-        kernel_app.__file__,
-        "-f",
-        str(connection),
-        "--HistoryManager.hist_file=:memory:",
-    ]
+    args, prefix = _relay_arguments(tmp_path)
+    egress = tmp_path / "egress.sock"
     chain = [sys.executable, egress_relay.__file__, str(egress), "0", "--"]
-    relay = subprocess.Popen(
-        [*chain, sys.executable, kernel_relay.__file__, *channels, "--", *kernel], start_new_session=True
-    )
+    relay = subprocess.Popen([*chain, sys.executable, kernel_relay.__file__, *args], start_new_session=True)
     daemon = 0
     try:
         _wait(lambda: all(_sockets(prefix)) and ipc_in_use(str(egress)), "the relays' host sockets")
@@ -385,13 +489,16 @@ def test_a_peer_connecting_again_as_itself_takes_its_identity_over(
 
 
 def test_a_client_that_stops_reading_output_holds_up_only_its_own_connection(
-    relayed: tuple[subprocess.Popen[bytes], Path],
+    all_relayed: tuple[subprocess.Popen[bytes], Path],
 ) -> None:
-    """Flow control is each connection's own: while one client reads none of a flood of
-    output, the kernel goes on (its IOPub drops what that client cannot take, as ZeroMQ
-    does for any slow subscriber), another client gets every line and the reply, and the
-    first one's own requests are still answered."""
-    _, prefix = relayed
+    """The relay's flow control is each connection's own: while one client reads none of a
+    flood of output, the kernel goes on (its IOPub drops what that client cannot take, as
+    ZeroMQ does for any slow subscriber), another client gets every line and the reply,
+    and the first one's own requests are still answered. (A kernel that holds IOPub's
+    listener itself is ZeroMQ's alone, as a local kernel: one subscriber's queue full
+    drops that subscriber's messages. In the product its one subscriber is the host's
+    bridge.)"""
+    _, prefix = all_relayed
     stalled, other = _client(prefix), _client(prefix)
     try:
         stalled.iopub_channel.stop()  # reads nothing from now on: its socket stays connected
@@ -445,3 +552,57 @@ def test_the_kernel_welcomes_each_iopub_subscriber_through_the_relay(
         assert set(before) <= {"status", "stream", "iopub_welcome"}, before
     finally:
         context.destroy(linger=0)
+
+
+def test_the_keeper_never_waits_past_its_timeout_nor_takes_a_late_answer_for_a_new_one() -> None:
+    """A kernel that does not answer costs the relay ``timeout`` seconds, no more, and is
+    taken to hold its listeners still; its answer, come late (read before or after the
+    next request went out), or anything else kernel code writes, is not taken for the
+    answer to the next pause's request."""
+    keeper = kernel_relay.Keeper()
+    kernel_end = keeper.kernel_end
+    try:
+        listener = socket.socket(socket.AF_UNIX)
+        keeper.lend("shell", "/nowhere", listener)
+        listener.close()
+        started = time.monotonic()
+        assert not keeper.take_back(0.3)
+        assert 0.3 <= time.monotonic() - started < 2
+        assert keeper.lent == {"shell"}
+        assert kernel_end.recv(64) == b"bind shell /nowhere"
+        assert kernel_end.recv(64) == b"release 1"
+        kernel_end.send(b"released 1")  # late: waiting before the next request
+        assert not keeper.take_back(0.3), "a late answer was taken for this one"
+        assert kernel_end.recv(64) == b"release 2"
+        threading.Timer(0.05, kernel_end.send, (b"released 2",)).start()  # late
+        threading.Timer(0.1, kernel_end.send, (b"released",)).start()  # kernel code's
+        assert not keeper.take_back(0.3)
+        assert kernel_end.recv(64) == b"release 3"
+        kernel_end.send(b"released 3")  # late
+        threading.Timer(0.1, kernel_end.send, (b"released 4",)).start()  # in time, after the late one
+        assert keeper.take_back(5)
+        assert kernel_end.recv(64) == b"release 4"
+        assert not keeper.lent
+    finally:
+        keeper.sock.close()
+        kernel_end.close()
+
+
+def test_a_keeper_whose_kernel_end_is_shut_down_is_given_up_at_once() -> None:
+    """The attack: kernel code shuts its end down, so that every read of the relay's end
+    returns at once with nothing. The relay neither spins nor waits: no answer, the
+    listeners taken to be held still, and nothing more lent."""
+    keeper = kernel_relay.Keeper()
+    try:
+        listener = socket.socket(socket.AF_UNIX)
+        keeper.lend("shell", "/nowhere", listener)
+        listener.close()
+        keeper.kernel_end.shutdown(socket.SHUT_RDWR)
+        started = time.monotonic()
+        assert not keeper.take_back(30)
+        assert time.monotonic() - started < 1
+        assert keeper.gone
+        assert keeper.lent == {"shell"}
+    finally:
+        keeper.sock.close()
+        keeper.kernel_end.close()

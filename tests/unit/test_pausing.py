@@ -143,6 +143,12 @@ def test_a_sandbox_that_holds_none_of_its_channel_sockets_has_let_go_though_the_
         await wait_for_channels(launch_dir, bound=False, timeout=timeout, held=sandbox_holds)
 
     try:
+        with pytest.raises(PauseError, match=r"^the kernel did not give back its shell socket within 0\.2 s"):
+            asyncio.run(wait(0.2))
+        held = [f"{CONTAINER_RUNTIME_DIR}/kernel-2", f"{CONTAINER_RUNTIME_DIR}/kernel-1"]
+        with pytest.raises(PauseError, match=r"^the kernel did not give back its shell and iopub sockets"):
+            asyncio.run(wait(0.2))
+        held = [f"{CONTAINER_RUNTIME_DIR}/kernel-1", f"{CONTAINER_RUNTIME_DIR}/kernel-4"]  # the relay's too
         with pytest.raises(PauseError, match=r"did not let go of its channels within 0\.2 s"):
             asyncio.run(wait(0.2))
         held = ["/workspace/own.sock"]  # (the checkpoint refuses that one, saying so)
@@ -157,12 +163,12 @@ def test_a_sandbox_that_holds_none_of_its_channel_sockets_has_let_go_though_the_
     asyncio.run(wait(5))
 
 
-def test_a_relay_that_still_holds_a_channel_socket_is_told_apart(tmp_path: Path) -> None:
+def test_a_relay_that_still_holds_its_own_channel_sockets_is_told_apart(tmp_path: Path) -> None:
     """After a failed pause the host lends the launch folder back only to a relay that let
-    go of its channel sockets, as the host sees the sandbox hold them: the relay stops the
-    rest of the sandbox before it closes them, so kernel code cannot run while the folder
-    is lent. The paths themselves cannot tell (gVisor's gofer goes on accepting at them
-    for a moment); a host that cannot see (None: not root) seals no folder."""
+    go of its own sockets (stdin, control, heartbeat), as the host sees the sandbox hold
+    them: it stops the rest of the sandbox before it closes them, so kernel code cannot
+    run while the folder is lent. The paths themselves cannot tell (gVisor's gofer goes on
+    accepting at them for a moment): a host that cannot see (None) lends no folder."""
     launch_dir = tmp_path / "launch"
     held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in range(1, 6)]
 
@@ -170,11 +176,9 @@ def test_a_relay_that_still_holds_a_channel_socket_is_told_apart(tmp_path: Path)
         return held
 
     assert asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
-    held = [f"{CONTAINER_RUNTIME_DIR}/kernel-4"]
+    held = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in (3, 4, 5)]  # the kernel's given back
     assert asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
-    held = ["/workspace/kernel-1", f"{CONTAINER_RUNTIME_DIR}/own.sock"]  # not the relay's
-    assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
-    held = []
+    held = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in (1, 2)] + ["/workspace/own.sock"]
     assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
     held = None
     assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
