@@ -451,3 +451,31 @@ def test_kernel_code_flooding_the_relay_with_connections_harms_only_itself(
     assert run_ok(kc, "print(len(held))").strip() == held, "the kernel's own client is answered"
     run_ok(kc, "for s in held: s.close()\nheld.clear()")
     assert run_ok(kc, "print(1 + 1)").strip() == "2"
+
+
+def test_a_client_that_stops_reading_iopub_holds_up_no_other(start_kernel: KernelStarter) -> None:
+    """Another client of the kernel subscribes to IOPub and never reads (a frozen browser
+    tab, or a program another user connected and left): ZeroMQ drops what it cannot take,
+    for it alone, and the client that is reading gets all 3000 of a cell's displays (7 MB)
+    and its idle, as from a local kernel. (Two clients sharing one session id, as two
+    ``km.client()`` of one KernelManager do, take each other's shell channel over: that is
+    ZeroMQ's ROUTER_HANDOVER, on a local kernel too; each real front end has its own.)"""
+    km, kc = start_kernel()
+    context = zmq.Context()
+    stalled = context.socket(zmq.SUB)
+    try:
+        stalled.connect(km._make_url("iopub"))
+        stalled.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # (subscribed)
+        seen: Counter[str] = Counter()
+        reply = kc.execute_interactive(
+            "for i in range(3000): display({'text/plain': str(i) + 'x' * 2000}, raw=True)",
+            output_hook=lambda msg: seen.update([msg["msg_type"]]),
+            timeout=60,
+        )
+        assert reply["content"]["status"] == "ok"
+        assert seen["display_data"] == 3000
+        assert run_ok(kc, "print('after')") == "after\n"
+    finally:
+        stalled.close(0)
+        context.term()
