@@ -192,6 +192,20 @@ def ipc_in_use(path: str, timeout: float | None = None, follow: bool = True) -> 
     takes the connection within that many seconds: a socket gVisor let go of can leave a
     connect hanging for a minute rather than refused). Without ``follow``, a link at
     ``path`` (which a sandbox could plant in a folder lent to it) is not followed."""
+    return _ipc_connect(path, timeout, follow) == 0
+
+
+def ipc_let_go(path: str) -> bool:
+    """Whether nothing listens on the unix socket ``path`` any more: a connection is
+    refused, or there is no socket. Not a connection that waits (the listener's queue
+    full: a process that holds it but takes no connections, e.g. one stopped). A link at
+    ``path`` is not followed."""
+    return _ipc_connect(path, 0.05, follow=False) in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK)
+
+
+def _ipc_connect(path: str, timeout: float | None, follow: bool) -> int:
+    """0 if a connection to the unix socket ``path`` is taken, else why not (an errno;
+    ``EAGAIN`` for one not taken within ``timeout`` seconds)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(timeout)
     fd = -1
@@ -199,16 +213,18 @@ def ipc_in_use(path: str, timeout: float | None = None, follow: bool = True) -> 
         if not follow:
             fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                return False
+                return errno.ENOTSOCK
             path = f"/proc/self/fd/{fd}"
         probe.connect(path)
-    except OSError:
-        return False
+    except TimeoutError:
+        return errno.EAGAIN
+    except OSError as exc:
+        return exc.errno or errno.EIO
     finally:
         probe.close()
         if fd >= 0:
             os.close(fd)
-    return True
+    return 0
 
 
 def _socket_file(address: str) -> str:

@@ -24,6 +24,7 @@ the launch folder's sockets, which the host can probe without trusting the sandb
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -33,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sandbox_kernel.channels.bridge import ipc_in_use
+from sandbox_kernel.channels.bridge import ipc_in_use, ipc_let_go
 from sandbox_kernel.errors import PauseError
 from sandbox_kernel.host.background import poll_until
 from sandbox_kernel.lifecycle.launch_folder import seal_launch_dir
@@ -45,6 +46,9 @@ KEPT_BY_KERNEL = ("shell", "iopub")
 KEPT_BY_RELAY = ("stdin", "control", "hb")
 #: How long the relay may take to close or bind its host sockets.
 CHANNELS_TIMEOUT = 20.0
+#: How long the relay's own sockets may go on accepting once it closed them, where the
+#: host cannot see which the sandbox holds (after a failed pause, before lending the folder).
+LET_GO_TIMEOUT = 5.0
 #: How long the egress relay may take to bind its socket again, once the channels are.
 EGRESS_TIMEOUT = 5.0
 
@@ -116,21 +120,18 @@ async def wait_for_channels(
     Raises:
         PauseError: not within ``timeout`` seconds.
     """
-    by_name = {path.name: channel for channel, path in kernel_sockets(launch_dir).items()}
     sockets = list(kernel_sockets(launch_dir).values())
     if egress and not bound:
         sockets.append(egress_socket(launch_dir))
     still: list[str] = []
 
     async def done() -> bool:
-        paths = await held() if not bound and held is not None else None
-        if paths is not None:  # known: it alone tells (a connection may outlive its listener)
-            ours = [Path(path) for path in paths if Path(path).parent == Path(CONTAINER_RUNTIME_DIR)]
-            names = {by_name.get(path.name, path.name) for path in ours}
+        names = await _held_in_runtime_dir(launch_dir, held) if not bound else None
+        if names is not None:  # known: it alone tells (a connection may outlive its listener)
             still[:] = [channel for channel in KEPT_BY_KERNEL if channel in names] + sorted(
                 names - set(KEPT_BY_KERNEL)
             )
-            return not ours
+            return not names
         return await _all_in_use(sockets, bound)
 
     if not await poll_until(done, timeout, 0.02):
@@ -148,18 +149,36 @@ async def wait_for_channels(
 
 
 async def relay_kept_its_sockets(
-    launch_dir: Path, held: Callable[[], Awaitable[list[str] | None]] | None = None
+    launch_dir: Path,
+    held: Callable[[], Awaitable[list[str] | None]] | None = None,
+    timeout: float = LET_GO_TIMEOUT,
 ) -> bool:
     """Whether the channel relay still holds the sockets of the channels it always keeps:
     then it has not stopped the rest of the sandbox, which it does before it closes them
     (kernel_relay.Holding), and the launch folder must not be lent (kernel code would run
-    meanwhile). ``held`` (the sandbox's bound host sockets) tells; where it cannot (None:
-    a server that is not root, which lends no folder), False. The paths cannot tell:
-    gVisor's gofer goes on accepting connections at them for a moment after they closed."""
+    meanwhile). ``held`` (the sandbox's bound host sockets) tells. Where it cannot (None:
+    a server that is not root, or one that cannot find the sandbox's gofer), the sockets'
+    paths do, given ``timeout`` seconds to stop accepting: gVisor's gofer goes on
+    accepting connections at them for a moment after they closed."""
+    names = await _held_in_runtime_dir(launch_dir, held)
+    if names is not None:
+        return bool(names & set(KEPT_BY_RELAY))
     sockets = kernel_sockets(launch_dir)
+    kept = [sockets[channel] for channel in KEPT_BY_RELAY]
+    return not await poll_until(lambda: _all_in_use(kept, bound=False), timeout, 0.1)
+
+
+async def _held_in_runtime_dir(
+    launch_dir: Path, held: Callable[[], Awaitable[list[str] | None]] | None
+) -> set[str] | None:
+    """The channels (or, for a socket that is none of theirs, its name) whose sockets the
+    sandbox holds bound in its runtime folder, as ``held`` sees them; None if unknown."""
     paths = await held() if held is not None else None
-    inside = {f"{CONTAINER_RUNTIME_DIR}/{sockets[channel].name}" for channel in KEPT_BY_RELAY}
-    return paths is not None and bool(inside & set(paths))
+    if paths is None:
+        return None
+    by_name = {path.name: channel for channel, path in kernel_sockets(launch_dir).items()}
+    ours = [Path(path) for path in paths if Path(path).parent == Path(CONTAINER_RUNTIME_DIR)]
+    return {by_name.get(path.name, path.name) for path in ours}
 
 
 async def wait_for_egress(launch_dir: Path, timeout: float = EGRESS_TIMEOUT) -> bool:
@@ -169,11 +188,11 @@ async def wait_for_egress(launch_dir: Path, timeout: float = EGRESS_TIMEOUT) -> 
 
 
 async def _all_in_use(sockets: list[Path], bound: bool) -> bool:
+    """Whether every socket of ``sockets`` takes connections (``bound``), or none has a
+    listener left: one that holds it but takes none (stopped) has not let go."""
     # (Not following links: the folder is the kernel's while it binds again.)
-    states = await asyncio.to_thread(
-        lambda: [ipc_in_use(str(path), timeout=0.05, follow=False) for path in sockets]
-    )
-    return all(state == bound for state in states)
+    probe = functools.partial(ipc_in_use, timeout=0.05, follow=False) if bound else ipc_let_go
+    return await asyncio.to_thread(lambda: all(probe(str(path)) for path in sockets))
 
 
 def egress_socket(launch_dir: Path) -> Path:

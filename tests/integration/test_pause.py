@@ -23,6 +23,7 @@ from jupyter_core.utils import run_sync
 from traitlets.config import Config
 
 from sandbox_kernel import SandboxSession
+from sandbox_kernel.backends.docker import DockerBackend
 from sandbox_kernel.backends.gvisor_checkpoint import dirty_room, writes_through_cache
 from sandbox_kernel.errors import PauseError
 from sandbox_kernel.kernel import launching
@@ -451,14 +452,19 @@ def test_kernel_code_that_closes_its_channel_keeper_cannot_pause_it_but_it_runs_
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="only a root server seals the launch folder")
+@pytest.mark.parametrize("host_sees", ["sockets held", "paths only"])
 def test_kernel_code_that_stops_its_channel_relay_never_gets_the_launch_folder(
-    start_kernel: KernelStarter,
+    start_kernel: KernelStarter, monkeypatch: pytest.MonkeyPatch, host_sees: str
 ) -> None:
     """The attack: kernel code stops the channel relay (its parent, the kernel's uid) so
     that it never stops the rest of the sandbox for a pause, and watches for the launch
     folder to become its own, as the host lent it after a failed pause. The relay's own
     sockets still answer: the host lends nothing, the pause fails saying so, and the
-    kernel (which holds shell's and IOPub's sockets itself) answers on."""
+    kernel (which holds shell's and IOPub's sockets itself) answers on. So too on a host
+    that cannot see which sockets the sandbox holds (its gofer not found: "paths only"),
+    where only the sockets' paths tell."""
+    if host_sees == "paths only":
+        monkeypatch.setattr(DockerBackend, "host_sockets", _unknown)
     km, kc = start_kernel()
     run_ok(kc, WATCH_THE_FOLDER + "import signal\nos.kill(os.getppid(), signal.SIGSTOP)")
     with pytest.raises(PauseError, match=r"relay did not let go of its channels.*keeps running\.$"):
@@ -468,6 +474,10 @@ def test_kernel_code_that_stops_its_channel_relay_never_gets_the_launch_folder(
     assert launch_dir is not None
     assert not (launch_dir / "planted").exists()
     assert launch_dir.stat().st_uid == 0
+
+
+async def _unknown(*_: object, **__: object) -> None:
+    return None
 
 
 def test_a_kernel_whose_thread_holds_the_interpreter_fails_its_pause_and_runs_on(

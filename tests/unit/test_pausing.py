@@ -167,8 +167,8 @@ def test_a_relay_that_still_holds_its_own_channel_sockets_is_told_apart(tmp_path
     """After a failed pause the host lends the launch folder back only to a relay that let
     go of its own sockets (stdin, control, heartbeat), as the host sees the sandbox hold
     them: it stops the rest of the sandbox before it closes them, so kernel code cannot
-    run while the folder is lent. The paths themselves cannot tell (gVisor's gofer goes on
-    accepting at them for a moment): a host that cannot see (None) lends no folder."""
+    run while the folder is lent. The paths themselves answer for a moment after a close
+    (gVisor's gofer), so they are asked only where the host cannot see (None)."""
     launch_dir = tmp_path / "launch"
     held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in range(1, 6)]
 
@@ -180,5 +180,39 @@ def test_a_relay_that_still_holds_its_own_channel_sockets_is_told_apart(tmp_path
     assert asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
     held = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in (1, 2)] + ["/workspace/own.sock"]
     assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
-    held = None
-    assert not asyncio.run(relay_kept_its_sockets(launch_dir, sandbox_holds))
+
+
+def test_where_the_host_cannot_see_the_sockets_held_a_stopped_relay_is_told_apart_by_its_paths(
+    tmp_path: Path,
+) -> None:
+    """A host that cannot see what the sandbox holds (None: no gofer found) asks the relay's
+    sockets' paths, for a few seconds: a relay that closed them is refused at once; one
+    that was stopped (kernel code can stop its parent) still listens, its queue of
+    connections filling up and then refusing to wait (EAGAIN), which is no letting go."""
+    launch_dir = tmp_path / "launch"
+    launch_dir.mkdir()
+    kept = [kernel_sockets(launch_dir)[channel] for channel in ("stdin", "control", "hb")]
+
+    async def unknown() -> list[str] | None:
+        return None
+
+    def kept_by_relay() -> bool:
+        return asyncio.run(relay_kept_its_sockets(launch_dir, unknown, timeout=0.3))
+
+    assert not kept_by_relay()  # no sockets at all
+    listeners = []
+    for path in kept:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
+        listener.listen(1)  # never accepting, as a stopped relay
+        listeners.append(listener)
+    try:
+        for _ in range(3):  # the queue full after the first probes
+            assert kept_by_relay()
+        listeners.pop().close()  # one let go, two held
+        assert kept_by_relay()
+    finally:
+        for listener in listeners:
+            listener.close()
+    assert not kept_by_relay()  # closed: refused (the files are left)
+    assert all(path.exists() for path in kept)
