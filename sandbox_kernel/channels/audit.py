@@ -59,6 +59,7 @@ import json
 import logging
 import logging.handlers
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -137,22 +138,23 @@ class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
 
 
 class AuditLog:
-    """An append-only JSON-lines file with size-based rotation, shared per path."""
+    """An append-only JSON-lines file with size-based rotation, shared per path.
+
+    Each line is one ``write(2)`` to the file opened ``O_APPEND`` (the bridge's thread
+    writes two for each execution, on the way of its messages): the handler is kept for
+    its rotation only, which happens before the line that would take the file to
+    ``max_bytes`` (never for a file that is not a regular one, e.g. ``/dev/stdout``)."""
 
     _instances: dict[Path, AuditLog] = {}
     _instances_lock = threading.Lock()
 
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        handler = _PrivateRotatingFileHandler(
+        self._handler = _PrivateRotatingFileHandler(
             path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=False
         )
-        handler.setFormatter(logging.Formatter("%(message)s"))
         self.path = path
-        self._logger = logging.getLogger(f"sandbox_kernel.channels.audit.{len(self._instances)}")
-        self._logger.propagate = False
-        self._logger.setLevel(logging.INFO)
-        self._logger.handlers = [handler]
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], max_bytes: int, backups: int) -> AuditLog:
@@ -164,7 +166,23 @@ class AuditLog:
             return cls._instances[resolved]
 
     def write(self, record: dict[str, Any]) -> None:
-        self._logger.info(json.dumps(record, ensure_ascii=True, default=str))
+        """Append ``record`` as one line.
+
+        Raises:
+            OSError: the file cannot be written (or rotated).
+        """
+        line = memoryview((json.dumps(record, ensure_ascii=True, default=str) + "\n").encode())
+        handler = self._handler
+        with self._lock:
+            if handler.stream is None:  # (a rotation that failed to open the next file)
+                handler.stream = handler._open()
+            if handler.maxBytes > 0:
+                status = os.fstat(handler.stream.fileno())
+                if stat.S_ISREG(status.st_mode) and status.st_size + len(line) >= handler.maxBytes:
+                    handler.doRollover()
+            fd = handler.stream.fileno()
+            while line:
+                line = line[os.write(fd, line) :]
 
 
 @dataclass

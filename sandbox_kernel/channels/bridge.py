@@ -76,6 +76,8 @@ _SOCKET_TYPES: Mapping[str, tuple[int, int]] = {
     "iopub": (zmq.XPUB, zmq.XSUB),
 }
 CHANNELS = tuple(_SOCKET_TYPES)
+#: The flags of each frame the bridge passes on but the last, and of the last.
+_SEND_MORE, _SEND_LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 #: The bridge's own command (see :meth:`KernelBridge.inject`): the meter dropped an IOPub
 #: message of the kernel's whole.
 _REFUSED = "\x00refused"
@@ -833,7 +835,12 @@ class KernelBridge:
     def _pass(self, peer: zmq.Socket[bytes], channel: str, to_kernel: bool, message: Frames) -> None:
         """Send one checked message on to ``peer``, never waiting for it."""
         try:
-            peer.send_multipart(message, zmq.NOBLOCK, copy=False)
+            # (Frame by frame with the flags as ints: pyzmq's send_multipart combines its
+            # enum flags anew for each frame. As there, ZeroMQ takes the rest of a message
+            # once it took its first frame.)
+            last = len(message) - 1
+            for number, frame in enumerate(message):
+                peer.send(frame, _SEND_MORE if number < last else _SEND_LAST, copy=False)
         except zmq.Again:
             self._drop(channel, to_kernel, "the receiver is not keeping up")
         except zmq.ZMQError as exc:

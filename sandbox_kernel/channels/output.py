@@ -37,6 +37,7 @@ with the session key.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -415,7 +416,7 @@ class OutputLimiter:
         excess = len(self._budgets) - _MAX_TRACKED
         if excess > 0:  # the oldest, but never a held one (its tail) nor a running one's
             kept = self._held.keys() | self._running.keys()
-            for old in [old for old in self._budgets if old not in kept][:excess]:
+            for old in list(itertools.islice((old for old in self._budgets if old not in kept), excess)):
                 del self._budgets[old]
         return budget
 

@@ -64,14 +64,14 @@ class Signatures:
         if not scheme.startswith("hmac-") or algorithm not in hashlib.algorithms_available:
             msg = f"signature_scheme={scheme!r} is not supported; use e.g. 'hmac-sha256'"
             raise ValueError(msg)
-        self._key = key
-        self._algorithm = algorithm
+        #: Keyed once, copied for each message (as jupyter_client's Session does).
+        self._keyed = hmac.new(key, digestmod=algorithm) if key else None
 
     def valid(self, frames: Sequence[zmq.Frame | bytes], index: int) -> bool:
         """Whether the message whose delimiter is at ``index`` carries a valid signature."""
-        if not self._key:
+        if self._keyed is None:
             return True
-        mac = hmac.new(self._key, digestmod=self._algorithm)
+        mac = self._keyed.copy()
         for frame in frames[index + 2 : index + 6]:
             mac.update(frame.buffer if isinstance(frame, zmq.Frame) else frame)
         return hmac.compare_digest(frame_bytes(frames[index + 1]), mac.hexdigest().encode())

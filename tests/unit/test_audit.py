@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import stat
 import time
@@ -28,6 +29,23 @@ def test_rotation_keeps_every_file_private_and_each_line_json(tmp_path: Path) ->
             assert json.loads(line)["event"] == "finished"
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert AuditLog.open(path, max_bytes=300, backups=3) is log  # one writer per file
+
+
+def test_a_log_that_is_not_a_file_is_never_rotated_and_one_that_fails_is_said_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An audit log set to a device (``/dev/null``: an administrator who wants none) takes
+    its lines without a rotation, which would rename the device; a log the disk refuses
+    (``/dev/full``) is an error in the server's log, and the kernel goes on."""
+    log = AuditLog.open("/dev/null", max_bytes=10, backups=2)
+    for _ in range(3):
+        log.write({"event": "finished", "code": "x" * 100})
+    assert not Path("/dev/null.1").exists()
+    auditor = ExecutionAuditor(AuditLog.open("/dev/full", max_bytes=10, backups=2), "k1", "py")
+    with caplog.at_level(logging.ERROR, logger="sandbox_kernel.channels.audit"):
+        auditor.lifecycle("start")
+    assert "Cannot write the audit log /dev/full: [Errno 28] No space left on device" in caplog.text
+    assert not Path("/dev/full.1").exists()
 
 
 def test_a_kernel_cannot_flood_the_log_with_egress_lines(tmp_path: Path) -> None:
