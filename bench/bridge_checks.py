@@ -26,14 +26,13 @@ of the machine's cores). Run from the project root::
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from latency import aligned, execute_once, in_turns_main, percentile, progress, running_kernel
+from latency import execute_once, in_turns, in_turns_main, percentile, progress, ratio_table, running_kernel
 
 WAYS = ("local", "all checks", "no auditor", "no output limit", "no cleaning", "no checks")
 #: Which of (auditor, output limiter, cleaner) each sandboxed way keeps.
@@ -66,17 +65,7 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
             return execute_once(sandboxed.client)
 
         try:
-            for _ in range(warmup):
-                for way in WAYS:
-                    sample(way)
-            times: dict[str, list[float]] = {way: [] for way in WAYS}
-            order = list(WAYS)
-            for done in range(runs):
-                random.shuffle(order)
-                for way in order:
-                    times[way].append(sample(way) * 1000)
-                if (done + 1) % 100 == 0:
-                    progress(f"  {done + 1}/{runs} rounds")
+            times = in_turns(sample, WAYS, runs, warmup)
         finally:
             bridge._tap, bridge._limiter, bridge._sanitizer = checks
         progress("timing the bridge's thread")
@@ -111,11 +100,6 @@ def timed(bridge: Any, method: str) -> Iterator[list[float]]:
 
 
 def format_table(times: dict[str, list[float]]) -> str:
-    local = {pct: percentile(times["local"], pct) for pct in (50, 95)}
-    lines: list[tuple[str, ...]] = [("way", "p50 ms", "p95 ms", "p50 / local", "p95 / local")]
-    for way in WAYS:
-        p50, p95 = percentile(times[way], 50), percentile(times[way], 95)
-        lines.append((way, f"{p50:.2f}", f"{p95:.2f}", f"{p50 / local[50]:.2f}x", f"{p95 / local[95]:.2f}x"))
     full, bare = percentile(times["all checks"], 50), percentile(times["no checks"], 50)
     footer = [
         f"The checks cost {full - bare:.2f} ms at p50 ({(full - bare) / full:.0%} of the round trip).",
@@ -124,7 +108,7 @@ def format_table(times: dict[str, list[float]]) -> str:
         "of that, sending them on "
         f"{THREAD['sending wall']:.0f} µs, {THREAD['sending cpu']:.0f} µs of its CPU.",
     ]
-    return "\n".join([aligned(lines), "", *footer])
+    return "\n".join([ratio_table(times, WAYS, "way"), "", *footer])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,19 +41,19 @@ root::
 
 from __future__ import annotations
 
-import random
 import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
 from latency import (
-    aligned,
     execute_once,
+    in_turns,
     in_turns_main,
     kernelspec_variant,
     percentile,
     progress,
+    ratio_table,
     running_kernel,
 )
 
@@ -94,27 +94,12 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
         if reply["content"]["status"] != "ok":
             msg = f"cannot turn fast_io's direct sends off: {reply['content']}"
             raise RuntimeError(msg)
-        for _ in range(warmup):
-            for client in clients.values():
-                execute_once(client)
-        times: dict[str, list[float]] = {name: [] for name in KERNELS}
-        order = list(KERNELS)
-        for done in range(runs):
-            random.shuffle(order)
-            for name in order:
-                times[name].append(execute_once(clients[name]) * 1000)
-            if (done + 1) % 100 == 0:
-                progress(f"  {done + 1}/{runs} rounds")
+        times = in_turns(lambda name: execute_once(clients[name]), KERNELS, runs, warmup)
         progress("stopping the kernels")
     return times
 
 
 def format_table(times: dict[str, list[float]]) -> str:
-    local = {pct: percentile(times["local"], pct) for pct in (50, 95)}
-    lines: list[tuple[str, ...]] = [("kernel", "p50 ms", "p95 ms", "p50 / local", "p95 / local")]
-    for name in KERNELS:
-        p50, p95 = percentile(times[name], 50), percentile(times[name], 95)
-        lines.append((name, f"{p50:.2f}", f"{p95:.2f}", f"{p50 / local[50]:.2f}x", f"{p95 / local[95]:.2f}x"))
     sandboxed, started, handed, quick, relayed = (percentile(times[name], 50) for name in KERNELS[1:])
     footer = [
         f"The kernel holding the shell and IOPub listeners itself saves {relayed - sandboxed:.2f} ms at p50 "
@@ -125,7 +110,7 @@ def format_table(times: dict[str, list[float]]) -> str:
         f"{started - sandboxed:.2f} ms at p50 ({(started - sandboxed) / started:.0%} of the round trip "
         f"with subshells started); subshells: false differs by {quick - sandboxed:+.2f} ms.",
     ]
-    return "\n".join([aligned(lines), "", *footer])
+    return "\n".join([ratio_table(times, KERNELS, "kernel"), "", *footer])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -437,6 +438,36 @@ async def measure_at_once_pooled(
     )
     await shutdown_all(managers)
     await asyncio.to_thread(pool.drain)
+
+
+def in_turns(
+    sample: Callable[[str], float], names: Sequence[str], runs: int, warmup: int, every: int = 100
+) -> dict[str, list[float]]:
+    """Milliseconds of ``sample(name)`` (seconds) for each of ``names``, ``runs`` each, one of
+    each per round in an order shuffled every round (so that the machine's load touches all
+    alike), after ``warmup`` untimed rounds; progress every ``every`` rounds."""
+    for _ in range(warmup):
+        for name in names:
+            sample(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    order = list(names)
+    for done in range(runs):
+        random.shuffle(order)
+        for name in order:
+            times[name].append(sample(name) * 1000)
+        if (done + 1) % every == 0:
+            progress(f"  {done + 1}/{runs} rounds")
+    return times
+
+
+def ratio_table(times: dict[str, list[float]], names: Sequence[str], label: str, local: str = "local") -> str:
+    """p50 and p95 of each of ``names``, and their ratios to ``local``'s, aligned."""
+    base = {pct: percentile(times[local], pct) for pct in (50, 95)}
+    lines: list[tuple[str, ...]] = [(label, "p50 ms", "p95 ms", f"p50 / {local}", f"p95 / {local}")]
+    for name in names:
+        p50, p95 = percentile(times[name], 50), percentile(times[name], 95)
+        lines.append((name, f"{p50:.2f}", f"{p95:.2f}", f"{p50 / base[50]:.2f}x", f"{p95 / base[95]:.2f}x"))
+    return aligned(lines)
 
 
 def percentile(values: list[float], pct: float) -> float:
