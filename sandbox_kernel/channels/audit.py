@@ -154,7 +154,6 @@ class AuditLog:
             path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=False
         )
         self.path = path
-        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], max_bytes: int, backups: int) -> AuditLog:
@@ -173,7 +172,8 @@ class AuditLog:
         """
         line = memoryview((json.dumps(record, ensure_ascii=True, default=str) + "\n").encode())
         handler = self._handler
-        with self._lock:
+        handler.acquire()  # (logging's shutdown closes the handler under its lock)
+        try:
             if handler.stream is None:  # (a rotation that failed to open the next file)
                 handler.stream = handler._open()
             if handler.maxBytes > 0:
@@ -183,6 +183,8 @@ class AuditLog:
             fd = handler.stream.fileno()
             while line:
                 line = line[os.write(fd, line) :]
+        finally:
+            handler.release()
 
 
 @dataclass

@@ -836,8 +836,7 @@ class KernelBridge:
         """Send one checked message on to ``peer``, never waiting for it."""
         try:
             # (Frame by frame with the flags as ints: pyzmq's send_multipart combines its
-            # enum flags anew for each frame. As there, ZeroMQ takes the rest of a message
-            # once it took its first frame.)
+            # enum flags anew for each frame, and sends frame by frame too.)
             last = len(message) - 1
             for number, frame in enumerate(message):
                 peer.send(frame, _SEND_MORE if number < last else _SEND_LAST, copy=False)

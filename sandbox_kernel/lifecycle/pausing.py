@@ -24,7 +24,6 @@ the launch folder's sockets, which the host can probe without trusting the sandb
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import secrets
@@ -157,15 +156,21 @@ async def relay_kept_its_sockets(
     then it has not stopped the rest of the sandbox, which it does before it closes them
     (kernel_relay.Holding), and the launch folder must not be lent (kernel code would run
     meanwhile). ``held`` (the sandbox's bound host sockets) tells. Where it cannot (None:
-    a server that is not root, or one that cannot find the sandbox's gofer), the sockets'
-    paths do, given ``timeout`` seconds to stop accepting: gVisor's gofer goes on
-    accepting connections at them for a moment after they closed."""
+    a root server that cannot find the sandbox's gofer), the sockets' paths do: let go
+    once each refuses connections within ``timeout`` seconds. A listener whose queue is
+    full (a stopped relay's fills with the probes) is no letting go: such a host keeps a
+    kernel frozen rather than lend its folder. A server that is not root lends no folder
+    (it never seals one): False, so that the relay always binds its channels again."""
+    if os.getuid() != 0:
+        return False
     names = await _held_in_runtime_dir(launch_dir, held)
     if names is not None:
         return bool(names & set(KEPT_BY_RELAY))
     sockets = kernel_sockets(launch_dir)
-    kept = [sockets[channel] for channel in KEPT_BY_RELAY]
-    return not await poll_until(lambda: _all_in_use(kept, bound=False), timeout, 0.1)
+    kept = [str(sockets[channel]) for channel in KEPT_BY_RELAY]
+    return not await poll_until(
+        lambda: asyncio.to_thread(lambda: all(ipc_let_go(path) for path in kept)), timeout, 0.1
+    )
 
 
 async def _held_in_runtime_dir(
@@ -188,11 +193,11 @@ async def wait_for_egress(launch_dir: Path, timeout: float = EGRESS_TIMEOUT) -> 
 
 
 async def _all_in_use(sockets: list[Path], bound: bool) -> bool:
-    """Whether every socket of ``sockets`` takes connections (``bound``), or none has a
-    listener left: one that holds it but takes none (stopped) has not let go."""
     # (Not following links: the folder is the kernel's while it binds again.)
-    probe = functools.partial(ipc_in_use, timeout=0.05, follow=False) if bound else ipc_let_go
-    return await asyncio.to_thread(lambda: all(probe(str(path)) for path in sockets))
+    states = await asyncio.to_thread(
+        lambda: [ipc_in_use(str(path), timeout=0.05, follow=False) for path in sockets]
+    )
+    return all(state == bound for state in states)
 
 
 def egress_socket(launch_dir: Path) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from sandbox_kernel.errors import PauseError
+from sandbox_kernel.lifecycle import pausing
 from sandbox_kernel.lifecycle.pausing import (
     REQUEST_FILE,
     Paused,
@@ -163,12 +164,15 @@ def test_a_sandbox_that_holds_none_of_its_channel_sockets_has_let_go_though_the_
     asyncio.run(wait(5))
 
 
-def test_a_relay_that_still_holds_its_own_channel_sockets_is_told_apart(tmp_path: Path) -> None:
+def test_a_relay_that_still_holds_its_own_channel_sockets_is_told_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a failed pause the host lends the launch folder back only to a relay that let
     go of its own sockets (stdin, control, heartbeat), as the host sees the sandbox hold
     them: it stops the rest of the sandbox before it closes them, so kernel code cannot
     run while the folder is lent. The paths themselves answer for a moment after a close
     (gVisor's gofer), so they are asked only where the host cannot see (None)."""
+    monkeypatch.setattr(pausing.os, "getuid", lambda: 0)  # (a root server: it lends the folder)
     launch_dir = tmp_path / "launch"
     held: list[str] | None = [f"{CONTAINER_RUNTIME_DIR}/kernel-{n}" for n in range(1, 6)]
 
@@ -183,12 +187,14 @@ def test_a_relay_that_still_holds_its_own_channel_sockets_is_told_apart(tmp_path
 
 
 def test_where_the_host_cannot_see_the_sockets_held_a_stopped_relay_is_told_apart_by_its_paths(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A host that cannot see what the sandbox holds (None: no gofer found) asks the relay's
-    sockets' paths, for a few seconds: a relay that closed them is refused at once; one
-    that was stopped (kernel code can stop its parent) still listens, its queue of
-    connections filling up and then refusing to wait (EAGAIN), which is no letting go."""
+    """A root server that cannot see what the sandbox holds (None: no gofer found) asks the
+    relay's sockets' paths, for a few seconds: a relay that closed them is refused at once;
+    one that was stopped (kernel code can stop its parent) still listens, its queue of
+    connections filling up and then refusing to wait (EAGAIN), which is no letting go. A
+    server that is not root lends no folder: its relay always binds its channels again."""
+    monkeypatch.setattr(pausing.os, "getuid", lambda: 0)
     launch_dir = tmp_path / "launch"
     launch_dir.mkdir()
     kept = [kernel_sockets(launch_dir)[channel] for channel in ("stdin", "control", "hb")]
@@ -211,6 +217,9 @@ def test_where_the_host_cannot_see_the_sockets_held_a_stopped_relay_is_told_apar
             assert kept_by_relay()
         listeners.pop().close()  # one let go, two held
         assert kept_by_relay()
+        monkeypatch.setattr(pausing.os, "getuid", lambda: 1000)
+        assert not kept_by_relay()  # (nothing to lend: its channels are bound again)
+        monkeypatch.setattr(pausing.os, "getuid", lambda: 0)
     finally:
         for listener in listeners:
             listener.close()
