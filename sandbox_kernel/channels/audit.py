@@ -54,6 +54,7 @@ untrusted: only small frames are parsed, and anything malformed is recorded as s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -181,10 +182,25 @@ class AuditLog:
                 if stat.S_ISREG(status.st_mode) and status.st_size + len(line) >= handler.maxBytes:
                     handler.doRollover()
             fd = handler.stream.fileno()
-            while line:
-                line = line[os.write(fd, line) :]
+            written = 0
+            try:
+                while written < len(line):
+                    written += os.write(fd, line[written:])
+            except OSError:
+                if written:  # (a full disk took part of it)
+                    _take_back(fd, written)
+                raise
         finally:
             handler.release()
+
+
+def _take_back(fd: int, size: int) -> None:
+    """Cut the last ``size`` bytes (a line written in part) off the file ``fd``, so the
+    next line starts a line: this process is the file's one writer (see AuditLog.open)."""
+    with contextlib.suppress(OSError):
+        status = os.fstat(fd)
+        if stat.S_ISREG(status.st_mode):
+            os.ftruncate(fd, status.st_size - size)
 
 
 @dataclass

@@ -6,6 +6,8 @@ import json
 import logging
 import random
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,31 @@ def test_a_log_that_is_not_a_file_is_never_rotated_and_one_that_fails_is_said_so
         auditor.lifecycle("start")
     assert "Cannot write the audit log /dev/full: [Errno 28] No space left on device" in caplog.text
     assert not Path("/dev/full.1").exists()
+
+
+def test_a_line_the_disk_cuts_short_is_taken_back(tmp_path: Path) -> None:
+    """A disk that fills up in the middle of a line (the write takes part of it, then
+    fails) leaves no half line for the next one to be glued to: the log stays one JSON
+    object a line. The file size limit stands in for the full disk, in a process of its own."""
+    path = tmp_path / "audit.jsonl"
+    script = f"""
+import json, resource, signal, sys
+from sandbox_kernel.channels.audit import AuditLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (EFBIG, not a signal, as ENOSPC would be)
+log = AuditLog.open({str(path)!r}, max_bytes=0, backups=0)
+log.write({{"event": "start"}})
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.RLIM_INFINITY))
+try:
+    log.write({{"event": "finished", "code": "x" * 500}})
+except OSError as exc:
+    print("failed:", exc.strerror)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+log.write({{"event": "shutdown"}})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "failed: File too large"
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["start", "shutdown"]
 
 
 def test_a_kernel_cannot_flood_the_log_with_egress_lines(tmp_path: Path) -> None:
