@@ -841,6 +841,12 @@ class KernelBridge:
             for number, frame in enumerate(message):
                 peer.send(frame, _SEND_MORE if number < last else _SEND_LAST, copy=False)
         except zmq.Again:
+            # Whole or not at all, and the next message starts whole: libzmq (4.3.5) checks
+            # the high-water mark on a message's first frame only. A later frame fails only
+            # on a DEALER whose pipe is going away, which takes back the frames before it
+            # and begins the next message afresh (lb_t::sendpipe): sending the rest here
+            # would make them a message of their own. ROUTER and XPUB drop the rest of a
+            # message they cannot deliver themselves, without failing.
             self._drop(channel, to_kernel, "the receiver is not keeping up")
         except zmq.ZMQError as exc:
             # A ROUTER cannot deliver to a peer that has gone away.
