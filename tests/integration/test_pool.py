@@ -380,18 +380,32 @@ def test_the_ptrace_runtime_keeps_an_idle_kernel_idle(
     start_kernel: KernelStarter, monkeypatch: pytest.MonkeyPatch, docker_client: docker.DockerClient
 ) -> None:
     """The second runtime setup registers: the same sandbox, on gVisor's ptrace platform,
-    whose idle sandbox has no polling loop (systrap's costs ~6 % of a core in runsc 20240729)."""
-    monkeypatch.setenv("SANDBOX_KERNEL_RUNTIME", "runsc-sandbox-kernel-ptrace")
-    km, kc = start_kernel()
-    assert run_ok(kc, "import os; print(os.uname().release)").strip() == "4.4.0"
-    container = docker_client.containers.get(km.provisioner.container_id)
-    assert container.attrs["HostConfig"]["Runtime"] == "runsc-sandbox-kernel-ptrace"
-    pid = container.attrs["State"]["Pid"]
+    whose idle sandbox has no polling loop (systrap's costs 4-10 % of a core in runsc
+    20240729, whatever the sandbox runs).
+
+    An idle kernel on ptrace costs what its own wake-ups do (the client's heartbeat, the
+    memory watch): 1.1-1.4 % of a core on a quiet day, 3-4.6 % on a slow one (the same
+    machine kind; systrap read 9.4-9.7 % then). So it is measured beside the same kernel
+    on systrap, in turns: a polling loop like systrap's would cost as much."""
+    costs: dict[str, float] = {}
+    pids: dict[str, int] = {}
+    for runtime in ("runsc-sandbox-kernel-ptrace", "runsc-sandbox-kernel"):
+        monkeypatch.setenv("SANDBOX_KERNEL_RUNTIME", runtime)
+        km, kc = start_kernel()
+        assert run_ok(kc, "import os; print(os.uname().release)").strip() == "4.4.0"
+        container = docker_client.containers.get(km.provisioner.container_id)
+        assert container.attrs["HostConfig"]["Runtime"] == runtime
+        pids[runtime], costs[runtime] = container.attrs["State"]["Pid"], 0.0
     time.sleep(2)
-    before = cpu_seconds(pid) or 0.0
-    time.sleep(5)
-    idle = ((cpu_seconds(pid) or 0.0) - before) / 5
-    assert idle < 0.02, f"an idle kernel on ptrace used {idle:.1%} of a core"
+    for _ in range(3):  # (well before either freezes: freeze_idle_after is 30 s)
+        for runtime, pid in pids.items():
+            before = cpu_seconds(pid) or 0.0
+            time.sleep(2)
+            costs[runtime] += ((cpu_seconds(pid) or 0.0) - before) / 6
+    ptrace, systrap = costs["runsc-sandbox-kernel-ptrace"], costs["runsc-sandbox-kernel"]
+    assert ptrace < systrap / 2, (
+        f"idle, a kernel used {ptrace:.1%} of a core on ptrace, {systrap:.1%} on systrap"
+    )
 
 
 @pytest.fixture
