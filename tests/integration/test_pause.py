@@ -5,6 +5,7 @@ plain KernelManager, the CLI from another process, a kernelspec's pause_after)."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
 from sandbox_kernel.reattach import reattach_kernel_blocking, saved_state
 from tests.executions import CLOSE_CHANNEL_KEEPER
 
-from .conftest import KernelStarter, epoll_holders, run, run_ok
+from .conftest import KernelStarter, container_report, epoll_holders, run, run_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 SK = Path(sys.executable).with_name("jupyter-sandbox-kernel")
@@ -103,9 +104,15 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
-    start_sandboxed: KernelStarter, docker_client: docker.DockerClient, jupyter_dirs: Path
+    start_sandboxed: KernelStarter,
+    docker_client: docker.DockerClient,
+    jupyter_dirs: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Started cold, or claimed from a warm pool (whose claim socket is gone by then)."""
+    # (Once in a CI run of 2026-12-06, [pooled], the first cell after the resume brought
+    # nothing in 120 s, and it has passed every time since: what the host did is kept.)
+    caplog.set_level(logging.DEBUG, logger="sandbox_kernel")
     km, kc = start_sandboxed()
     assert run_ok(kc, SET_STATE).strip() == "set"
 
@@ -135,7 +142,16 @@ def test_a_paused_kernel_keeps_its_memory_and_the_next_cell_resumes_it(
         if resident is not None and writes_through_cache(2 * paused.size, dirty_room()):  # (its memory: more)
             assert resident >= 0.9 * (pages / "pages.img").stat().st_size, "the image is in the page cache"
     # The next cell, from the same client, resumes it and runs once it is back.
-    result = run(kc, CHECK_STATE, timeout=120)
+    try:
+        result = run(kc, CHECK_STATE, timeout=120)
+    except TimeoutError:
+        bridge = km.provisioner.channels.bridge
+        pytest.fail(
+            f"no reply in 120 s; the bridge holding {bridge.holding}, its messages {dict(bridge.messages)}, "
+            f"dropped {dict(bridge.dropped)}; paused {km.provisioner.paused}; "
+            f"audit {[line['event'] for line in _audit(jupyter_dirs, km.kernel_id)]}; "
+            f"{container_report(docker_client, km)}"
+        )
     assert result.status == "ok", result.reply
     assert result.stdout.strip() == STATE
     assert _status(docker_client, km) == "running"
