@@ -195,12 +195,14 @@ class AuditLog:
 
 
 def _take_back(fd: int, size: int) -> None:
-    """Cut the last ``size`` bytes (a line written in part) off the file ``fd``, so the
-    next line starts a line: this process is the file's one writer (see AuditLog.open)."""
+    """Cut the ``size`` bytes just written (a line written in part) off the file ``fd``,
+    so that the next line starts a line; not if anything was written after them (another
+    process using the same log: a server and ``sandbox-kernel mcp`` of one user)."""
     with contextlib.suppress(OSError):
+        end = os.lseek(fd, 0, os.SEEK_CUR)  # (O_APPEND: where this process's write ended)
         status = os.fstat(fd)
-        if stat.S_ISREG(status.st_mode):
-            os.ftruncate(fd, status.st_size - size)
+        if stat.S_ISREG(status.st_mode) and status.st_size == end:
+            os.ftruncate(fd, end - size)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import stat
 import subprocess
@@ -73,6 +74,25 @@ log.write({{"event": "shutdown"}})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "failed: File too large"
     assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["start", "shutdown"]
+
+
+def test_a_line_taken_back_never_cuts_another_process_s(tmp_path: Path) -> None:
+    """Two processes may append to one log (a user's server and their ``sandbox-kernel
+    mcp``): what the other wrote after the part of a line is never cut off with it."""
+    path = tmp_path / "audit.jsonl"
+    ours = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    theirs = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(ours, b'{"event": "start"}\n{"event": "fin')
+        audit._take_back(ours, len(b'{"event": "fin'))
+        assert path.read_bytes() == b'{"event": "start"}\n'
+        os.write(ours, b'{"event": "fin')
+        os.write(theirs, b'{"event": "exit"}\n')
+        audit._take_back(ours, len(b'{"event": "fin'))
+        assert path.read_bytes() == b'{"event": "start"}\n{"event": "fin{"event": "exit"}\n'
+    finally:
+        os.close(ours)
+        os.close(theirs)
 
 
 def test_a_kernel_cannot_flood_the_log_with_egress_lines(tmp_path: Path) -> None:
