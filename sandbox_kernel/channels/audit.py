@@ -182,27 +182,44 @@ class AuditLog:
                 if stat.S_ISREG(status.st_mode) and status.st_size + len(line) >= handler.maxBytes:
                     handler.doRollover()
             fd = handler.stream.fileno()
-            written = 0
-            try:
-                while written < len(line):
-                    written += os.write(fd, line[written:])
-            except OSError:
-                if written:  # (a full disk took part of it)
-                    _take_back(fd, written)
-                raise
+            written = os.write(fd, line)
+            if written < len(line):  # (a full disk took part of it)
+                self._write_rest(fd, line, written)
         finally:
             handler.release()
 
+    @staticmethod
+    def _write_rest(fd: int, line: memoryview, written: int) -> None:
+        """Write what is left of ``line``, of which a write took ``written`` bytes. If a
+        write fails (the disk is full), what was written of it is taken back, so that the
+        next line starts a line."""
+        start: int | None = None
+        with contextlib.suppress(OSError):  # (a pipe has no offset, and nothing to take back)
+            # O_APPEND: the offset is where this process's last write ended.
+            end = os.lseek(fd, 0, os.SEEK_CUR)
+            start = end - written
+        try:
+            while written < len(line):
+                done = os.write(fd, line[written:])
+                if start is not None:
+                    end = os.lseek(fd, 0, os.SEEK_CUR)
+                    if end - done != start + written:
+                        start = None  # another process's write came between the parts
+                written += done
+        except BaseException:
+            if start is not None:
+                _take_back(fd, start, end)
+            raise
 
-def _take_back(fd: int, size: int) -> None:
-    """Cut the ``size`` bytes just written (a line written in part) off the file ``fd``,
-    so that the next line starts a line; not if anything was written after them (another
-    process using the same log: a server and ``sandbox-kernel mcp`` of one user)."""
+
+def _take_back(fd: int, start: int, end: int) -> None:
+    """Cut the file ``fd`` back to ``start``, if it still ends at ``end``: the part of a
+    line this process wrote there. Not if anything came after it (another process using
+    the same log: a user's server and their ``sandbox-kernel mcp``)."""
     with contextlib.suppress(OSError):
-        end = os.lseek(fd, 0, os.SEEK_CUR)  # (O_APPEND: where this process's write ended)
         status = os.fstat(fd)
         if stat.S_ISREG(status.st_mode) and status.st_size == end:
-            os.ftruncate(fd, end - size)
+            os.ftruncate(fd, start)
 
 
 @dataclass

@@ -42,6 +42,7 @@ channel has reconnected to the resumed kernel. Clients see a delay, never a disc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -834,22 +835,26 @@ class KernelBridge:
 
     def _pass(self, peer: zmq.Socket[bytes], channel: str, to_kernel: bool, message: Frames) -> None:
         """Send one checked message on to ``peer``, never waiting for it."""
+        # (Frame by frame with the flags as ints: pyzmq's send_multipart combines its enum
+        # flags anew for each frame, and sends frame by frame too.)
+        last = len(message) - 1
+        number = 0
         try:
-            # (Frame by frame with the flags as ints: pyzmq's send_multipart combines its
-            # enum flags anew for each frame, and sends frame by frame too.)
-            last = len(message) - 1
             for number, frame in enumerate(message):
                 peer.send(frame, _SEND_MORE if number < last else _SEND_LAST, copy=False)
         except zmq.Again:
-            # Whole or not at all, and the next message starts whole: libzmq (4.3.5) checks
-            # the high-water mark on a message's first frame only. A later frame fails only
-            # on a DEALER whose pipe is going away, which takes back the frames before it
-            # and begins the next message afresh (lb_t::sendpipe): sending the rest here
-            # would make them a message of their own. ROUTER and XPUB drop the rest of a
-            # message they cannot deliver themselves, without failing.
+            # libzmq (4.3.x) checks the high-water mark on a message's first frame, which
+            # then fails with nothing sent. A later frame fails only on a DEALER whose pipe
+            # is going away: libzmq takes back the frames before it and throws away, while
+            # reporting success, every frame up to the end of a message (lb_t::sendpipe).
+            # The rest of this one is sent for it to throw away, or the next message would
+            # be. (ROUTER and XPUB drop what they cannot deliver without failing.)
+            if 0 < number < last:
+                with contextlib.suppress(zmq.ZMQError):
+                    for rest in range(number + 1, last + 1):
+                        peer.send(message[rest], _SEND_MORE if rest < last else _SEND_LAST, copy=False)
             self._drop(channel, to_kernel, "the receiver is not keeping up")
-        except zmq.ZMQError as exc:
-            # A ROUTER cannot deliver to a peer that has gone away.
+        except zmq.ZMQError as exc:  # (a socket closed under it, as the bridge stops)
             log.debug("Bridge could not forward a %s message: %s", channel, exc)
 
     def _check(self, channel: str, to_kernel: bool, frames: Frames) -> Frames | None:

@@ -1,7 +1,7 @@
 """A kernel's idle freeze: its sandbox frozen while nobody uses it, thawed at a client's
 next message.
 
-Under runsc 20240729 an idle sandbox on gVisor's default platform keeps 2-4 % of a core
+Under runsc 20240729 an idle sandbox on gVisor's default platform keeps 2-7 % of a core
 busy whatever runs in it (docs/administrators/idle-cost.md); a frozen one (the host's
 cgroup freezer) uses none and keeps its memory. The watchdog decides when (the pure
 :func:`~sandbox_kernel.lifecycle.judge.judge`: no execution and no client message for
