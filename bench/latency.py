@@ -690,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                 "restarts": args.restarts,
                 "runs": args.runs,
                 "warmup": args.warmup,
+                "at_once": args.at_once,
+                "idle_seconds": args.idle_seconds,
             },
             "local": {**summaries["local"], "samples": asdict(local)},
             "sandboxed": {**summaries["sandboxed"], "samples": asdict(sandboxed)},

@@ -1,0 +1,302 @@
+"""Every benchmark behind the README's "Speed and cost" in one run, and that section
+written from it.
+
+The scripts run one after another, each with ``--json`` (nothing else should run on the
+machine meanwhile): ``latency.py`` (starts, restarts, the pool, ``1+1`` one kernel at a
+time, printing, memory, idle CPU), ``agents.py`` (the session API and MCP),
+``kernel_choices.py`` (``1+1`` with kernels in turns), ``roundtrip.py`` (where the round
+trip goes), ``bridge_checks.py`` (the host's checks), ``coldstart.py`` (where a cold start
+goes), ``wakeups.py`` (gVisor's floor) and ``density.py`` (idle kernels by the hundred).
+Every figure of the section then comes from this run, each ratio from two kernels
+measured in it. ``--record`` keeps each script's own tables (a page of the docs);
+``--write`` replaces the README's section between its two markers. If a script fails,
+nothing is written and the command says which and exits 1.
+
+Run as root from the project root, on a host set up by ``bash .ci/setup`` (about
+40 minutes; ``--quick``, fewer samples and no density beyond 10 kernels, about 12)::
+
+    .venv/bin/python bench/readme.py --write README.md --record docs/benchmarks-run.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+BEGIN = "<!-- speed: written by bench/readme.py, do not edit by hand -->"
+END = "<!-- speed: end -->"
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    args: tuple[str, ...]
+    quick: tuple[str, ...]
+
+
+STEPS = (
+    Step("latency", (), ("--starts", "2", "--restarts", "2", "--pooled-starts", "4", "--at-once", "4")),
+    Step("agents", ("--runs", "150"), ("--runs", "30")),
+    Step("kernel_choices", ("--runs", "300"), ("--runs", "40")),
+    Step("roundtrip", (), ("--rounds", "3", "--batch", "10")),
+    Step("bridge_checks", ("--runs", "500"), ("--runs", "60")),
+    Step("coldstart", ("--rounds", "3"), ("--rounds", "1")),
+    Step("wakeups", (), ("--rounds", "1", "--batches", "3")),
+    Step("density", ("--counts", "10,50,max"), ("--counts", "10", "--idle-seconds", "10")),
+)
+
+
+class StepFailed(Exception):
+    pass
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_step(step: Step, quick: bool) -> tuple[str, Any]:
+    """The script's tables (what it prints before its JSON) and its JSON."""
+    command = [sys.executable, str(HERE / f"{step.name}.py"), *(step.quick if quick else step.args), "--json"]
+    progress(f"== {step.name}: {' '.join(command[1:])}")
+    started = time.monotonic()
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # noqa: S603
+    if done.returncode != 0:
+        msg = f"bench/{step.name}.py exited with {done.returncode} (its messages are above)"
+        raise StepFailed(msg)
+    lines = done.stdout.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith(("{", "["))), None)
+    if at is None:
+        msg = f"bench/{step.name}.py printed no JSON"
+        raise StepFailed(msg)
+    progress(f"== {step.name} took {time.monotonic() - started:.0f} s")
+    return "\n".join(lines[:at]).rstrip(), json.loads("\n".join(lines[at:]))
+
+
+def p(values: Sequence[float], pct: float) -> float:
+    """Linearly interpolated percentile, as the scripts' own tables give it."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * pct / 100
+    low = int(k)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def x(ratio: float, digits: int = 2) -> str:
+    return f"{ratio:.{digits}f}x"
+
+
+def us(value: float) -> str:
+    """Microseconds, to as many places as mean something."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def render(results: dict[str, Any], when: str) -> str:
+    """The README's section (between the markers) from the scripts' JSON."""
+    lat_l, lat_s = results["latency"]["local"], results["latency"]["sandboxed"]
+    agents = results["agents"]
+    turns = results["kernel_choices"]
+    trip = results["roundtrip"]
+    checks = results["bridge_checks"]
+    cold = results["coldstart"]
+    floor = results["wakeups"]
+    density = results["density"]
+
+    def start_cells(s: dict[str, float]) -> str:
+        keys = ("kernel_info_median_s", "restart_median_s", "shutdown_median_s")
+        return "; ".join(f"{s[key]:.2f} s" for key in keys)
+
+    starts = "; ".join(
+        x(lat_s[k] / lat_l[k]) for k in ("kernel_info_median_s", "restart_median_s", "shutdown_median_s")
+    )
+    raw = p(agents["sandboxed raw"], 50)
+    session, mcp = p(agents["SandboxSession.run"], 50) - raw, p(agents["MCP run_code"], 50) - raw
+    plain, mcp_floor = p(agents["MCP run_code, plain client"], 50) - raw, p(agents["MCP empty tool"], 50)
+    t_local, t_sand = turns["local"], turns["sandboxed"]
+    t_sub = turns["sandboxed, subshells started"]
+    rows = density["rows"]
+    frozen = [r for r in rows if r["count"] <= 50 and r["frozen"]] or rows
+    at = frozen[-1]
+    running = [r for r in rows if r["cpu_running"][0] == r["cpu_running"][0]]  # measured (not nan)
+    before = sum(running[-1]["cpu_running"]) if running else float("nan")
+    biggest = rows[-1]
+    local_idle = lat_l["idle_cpu_pct"] / max(1, results["latency"]["settings"].get("at_once", 1))
+    table = [
+        "| | local ipykernel | sandboxed | ratio |",
+        "|---|---|---|---|",
+        "| start -> first `kernel_info` reply; restart -> the same; `shutdown_kernel()` "
+        f"| {start_cells(lat_l)} | {start_cells(lat_s)} | {starts} |",
+        f"| start claimed from the warm pool (narrowed, or with `env`: "
+        f"{lat_s['pooled_narrowed_p50_s'] * 1000:.0f}, {lat_s['pooled_env_p50_s'] * 1000:.0f} ms) "
+        f"| (cold {lat_l['kernel_info_median_s']:.2f} s) | {lat_s['pooled_p50_s']:.3f} s "
+        f"| {x(lat_s['pooled_p50_s'] / lat_l['kernel_info_median_s'])} |",
+        "| `1+1` round trip, p50 / p95, one kernel at a time "
+        f"| {lat_l['execute_p50_ms']:.1f} / {lat_l['execute_p95_ms']:.1f} ms "
+        f"| {lat_s['execute_p50_ms']:.1f} / {lat_s['execute_p95_ms']:.1f} ms "
+        f"| {x(lat_s['execute_p50_ms'] / lat_l['execute_p50_ms'])} / "
+        f"{x(lat_s['execute_p95_ms'] / lat_l['execute_p95_ms'])} |",
+        "| `1+1`, kernels in turns (`kernel_choices.py`), p50 / p95: as started; once a client "
+        f"asked for a subshell | {p(t_local, 50):.1f} / {p(t_local, 95):.1f} ms "
+        f"| {p(t_sand, 50):.1f} / {p(t_sand, 95):.1f} ms; {p(t_sub, 50):.1f} / {p(t_sub, 95):.1f} ms "
+        f"| {x(p(t_sand, 50) / p(t_local, 50))} / {x(p(t_sand, 95) / p(t_local, 95))}; "
+        f"{x(p(t_sub, 50) / p(t_local, 50))} / {x(p(t_sub, 95) / p(t_local, 95))} |",
+        f"| a cell printing 100,000 lines | {lat_l['prints_s']:.2f} s | {lat_s['prints_s']:.2f} s "
+        f"| {x(lat_s['prints_s'] / lat_l['prints_s'])} |",
+        '| `SandboxSession.run("1+1")`, MCP `run_code` (the `mcp` package\'s client, whose own '
+        f"floor is {mcp_floor:.1f} ms; a plain JSON-RPC client), p50 | "
+        f"| raw {session:+.1f} ms, raw {mcp:+.1f} ms; raw {plain:+.1f} ms | |",
+        f"| host memory, idle kernel | {lat_l['memory_idle_mib']:.0f} MiB "
+        f"| {lat_s['memory_idle_mib']:.0f} MiB | {x(lat_s['memory_idle_mib'] / lat_l['memory_idle_mib'])} |",
+        f"| host CPU, idle kernel (frozen after 30 s quiet; before: {before:.1f} %), {at['count']} kernels "
+        f"| {local_idle:.1f} % | {sum(at['cpu_frozen']):.2f} % of a core | |",
+        f"| {biggest['count']} idle kernels on this machine "
+        f"| | {max(biggest['memory_host_mib'], biggest['memory_cgroup_mib']):.0f} MiB of host memory each; "
+        f"one kernel's `1+1` {x(biggest['one_plus_one_frozen_ms'] / density['single_ms'])} "
+        "its figure alone | |",
+    ]
+
+    local_t = p([t for t, _ in trip["local"]], 50)
+    bridge_t = p([t for t, _ in trip["bridge"]], 50)
+    kernel_more = p([k for _, k in trip["bridge"]], 50) - p([k for _, k in trip["local"]], 50)
+    path_more = p([t - k for t, k in trip["bridge"]], 50) - p([t - k for t, k in trip["local"]], 50)
+    inside = p([t for t, _ in trip["inside"]], 50)
+    checks_ms = p(checks["all checks"], 50) - p(checks["no checks"], 50)
+    docker_true = statistics.median(cold["rows"]["docker run --rm IMAGE true"]["runsc"])
+    imports = cold["rows"]["import ipykernel.kernelapp, timed inside"]
+    argv = cold["rows"]["kernelspec argv run directly (VS Code) -> kernel_info reply"]
+    gvisor = "systrap" if "systrap" in floor else next(name for name in floor if name != "host")
+    floor_rows = (
+        ("a system call (`getpid`)", "getpid"),
+        ("two threads waking each other, busy (`threading.Event`, a round of 2 wakes)", "event"),
+        ("the same after 2 ms idle (how a kernel's threads wait for a message)", "event_idle"),
+        ("a ZeroMQ hand-off between two threads and back, after 2 ms idle", "inproc_idle"),
+        ("a ZeroMQ round trip between two processes, after 2 ms idle", "tcp_process_idle"),
+    )
+    wake = [
+        "| operation | host | gVisor | ratio |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {label} | {us(floor['host'][key])} | {us(floor[gvisor][key])} "
+            f"| {x(floor[gvisor][key] / floor['host'][key], 1)} |"
+            for label, key in floor_rows
+        ),
+    ]
+    text = [
+        f"Measured on this project's 2-core machine in one run of `bench/readme.py` ({when}; ratios",
+        "against a local ipykernel of the same run). Every table of that run:",
+        "[the last run](docs/benchmarks-run.md); how each is taken: [benchmarks](docs/benchmarks.md).",
+        "",
+        *table,
+        "",
+        f"Where the round trip goes, in that run (`roundtrip.py`, split by the kernel's own clock): of the "
+        f"{bridge_t - local_t:.1f} ms over a local kernel, ipykernel's own handling is {kernel_more:.1f} ms "
+        f"more than locally (the hand-offs between its threads, each a thread woken from sleep), and the "
+        f"way in and out of the kernel's process with the host's bridge {path_more:.1f} ms more; a client "
+        f"inside the sandbox on the kernel's own ports takes {inside:.1f} ms against {bridge_t:.1f} ms "
+        f"through the bridge. The bridge's checks (signatures, audit, output limit, cleaning) cost "
+        f"{checks_ms:.2f} ms of a round trip (`bridge_checks.py`). A cold start is Docker and runsc "
+        f"starting a sandbox ({docker_true:.2f} s) and Python importing ipykernel through gVisor's file "
+        f"system ({statistics.median(imports['runsc']):.1f} s against "
+        f"{statistics.median(imports['host']):.1f} s on the host, `coldstart.py`): the warm pool is the "
+        "way around it. A front end that runs the kernelspec's argv itself (VS Code) has its first reply "
+        f"after {statistics.median(argv['runsc']):.1f} s ({statistics.median(argv['host']):.1f} s for a "
+        "local kernel).",
+        "",
+        "What is left of the round trip's gap is gVisor's own floor, shown without Jupyter by a minimal",
+        f"reproduction, `wakeups.py`: the same operations on the host and in the kernel image under runsc "
+        f"({gvisor}), microseconds per operation:",
+        "",
+        *wake,
+        "",
+        "Waking a thread that slept is what gVisor makes dear, and a `1+1` is a dozen such wakes",
+        "(client, bridge, the kernel's threads, and back). Pinning a sandbox to one core, ptrace and",
+        "KVM (it does not start on this VM) do not help:",
+        "[gVisor's floor](docs/benchmarks.md#gvisors-floor-a-system-call-and-a-wake-up).",
+    ]
+    return "\n".join(text)
+
+
+def replace_section(readme: str, section: str) -> str:
+    pattern = re.compile(re.escape(BEGIN) + r"\n.*?\n" + re.escape(END), re.DOTALL)
+    if len(pattern.findall(readme)) != 1:
+        msg = f"the README must hold the section's markers once each:\n{BEGIN}\n{END}"
+        raise ValueError(msg)
+    return pattern.sub(lambda _: f"{BEGIN}\n{section}\n{END}", readme)
+
+
+def record(tables: dict[str, str], when: str) -> str:
+    parts = [
+        "# The last benchmark run",
+        "",
+        f'Every table of the run behind the README\'s "Speed and cost" ({when}), as each script',
+        "printed it: `.venv/bin/python bench/readme.py --write README.md --record docs/benchmarks-run.md`.",
+        "What each measures and how: [Benchmarks](benchmarks.md).",
+    ]
+    for name, printed in tables.items():
+        parts += ["", f"## `bench/{name}.py`", "", "```", printed, "```"]
+    return "\n".join(parts) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--write", type=Path, metavar="README", help="replace the section in this file")
+    parser.add_argument("--record", type=Path, metavar="PAGE", help="write every script's tables here")
+    parser.add_argument("--quick", action="store_true", help="fewer samples, density up to 10 kernels")
+    parser.add_argument("--results", type=Path, metavar="JSON", help="keep the run's numbers and tables here")
+    parser.add_argument(
+        "--from-results", type=Path, metavar="JSON", help="run nothing: write from a run kept with --results"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0 and not args.from_results:
+        progress("run as root (coldstart.py saves a checkpoint with runsc, as the backend does)")
+        return 2
+    if args.from_results:
+        kept = json.loads(args.from_results.read_text())
+        when, tables, results = kept["when"], kept["tables"], kept["results"]
+    else:
+        began = datetime.datetime.now().astimezone()
+        load = os.getloadavg()[0]
+        tables, results = {}, {}
+        try:
+            for step in STEPS:
+                tables[step.name], results[step.name] = run_step(step, args.quick)
+        except StepFailed as failed:
+            progress(f"error: {failed}; nothing written")
+            return 1
+        ended = datetime.datetime.now().astimezone()
+        quick = ", --quick" if args.quick else ""
+        when = f"{began:%Y-%m-%d %H:%M}-{ended:%H:%M}, load {load:.1f} before it{quick}"
+        if args.results:
+            args.results.write_text(json.dumps({"when": when, "tables": tables, "results": results}))
+    section = render(results, when)
+    print(section)
+    if args.record:
+        args.record.write_text(record(tables, when))
+        progress(f"wrote every table to {args.record}")
+    if args.write:
+        args.write.write_text(replace_section(args.write.read_text(), section))
+        progress(f"wrote the section of {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
