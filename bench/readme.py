@@ -9,11 +9,14 @@ trip goes), ``bridge_checks.py`` (the host's checks), ``coldstart.py`` (where a 
 goes), ``wakeups.py`` (gVisor's floor) and ``density.py`` (idle kernels by the hundred).
 Every figure of the section then comes from this run, each ratio from two kernels
 measured in it. ``--record`` keeps each script's own tables (a page of the docs);
-``--write`` replaces the README's section between its two markers. If a script fails,
-nothing is written and the command says which and exits 1.
+``--write`` replaces the README's section between its two markers (checked before anything
+runs). If a script fails, or a figure was not measured (nan), nothing is written and the
+command says which and exits 1.
 
 Run as root from the project root, on a host set up by ``bash .ci/setup`` (about
-40 minutes; ``--quick``, fewer samples and no density beyond 10 kernels, about 12)::
+25 minutes on 2 cores; ``--quick``, fewer samples and density at 10 kernels only, about 7;
+``--results`` keeps the numbers after each script, ``--from-results`` writes from them
+again without running anything)::
 
     .venv/bin/python bench/readme.py --write README.md --record docs/benchmarks-run.md
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -75,13 +79,21 @@ def run_step(step: Step, quick: bool) -> tuple[str, Any]:
     if done.returncode != 0:
         msg = f"bench/{step.name}.py exited with {done.returncode} (its messages are above)"
         raise StepFailed(msg)
-    lines = done.stdout.splitlines()
-    at = next((i for i, line in enumerate(lines) if line.startswith(("{", "["))), None)
-    if at is None:
-        msg = f"bench/{step.name}.py printed no JSON"
-        raise StepFailed(msg)
     progress(f"== {step.name} took {time.monotonic() - started:.0f} s")
-    return "\n".join(lines[:at]).rstrip(), json.loads("\n".join(lines[at:]))
+    return split_output(step.name, done.stdout)
+
+
+def split_output(name: str, printed: str) -> tuple[str, Any]:
+    """What a script printed: its tables, then its JSON, the rest of its output."""
+    lines = printed.splitlines()
+    for at, line in enumerate(lines):
+        if line.startswith(("{", "[")):
+            try:
+                return "\n".join(lines[:at]).rstrip(), json.loads("\n".join(lines[at:]))
+            except json.JSONDecodeError:
+                continue  # a table's line that looks like JSON: the JSON comes later
+    msg = f"bench/{name}.py printed no JSON at the end of its output"
+    raise StepFailed(msg)
 
 
 def p(values: Sequence[float], pct: float) -> float:
@@ -104,8 +116,9 @@ def us(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
-def render(results: dict[str, Any], when: str) -> str:
-    """The README's section (between the markers) from the scripts' JSON."""
+def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
+    """The README's section (between the markers) from the scripts' JSON; ``loads``: the
+    load average at the end of each script. A figure that was not measured reads nan."""
     lat_l, lat_s = results["latency"]["local"], results["latency"]["sandboxed"]
     agents = results["agents"]
     turns = results["kernel_choices"]
@@ -122,18 +135,21 @@ def render(results: dict[str, Any], when: str) -> str:
     starts = "; ".join(
         x(lat_s[k] / lat_l[k]) for k in ("kernel_info_median_s", "restart_median_s", "shutdown_median_s")
     )
-    raw = p(agents["sandboxed raw"], 50)
+    raw = p(agents["sandboxed raw"], 50)  # the same kernel by jupyter_client, in turns with the others
     session, mcp = p(agents["SandboxSession.run"], 50) - raw, p(agents["MCP run_code"], 50) - raw
     plain, mcp_floor = p(agents["MCP run_code, plain client"], 50) - raw, p(agents["MCP empty tool"], 50)
     t_local, t_sand = turns["local"], turns["sandboxed"]
     t_sub = turns["sandboxed, subshells started"]
     rows = density["rows"]
-    frozen = [r for r in rows if r["count"] <= 50 and r["frozen"]] or rows
-    at = frozen[-1]
-    running = [r for r in rows if r["cpu_running"][0] == r["cpu_running"][0]]  # measured (not nan)
-    before = sum(running[-1]["cpu_running"]) if running else float("nan")
+    # The most kernels measured both running and all frozen (density.py measures "running"
+    # only up to its --unfrozen-max); without one, nan: nothing is written.
+    both = [r for r in rows if r["frozen"] == r["count"] and not math.isnan(r["cpu_running"][0])]
+    nan = float("nan")
+    at: dict[str, Any] = both[-1] if both else {"count": 0, "cpu_running": [nan], "cpu_frozen": [nan]}
     biggest = rows[-1]
-    local_idle = lat_l["idle_cpu_pct"] / max(1, results["latency"]["settings"].get("at_once", 1))
+    local_n = results["latency"]["settings"]["at_once"]
+    local_idle = lat_l["idle_cpu_pct"] / local_n
+    alone = biggest["one_plus_one_frozen_ms"] / density["single_ms"]
     table = [
         "| | local ipykernel | sandboxed | ratio |",
         "|---|---|---|---|",
@@ -143,7 +159,7 @@ def render(results: dict[str, Any], when: str) -> str:
         f"{lat_s['pooled_narrowed_p50_s'] * 1000:.0f}, {lat_s['pooled_env_p50_s'] * 1000:.0f} ms) "
         f"| (cold {lat_l['kernel_info_median_s']:.2f} s) | {lat_s['pooled_p50_s']:.3f} s "
         f"| {x(lat_s['pooled_p50_s'] / lat_l['kernel_info_median_s'])} |",
-        "| `1+1` round trip, p50 / p95, one kernel at a time "
+        "| `1+1` round trip, p50 / p95, one kernel at a time (`latency.py`, not in turns) "
         f"| {lat_l['execute_p50_ms']:.1f} / {lat_l['execute_p95_ms']:.1f} ms "
         f"| {lat_s['execute_p50_ms']:.1f} / {lat_s['execute_p95_ms']:.1f} ms "
         f"| {x(lat_s['execute_p50_ms'] / lat_l['execute_p50_ms'])} / "
@@ -156,16 +172,17 @@ def render(results: dict[str, Any], when: str) -> str:
         f"| a cell printing 100,000 lines | {lat_l['prints_s']:.2f} s | {lat_s['prints_s']:.2f} s "
         f"| {x(lat_s['prints_s'] / lat_l['prints_s'])} |",
         '| `SandboxSession.run("1+1")`, MCP `run_code` (the `mcp` package\'s client, whose own '
-        f"floor is {mcp_floor:.1f} ms; a plain JSON-RPC client), p50 | "
-        f"| raw {session:+.1f} ms, raw {mcp:+.1f} ms; raw {plain:+.1f} ms | |",
+        f"floor is {mcp_floor:.1f} ms; a plain JSON-RPC client), p50, against raw `jupyter_client` "
+        f"on the same kernel in turns ({raw:.1f} ms) | | raw {session:+.1f} ms, raw {mcp:+.1f} ms; "
+        f"raw {plain:+.1f} ms | |",
         f"| host memory, idle kernel | {lat_l['memory_idle_mib']:.0f} MiB "
         f"| {lat_s['memory_idle_mib']:.0f} MiB | {x(lat_s['memory_idle_mib'] / lat_l['memory_idle_mib'])} |",
-        f"| host CPU, idle kernel (frozen after 30 s quiet; before: {before:.1f} %), {at['count']} kernels "
-        f"| {local_idle:.1f} % | {sum(at['cpu_frozen']):.2f} % of a core | |",
+        f"| host CPU per idle kernel (local: {local_n} kernels; sandboxed: {at['count']}, frozen after "
+        f"30 s quiet, before it {sum(at['cpu_running']):.1f} %) | {local_idle:.2f} % "
+        f"| {sum(at['cpu_frozen']):.2f} % of a core | |",
         f"| {biggest['count']} idle kernels on this machine "
         f"| | {max(biggest['memory_host_mib'], biggest['memory_cgroup_mib']):.0f} MiB of host memory each; "
-        f"one kernel's `1+1` {x(biggest['one_plus_one_frozen_ms'] / density['single_ms'])} "
-        "its figure alone | |",
+        f"one kernel's `1+1` among them (the others frozen) {x(alone)} its figure alone | |",
     ]
 
     local_t = p([t for t, _ in trip["local"]], 50)
@@ -195,29 +212,30 @@ def render(results: dict[str, Any], when: str) -> str:
         ),
     ]
     text = [
-        f"Measured on this project's 2-core machine in one run of `bench/readme.py` ({when}; ratios",
-        "against a local ipykernel of the same run). Every table of that run:",
+        f"Measured on this project's {os.cpu_count()}-core machine in one run of `bench/readme.py` "
+        f"({when}; ratios against a local ipykernel of the same run). Every table of that run:",
         "[the last run](docs/benchmarks-run.md); how each is taken: [benchmarks](docs/benchmarks.md).",
         "",
         *table,
         "",
-        f"Where the round trip goes, in that run (`roundtrip.py`, split by the kernel's own clock): of the "
+        "Where the round trip goes, in that run (`roundtrip.py`, split by the kernel's own clock): of the "
         f"{bridge_t - local_t:.1f} ms over a local kernel, ipykernel's own handling is {kernel_more:.1f} ms "
-        f"more than locally (the hand-offs between its threads, each a thread woken from sleep), and the "
-        f"way in and out of the kernel's process with the host's bridge {path_more:.1f} ms more; a client "
-        f"inside the sandbox on the kernel's own ports takes {inside:.1f} ms against {bridge_t:.1f} ms "
-        f"through the bridge. The bridge's checks (signatures, audit, output limit, cleaning) cost "
-        f"{checks_ms:.2f} ms of a round trip (`bridge_checks.py`). A cold start is Docker and runsc "
-        f"starting a sandbox ({docker_true:.2f} s) and Python importing ipykernel through gVisor's file "
-        f"system ({statistics.median(imports['runsc']):.1f} s against "
+        "more than locally (what its threads' hand-offs cost: `kernel_choices.py`), and the way in and out "
+        f"of the kernel's process with the host's bridge {path_more:.1f} ms more; a client inside the "
+        f"sandbox on the kernel's own ports, which pays gVisor's wake-ups itself, takes {inside:.1f} ms "
+        f"against {bridge_t:.1f} ms through the bridge. The bridge's checks (signatures, audit, output "
+        f"limit, cleaning) cost {checks_ms:.2f} ms of a round trip (`bridge_checks.py`). A cold start is "
+        f"Docker and runsc starting a sandbox ({docker_true:.2f} s) and Python importing ipykernel "
+        f"through gVisor's file system ({statistics.median(imports['runsc']):.1f} s against "
         f"{statistics.median(imports['host']):.1f} s on the host, `coldstart.py`): the warm pool is the "
         "way around it. A front end that runs the kernelspec's argv itself (VS Code) has its first reply "
         f"after {statistics.median(argv['runsc']):.1f} s ({statistics.median(argv['host']):.1f} s for a "
         "local kernel).",
         "",
-        "What is left of the round trip's gap is gVisor's own floor, shown without Jupyter by a minimal",
-        f"reproduction, `wakeups.py`: the same operations on the host and in the kernel image under runsc "
-        f"({gvisor}), microseconds per operation:",
+        "The sandbox's part of the gap is gVisor's own floor, shown without Jupyter by a minimal "
+        "reproduction, `wakeups.py`: the same operations on the host and in the kernel image under runsc "
+        f"({gvisor}), microseconds per operation (load {loads.get('wakeups', nan):.1f} at its end: a "
+        "busier host makes gVisor's system calls and wakes dearer, and the host's less so):",
         "",
         *wake,
         "",
@@ -237,7 +255,7 @@ def replace_section(readme: str, section: str) -> str:
     return pattern.sub(lambda _: f"{BEGIN}\n{section}\n{END}", readme)
 
 
-def record(tables: dict[str, str], when: str) -> str:
+def record(tables: dict[str, str], when: str, loads: dict[str, float]) -> str:
     parts = [
         "# The last benchmark run",
         "",
@@ -246,7 +264,8 @@ def record(tables: dict[str, str], when: str) -> str:
         "What each measures and how: [Benchmarks](benchmarks.md).",
     ]
     for name, printed in tables.items():
-        parts += ["", f"## `bench/{name}.py`", "", "```", printed, "```"]
+        load = f" (load {loads[name]:.1f} at its end)" if name in loads else ""
+        parts += ["", f"## `bench/{name}.py`{load}", "", "```", printed, "```"]
     return "\n".join(parts) + "\n"
 
 
@@ -269,31 +288,51 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0 and not args.from_results:
         progress("run as root (coldstart.py saves a checkpoint with runsc, as the backend does)")
         return 2
+    readme = None
+    if args.write:  # before 25 minutes of benchmarks, not after
+        try:
+            readme = args.write.read_text()
+            replace_section(readme, "")
+        except (OSError, ValueError) as bad:
+            progress(f"error: cannot write the section into {args.write}: {bad}")
+            return 2
     if args.from_results:
         kept = json.loads(args.from_results.read_text())
-        when, tables, results = kept["when"], kept["tables"], kept["results"]
+        when, tables, results, loads = kept["when"], kept["tables"], kept["results"], kept["loads"]
     else:
         began = datetime.datetime.now().astimezone()
-        load = os.getloadavg()[0]
-        tables, results = {}, {}
-        try:
-            for step in STEPS:
+        before = os.getloadavg()[0]
+        tables, results, loads = {}, {}, {}
+        for step in STEPS:
+            try:
                 tables[step.name], results[step.name] = run_step(step, args.quick)
-        except StepFailed as failed:
-            progress(f"error: {failed}; nothing written")
-            return 1
-        ended = datetime.datetime.now().astimezone()
-        quick = ", --quick" if args.quick else ""
-        when = f"{began:%Y-%m-%d %H:%M}-{ended:%H:%M}, load {load:.1f} before it{quick}"
-        if args.results:
-            args.results.write_text(json.dumps({"when": when, "tables": tables, "results": results}))
-    section = render(results, when)
+            except StepFailed as failed:
+                progress(f"error: {failed}; nothing written")
+                return 1
+            loads[step.name] = os.getloadavg()[0]
+            quick = ", --quick" if args.quick else ""
+            when = (
+                f"{began:%Y-%m-%d %H:%M}-{datetime.datetime.now().astimezone():%H:%M}, load {before:.1f} "
+                f"before it, {min(loads.values()):.1f}-{max(loads.values()):.1f} at the ends of its "
+                f"scripts{quick}"
+            )
+            if args.results:  # after each script: what ran is kept if a later one fails
+                kept = {"when": when, "tables": tables, "results": results, "loads": loads}
+                args.results.write_text(json.dumps(kept))
+    try:
+        section = render(results, when, loads)
+    except (KeyError, IndexError, ZeroDivisionError) as missing:
+        progress(f"error: a script's results lack {missing!r}; nothing written")
+        return 1
+    if "nan" in section.lower():
+        progress(f"{section}\nerror: some figures were not measured (nan, above); nothing written")
+        return 1
     print(section)
     if args.record:
-        args.record.write_text(record(tables, when))
+        args.record.write_text(record(tables, when, loads))
         progress(f"wrote every table to {args.record}")
-    if args.write:
-        args.write.write_text(replace_section(args.write.read_text(), section))
+    if args.write and readme is not None:
+        args.write.write_text(replace_section(readme, section))
         progress(f"wrote the section of {args.write}")
     return 0
 

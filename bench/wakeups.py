@@ -329,7 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--here", action="store_true", help="measure only where this runs")
-    parser.add_argument("--json", action="store_true", help="print JSON (the medians), not a table")
+    parser.add_argument(
+        "--json", action="store_true", help="also print the medians as JSON (with --here: only them)"
+    )
     parser.add_argument("--echo", metavar="FOLDER", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=2000, help="rounds per batch (system calls: 10x)")
     parser.add_argument("--batches", type=int, default=7, help="timed batches per row")
@@ -359,15 +361,14 @@ def main(argv: list[str] | None = None) -> int:
                 columns[column_name(runtime)] = measure_in_docker(runtime, options, args)
             progress(f"round {i}/{args.rounds} done")
             rounds.append(columns)
-    if args.json:
-        print(json.dumps(median_columns(rounds)))
-        return 0
     print(
         f"One system call and one wake-up, host vs gVisor (runsc {', '.join(runtimes)}): medians of "
         f"{args.rounds} interleaved rounds, each the median of {args.batches} batches of {args.count} "
         f"rounds; load average {os.getloadavg()[0]:.2f} at the end"
     )
     print(format_table(median_columns(rounds)))
+    if args.json:
+        print(json.dumps(median_columns(rounds)))
     return 0
 
 

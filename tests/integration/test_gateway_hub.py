@@ -398,7 +398,9 @@ print(int(sales.revenue.sum()))"""
 
 @pytest.fixture
 def page(request: pytest.FixtureRequest, hub: Hub) -> Iterator[Page]:
-    """A browser page; its screenshot is kept if the test fails."""
+    """A browser page; if the test fails, its screenshot is kept and the servers' logs are
+    shown with the test's report (the fixture's own teardown prints them after the module's
+    last test, whose report pytest shows only if that one fails)."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -409,6 +411,13 @@ def page(request: pytest.FixtureRequest, hub: Hub) -> Iterator[Page]:
             if report is not None and report.failed:
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
+                for name, log in (
+                    ("hub and users' servers", hub.private / "hub.log"),
+                    ("gateway", hub.gateway.log),
+                    ("audit", hub.audit),
+                ):
+                    if log.exists():
+                        print(f"--- {name} log, as the test failed\n{log.read_text()[-20000:]}")
             browser.close()
 
 

@@ -30,30 +30,34 @@ def readme_bench() -> ModuleType:
     return module
 
 
-def latency(start: float, execute: float, idle_cpu: float) -> dict[str, float]:
+def latency(
+    start: float, execute: float, idle_cpu: float, pooled: float, prints: float, mib: float
+) -> dict[str, float]:
     return {
         "kernel_info_median_s": start,
         "restart_median_s": start * 2,
-        "shutdown_median_s": 0.1,
-        "pooled_p50_s": 0.06,
-        "pooled_narrowed_p50_s": 0.051,
-        "pooled_env_p50_s": 0.054,
+        "shutdown_median_s": start / 2,
+        "pooled_p50_s": pooled,
+        "pooled_narrowed_p50_s": pooled + 0.003,
+        "pooled_env_p50_s": pooled + 0.007,
         "execute_p50_ms": execute,
         "execute_p95_ms": execute * 1.5,
-        "prints_s": 0.4,
-        "memory_idle_mib": 100.0,
+        "prints_s": prints,
+        "memory_idle_mib": mib,
         "idle_cpu_pct": idle_cpu,
     }
 
 
-def density_row(count: int, frozen: int, running: tuple[float, float, float]) -> dict[str, Any]:
+def density_row(
+    count: int, frozen: int, running: tuple[float, float, float], frozen_ms: float
+) -> dict[str, Any]:
     return {
         "count": count,
         "cpu_running": running,
-        "cpu_frozen": (0.02, 0.03, 0.01),
-        "memory_cgroup_mib": 60.0,
+        "cpu_frozen": (0.0, count / 1000, 0.01),
+        "memory_cgroup_mib": 60.0 + count / 10,
         "memory_host_mib": 70.0,
-        "one_plus_one_frozen_ms": 9.0,
+        "one_plus_one_frozen_ms": frozen_ms,
         "frozen": frozen,
     }
 
@@ -63,8 +67,8 @@ def results() -> dict[str, Any]:
     return {
         "latency": {
             "settings": {"at_once": 10},
-            "local": latency(0.2, 4.0, 1.0),
-            "sandboxed": latency(1.2, 5.2, 30.0),
+            "local": latency(0.2, 4.0, 1.0, pooled=0.3, prints=0.5, mib=80.0),
+            "sandboxed": latency(1.2, 5.2, 30.0, pooled=0.06, prints=0.4, mib=100.0),
         },
         "agents": {
             "local raw": [4.0] * 3,
@@ -111,17 +115,27 @@ def results() -> dict[str, Any]:
                 "inproc_idle": 103,
                 "tcp_process_idle": 520,
             },
+            "ptrace": {
+                "getpid": 52,
+                "event": 117,
+                "event_idle": 123,
+                "inproc_idle": 376,
+                "tcp_process_idle": 915,
+            },
         },
         "density": {
             "single_ms": 5.0,
             "local_ms": 4.0,
             "rows": [
-                density_row(10, 10, (2.0, 0.2, 0.1)),
-                density_row(50, 50, (2.2, 0.3, 0.1)),
-                density_row(250, 250, (nan, nan, nan)),
+                density_row(10, 10, (2.0, 0.2, 0.1), 6.0),
+                density_row(50, 48, (2.2, 0.3, 0.1), 7.0),  # two of them not frozen: not a frozen figure
+                density_row(250, 250, (nan, nan, nan), 9.0),  # too many to measure running
             ],
         },
     }
+
+
+LOADS = {"wakeups": 1.25}
 
 
 def row(section: str, starts: str) -> str:
@@ -130,44 +144,53 @@ def row(section: str, starts: str) -> str:
 
 
 def test_every_figure_of_the_section_is_the_runs_own(readme_bench: ModuleType) -> None:
-    section = readme_bench.render(results(), "2026-12-07 03:00-03:40, load 0.5 before it")
+    section = readme_bench.render(results(), "2026-12-07 03:00-03:40, load 0.5 before it", LOADS)
 
-    assert "one run of `bench/readme.py` (2026-12-07 03:00-03:40" in section
-    assert row(section, "`1+1` round trip") == (
-        "| `1+1` round trip, p50 / p95, one kernel at a time | 4.0 / 6.0 ms | 5.2 / 7.8 ms | 1.30x / 1.30x |"
+    assert "in one run of `bench/readme.py` (2026-12-07 03:00-03:40, load 0.5 before it; ratios" in section
+    assert row(section, "start ->").endswith(
+        "| 0.20 s; 0.40 s; 0.10 s | 1.20 s; 2.40 s; 0.60 s | 6.00x; 6.00x; 6.00x |"
     )
+    assert row(section, "start claimed").endswith(
+        "(narrowed, or with `env`: 63, 67 ms) | (cold 0.20 s) | 0.060 s | 0.30x |"
+    )
+    assert row(section, "`1+1` round trip").endswith("| 4.0 / 6.0 ms | 5.2 / 7.8 ms | 1.30x / 1.30x |")
     assert row(section, "`1+1`, kernels in turns").endswith(
         "| 10.0 / 11.8 ms | 14.0 / 14.9 ms; 16.0 / 17.8 ms | 1.40x / 1.26x; 1.60x / 1.51x |"
     )
-    assert row(section, "start ->").endswith(
-        "| 0.20 s; 0.40 s; 0.10 s | 1.20 s; 2.40 s; 0.10 s | 6.00x; 6.00x; 1.00x |"
+    assert row(section, "a cell printing").endswith("| 0.50 s | 0.40 s | 0.80x |")
+    assert row(section, "`SandboxSession.run").endswith(
+        "floor is 1.9 ms; a plain JSON-RPC client), p50, against raw `jupyter_client` on the same kernel "
+        "in turns (5.0 ms) | | raw +0.4 ms, raw +2.6 ms; raw +1.6 ms | |"
     )
-    assert "(narrowed, or with `env`: 51, 54 ms) | (cold 0.20 s) | 0.060 s | 0.30x |" in section
-    assert (
-        "floor is 1.9 ms; a plain JSON-RPC client), p50 | | raw +0.4 ms, raw +2.6 ms; raw +1.6 ms | |"
-        in section
-    )
-    # Per idle kernel: the local figure is for the 10 started at once; the sandboxed one
-    # is the largest count measured frozen, up to 50, and "before" the same count running.
-    assert row(section, "host CPU").endswith(
-        "(frozen after 30 s quiet; before: 2.6 %), 50 kernels | 0.1 % | 0.06 % of a core | |"
+    assert row(section, "host memory").endswith("| 80 MiB | 100 MiB | 1.25x |")
+    # Per idle kernel: the local figure is for the 10 latency.py started at once; the
+    # sandboxed one for the most kernels measured running and then every one of them frozen.
+    assert row(section, "host CPU per idle kernel") == (
+        "| host CPU per idle kernel (local: 10 kernels; sandboxed: 10, frozen after 30 s quiet, "
+        "before it 2.3 %) | 0.10 % | 0.02 % of a core | |"
     )
     assert row(section, "250 idle kernels").endswith(
-        "| | 70 MiB of host memory each; one kernel's `1+1` 1.80x its figure alone | |"
+        "| | 85 MiB of host memory each; one kernel's `1+1` among them (the others frozen) "
+        "1.80x its figure alone | |"
     )
     assert "of the 7.0 ms over a local kernel, ipykernel's own handling is 1.5 ms more" in section
-    assert (
-        "bridge 5.5 ms more; a client inside the sandbox on the kernel's own ports takes 13.0 ms" in section
-    )
+    assert "bridge 5.5 ms more; a client inside the sandbox" in section
+    assert "wake-ups itself, takes 13.0 ms against 12.0 ms through the bridge" in section
     assert "checks (signatures, audit, output limit, cleaning) cost 0.60 ms" in section
     assert (
         "(0.36 s) and Python importing ipykernel through gVisor's file system (0.9 s against 0.2 s" in section
     )
-    assert row(section, "a ZeroMQ hand-off") == (
-        "| a ZeroMQ hand-off between two threads and back, after 2 ms idle | 12.0 | 103 | 8.6x |"
-    )
     assert "(VS Code) has its first reply after 2.1 s (0.5 s for a local kernel)" in section
-    assert row(section, "a system call") == "| a system call (`getpid`) | 0.16 | 0.65 | 4.1x |"
+    assert "runsc (systrap), microseconds per operation (load 1.2 at its end" in section
+    wake = section[section.index("| operation |") :].splitlines()[2:7]
+    assert wake == [
+        "| a system call (`getpid`) | 0.16 | 0.65 | 4.1x |",
+        "| two threads waking each other, busy (`threading.Event`, a round of 2 wakes) "
+        "| 52.0 | 8.00 | 0.2x |",
+        "| the same after 2 ms idle (how a kernel's threads wait for a message) | 19.0 | 54.0 | 2.8x |",
+        "| a ZeroMQ hand-off between two threads and back, after 2 ms idle | 12.0 | 103 | 8.6x |",
+        "| a ZeroMQ round trip between two processes, after 2 ms idle | 163 | 520 | 3.2x |",
+    ]
     assert "nan" not in section.lower()
 
 
@@ -198,16 +221,30 @@ def test_the_readme_has_the_sections_markers_once(readme_bench: ModuleType) -> N
     assert readme.index(readme_bench.BEGIN) > readme.index("## Speed and cost")
 
 
+def kept_run(tmp_path: Path, numbers: dict[str, Any]) -> Path:
+    kept = tmp_path / "run.json"
+    tables = {"latency": "metric  local  sandboxed", "density": "N  cpu"}
+    kept.write_text(json.dumps({"when": WHEN, "tables": tables, "results": numbers, "loads": LOADS}))
+    return kept
+
+
+WHEN = "2026-12-07 03:00-03:40, load 0.5 before it"
+
+
+def readme_with_markers(readme_bench: ModuleType, tmp_path: Path) -> Path:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{readme_bench.BEGIN}\nold\n{readme_bench.END}\n\n## Next\n")
+    return readme
+
+
 def test_a_kept_run_is_written_again_without_running_anything(
     readme_bench: ModuleType, tmp_path: Path
 ) -> None:
-    kept = tmp_path / "run.json"
-    when = "2026-12-07 03:00-03:40, load 0.5 before it"
-    tables = {"latency": "metric  local  sandboxed", "density": "N  cpu"}
-    kept.write_text(json.dumps({"when": when, "tables": tables, "results": results()}))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\n{readme_bench.BEGIN}\nold\n{readme_bench.END}\n\n## Next\n")
-    page = tmp_path / "run.md"
+    kept, readme, page = (
+        kept_run(tmp_path, results()),
+        readme_with_markers(readme_bench, tmp_path),
+        tmp_path / "run.md",
+    )
 
     assert (
         readme_bench.main(["--from-results", str(kept), "--write", str(readme), "--record", str(page)]) == 0
@@ -216,8 +253,75 @@ def test_a_kept_run_is_written_again_without_running_anything(
     written = readme.read_text()
     assert written.startswith(f"# Title\n\n{readme_bench.BEGIN}\nMeasured on this project's")
     assert written.endswith(f"{readme_bench.END}\n\n## Next\n")
-    assert readme_bench.render(results(), when) in written
+    assert "| `1+1` round trip, p50 / p95, one kernel at a time" in written
     recorded = page.read_text()
-    assert f"({when})" in recorded
+    assert f"({WHEN})" in recorded
     assert "## `bench/latency.py`\n\n```\nmetric  local  sandboxed\n```" in recorded
     assert "## `bench/density.py`\n\n```\nN  cpu\n```" in recorded
+
+
+def test_a_figure_not_measured_writes_nothing(
+    readme_bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    numbers = results()
+    numbers["latency"]["sandboxed"]["prints_s"] = float("nan")
+    kept, readme, page = (
+        kept_run(tmp_path, numbers),
+        readme_with_markers(readme_bench, tmp_path),
+        tmp_path / "run.md",
+    )
+    before = readme.read_text()
+
+    assert (
+        readme_bench.main(["--from-results", str(kept), "--write", str(readme), "--record", str(page)]) == 1
+    )
+
+    assert readme.read_text() == before
+    assert not page.exists()
+    assert "some figures were not measured (nan, above); nothing written" in capsys.readouterr().err
+
+
+def test_a_readme_without_markers_is_refused_before_anything_runs(
+    readme_bench: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(readme_bench.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(readme_bench, "run_step", lambda *_: pytest.fail("a script ran"))
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n")
+
+    assert readme_bench.main(["--write", str(readme)]) == 2
+
+    assert readme.read_text() == "# Title\n"
+    assert f"cannot write the section into {readme}" in capsys.readouterr().err
+
+
+def test_a_script_that_fails_stops_the_run_and_keeps_what_ran(
+    readme_bench: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The scripts are run as they are, as programs: here two stand-ins, the first printing a
+    progress line that looks like JSON, a table, then its JSON; the second failing."""
+    monkeypatch.setattr(readme_bench.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(readme_bench, "HERE", tmp_path)
+    (tmp_path / "latency.py").write_text(
+        "print('[03:00] a progress line')\nprint('metric  local')\nprint('{\"local\": 1}')\n"
+    )
+    (tmp_path / "agents.py").write_text("import sys\nsys.exit(3)\n")
+    readme, kept = readme_with_markers(readme_bench, tmp_path), tmp_path / "kept.json"
+    before = readme.read_text()
+
+    assert readme_bench.main(["--write", str(readme), "--results", str(kept)]) == 1
+
+    assert readme.read_text() == before
+    assert (
+        "error: bench/agents.py exited with 3 (its messages are above); nothing written"
+        in capsys.readouterr().err
+    )
+    saved = json.loads(kept.read_text())
+    assert saved["results"] == {"latency": {"local": 1}}
+    assert saved["tables"] == {"latency": "[03:00] a progress line\nmetric  local"}
