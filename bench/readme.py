@@ -33,10 +33,11 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from latency import percentile as p
 
 HERE = Path(__file__).resolve().parent
 BEGIN = "<!-- speed: written by bench/readme.py, do not edit by hand -->"
@@ -96,17 +97,6 @@ def split_output(name: str, printed: str) -> tuple[str, Any]:
     raise StepFailed(msg)
 
 
-def p(values: Sequence[float], pct: float) -> float:
-    """Linearly interpolated percentile, as the scripts' own tables give it."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * pct / 100
-    low = int(k)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
-
-
 def x(ratio: float, digits: int = 2) -> str:
     return f"{ratio:.{digits}f}x"
 
@@ -128,13 +118,12 @@ def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
     floor = results["wakeups"]
     density = results["density"]
 
+    keys = ("kernel_info_median_s", "restart_median_s", "shutdown_median_s")
+
     def start_cells(s: dict[str, float]) -> str:
-        keys = ("kernel_info_median_s", "restart_median_s", "shutdown_median_s")
         return "; ".join(f"{s[key]:.2f} s" for key in keys)
 
-    starts = "; ".join(
-        x(lat_s[k] / lat_l[k]) for k in ("kernel_info_median_s", "restart_median_s", "shutdown_median_s")
-    )
+    starts = "; ".join(x(lat_s[k] / lat_l[k]) for k in keys)
     raw = p(agents["sandboxed raw"], 50)  # the same kernel by jupyter_client, in turns with the others
     session, mcp = p(agents["SandboxSession.run"], 50) - raw, p(agents["MCP run_code"], 50) - raw
     plain, mcp_floor = p(agents["MCP run_code, plain client"], 50) - raw, p(agents["MCP empty tool"], 50)
