@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from latency import percentile as p
+from latency import progress
 
 HERE = Path(__file__).resolve().parent
 BEGIN = "<!-- speed: written by bench/readme.py, do not edit by hand -->"
@@ -65,10 +66,6 @@ STEPS = (
 
 class StepFailed(Exception):
     pass
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def run_step(step: Step, quick: bool) -> tuple[str, Any]:
