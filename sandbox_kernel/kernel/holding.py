@@ -77,9 +77,11 @@ class Holding:
             f"this kernel was taken over by {holder}, which drives it now; this program no longer "
             "does (reattach with take_over=True to take it back)"
         )
+        # The watchdog's thread lets go while others read: whoever sees taken_over set
+        # finds the refusal in place already.
+        self._channels.refuse("KernelTakenOver", reason)
         self.taken_over = reason
         self._log.warning("Sandboxed kernel %s: taken over by %s; letting go", self._site.kernel_id, holder)
-        self._channels.refuse("KernelTakenOver", reason)
         return runtime_dir
 
     def held_elsewhere_now(self) -> bool:

@@ -149,6 +149,7 @@ async def test_a_poll_waits_for_a_question_asked_from_another_thread() -> None:
     asker.start()
     (question,) = await queue.wait(answerer, 10)
     assert queue.answer(answerer, question["id"], "once")
+    await asyncio.to_thread(asker.join, 10)  # ask() has returned its future to the asker
     assert answered(futures[0]) == ("once", HANDLER)
     closed = asyncio.Event()
     asyncio.get_running_loop().call_later(0.2, closed.set)

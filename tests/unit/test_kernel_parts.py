@@ -355,7 +355,7 @@ async def test_a_kernel_another_manager_took_over_is_let_go_untouched(parts: Par
     assert parts.site.container_id is None, "nothing here may remove or signal it now"
     assert parts.backend.sandbox(container_id).status == "running"
     assert parts.backend.sandbox(container_id).signals == []
-    assert parts.channels.refusal[0] == "KernelTakenOver"
+    assert parts.channels.refusal[0] == "KernelTakenOver", parts.channels.refusal
     assert f"process {os.getpid()}" in parts.holding.taken_over
     await eventually(lambda: (runtime_dir / RELEASED_FILE).exists())
     assert (runtime_dir / RELEASED_FILE).read_text() == "0123456789abcdef", "it says it let go"
