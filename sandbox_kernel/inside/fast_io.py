@@ -28,6 +28,11 @@ that sleeps costs ten times as much or more (``bench/wakeups.py`` measures both)
   too; a send that finds a subscription waiting wakes the IOPub thread for it, since a
   ZeroMQ socket signals it only once, to whichever thread looks first.
   (:data:`DIRECT_SENDS` turns it off.)
+- ipykernel hands work to the IOPub thread through an event pipe that the IOPub thread
+  alone reads, also work that the IOPub thread hands itself: a print and a flush there
+  (a finalizer the garbage collector runs on that thread, a progress bar's ``__del__``)
+  each send on it, and 2000 unread (ZeroMQ's high-water marks) stop the thread in that
+  send for good, and with it all the kernel's output. Here such work goes on its loop.
 - ipykernel asks ``Thread.is_alive()`` of the IOPub thread for every message. On Python
   3.11 an exception from a signal handler landing inside it (an interrupt, a timeout)
   marks the running thread stopped for good, and from then on ipykernel sends every
@@ -191,7 +196,15 @@ def install(kernel: Any) -> Callable[[], None]:
                 pub_thread._events.append(counted)
         finally:
             mine.holding = False
-        pub_thread._event_pipe.send(b"")  # wakes the IOPub thread (ipykernel's own)
+        if threading.get_ident() == thread.ident:
+            # The IOPub thread itself (a finalizer the garbage collector runs there, or a
+            # print in its own work): its loop runs the work after what it runs now. Not
+            # through the event pipe, which only this thread reads: a print and a flush
+            # each send on it, and 2000 unread (ZeroMQ's high-water marks) stop this
+            # thread in a send for good, and every thread that waits for it.
+            pub_thread.io_loop.add_callback(pub_thread._handle_event, None)
+        else:
+            pub_thread._event_pipe.send(b"")  # wakes the IOPub thread (ipykernel's own)
         in_flight.run_deferred()
         return None
 

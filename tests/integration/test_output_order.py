@@ -213,3 +213,36 @@ def test_a_signal_raising_in_the_main_thread_never_cuts_a_message_in_two(start_k
     for _ in range(3):
         quick, _ = messages_of(kc, "1+1")
         assert kinds(quick) == ["status:busy", "execute_input", "execute_result", "status:idle"]
+
+
+#: Work the IOPub thread hands itself, as each print and flush of a finalizer the garbage
+#: collector runs there does (a progress bar's ``__del__``, say): here with no output of its
+#: own, so that ZeroMQ's high-water mark on the IOPub socket drops nothing on a loaded
+#: machine, then a line.
+HANDED_TO_ITSELF = """\
+import sys, threading
+iopub = sys.stdout.pub_thread
+done = threading.Event()
+def chatty():
+    for i in range(2500):
+        iopub.schedule(lambda: None)
+    print("said on the IOPub thread", flush=True)
+iopub.schedule(chatty)
+iopub.schedule(done.set)
+print("the IOPub thread went on" if done.wait(30) else "the IOPub thread is stuck")"""
+
+
+def test_work_the_iopub_thread_hands_itself_leaves_the_kernels_output_flowing(
+    start_kernel: KernelStarter,
+) -> None:
+    """ipykernel wakes its IOPub thread through a pipe only that thread reads, for work that
+    thread makes too: 2000 unread stopped it in a send for good, and with it every output
+    of the kernel (this cell's last line never came; nor did idle). fast_io hands such work
+    to the IOPub thread's own loop."""
+    _, kc = start_kernel()
+    messages, reply = messages_of(kc, HANDED_TO_ITSELF, timeout=90)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+    assert "the IOPub thread went on" in text
+    quick, _ = messages_of(kc, "1+1")
+    assert kinds(quick) == ["status:busy", "execute_input", "execute_result", "status:idle"]

@@ -870,7 +870,7 @@ def wait_for_direct_sends(thread: Any, scheduled: list[Any] | None = None) -> No
 #: Builds what fast_io's attacks below need in a fresh process: ipykernel's IOPub thread on
 #: an XPUB socket, a subscriber, a stdout stream, fast_io on, direct sends taken up.
 ATTACK_HARNESS = """
-import gc, os, signal, sys, threading, time, types
+import gc, json, os, signal, sys, threading, time, types
 import zmq
 from ipykernel import iostream
 from jupyter_client.session import Session
@@ -971,6 +971,32 @@ gc.set_threshold(700)
 numbers = [int(m[1]) for m in received() if m[0] == b"m"]
 assert numbers == list(range(3000)), numbers[:20]
 """)
+
+
+def test_output_made_on_the_iopub_thread_itself_does_not_stop_it_for_good() -> None:
+    """A finalizer runs on whichever thread the garbage collector finds allocating, the
+    IOPub thread too (a progress bar's ``__del__`` prints). Each print and flush there
+    handed work to the IOPub thread through the pipe that wakes it, which that thread alone
+    reads: 2000 unread stopped it in a send for good (ipykernel's own ``schedule`` does the
+    same), and with it every output of the kernel. Found by the finalizer attack above,
+    which hung about once in 30 runs on a loaded machine; here it is made certain."""
+    out = run_attack("""
+def chatty():  # what finalizers the collector runs on the IOPub thread do, many times over
+    for i in range(1500):
+        stream.write(f"{i}\\n")
+        stream.flush()
+done = threading.Event()
+thread.schedule(chatty)
+thread.schedule(done.set)
+assert done.wait(20), "the IOPub thread is stuck"
+thread.send_multipart([b"m", b"after"])
+got = received()
+text = "".join(json.loads(m[-1])["text"] for m in got if m[0] == b"stream.stdout")
+assert text == "".join(f"{i}\\n" for i in range(1500)), text[:100]
+assert got[-1] == [b"m", b"after"], "what follows goes in its order"
+print("ok")
+""")
+    assert out.strip() == "ok"
 
 
 def test_exceptions_from_signal_handlers_do_not_leave_work_counted_for_ever() -> None:

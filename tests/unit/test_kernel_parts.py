@@ -318,7 +318,9 @@ async def test_an_end_with_no_execution_waiting_is_told_at_once_and_one_waiting_
 async def test_an_end_by_the_memory_limit_is_named_and_kept_on_record(parts: Parts) -> None:
     parts.watchdog.start(parts.container_id, WatchLimits(memory="512m"))
     parts.backend.exit(parts.container_id, 137, oom=True)
-    await eventually(lambda: parts.exits.noted == parts.container_id)
+    # (the watchdog's thread notes the end, then asks the backend why: wait for the why)
+    await eventually(lambda: parts.exits.limit_stop is not None)
+    assert parts.exits.noted == parts.container_id
     stop = parts.exits.limit_stop
     assert stop is not None
     assert stop.ename == "MemoryLimitExceeded"
@@ -327,7 +329,8 @@ async def test_an_end_by_the_memory_limit_is_named_and_kept_on_record(parts: Par
 
 async def test_a_kernel_idle_past_its_limit_is_told_and_stopped_for_good(parts: Parts) -> None:
     parts.watchdog.start(parts.container_id, WatchLimits(idle_timeout=0.3))
-    await eventually(lambda: parts.exits.noted == parts.container_id)
+    await eventually(lambda: parts.exits.cause is not None)
+    assert parts.exits.noted == parts.container_id
     assert signal.SIGKILL in parts.signals()
     assert parts.exits.cause is not None
     assert parts.exits.cause[0] == "IdleLimitExceeded"
@@ -426,8 +429,8 @@ async def test_whatever_the_host_does_to_a_frozen_kernel_thaws_it_first(parts: P
     freezer = parts.watchdog.freezer
     parts.watchdog.start(parts.container_id, WatchLimits(freeze_after=0.3, idle_timeout=2.5))
     await eventually(lambda: freezer.frozen)
-    await eventually(lambda: parts.exits.noted == parts.container_id, timeout=8)
-    assert parts.exits.cause is not None
+    await eventually(lambda: parts.exits.cause is not None, timeout=8)
+    assert parts.exits.noted == parts.container_id
     assert parts.exits.cause[0] == "IdleLimitExceeded"
     assert signal.SIGKILL in parts.signals()
 
