@@ -60,3 +60,15 @@ for fd in os.listdir('/proc/self/fd'):
     else:
         s.detach()
 """
+
+
+def until_idle(kc: BlockingKernelClient, msg_id: str, timeout: float = 30) -> None:
+    """Until the kernel is idle after the request ``msg_id`` (its IOPub read up to there).
+    After a failing one, ipykernel aborts what was sent before (stop_on_error): a cell sent
+    as soon as the error's reply is in hand may be."""
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id or msg["msg_type"] != "status":
+            continue
+        if msg["content"]["execution_state"] == "idle":
+            return

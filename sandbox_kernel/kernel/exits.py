@@ -85,13 +85,18 @@ class Exits:
 
         The cause is kept, so that a teardown cutting this short still answers with it.
         """
+        if self.noted == container_id:
+            return
+        # Asked before anything is published: poll (another thread) takes the end as noted
+        # once it sees ``noted``, and the restarter's teardown may follow at once.
+        ename, reason = await self._cause(container_id, code)
         with self._lock:
             if self.noted == container_id:
                 return
-            self.noted = container_id
-        self.code = code
-        ename, reason = await self._cause(container_id, code)
-        self.cause = (ename, reason)
+            self.code, self.cause = code, (ename, reason)
+            if ename != "KernelDied":
+                self.limit_stop = LimitStop(ename, reason, time.time(), container_id)
+            self.noted = container_id  # last: whoever sees it finds the rest
         self._channels.lifecycle(
             "exit", container=container_id[:12], exit_code=code, ename=ename, reason=reason
         )
@@ -102,7 +107,6 @@ class Exits:
                 output = await self._backend.logs(container_id) or "(none)"
                 self._log.warning("Sandboxed kernel %s: its last output:\n%s", self.kernel_id, output)
         else:
-            self.limit_stop = LimitStop(ename, reason, time.time(), container_id)
             self._log.warning("Sandboxed kernel %s ended: %s", self.kernel_id, reason)
         await self._channels.abandon(ename, reason)
         # Until it is restarted, a new execution gets the kernel's end at once: a program

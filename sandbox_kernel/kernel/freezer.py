@@ -134,11 +134,12 @@ class Freezer:
                     self._next_try = time.monotonic() + RETRY_INTERVAL
                     self._log.info("Sandboxed kernel %s: its sandbox could not be frozen", self.kernel_id)
                     return False
+                # The audit line under the lock: a thaw (the bridge's thread) comes after it.
+                self._channels.lifecycle("freeze", reason=why)
                 self._handle, self._since, frozen = handle, time.monotonic(), True
         finally:
             if not frozen:
                 bridge.echo_heartbeats = False
-        self._channels.lifecycle("freeze", reason=why)
         self._log.debug("Sandboxed kernel %s frozen (%s)", self.kernel_id, why)
         return True
 
@@ -195,7 +196,7 @@ class Freezer:
             bridge = self._channels.bridge
             if bridge is not None:
                 bridge.echo_heartbeats = False
-        self._channels.lifecycle("thaw", reason=why, frozen_for=round(frozen_for, 3))
+            self._channels.lifecycle("thaw", reason=why, frozen_for=round(frozen_for, 3))
         self._log.debug("Sandboxed kernel %s thawed after %.1f s (%s)", self.kernel_id, frozen_for, why)
         return True
 

@@ -18,6 +18,7 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 
 from sandbox_kernel.kernel import launching
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID
+from tests.executions import until_idle
 
 from .conftest import (
     KERNEL,
@@ -53,6 +54,7 @@ def test_interrupt_stops_a_busy_cell_and_keeps_state(start_kernel: KernelStarter
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     # Delivered promptly, not hung (a busy machine may take seconds).
     assert elapsed < 10, f"interrupt took {elapsed:.2f} s"
+    until_idle(kc, msg_id)
     assert run_ok(kc, "print(x + 1)").strip() == "42"
 
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,34 @@ async def test_an_end_by_the_memory_limit_is_named_and_kept_on_record(parts: Par
     assert stop is not None
     assert stop.ename == "MemoryLimitExceeded"
     assert stop.reason.startswith("memory limit 512m exceeded")
+
+
+async def test_an_end_is_noted_with_its_cause_never_before(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A provisioner's poll (the server's thread) takes the end as noted once it sees
+    ``noted``, and the restarter's teardown may follow at once, cutting the watchdog's note
+    short: the cause (Docker's inspect, slow on a busy host) must be known by then, or a
+    memory limit's end reached nobody by its name."""
+    asked, answer = threading.Event(), threading.Event()
+    oom_killed = parts.backend.oom_killed
+
+    async def slow_oom_killed(sandbox_id: str) -> bool:
+        asked.set()
+        await asyncio.to_thread(answer.wait, 10)
+        return await oom_killed(sandbox_id)
+
+    monkeypatch.setattr(parts.backend, "oom_killed", slow_oom_killed)
+    parts.watchdog.start(parts.container_id, WatchLimits())
+    parts.backend.exit(parts.container_id, 137, oom=True)
+    assert await asyncio.to_thread(asked.wait, 10), "the watchdog asked why it ended"
+    assert (parts.exits.noted, parts.exits.code) == (None, None), "nothing of the end said before its cause"
+    answer.set()
+    await eventually(lambda: parts.exits.noted == parts.container_id)
+    assert parts.exits.code == 137
+    assert parts.exits.cause is not None
+    assert parts.exits.cause[0] == "MemoryLimitExceeded"
+    assert parts.exits.limit_stop is not None
 
 
 async def test_a_kernel_idle_past_its_limit_is_told_and_stopped_for_good(parts: Parts) -> None:
