@@ -188,13 +188,15 @@ class Pauser:
                 egress=self._egress.policy is not None,
             )
             size = await self._backend.checkpoint(container_id, name)
+            # Paused before no longer pausing: poll (another thread) must never find a stopped
+            # container that is neither, and take it for the kernel's end.
+            self.paused = record = Paused(name, size, time.time())
+            self.pending = None
         except (SandboxKernelError, OSError) as exc:
             self.pending = None
             raise await self._pause_failed(container_id, launch_dir, bridge, exc, signalled) from exc
         finally:
             self.pausing = False
-        self.pending = None
-        self.paused = record = Paused(name, size, time.time())
         seconds = time.monotonic() - started
         self._channels.lifecycle("pause", reason=why, seconds=round(seconds, 3), checkpoint_bytes=size)
         self._log.info(
