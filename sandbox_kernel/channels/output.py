@@ -23,8 +23,8 @@ Of an execution past its budget, the beginning and the end reach clients:
 
 Cells running on subshells at once (ipykernel 7) each have their own budget and their own
 tail: a message is charged to the running cell whose parent it claims (or to one that
-ended lately: a reply can overtake its cell's last output), or to the one begun first if
-it claims none of them.
+ended or was sent lately: a reply can overtake its cell's output, all of it even, and the
+next cell begin before any is read), or to the one begun first if it claims none of them.
 
 The kernel's prompts on stdin (``input_request``, the few the auditor lets through) are
 charged to the same budget (:meth:`OutputLimiter.charge`): one that does not fit is dropped.
@@ -61,7 +61,8 @@ _STATUS_PAST_CAP = 16
 #: Budgets remembered at once; the oldest are forgotten first.
 _MAX_TRACKED = 256
 #: Executions that ended lately whose output may still be on its way (their replies
-#: overtake it in the bridge, which reads shell first): a message may claim them.
+#: overtake it in the bridge, which reads shell first), and those sent lately and not
+#: seen running yet: a message may claim them.
 _MAX_TRAILING = 16
 #: Markers past the first that go out without text of the tail's (output dropped after
 #: the tail went out, by a thread the cell started, say): a kernel making a cell's tail be
@@ -211,7 +212,8 @@ class OutputLimiter:
         #: The latest execute_request a client sent, as (msg_id, header).
         self._latest: tuple[str, dict[str, Any]] | None = None
         #: The keys of the executions running at the last message, and of those that ended
-        #: lately (with their parents), the latest last.
+        #: lately or were sent lately and not seen running yet (with their parents), the
+        #: latest last.
         self._running: dict[str, dict[str, Any]] = {}
         self._trailing: OrderedDict[str, dict[str, Any]] = OrderedDict()
         #: The executions whose tails are held back, in the order they began holding (more
@@ -229,6 +231,13 @@ class OutputLimiter:
             return
         msg_id = str(header.get("msg_id", ""))
         self._latest = (msg_id, header)
+        # Output may claim it once it is sent, whenever it runs: the bridge can read its
+        # reply and the next cell's start before any of its output (it leaves this list
+        # for the running ones, then comes back to it as it ends, see _ran).
+        self._trailing[msg_id] = header
+        self._trailing.move_to_end(msg_id)
+        while len(self._trailing) > _MAX_TRAILING:
+            self._trailing.popitem(last=False)
         self._requested.pop(msg_id, None)
         limit = requested_limit(load_dict(frames[index + 4]))
         if limit is not None and limit < self.limit:
@@ -259,7 +268,8 @@ class OutputLimiter:
         running now (by key).
 
         That is the one whose parent the message claims, if it runs or (unless not
-        ``trailing``) ended lately (see :data:`_MAX_TRAILING`); else the one begun first;
+        ``trailing``) ended or was sent lately (see :data:`_MAX_TRAILING`); else the one
+        begun first;
         between requests, the last one a client sent: its reply may overtake the tail of
         its output in the bridge (or all of it), and idle output opens no budget of its own.
         """

@@ -459,6 +459,25 @@ def test_a_run_answered_before_its_output_is_read_still_has_its_own_budget() -> 
     assert {m["parent_header"]["msg_id"] for m in read(held)} == {"cell-1"}
 
 
+def test_output_of_a_cell_begun_and_answered_between_two_messages_is_still_its_own() -> None:
+    """The bridge reads shell and IOPub apart: a cell can be answered, and the next one
+    begun, before the bridge has read any of the first one's output (in a CI run, a cell's
+    40 MiB result was told as dropped under the next cell's ``print``). Output that claims
+    it is charged to it, and the next cell's output stays its own."""
+    kernel = Session(key=KEY)
+    running = Running()
+    limiter = OutputLimiter(2000, Session(key=KEY), running)
+    limiter.request(execute_request(kernel, "cell-1", {}))
+    limiter.request(execute_request(kernel, "cell-2", {}))
+    running.msg_id = "cell-2"  # cell-1 ran and was answered; none of its output read yet
+    told = read(limiter.admit(stream(kernel, 3000, "cell-1")))  # its head, the notice
+    assert {m["parent_header"]["msg_id"] for m in told} == {"cell-1"}
+    mine = printed(kernel, "alive\n", parent_id="cell-2")
+    *tail, passed = limiter.admit(mine)
+    assert passed == mine
+    assert {m["parent_header"]["msg_id"] for m in read(tail)} <= {"cell-1"}
+
+
 def test_status_messages_are_charged_and_padded_ones_stop_at_the_cap() -> None:
     """The red team pushed 52.6 MB through a 1 MiB cap as small padded status messages."""
     kernel = Session(key=KEY)
