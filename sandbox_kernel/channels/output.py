@@ -236,8 +236,7 @@ class OutputLimiter:
         # for the running ones, then comes back to it as it ends, see _ran).
         self._trailing[msg_id] = header
         self._trailing.move_to_end(msg_id)
-        while len(self._trailing) > _MAX_TRAILING:
-            self._trailing.popitem(last=False)
+        self._forget_trailing()
         self._requested.pop(msg_id, None)
         limit = requested_limit(load_dict(frames[index + 4]))
         if limit is not None and limit < self.limit:
@@ -297,9 +296,13 @@ class OutputLimiter:
                 self._trailing[key] = parent
         for key in running:
             self._trailing.pop(key, None)
+        self._forget_trailing()
+        self._running = running
+
+    def _forget_trailing(self) -> None:
+        """The oldest of those that ended or were sent lately, past :data:`_MAX_TRAILING`."""
         while len(self._trailing) > _MAX_TRAILING:
             self._trailing.popitem(last=False)
-        self._running = running
 
     def admit(self, frames: Message) -> list[Message]:
         """The messages to send in place of ``frames``: itself, parts of it, a notice,
