@@ -62,6 +62,15 @@ for fd in os.listdir('/proc/self/fd'):
 """
 
 
+def printing(kc: BlockingKernelClient, msg_id: str, timeout: float = 60) -> None:
+    """Until the request ``msg_id`` has printed (its cell runs): an interrupt sent sooner is
+    lost, since an idle kernel ignores SIGINT. Its IOPub messages up to there are read."""
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            return
+
+
 def until_idle(kc: BlockingKernelClient, msg_id: str, timeout: float = 30) -> None:
     """Until the kernel is idle after the request ``msg_id`` (its IOPub read up to there).
     After a failing one, ipykernel aborts what was sent before (stop_on_error): a cell sent

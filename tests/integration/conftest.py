@@ -38,6 +38,7 @@ from sandbox_kernel.lifecycle.ownership import list_kernels, server_identity
 from sandbox_kernel.plan.sandbox_spec import LABEL_KERNEL_ID, LABEL_MANAGED
 from sandbox_kernel.plan.settings import DEFAULT_IMAGE, DEFAULT_RUNTIME
 from tests.executions import Execution as Execution
+from tests.executions import printing as printing
 from tests.executions import run as run
 from tests.executions import run_ok as run_ok
 
@@ -360,15 +361,6 @@ def shell_reply(kc: BlockingKernelClient, timeout: float) -> dict[str, Any]:
     while reply["msg_type"] == "kernel_info_reply":
         reply = kc.get_shell_msg(timeout=timeout)
     return reply
-
-
-def printing(kc: BlockingKernelClient, msg_id: str, timeout: float = 60) -> None:
-    """Until the request ``msg_id`` has printed (its cell runs): an interrupt sent sooner is
-    lost, since an idle kernel ignores SIGINT. Its IOPub messages up to there are read."""
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-            return
 
 
 @asynccontextmanager

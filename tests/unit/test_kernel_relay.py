@@ -24,7 +24,7 @@ from jupyter_client.session import Session
 from sandbox_kernel.channels.bridge import ipc_in_use
 from sandbox_kernel.egress import relay as egress_relay
 from sandbox_kernel.inside import kernel_app, kernel_relay
-from tests.executions import CLOSE_CHANNEL_KEEPER, run_ok, until_idle
+from tests.executions import CLOSE_CHANNEL_KEEPER, printing, run_ok, until_idle
 
 CHANNELS = {"shell": 1, "iopub": 2, "stdin": 3, "control": 4, "hb": 5}
 
@@ -326,10 +326,7 @@ def test_signals_reach_the_kernel_and_its_status_is_the_relays(
     kc = _client(prefix)
     try:
         msg_id = kc.execute("import time; print('started', flush=True); time.sleep(60)")
-        while True:  # until the cell runs: an interrupt before it would be lost
-            msg = kc.get_iopub_msg(timeout=30)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
-                break
+        printing(kc, msg_id, timeout=30)
         relay.send_signal(signal.SIGINT)
         reply = kc.get_shell_msg(timeout=30)
         assert reply["parent_header"]["msg_id"] == msg_id
