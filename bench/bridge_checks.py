@@ -14,11 +14,11 @@ of them alike), and a local ipykernel as the reference:
 * ``no checks``: signatures only (and the meter, which bounds whole messages).
 
 Leaving a check out is for measuring only: a kernel's bridge always runs them all. Then
-it times the bridge's thread for ``--runs`` more round trips with every check, by the
-wall clock and by the thread's CPU clock: in the bridge's handling of each message, and in
-its sends alone (pyzmq's, which let go of the interpreter's lock for each frame, so that
-the wall-clock time beyond the CPU time is the thread waiting: for the lock, or for one
-of the machine's cores). Run from the project root::
+it times the bridge's thread for ``--runs`` more round trips with every check (in turns
+with the local kernel's), by the wall clock and by the thread's CPU clock: in the bridge's
+handling of each message, in each check, and in its sends alone (pyzmq's, which let go
+of the interpreter's lock for each frame, so that the wall-clock time beyond the CPU time
+is the thread waiting: for the lock, or for one of the machine's cores). Run from the project root::
 
     .venv/bin/python bench/bridge_checks.py
     .venv/bin/python bench/bridge_checks.py --runs 1000 --json
@@ -69,20 +69,37 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
         finally:
             bridge._tap, bridge._limiter, bridge._sanitizer = checks
         progress("timing the bridge's thread")
-        with timed(bridge, "_forward") as handling, timed(bridge, "_pass") as sending:
+        with ExitStack() as timing:
+            spans = {
+                name: timing.enter_context(timed(owner, method))
+                for name, owner, method in (
+                    ("handling", bridge, "_forward"),
+                    ("sending", bridge, "_pass"),
+                    ("signatures", bridge, "_check"),
+                    ("auditor", bridge, "_tap"),
+                    ("output limit", bridge._limiter, "admit"),
+                    ("output limit, requests", bridge._limiter, "request"),
+                    ("cleaning", bridge._sanitizer, "clean"),
+                )
+            }
             for _ in range(runs):
+                # In turns with the local kernel, as above: the bridge's threads sleep
+                # between requests, as they do between a person's.
+                execute_once(local)
                 execute_once(sandboxed.client)
-        for name, (wall, cpu) in (("handling", handling), ("sending", sending)):
+        for name, (wall, cpu) in spans.items():
             THREAD[f"{name} wall"], THREAD[f"{name} cpu"] = wall / runs * 1e6, cpu / runs * 1e6
         progress("stopping the kernels")
     return times
 
 
 @contextmanager
-def timed(bridge: Any, method: str) -> Iterator[list[float]]:
-    """[wall, cpu] seconds the bridge's thread spends in ``method`` while in the block."""
+def timed(owner: Any, method: str) -> Iterator[list[float]]:
+    """[wall, cpu] seconds the bridge's thread spends in ``owner.method`` (a method, or a
+    callable the instance holds) while in the block."""
     spent = [0.0, 0.0]
-    original: Callable[..., Any] = getattr(bridge, method)
+    held = method in vars(owner)  # the bridge's tap: an attribute of the instance
+    original: Callable[..., Any] = getattr(owner, method)
 
     def wrapper(*args: Any) -> Any:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -92,11 +109,14 @@ def timed(bridge: Any, method: str) -> Iterator[list[float]]:
             spent[0] += time.perf_counter() - wall
             spent[1] += time.thread_time() - cpu
 
-    setattr(bridge, method, wrapper)
+    setattr(owner, method, wrapper)
     try:
         yield spent
     finally:
-        delattr(bridge, method)  # (the instance's own attribute: the class's method again)
+        if held:
+            setattr(owner, method, original)
+        else:
+            delattr(owner, method)  # (the instance's own attribute: the class's method again)
 
 
 def format_table(times: dict[str, list[float]]) -> str:
@@ -107,6 +127,19 @@ def format_table(times: dict[str, list[float]]) -> str:
         f"{THREAD['handling wall']:.0f} µs by the wall clock, {THREAD['handling cpu']:.0f} µs of its CPU; "
         "of that, sending them on "
         f"{THREAD['sending wall']:.0f} µs, {THREAD['sending cpu']:.0f} µs of its CPU.",
+        "Its CPU per round trip by check: "
+        + ", ".join(
+            f"{label} {THREAD[f'{name} cpu']:.0f} µs"
+            for label, name in (
+                ("signatures and replies' routes", "signatures"),
+                ("the auditor", "auditor"),
+                ("the output limit", "output limit"),
+                ("its requests", "output limit, requests"),
+                ("cleaning", "cleaning"),
+                ("the sends", "sending"),
+            )
+        )
+        + ".",
     ]
     return "\n".join([ratio_table(times, WAYS, "way"), "", *footer])
 

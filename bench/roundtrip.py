@@ -7,13 +7,20 @@ host-facing ipc sockets in the launch folder: shell's and IOPub's held by the ke
 itself, the other three by the channel relay inside the sandbox (the kernel's parent),
 which passes their bytes on to the kernel's tcp ports on the sandbox's loopback. This
 measures ``execute_interactive('1+1')`` (from the ``execute_request`` sent until its reply
-and the ``idle`` status are in) four ways:
+and the ``idle`` status are in) six ways:
 
 * ``local``: a local ipykernel, as the baseline;
 * ``bridge``: the sandboxed kernel as every client reaches it (bridge -> the launch
   folder's sockets -> kernel);
 * ``relay``: the same kernel from a host client connected straight to the launch folder's
   ipc sockets (the bridge left out: the difference to ``bridge`` is the bridge's);
+* ``bare``: the same host client through the least an observer on the host can be: a
+  thread of this process (where a ``KernelManager``'s bridge runs too) copying bytes
+  between the client's connections and the launch folder's sockets, one connection of
+  its own per client connection, nothing read or checked (:class:`BareRelay`). The
+  difference to ``relay`` is what any process between the client and the sandbox costs;
+  the bridge's cost above it is its own (libzmq's sockets on both sides, the meter, the
+  checks);
 * ``inside``: the same kernel from a client inside its sandbox (``docker exec``, the
   image's jupyter_client) on the kernel's own ports (relay and host sockets left out; the
   client pays gVisor's costs too, so this is an upper bound of the kernel's own share).
@@ -24,8 +31,11 @@ process) and the rest, the path there and back (the client, the sockets and hops
 and the kernel's process receiving the request before it says ``busy`` and sending the
 last message after ``idle``).
 
-Each round takes ``--batch`` samples of each way in turn, ``--rounds`` times, so that a
-change of the machine's load touches all four alike. The sandboxed kernel's idle freeze is
+Each round takes ``--batch`` samples of each way in turn, in an order shuffled every round,
+``--rounds`` times, so that a change of the machine's load touches all six alike. With
+``--batch 1`` each way's threads sleep while the others take their samples, as a kernel's
+do between a person's or an assistant's requests (with larger batches, all but the first
+sample of a batch find them awake). The sandboxed kernel's idle freeze is
 turned off for the run (a kernelspec variant), since the ``relay`` and ``inside`` clients'
 messages do not pass the bridge, which is what keeps a kernel thawed. Run as root from the
 project root::
@@ -37,14 +47,20 @@ project root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
+import selectors
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import cast
 
 import docker
 from jupyter_client import KernelManager
@@ -56,10 +72,13 @@ from roundtrip_once import once
 
 #: Where the launch folder (connection file, the relay's ipc sockets) is in the sandbox.
 LAUNCH_FOLDER = "/run/sandbox-kernel"
-WAYS = ("local", "bridge", "relay", "inside")
+CHANNELS = ("shell", "iopub", "stdin", "control", "hb")
+WAYS = ("local", "bridge", "meter", "bare", "relay", "inside")
 LABELS = {
     "local": "local ipykernel",
     "bridge": "sandboxed: bridge -> sandbox's sockets -> kernel (what clients use)",
+    "meter": "sandboxed: the bridge's meter alone -> sandbox's sockets -> kernel",
+    "bare": "sandboxed: a bare byte relay on the host -> sandbox's sockets -> kernel",
     "relay": "sandboxed: host client -> sandbox's sockets -> kernel (no bridge)",
     "inside": "sandboxed: client in the sandbox -> kernel's ports",
 }
@@ -136,18 +155,92 @@ class InsideClient:
             self.process.wait()
 
 
-def relay_client(manager: KernelManager, docker_client: docker.DockerClient) -> BlockingKernelClient:
-    """A host client on the launch folder's ipc sockets (``kernel-N``)."""
-    container_id = manager.provisioner.container_id
-    mounts = docker_client.api.inspect_container(container_id)["Mounts"]
-    folder = next(m["Source"] for m in mounts if m["Destination"] == LAUNCH_FOLDER)
+class BareRelay:
+    """Bytes copied, unread, between each connection to ``{here}-N`` and one of its own to
+    ``{there}-N`` (N = 1..5, the channels), by one thread: the least a process between a
+    client and the sandbox does."""
+
+    def __init__(self, here: str, there: str) -> None:
+        self.there = there
+        self.selector = selectors.DefaultSelector()
+        self.peers: dict[socket.socket, socket.socket] = {}
+        self.listeners = []
+        for n in range(1, len(CHANNELS) + 1):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(f"{here}-{n}")
+            listener.listen()
+            listener.setblocking(False)
+            self.selector.register(listener, selectors.EVENT_READ, n)
+            self.listeners.append(listener)
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.selector.register(self.wake_r, selectors.EVENT_READ, 0)
+        self.thread = threading.Thread(target=self._run, name="bare-relay", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                sock = cast(socket.socket, key.fileobj)
+                if key.data == 0:
+                    return
+                if isinstance(key.data, int):
+                    self._accept(sock, key.data)
+                    continue
+                data = b""
+                with contextlib.suppress(OSError):
+                    data = sock.recv(65536)
+                if data:
+                    self.peers[sock].sendall(data)
+                else:
+                    self._drop(sock)
+
+    def _accept(self, listener: socket.socket, n: int) -> None:
+        near, _ = listener.accept()
+        far = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        far.connect(f"{self.there}-{n}")
+        self.peers[near], self.peers[far] = far, near
+        for sock in (near, far):
+            self.selector.register(sock, selectors.EVENT_READ, "data")
+
+    def _drop(self, sock: socket.socket) -> None:
+        for one in (sock, self.peers.pop(sock)):
+            self.peers.pop(one, None)
+            self.selector.unregister(one)
+            one.close()
+
+    def close(self) -> None:
+        self.wake_w.send(b"x")
+        self.thread.join()
+        for sock in [*self.listeners, *self.peers, self.wake_r, self.wake_w]:
+            sock.close()
+        self.selector.close()
+
+
+def launch_folder(manager: KernelManager, docker_client: docker.DockerClient) -> str:
+    """The host folder mounted at the sandbox's launch folder."""
+    mounts = docker_client.api.inspect_container(manager.provisioner.container_id)["Mounts"]
+    return str(next(m["Source"] for m in mounts if m["Destination"] == LAUNCH_FOLDER))
+
+
+def meter_sockets(manager: KernelManager) -> tuple[str, dict[str, int]]:
+    """Where the bridge's meter listens for each channel (``prefix-N``): the prefix, and N
+    of each channel."""
+    meter = manager.provisioner.channels.bridge._meter
+    paths = {channel: listener.getsockname() for listener, (channel, _, _) in meter._listeners.items()}
+    prefixes = {path.rsplit("-", 1)[0] for path in paths.values()}
+    return prefixes.pop(), {channel: int(path.rsplit("-", 1)[1]) for channel, path in paths.items()}
+
+
+def relay_client(folder: str, prefix: str, ports: dict[str, int] | None = None) -> BlockingKernelClient:
+    """A host client on ipc sockets ``prefix-N`` (N: ``ports``, by default 1 to 5 in the
+    order of :data:`CHANNELS`) with the launch folder's session key."""
     inner = json.loads((Path(folder) / "connection.json").read_text())
     client = BlockingKernelClient()
     client.load_connection_info(
         {
             "transport": "ipc",
-            "ip": f"{folder}/kernel",
-            **{f"{name}_port": n for n, name in enumerate(("shell", "iopub", "stdin", "control", "hb"), 1)},
+            "ip": prefix,
+            **{f"{name}_port": n for name, n in (ports or {c: n for n, c in enumerate(CHANNELS, 1)}).items()},
             "key": inner["key"],
             "signature_scheme": inner["signature_scheme"],
         }
@@ -180,20 +273,27 @@ def measure(
         unfrozen = kernelspec_variant(kernel_name, "bench-unfrozen", {"freeze_idle_after": 0}, folder)
         started: list[tuple[KernelManager, BlockingKernelClient]] = []
         inside: InsideClient | None = None
+        bare_relay: BareRelay | None = None
         try:
             started.append(start(local_name, str(cwd)))
             started.append(start(unfrozen, str(cwd)))
             (_, local), (sandboxed, bridge) = started
-            relay = relay_client(sandboxed, docker_client)
+            launch = launch_folder(sandboxed, docker_client)
+            relay = relay_client(launch, f"{launch}/kernel")
             started.append((sandboxed, relay))
+            bare_relay = BareRelay(f"{tmp}/bare", f"{launch}/kernel")
+            bare = relay_client(launch, f"{tmp}/bare")
+            started.append((sandboxed, bare))
+            meter = relay_client(launch, *meter_sockets(sandboxed))
+            started.append((sandboxed, meter))
             inside = InsideClient(sandboxed.provisioner.container_id)
-            clients = {"local": local, "bridge": bridge, "relay": relay}
+            clients = {"local": local, "bridge": bridge, "meter": meter, "bare": bare, "relay": relay}
             for client in clients.values():
                 for _ in range(warmup):
                     once(client)
             inside.run(warmup)
             for r in range(1, rounds + 1):
-                for way in WAYS:
+                for way in random.sample(WAYS, len(WAYS)):
                     if way == "inside":
                         samples[way] += inside.run(batch)
                     else:
@@ -209,6 +309,8 @@ def measure(
                 inside.close()
             for _, client in started:
                 client.stop_channels()
+            if bare_relay is not None:
+                bare_relay.close()
             for manager in {id(m): m for m, _ in started}.values():
                 if manager.has_kernel:
                     manager.shutdown_kernel()
@@ -242,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", default="sandboxed-python", help="the sandboxed kernelspec")
     parser.add_argument("--local", default="python3", help="the local kernelspec (the baseline)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds of all four ways (default 8)")
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of all six ways (default 8)")
     parser.add_argument("--batch", type=int, default=25, help="round trips of each way per round")
     parser.add_argument("--warmup", type=int, default=20, help="untimed round trips of each way first")
     parser.add_argument("--json", action="store_true", help="also print the samples as JSON")

@@ -367,8 +367,9 @@ class SandboxProvisioner(SandboxSettings, KernelProvisionerBase):  # type: ignor
         await self.channels.shut(*self.exits.teardown_answer(), keep_ports=keep_bridge)
         doomed = site.launch_dir if keep_bridge else site.runtime_dir
         if keep_bridge and site.runtime_dir is not None:
-            # A pooled sandbox's workspace mount goes with it (the restart starts cold), and
-            # a pinned workspace too (the restart pins it again, checked again).
+            # A pooled sandbox's workspace mount goes with it (the restart takes another
+            # sandbox, pooled or cold), and a pinned workspace too (the restart pins it again,
+            # checked again).
             for mounted in ("slot", PINNED_WORKSPACE):
                 await asyncio.to_thread(detach_mounts, site.runtime_dir / mounted)
         if doomed is not None:
