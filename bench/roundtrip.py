@@ -12,6 +12,9 @@ and the ``idle`` status are in) six ways:
 * ``local``: a local ipykernel, as the baseline;
 * ``bridge``: the sandboxed kernel as every client reaches it (bridge -> the launch
   folder's sockets -> kernel);
+* ``meter``: the same kernel from a host client on the sockets of the bridge's meter,
+  which reads the frames' headers of what the kernel sends and holds each message until
+  its last frame is in (the bridge's own sockets and checks left out);
 * ``relay``: the same kernel from a host client connected straight to the launch folder's
   ipc sockets (the bridge left out: the difference to ``bridge`` is the bridge's);
 * ``bare``: the same host client through the least an observer on the host can be: a
@@ -47,7 +50,6 @@ project root::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -186,12 +188,15 @@ class BareRelay:
                 if isinstance(key.data, int):
                     self._accept(sock, key.data)
                     continue
-                data = b""
-                with contextlib.suppress(OSError):
+                if sock not in self.peers:
+                    continue  # (closed earlier in this round, with its peer)
+                try:
                     data = sock.recv(65536)
-                if data:
-                    self.peers[sock].sendall(data)
-                else:
+                    if data:
+                        self.peers[sock].sendall(data)
+                except OSError:
+                    data = b""
+                if not data:  # (either end gone: both closed)
                     self._drop(sock)
 
     def _accept(self, listener: socket.socket, n: int) -> None:
