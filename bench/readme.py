@@ -171,12 +171,22 @@ def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
         f"one kernel's `1+1` among them (the others frozen) {x(alone)} its figure alone | |",
     ]
 
-    local_t = p([t for t, _ in trip["local"]], 50)
-    bridge_t = p([t for t, _ in trip["bridge"]], 50)
-    kernel_more = p([k for _, k in trip["bridge"]], 50) - p([k for _, k in trip["local"]], 50)
-    path_more = p([t - k for t, k in trip["bridge"]], 50) - p([t - k for t, k in trip["local"]], 50)
-    inside = p([t for t, _ in trip["inside"]], 50)
-    straight, bare, meter = (p([t for t, _ in trip[way]], 50) for way in ("relay", "bare", "meter"))
+    def trip50(way: str, part: str = "total") -> float:
+        """The p50 of one part of roundtrip.py's samples of ``way`` (each [total, the kernel
+        itself, the way in]; the way out is the rest)."""
+        parts = {
+            "total": lambda s: s[0],
+            "kernel": lambda s: s[1],
+            "in": lambda s: s[2] if len(s) > 2 else nan,
+            "out": lambda s: s[0] - s[1] - s[2] if len(s) > 2 else nan,
+        }
+        return p([parts[part](sample) for sample in trip[way]], 50)
+
+    local_t, bridge_t, inside = trip50("local"), trip50("bridge"), trip50("inside")
+    straight, bare, meter = (trip50(way) for way in ("relay", "bare", "meter"))
+    kernel_more = trip50("bridge", "kernel") - trip50("local", "kernel")
+    in_more, out_more = (trip50("bridge", part) - trip50("local", part) for part in ("in", "out"))
+    floor_in, floor_out = (trip50("relay", part) - trip50("local", part) for part in ("in", "out"))
     kernel_says = (
         f"{kernel_more:.1f} ms more than locally (what its threads' hand-offs cost: `kernel_choices.py`)"
         if kernel_more >= 0.05
@@ -216,10 +226,13 @@ def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
         "Where the round trip goes, in that run (`roundtrip.py`: one kernel reached six ways, one sample "
         "of each in turns, split by the kernel's own clock): of the "
         f"{bridge_t - local_t:.1f} ms over a local kernel ({bridge_t:.1f} against {local_t:.1f} ms), "
-        f"ipykernel's own handling is {kernel_says}, and the way in and out "
-        f"of the kernel's process with the host's bridge {path_more:.1f} ms more. With nothing of the "
-        f"host's between a client and the sandbox's sockets, the same kernel takes {straight:.1f} ms "
-        f"({x(straight / local_t)} local): the sandbox's own floor. Through a bare byte relay on the host, "
+        f"ipykernel's own handling is {kernel_says}; the way in, from the client's request to the "
+        f"kernel's `busy`, is {in_more:.1f} ms more than locally, and the way out, from the kernel's `idle` "
+        f"until the client has it and the reply, {out_more:.1f} ms more. With nothing of the host's between "
+        f"a client and the sandbox's sockets, the same kernel takes {straight:.1f} ms "
+        f"({x(straight / local_t)} local; the way in {floor_in:+.1f} ms, the way out {floor_out:+.1f} ms): "
+        "the sandbox's own floor. "
+        "Through a bare byte relay on the host, "
         f"the least an observer outside the sandbox can add, it takes {bare:.1f} ms; through the bridge's "
         f"meter alone {meter:.1f} ms; the rest is the bridge's own sockets and checks (signatures, audit, "
         f"output limit, cleaning: {checks_ms:.2f} ms of a round trip, `bridge_checks.py`). A client inside "

@@ -28,11 +28,14 @@ and the ``idle`` status are in) six ways:
   image's jupyter_client) on the kernel's own ports (relay and host sockets left out; the
   client pays gVisor's costs too, so this is an upper bound of the kernel's own share).
 
-Each sample is also split in two by the kernel's own clock: the kernel itself (from its
-``busy`` status to its ``idle`` one: ipykernel's handling of the request, in its own
-process) and the rest, the path there and back (the client, the sockets and hops between,
-and the kernel's process receiving the request before it says ``busy`` and sending the
-last message after ``idle``).
+Each sample is also split in three by the kernel's own clock: the way in (from the
+client's sending the request to the kernel's ``busy`` status: the client, the hops between,
+and the kernel's process receiving the request), the kernel itself (from its ``busy``
+status to its ``idle`` one: ipykernel's handling of the request, in its own process) and
+the way out (from the kernel's ``idle`` until the client has it and the reply: the
+kernel's process sending its last messages, the hops, the client). The way in is read
+across two clocks, the client's and the kernel's wall clocks: a gVisor sandbox's is the
+host's (the sentry reads the host's clock).
 
 Each round takes ``--batch`` samples of each way in turn, in an order shuffled every round,
 ``--rounds`` times, so that a change of the machine's load touches all six alike. With
@@ -306,7 +309,7 @@ def measure(
                 progress(
                     f"round {r}/{rounds}: "
                     + ", ".join(
-                        f"{way} p50 {statistics.median(t for t, _ in samples[way]):.2f} ms" for way in WAYS
+                        f"{way} p50 {statistics.median(s[0] for s in samples[way]):.2f} ms" for way in WAYS
                     )
                 )
         finally:
@@ -323,25 +326,27 @@ def measure(
 
 
 def format_table(samples: dict[str, list[list[float]]]) -> str:
-    """The round trip of each way, and how much of it the kernel took itself (its busy
-    to its idle status) and the path to it and back (the rest)."""
-    totals = {way: [t for t, _ in samples[way]] for way in WAYS}
-    kernel = {way: [k for _, k in samples[way]] for way in WAYS}
-    path = {way: [t - k for t, k in samples[way]] for way in WAYS}
-    base = {
-        name: percentile(values["local"], 50) for name, values in (("t", totals), ("k", kernel), ("p", path))
+    """The round trip of each way, and how much of it was the way in (to the kernel's busy),
+    the kernel itself (its busy to its idle status) and the way out (the rest)."""
+    parts = {
+        "t": {way: [s[0] for s in samples[way]] for way in WAYS},
+        "in": {way: [s[2] for s in samples[way]] for way in WAYS},
+        "k": {way: [s[1] for s in samples[way]] for way in WAYS},
+        "out": {way: [s[0] - s[1] - s[2] for s in samples[way]] for way in WAYS},
     }
+    base = {name: percentile(values["local"], 50) for name, values in parts.items()}
     rows = [
-        "| path | p50 ms | p95 ms | p50 / local | the kernel itself, p50 ms | / local "
-        "| the path there and back, p50 ms | / local |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | p50 ms | p95 ms | p50 / local | the way in, p50 ms | / local "
+        "| the kernel itself, p50 ms | / local | the way out, p50 ms | / local |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for way in WAYS:
-        t50, k50, p50 = percentile(totals[way], 50), percentile(kernel[way], 50), percentile(path[way], 50)
-        rows.append(
-            f"| {LABELS[way]} | {t50:.2f} | {percentile(totals[way], 95):.2f} | {t50 / base['t']:.2f}x "
-            f"| {k50:.2f} | {k50 / base['k']:.2f}x | {p50:.2f} | {p50 / base['p']:.2f}x |"
-        )
+        t50 = percentile(parts["t"][way], 50)
+        cells = [f"{t50:.2f}", f"{percentile(parts['t'][way], 95):.2f}", f"{t50 / base['t']:.2f}x"]
+        for name in ("in", "k", "out"):
+            part = percentile(parts[name][way], 50)
+            cells += [f"{part:.2f}", f"{part / base[name]:.2f}x"]
+        rows.append(f"| {LABELS[way]} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
