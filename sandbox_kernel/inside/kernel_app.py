@@ -218,8 +218,8 @@ class ReplyStream(ZMQStream):
     reply waited behind it: made 0.8 ms before ``idle``, it arrived 0.9 ms after it (as much
     on a host client straight on the sandbox's sockets), and the queue and its flush cost
     the main thread 1 ms more under gVisor. So a send made on the loop's own thread, with
-    nothing queued before it, goes out at once; any other (another thread's, a tracked
-    one, one with a callback, one behind a queued one) is the stream's own. ipykernel
+    nothing queued before it, goes out at once, as ipykernel 6 sent replies; any other
+    (another thread's, a tracked one, one with a callback) is the stream's own. ipykernel
     registers no callback of its own on the shell stream. :attr:`at_once` turns it off, as
     for a benchmark's "before" (``bench/kernel_choices.py``).
     """
