@@ -37,10 +37,6 @@ got its reply; and a request naming a subshell (from a client that did not read
 ``supported_features``) failed an assertion after ``busy``: no reply, no ``idle``, and the
 subshell requests on control got no reply either.
 
-And the main thread sends a reply as it makes it (:class:`ReplyStream`), not on its
-loop's next turn: with ``idle`` sent at once (fast_io.py), the reply waited behind it,
-about 0.4 ms of a ``1+1`` under gVisor.
-
 And it takes over the host-facing listeners of shell and IOPub from the channel relay
 (:class:`ChannelKeeper`): the host's connections reach the kernel without a hop through
 the relay's process, about 1 ms of a ``1+1`` under gVisor, and the kernel lets go of them
@@ -64,13 +60,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import zmq
 from ipykernel._version import version_info as ipykernel_version
 from ipykernel.ipkernel import IPythonKernel
 from ipykernel.kernelapp import IPKernelApp
-from tornado.log import gen_log
 from traitlets import Bool
 from zmq.eventloop.zmqstream import ZMQStream
 
@@ -208,63 +203,7 @@ def subshells_on_demand_fit() -> bool:
     )
 
 
-class ReplyStream(ZMQStream):
-    """The main thread's stream on the shell socket, which sends a reply as it is made.
-
-    A ZMQStream queues what it is given to send, for its loop's next turn; ipykernel's
-    kernel empties that queue itself only after it has published ``idle`` (the flush in
-    ``_publish_status_and_flush``). A local kernel hands ``idle`` to its IOPub thread, so
-    the reply still reaches the client first; here fast_io sends ``idle`` at once, and the
-    reply waited behind it: made 0.8 ms before ``idle``, it arrived 0.9 ms after it (as much
-    on a host client straight on the sandbox's sockets), and the queue and its flush cost
-    the main thread 1 ms more under gVisor. So a send made on the loop's own thread, with
-    nothing queued before it, goes out at once, as ipykernel 6 sent replies; any other
-    (another thread's, a tracked one, one with a callback) is the stream's own. ipykernel
-    registers no callback of its own on the shell stream. :attr:`at_once` turns it off, as
-    for a benchmark's "before" (``bench/kernel_choices.py``).
-    """
-
-    #: Whether a reply made on the loop's thread goes out at once (read at each send).
-    at_once = True
-    #: The thread that runs the stream's loop: the only one that may use the socket.
-    _owner: int
-
-    @classmethod
-    def adopt(cls, stream: ZMQStream) -> ReplyStream:
-        """``stream`` (on the calling thread's loop), made one of these."""
-        stream.__class__ = cls
-        adopted: ReplyStream = stream  # type: ignore[assignment]
-        adopted._owner = threading.get_ident()
-        return adopted
-
-    def send_multipart(
-        self,
-        msg: Any,
-        flags: int = 0,
-        copy: bool = True,
-        track: bool = False,
-        callback: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        if (
-            not self.at_once
-            or flags
-            or track
-            or callback is not None
-            or kwargs
-            or self.socket is None
-            or threading.get_ident() != self._owner
-            or not self._send_queue.empty()
-        ):
-            super().send_multipart(msg, flags, copy, track, callback, **kwargs)
-            return
-        try:
-            self.socket.send_multipart(msg, copy=copy)
-        except zmq.ZMQError as exc:  # (as the stream's own send, which logs it and goes on)
-            gen_log.error("SEND Error: %s", exc)
-
-
-class HandOverStream(ReplyStream):
+class HandOverStream(ZMQStream):
     """The main thread's stream on the shell socket, until the control thread hands the
     socket to the shell-channel thread: every use of the socket under :attr:`handover`,
     then none (its sends go to the shell-channel thread, through :attr:`forward`)."""
@@ -276,7 +215,8 @@ class HandOverStream(ReplyStream):
     @classmethod
     def adopt(cls, stream: ZMQStream) -> HandOverStream:
         """``stream`` (on the main thread's loop, not yet receiving), made one of these."""
-        adopted = cast(HandOverStream, super().adopt(stream))
+        stream.__class__ = cls
+        adopted: HandOverStream = stream  # type: ignore[assignment]
         adopted.handover, adopted.forward = threading.RLock(), None
         # Its loop calls the handler it was given: this class's from now on.
         adopted.io_loop.remove_handler(adopted._fd)
@@ -721,8 +661,6 @@ class SandboxedKernelApp(IPKernelApp):
         if self._sleeping is not None:
             self.kernel.sleep_subshells(self._sleeping)
             self.shell_channel_thread = self._sleeping  # (stopped at the end, if woken)
-        elif isinstance(self.shell_channel_thread, NoShellChannelThread) and self.kernel.shell_stream:
-            ReplyStream.adopt(self.kernel.shell_stream)  # (the main thread's for good)
         if self._keeper is not None:
             self._keeper.serve(self)
 

@@ -6,10 +6,8 @@ tests/integration/test_conformance.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,11 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
-from tornado.ioloop import IOLoop
-from zmq.eventloop.zmqstream import ZMQStream
 
 from sandbox_kernel.inside import kernel_app
 from tests.executions import run_ok
@@ -179,100 +174,3 @@ def test_the_subshell_magic_answers_as_ipykernel_s_before_any_request(
     printed = run_ok(kc, "%subshell", timeout=30)
     assert "subshell id: None" in printed, printed
     assert "subshell list: []" in printed, printed
-
-
-#: Kernel code: from now on the kernel waits 1 s after each request's handler (its reply
-#: made) before it publishes ``idle``.
-SLOW_AFTER_REPLIES = """\
-import time
-_kernel = get_ipython().kernel
-_after = _kernel.post_handler_hook
-_kernel.post_handler_hook = lambda: (time.sleep(1), _after())
-"""
-
-
-@pytest.mark.parametrize("way", ["on demand", "subshells off"])
-def test_a_reply_goes_out_as_it_is_made_not_after_idle(kernel_app_spec: str, way: str) -> None:
-    """The main thread's reply leaves when the kernel makes it: a client has it while the
-    kernel still works before ``idle`` (ipykernel's stream queued it for its loop's next
-    turn, or for the flush after ``idle``)."""
-    with started(kernel_app_spec, way) as (_, kc):
-        run_ok(kc, SLOW_AFTER_REPLIES, timeout=30)
-        sent = time.monotonic()
-        msg_id = kc.execute("1+1")
-        reply = kc.get_shell_msg(timeout=30)
-        replied = time.monotonic() - sent
-        assert reply["parent_header"]["msg_id"] == msg_id
-        assert replied < 0.8, f"the reply came {replied:.2f} s after the request, behind the kernel's wait"
-        states = []
-        while "idle" not in states:
-            msg = kc.get_iopub_msg(timeout=30)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
-                states.append(msg["content"]["execution_state"])
-        assert time.monotonic() - sent >= 1
-
-
-@pytest.fixture
-def reply_stream() -> Iterator[tuple[kernel_app.ReplyStream, zmq.Socket[bytes], bytes, IOLoop]]:
-    """A ReplyStream on a ROUTER of a loop of this thread's, the DEALER it answers and that
-    DEALER's identity, and the loop (not running)."""
-    context = zmq.Context()
-    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
-    router.bind("inproc://replies")
-    dealer.connect("inproc://replies")
-    loop = IOLoop(make_current=False)
-    stream = kernel_app.ReplyStream.adopt(ZMQStream(router, loop))
-    try:
-        dealer.send(b"request")
-        assert router.poll(5000)
-        identity, _ = router.recv_multipart()
-        yield stream, dealer, identity, loop
-    finally:
-        stream.close(linger=0)
-        dealer.close(linger=0)
-        loop.close()
-        context.term()
-
-
-def answers(dealer: zmq.Socket[bytes], wait: float = 0.2) -> list[bytes]:
-    """What ``dealer`` has received within ``wait`` seconds (and then at once)."""
-    got = []
-    while dealer.poll(int(wait * 1000)):
-        got.append(dealer.recv())
-        wait = 0
-    return got
-
-
-def test_a_reply_stream_sends_at_once_on_its_loop_s_thread(
-    reply_stream: tuple[kernel_app.ReplyStream, zmq.Socket[bytes], bytes, IOLoop],
-) -> None:
-    stream, dealer, identity, _ = reply_stream
-    stream.send_multipart([identity, b"now"])
-    assert answers(dealer) == [b"now"]
-
-
-def test_a_reply_stream_queues_another_thread_s_reply_and_what_follows_it(
-    reply_stream: tuple[kernel_app.ReplyStream, zmq.Socket[bytes], bytes, IOLoop],
-) -> None:
-    """The socket is its loop's thread's alone: another thread's reply waits for the loop,
-    and a reply made while one waits goes after it."""
-    stream, dealer, identity, loop = reply_stream
-    other = threading.Thread(target=stream.send_multipart, args=([identity, b"other thread's"],))
-    other.start()
-    other.join()
-    stream.send_multipart([identity, b"after it"])
-    assert answers(dealer) == []
-    loop.run_sync(lambda: asyncio.sleep(0.1))
-    assert answers(dealer) == [b"other thread's", b"after it"]
-
-
-def test_with_the_switch_off_a_reply_stream_is_ipykernel_s_own(
-    reply_stream: tuple[kernel_app.ReplyStream, zmq.Socket[bytes], bytes, IOLoop],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    stream, dealer, identity, loop = reply_stream
-    monkeypatch.setattr(kernel_app.ReplyStream, "at_once", False)
-    stream.send_multipart([identity, b"queued"])
-    assert answers(dealer) == []
-    loop.run_sync(lambda: asyncio.sleep(0.1))
-    assert answers(dealer) == [b"queued"]
