@@ -39,6 +39,7 @@ from typing import Any
 
 from latency import percentile as p
 from latency import progress
+from roundtrip_once import parts
 
 HERE = Path(__file__).resolve().parent
 BEGIN = "<!-- speed: written by bench/readme.py, do not edit by hand -->"
@@ -172,15 +173,13 @@ def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
     ]
 
     def trip50(way: str, part: str = "total") -> float:
-        """The p50 of one part of roundtrip.py's samples of ``way`` (each [total, the kernel
-        itself, the way in]; the way out is the rest)."""
-        parts = {
-            "total": lambda s: s[0],
-            "kernel": lambda s: s[1],
-            "in": lambda s: s[2] if len(s) > 2 else nan,
-            "out": lambda s: s[0] - s[1] - s[2] if len(s) > 2 else nan,
-        }
-        return p([parts[part](sample) for sample in trip[way]], 50)
+        """The p50 of one part of roundtrip.py's samples of ``way`` (a run kept from before
+        the way in was measured has none of it, nor of the way out: nan)."""
+        split = [
+            parts(s) if len(s) > 2 else {"total": s[0], "kernel": s[1], "in": nan, "out": nan}
+            for s in trip[way]
+        ]
+        return p([sample[part] for sample in split], 50)
 
     local_t, bridge_t, inside = trip50("local"), trip50("bridge"), trip50("inside")
     straight, bare, meter = (trip50(way) for way in ("relay", "bare", "meter"))

@@ -73,7 +73,7 @@ from jupyter_client.blocking import BlockingKernelClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency import SANDBOX_UID, STARTUP_TIMEOUT, kernelspec_variant, percentile, progress
-from roundtrip_once import once
+from roundtrip_once import once, parts
 
 #: Where the launch folder (connection file, the relay's ipc sockets) is in the sandbox.
 LAUNCH_FOLDER = "/run/sandbox-kernel"
@@ -328,24 +328,22 @@ def measure(
 def format_table(samples: dict[str, list[list[float]]]) -> str:
     """The round trip of each way, and how much of it was the way in (to the kernel's busy),
     the kernel itself (its busy to its idle status) and the way out (the rest)."""
-    parts = {
-        "t": {way: [s[0] for s in samples[way]] for way in WAYS},
-        "in": {way: [s[2] for s in samples[way]] for way in WAYS},
-        "k": {way: [s[1] for s in samples[way]] for way in WAYS},
-        "out": {way: [s[0] - s[1] - s[2] for s in samples[way]] for way in WAYS},
-    }
-    base = {name: percentile(values["local"], 50) for name, values in parts.items()}
+    split = {way: [parts(sample) for sample in samples[way]] for way in WAYS}
+
+    def p50(way: str, part: str) -> float:
+        return percentile([sample[part] for sample in split[way]], 50)
+
     rows = [
         "| path | p50 ms | p95 ms | p50 / local | the way in, p50 ms | / local "
         "| the kernel itself, p50 ms | / local | the way out, p50 ms | / local |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for way in WAYS:
-        t50 = percentile(parts["t"][way], 50)
-        cells = [f"{t50:.2f}", f"{percentile(parts['t'][way], 95):.2f}", f"{t50 / base['t']:.2f}x"]
-        for name in ("in", "k", "out"):
-            part = percentile(parts[name][way], 50)
-            cells += [f"{part:.2f}", f"{part / base[name]:.2f}x"]
+        cells = []
+        for part in ("total", "in", "kernel", "out"):
+            cells += [f"{p50(way, part):.2f}", f"{p50(way, part) / p50('local', part):.2f}x"]
+        p95 = percentile([sample["total"] for sample in split[way]], 95)
+        cells.insert(1, f"{p95:.2f}")
         rows.append(f"| {LABELS[way]} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
