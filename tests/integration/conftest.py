@@ -400,6 +400,9 @@ async def wait_for_restart(
         await asyncio.sleep(0.5)
     assert restarts, message
     assert await km.is_alive(), f"{message}: the restarted kernel is not running"
+    # The restart is done only when jupyter_client's restart_kernel returns (its ready
+    # future): a shutdown overlapping it finds that future set twice (InvalidStateError).
+    await asyncio.wait_for(asyncio.shield(km.ready), max(deadline - time.monotonic(), 10))
 
 
 def fill_file(path: str, chunk_mib: int = 1) -> str:

@@ -409,11 +409,14 @@ async def test_a_restart_and_the_restarters_start_for_the_same_user(
         assert (provisioner.user, backend.sandbox(provisioner.container_id).spec.uid) == (alice, UID)
         second = provisioner.container_id
         backend.exit(second, 1)  # the kernel dies: jupyter_client's restarter starts it again
-        for _ in range(100):
+        for _ in range(600):
             if restarts and provisioner.container_id not in (None, second):
                 break
             await asyncio.sleep(0.05)
         assert restarts, "the restarter restarted the kernel"
+        # The restarter's restart_kernel is still finishing (it connects to the new kernel):
+        # a shutdown that overlapped it would find jupyter_client's ready future already set.
+        await asyncio.wait_for(asyncio.shield(km.ready), 30)
         box = backend.sandbox(provisioner.container_id)
         assert (box.spec.uid, box.spec.labels[LABEL_USER]) == (UID, "alice")
     finally:
