@@ -404,6 +404,8 @@ def page(request: pytest.FixtureRequest, hub: Hub) -> Iterator[Page]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 900})
+        console: list[str] = []
+        page.on("console", lambda message: console.append(f"{message.type}: {message.text}"))
         try:
             yield page
         finally:
@@ -411,6 +413,7 @@ def page(request: pytest.FixtureRequest, hub: Hub) -> Iterator[Page]:
             if report is not None and report.failed:
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
+                print(in_short(hub, console))  # first: CI's report may show only a log's ends
                 for name, log in (
                     ("hub and users' servers", hub.private / "hub.log"),
                     ("gateway", hub.gateway.log),
@@ -419,6 +422,28 @@ def page(request: pytest.FixtureRequest, hub: Hub) -> Iterator[Page]:
                     if log.exists():
                         print(f"--- {name} log, as the test failed\n{log.read_text()[-20000:]}")
             browser.close()
+
+
+#: A log line that says nothing about a failure: a request answered as usual.
+ROUTINE = re.compile(r"^\[I [^]]*\] (200|201|204|301|302) (GET|PUT|POST|PATCH|HEAD) ")
+
+
+def in_short(hub: Hub, console: list[str]) -> str:
+    """Where a browser's message stopped, in a few lines: each execution the bridge saw
+    (the audit's started and finished), the servers' lines other than routine answers, and
+    the browser's console warnings and errors."""
+    out = ["--- in short, as the test failed"]
+    if hub.audit.exists():
+        for line in hub.audit.read_text().splitlines():
+            event = json.loads(line)
+            keys = ("event", "time", "kernel_id", "msg_type", "status", "duration", "reason")
+            out.append("audit: " + " ".join(f"{k}={event[k]}" for k in keys if k in event))
+    for name, log in (("hub", hub.private / "hub.log"), ("gateway", hub.gateway.log)):
+        if log.exists():
+            lines = [line for line in log.read_text().splitlines() if not ROUTINE.match(line)]
+            out += [f"{name}: {line[:300]}" for line in lines[-60:]]
+    out += [f"browser: {line[:300]}" for line in console if not line.startswith(("log:", "debug:"))][-40:]
+    return "\n".join(out)
 
 
 def test_a_hub_user_plots_in_a_sandboxed_notebook_as_themselves(
