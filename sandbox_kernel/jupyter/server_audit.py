@@ -12,6 +12,7 @@ configured is left alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -60,7 +61,12 @@ class AuditedWebsocketConnection(ZMQChannelsWebsocketConnection):
     def _default_session(self) -> Session:
         return _StampingSession(_username(self.websocket_handler.current_user), config=self.config)
 
+    _replaced = False
+
     def connect(self) -> Any:
+        holder = self._open_sessions.get(self.session_key)
+        if holder is not None and holder is not self.websocket_handler:
+            return self._give_way()
         provisioner = getattr(self.kernel_manager, "provisioner", None)
         if isinstance(provisioner, SandboxProvisioner):
             handler = self.websocket_handler
@@ -71,6 +77,35 @@ class AuditedWebsocketConnection(ZMQChannelsWebsocketConnection):
                 remote_ip=handler.request.remote_ip,
             )
         return super().connect()
+
+    def _give_way(self) -> asyncio.Future[None]:
+        """Close this connection, which a newer one of its session replaced while it was
+        still in its handshake (jupyter_server's "Replacing stale connection" cannot close a
+        socket not yet open). Opened, it would give the kernel a second client with the
+        session's identity, and whichever connected last would take the kernel's replies:
+        the live socket's requests could go unanswered for ever."""
+        self._replaced = True
+        self.log.info(
+            "Kernel %s: closed a connection of session %s that a newer one replaced as it opened",
+            self.kernel_id,
+            self.session_id,
+        )
+        self.websocket_handler.close()
+        opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        opened.set_result(None)
+        return opened
+
+    def disconnect(self) -> None:  # type: ignore[override]  # upstream's base says async; the class it uses is not
+        if not self._replaced:
+            super().disconnect()  # type: ignore[no-untyped-call]  # untyped upstream
+            return
+        # It made no channels and counts no connection: only its handshake's kernel_info
+        # channel may be left (one whose request the kernel never answered), as upstream closes it.
+        channel, self.kernel_info_channel = self.kernel_info_channel, None
+        if channel is not None and not channel.closed():
+            channel.close()
+            if getattr(self.kernel_manager, "_kernel_info_future", None) is self._kernel_info_future:
+                del self.kernel_manager._kernel_info_future
 
 
 def use_audited_connections(settings: dict[str, Any]) -> bool:

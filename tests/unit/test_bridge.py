@@ -204,6 +204,30 @@ def test_stdin_reaches_the_kernel_from_the_same_peer_as_shell(
     assert recv(kernel["shell"])[0] == recv(kernel["stdin"])[0]
 
 
+def test_of_two_clients_with_one_identity_only_the_last_to_connect_is_heard(
+    ctx: Ctx, session: Session, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge
+) -> None:
+    """Why a server's kernel connection that a newer one of its session replaced must not
+    open (:mod:`sandbox_kernel.jupyter.server_audit`): the route of an identity goes to the
+    last client that connected with it, and the other one's requests reach nothing, for ever."""
+
+    def with_identity() -> zmq.Socket[bytes]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger, sock.identity = 0, b"the-session-id"
+        sock.connect(bridge.endpoint("shell"))
+        return sock
+
+    live = with_identity()
+    live.send_multipart(request(session))
+    answer(session, kernel["shell"], recv(kernel["shell"]))
+    recv(live)
+    stale = with_identity()
+    stale.send_multipart(request(session))
+    recv(kernel["shell"])  # the stale one's: it holds the route now
+    live.send_multipart(request(session))
+    assert not kernel["shell"].poll(1000), "the live client's request arrived"
+
+
 def test_heartbeats_are_echoed(ctx: Ctx, kernel: dict[str, zmq.Socket[bytes]], bridge: KernelBridge) -> None:
     req = client(ctx, zmq.REQ, bridge.endpoint("hb"))
     req.send(b"ping")

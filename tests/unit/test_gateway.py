@@ -930,3 +930,48 @@ async def test_all_users_pools_together_keep_to_the_pool_ceilings(
     else:  # one sandbox (of 2g) in all
         assert len(kernelspecs) == 1
     assert "not starting more" in caplog.text
+
+
+async def test_a_connection_replaced_before_it_opened_gives_the_kernel_no_second_client(
+    serve: Callable[..., Awaitable[Gateway]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JupyterLab opens a kernel's socket twice, 0.1 s apart, with one session id. Each
+    becomes a connection to the gateway. When the first is still in its handshake as the
+    second arrives, jupyter_server's "Replacing stale connection" closes nothing (a socket
+    not yet open cannot be closed), and both go on to open. The kernel's channels then have
+    two clients with the same identity, and the bridge's ROUTER gives that identity to the
+    last one that connected: if that was the stale one, the live socket's requests are never
+    answered, and its cell shows [*] for ever. The stale connection must close instead."""
+    from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+
+    from sandbox_kernel.jupyter.connection_state import StateOnConnectWebsocketConnection
+
+    # (The fake backend's kernels answer no kernel_info: the handshake waits this long for it.)
+    gateway = await serve("--MappingKernelManager.kernel_info_timeout=0.5")
+    kernel_id = await gateway.start("alice")
+    first_registered, let_first_on = asyncio.Event(), asyncio.Event()
+    register = StateOnConnectWebsocketConnection._register_session
+
+    def answered(self: ZMQChannelsWebsocketConnection) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # (the nudge: the fake backend's kernels answer nothing)
+        return done
+
+    async def slow_first(self: StateOnConnectWebsocketConnection) -> None:
+        await register(self)
+        if not first_registered.is_set():
+            first_registered.set()
+            await let_first_on.wait()  # e.g. its user's token still being asked about
+
+    monkeypatch.setattr(StateOnConnectWebsocketConnection, "_register_session", slow_first)
+    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", answered)
+    headers = {"Authorization": f"token {gateway.tokens['alice']}"}
+    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
+    first = asyncio.ensure_future(websocket_connect(HTTPRequest(url, headers=headers)))
+    await asyncio.wait_for(first_registered.wait(), 30)
+    second = await websocket_connect(HTTPRequest(url, headers=headers))
+    let_first_on.set()
+    stale = await asyncio.wait_for(first, 30)
+    assert await asyncio.wait_for(stale.read_message(), 10) is None, "the stale connection is closed"
+    assert gateway.km._kernel_connections[kernel_id] == 1, "the live one is the kernel's only client"
+    second.close()
