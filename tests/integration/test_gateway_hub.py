@@ -435,7 +435,10 @@ def in_short(hub: Hub, console: list[str]) -> str:
     out = ["--- in short, as the test failed"]
     if hub.audit.exists():
         for line in hub.audit.read_text().splitlines():
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line still being written
+                continue
             keys = ("event", "time", "kernel_id", "msg_type", "status", "duration", "reason")
             out.append("audit: " + " ".join(f"{k}={event[k]}" for k in keys if k in event))
     for name, log in (("hub", hub.private / "hub.log"), ("gateway", hub.gateway.log)):
