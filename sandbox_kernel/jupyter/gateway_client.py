@@ -148,7 +148,7 @@ class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
         IOLoop.current().add_future(dialling, self._dialled)
 
     def _dialled(self, future: Future[Any]) -> None:
-        if future.cancelled():  # by disconnect(): the browser went away while dialling
+        if future.cancelled():  # (nothing here cancels a dial: see disconnect)
             return
         exc = future.exception()
         if self.disconnected:
@@ -211,9 +211,18 @@ class SandboxGatewayWebSocketConnection(GatewayWebSocketConnection):
             self.websocket_handler.close(CLOSE_CODE, step.reason)
 
     def disconnect(self) -> None:  # type: ignore[override]  # sync upstream, as here
-        """The browser's socket closed: close the gateway's, and never dial again."""
+        """The browser's socket closed: close the gateway's, and never dial again.
+
+        A dial under way is left to finish, and :meth:`_dialled` closes what it brings. The
+        stock ``disconnect`` cancels it instead, which does not stop it: tornado's
+        ``websocket_connect`` completes the handshake all the same, does not hand over the
+        connection of a cancelled future, and keeps it open for ever (its frame loop answers
+        the gateway's pings), so the gateway would keep a second client of this session.
+        """
+        self.disconnected = True
         self._link.close()
-        super().disconnect()  # type: ignore[no-untyped-call]  # untyped upstream
+        if self.ws is not None:
+            self.ws.close()
 
     def handle_outgoing_message(self, incoming_msg: str | bytes, *args: Any) -> None:
         """Send the gateway's frame to the browser, binary if it came binary."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from jupyter_client.session import Session
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+from tornado import web
 from traitlets import default
 
 from sandbox_kernel.channels.audit import AUTHENTICATED_USER
@@ -63,9 +64,35 @@ class AuditedWebsocketConnection(ZMQChannelsWebsocketConnection):
 
     _replaced = False
 
-    def connect(self) -> Any:
+    def _superseded(self) -> bool:
+        """Whether a newer connection of this session registered while this one was in its
+        handshake (jupyter_server registers each as the session's, replacing any before it)."""
         holder = self._open_sessions.get(self.session_key)
-        if holder is not None and holder is not self.websocket_handler:
+        return holder is not None and holder is not self.websocket_handler
+
+    async def prepare(self) -> None:
+        """jupyter_server's handshake, refused (409) if a newer connection of the session
+        registered meanwhile, while the websocket is not yet upgraded.
+
+        Refused, the client knows it is not connected: JupyterLab reconnects, and a user's server
+        relaying to a sandbox gateway keeps holding the browser's messages and dials again. Opened
+        and then closed (:meth:`_give_way`), the socket would first take what the client sends at
+        once, and lose it: the older connection may be the live one and its newer twin the one the
+        browser is abandoning, when both come through a user's server.
+        """
+        await super().prepare()  # type: ignore[no-untyped-call]  # untyped upstream
+        if self._superseded():
+            # No websocket opens, so nothing calls disconnect: let go of the kernel_info request here.
+            self._release_kernel_info()
+            self.log.info(
+                "Kernel %s: refused a connection of session %s that a newer one replaced in its handshake",
+                self.kernel_id,
+                self.session_id,
+            )
+            raise web.HTTPError(409, "A newer connection of session %s replaced this one", self.session_id)
+
+    def connect(self) -> Any:
+        if self._superseded():
             return self._give_way()
         provisioner = getattr(self.kernel_manager, "provisioner", None)
         if isinstance(provisioner, SandboxProvisioner):
@@ -83,7 +110,8 @@ class AuditedWebsocketConnection(ZMQChannelsWebsocketConnection):
         still in its handshake (jupyter_server's "Replacing stale connection" cannot close a
         socket not yet open). Opened, it would give the kernel a second client with the
         session's identity, and whichever connected last would take the kernel's replies:
-        the live socket's requests could go unanswered for ever."""
+        the live socket's requests could go unanswered for ever. (:meth:`prepare` refuses
+        such a connection before its upgrade; this catches one replaced after that.)"""
         self._replaced = True
         self.log.info(
             "Kernel %s: closed a connection of session %s that a newer one replaced as it opened",
@@ -99,11 +127,19 @@ class AuditedWebsocketConnection(ZMQChannelsWebsocketConnection):
         if not self._replaced:
             super().disconnect()  # type: ignore[no-untyped-call]  # untyped upstream
             return
-        # It made no channels and counts no connection: only its handshake's kernel_info
-        # channel may be left (one whose request the kernel never answered), as upstream closes it.
+        # It made no channels and counts no connection.
+        self._release_kernel_info()
+
+    def _release_kernel_info(self) -> None:
+        """Close the handshake's kernel_info channel, if left (one whose request the kernel never
+        answered), as upstream's ``disconnect`` does. Its future is then the kernel's pending one,
+        which later handshakes wait on: resolve it (empty, as upstream does), or they wait for a
+        reply no channel can bring any more."""
         channel, self.kernel_info_channel = self.kernel_info_channel, None
         if channel is not None and not channel.closed():
             channel.close()
+            if not self._kernel_info_future.done():
+                self._kernel_info_future.set_result({})
             if getattr(self.kernel_manager, "_kernel_info_future", None) is self._kernel_info_future:
                 del self.kernel_manager._kernel_info_future
 

@@ -941,10 +941,17 @@ async def test_a_connection_replaced_before_it_opened_gives_the_kernel_no_second
     not yet open cannot be closed), and both go on to open. The kernel's channels then have
     two clients with the same identity, and the bridge's ROUTER gives that identity to the
     last one that connected: if that was the stale one, the live socket's requests are never
-    answered, and its cell shows [*] for ever. The stale connection must close instead."""
+    answered, and its cell shows [*] for ever. The stale connection must close instead.
+
+    (Its handshake is refused before that, as the next test has it: jupyter_server 2.21 goes from
+    the handshake to opening the socket without letting another connection in between. This is
+    the check at opening, for a jupyter_server that does, with the handshake's own taken away.)"""
     from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
     from sandbox_kernel.jupyter.connection_state import StateOnConnectWebsocketConnection
+    from sandbox_kernel.jupyter.server_audit import AuditedWebsocketConnection
+
+    monkeypatch.setattr(AuditedWebsocketConnection, "prepare", ZMQChannelsWebsocketConnection.prepare)
 
     # (The fake backend's kernels answer no kernel_info: the handshake waits this long for it.)
     gateway = await serve("--MappingKernelManager.kernel_info_timeout=0.5")
@@ -974,4 +981,107 @@ async def test_a_connection_replaced_before_it_opened_gives_the_kernel_no_second
     stale = await asyncio.wait_for(first, 30)
     assert await asyncio.wait_for(stale.read_message(), 10) is None, "the stale connection is closed"
     assert gateway.km._kernel_connections[kernel_id] == 1, "the live one is the kernel's only client"
+    second.close()
+
+
+async def test_a_connection_replaced_in_its_handshake_is_refused_before_it_opens(
+    serve: Callable[..., Awaitable[Gateway]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Of JupyterLab's two sockets of one session, the one it keeps may be the one the gateway
+    registered first, when both come through the user's server. Opened, then closed for its
+    newer twin, it would lose what the user's server sent into it at once (what the browser said
+    while the gateway was being dialled). Its handshake is refused instead (409), before the
+    upgrade: the user's server keeps holding those messages and dials again. The request for the
+    kernel's kernel_info it made is let go of too, or later handshakes would wait on it."""
+    from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+
+    from sandbox_kernel.jupyter.connection_state import StateOnConnectWebsocketConnection
+
+    # (The fake backend's kernels answer no kernel_info: the handshake waits this long for it.)
+    gateway = await serve("--MappingKernelManager.kernel_info_timeout=0.5")
+    kernel_id = await gateway.start("alice")
+    first_asked, let_first_on = asyncio.Event(), asyncio.Event()
+    asking: list[StateOnConnectWebsocketConnection] = []
+    request = StateOnConnectWebsocketConnection.request_kernel_info
+
+    def answered(self: ZMQChannelsWebsocketConnection) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # (the nudge: the fake backend's kernels answer nothing)
+        return done
+
+    def slow_first(self: StateOnConnectWebsocketConnection) -> Any:
+        if first_asked.is_set():
+            return request(self)
+        self.kernel_info_timeout = 60  # (its handshake waits for let_first_on, not for this)
+        request(self)  # the kernel's request, which the second connection waits on
+        asking.append(self)
+        first_asked.set()
+        return asyncio.ensure_future(let_first_on.wait())  # e.g. a kernel slow to answer
+
+    monkeypatch.setattr(StateOnConnectWebsocketConnection, "request_kernel_info", slow_first)
+    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", answered)
+    headers = {"Authorization": f"token {gateway.tokens['alice']}"}
+    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
+    first = asyncio.ensure_future(websocket_connect(HTTPRequest(url, headers=headers)))
+    await asyncio.wait_for(first_asked.wait(), 30)
+    asked = asking[0]._kernel_info_future
+    second = await websocket_connect(HTTPRequest(url, headers=headers))
+    let_first_on.set()
+    with pytest.raises(HTTPClientError) as refused:
+        await asyncio.wait_for(first, 30)
+    assert refused.value.code == 409
+    assert gateway.km._kernel_connections[kernel_id] == 1, "the live one is the kernel's only client"
+    assert asked.done(), "nothing is left waiting on the request it made"
+    assert not hasattr(gateway.km.get_kernel(kernel_id), "_kernel_info_future"), "the next one asks anew"
+    second.close()
+
+
+async def test_a_replaced_connection_leaves_no_kernel_info_request_pending(
+    serve: Callable[..., Awaitable[Gateway]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that asked the kernel for its kernel_info, then gave way to a newer one of
+    its session, closes the request's channel: its future, which later handshakes of the kernel
+    wait on, must then be resolved, as jupyter_server resolves it for a connection that closes
+    before the kernel answered, or they wait on a reply that cannot come."""
+    from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+
+    from sandbox_kernel.jupyter.connection_state import StateOnConnectWebsocketConnection
+
+    # (The fake backend's kernels answer no kernel_info: the handshake waits this long for it.)
+    gateway = await serve("--MappingKernelManager.kernel_info_timeout=0.5")
+    kernel_id = await gateway.start("alice")
+    first_asked, let_first_on = asyncio.Event(), asyncio.Event()
+    prepared: list[StateOnConnectWebsocketConnection] = []
+    prepare = StateOnConnectWebsocketConnection.prepare
+
+    def answered(self: ZMQChannelsWebsocketConnection) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # (the nudge: the fake backend's kernels answer nothing)
+        return done
+
+    async def slow_first(self: StateOnConnectWebsocketConnection) -> None:
+        await prepare(self)  # registered, asked for the kernel_info, gave up waiting
+        prepared.append(self)
+        if not first_asked.is_set():
+            first_asked.set()
+            await let_first_on.wait()
+
+    monkeypatch.setattr(StateOnConnectWebsocketConnection, "prepare", slow_first)
+    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", answered)
+    headers = {"Authorization": f"token {gateway.tokens['alice']}"}
+    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
+    first = asyncio.ensure_future(websocket_connect(HTTPRequest(url, headers=headers)))
+    await asyncio.wait_for(first_asked.wait(), 30)
+    asked = prepared[0]._kernel_info_future
+    assert gateway.km.get_kernel(kernel_id)._kernel_info_future is asked, "the kernel's pending request"
+    second = await websocket_connect(HTTPRequest(url, headers=headers))
+    let_first_on.set()
+    stale = await asyncio.wait_for(first, 30)
+    assert await asyncio.wait_for(stale.read_message(), 10) is None, "the stale connection is closed"
+    for _ in range(100):  # (the gateway's side closes once the client's close frame is in)
+        if asked.done():
+            break
+        await asyncio.sleep(0.05)
+    assert asked.done(), "nothing is left waiting on the request it closed"
+    assert not hasattr(gateway.km.get_kernel(kernel_id), "_kernel_info_future"), "the next one asks anew"
     second.close()

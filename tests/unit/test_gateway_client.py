@@ -18,7 +18,10 @@ import pytest
 from jupyter_server.gateway.connections import GatewayWebSocketConnection
 from jupyter_server.gateway.gateway_client import GatewayClient
 from tornado import web
+from tornado import websocket as tornado_websocket
 from tornado.httpserver import HTTPServer
+from traitlets import Unicode
+from traitlets.config import LoggingConfigurable
 
 from sandbox_kernel.jupyter import gateway_client as gateway_client_module
 from sandbox_kernel.jupyter.gateway_client import (
@@ -381,3 +384,95 @@ async def test_a_gateway_that_does_not_answer_is_unreachable_too(
         status = await gateway_status("k1")
     assert status["gateway"]["reachable"] is False
     assert status["gateway"]["reason"] == "no answer within 0.3 s"
+
+
+# -- the relay to the gateway's kernel websocket ------------------------------------------
+
+
+class FakeKernelManager(LoggingConfigurable):
+    """What a kernel websocket connection reads of its kernel manager (its parent)."""
+
+    kernel_id = Unicode("k1")
+
+
+async def test_a_browser_gone_while_the_gateway_is_dialled_leaves_no_connection_to_it(
+    gateway_client: None,
+) -> None:
+    """The browser's socket closes while the gateway's is still being dialled (JupyterLab opens
+    a kernel's socket twice, 0.1 s apart, and drops one). Cancelling tornado's
+    ``websocket_connect`` future does not stop the dial: the handshake completes, and tornado
+    keeps the websocket open for ever, answering the gateway's pings, so the gateway would keep
+    a second client of the session. The connection must be closed once the dial completes."""
+    arrived, let_on, closed = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    opened: list[tornado_websocket.WebSocketHandler] = []
+
+    class Channels(tornado_websocket.WebSocketHandler):
+        async def prepare(self) -> None:
+            arrived.set()
+            await let_on.wait()  # a slow handshake: the gateway asking the kernel for its info
+
+        def open(self, *args: str, **kwargs: str) -> None:
+            opened.append(self)
+
+        def on_close(self) -> None:
+            closed.set()
+
+    port = free_port()
+    server = HTTPServer(web.Application([(r"/api/kernels/([^/]+)/channels", Channels)]))
+    server.listen(port, "127.0.0.1")
+    GatewayClient.instance(url=f"http://127.0.0.1:{port}")
+    connection = SandboxGatewayWebSocketConnection(parent=FakeKernelManager())
+    try:
+        await connection.connect()
+        await asyncio.wait_for(arrived.wait(), 10)
+        connection.disconnect()
+        let_on.set()
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        for handler in opened:
+            handler.close()
+        server.stop()
+        await asyncio.wait_for(server.close_all_connections(), 5)
+
+
+async def test_a_handshake_the_gateway_refused_for_a_newer_one_is_dialled_again_keeping_messages(
+    gateway_client: None,
+) -> None:
+    """A gateway refuses (409) the handshake of a connection a newer one of its session replaced
+    while it was in it: when that is the connection the browser kept, what the browser sent
+    meanwhile is still held, and reaches the kernel once the gateway is dialled again."""
+    received: list[str | bytes] = []
+    arrived = asyncio.Event()
+    refused: list[str] = []
+    opened: list[tornado_websocket.WebSocketHandler] = []
+
+    class Channels(tornado_websocket.WebSocketHandler):
+        def prepare(self) -> None:
+            if not refused:
+                refused.append(self.request.uri or "")
+                raise web.HTTPError(409)
+
+        def open(self, *args: str, **kwargs: str) -> None:
+            opened.append(self)
+
+        def on_message(self, message: str | bytes) -> None:
+            received.append(message)
+            arrived.set()
+
+    port = free_port()
+    server = HTTPServer(web.Application([(r"/api/kernels/([^/]+)/channels", Channels)]))
+    server.listen(port, "127.0.0.1")
+    GatewayClient.instance(url=f"http://127.0.0.1:{port}", gateway_retry_interval=0.1)
+    connection = SandboxGatewayWebSocketConnection(parent=FakeKernelManager())
+    try:
+        await connection.connect()
+        connection.handle_incoming_message('{"said": "while dialling"}')
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert len(refused) == 1
+        assert received == ['{"said": "while dialling"}']
+    finally:
+        connection.disconnect()
+        for handler in opened:
+            handler.close()
+        server.stop()
+        await asyncio.wait_for(server.close_all_connections(), 5)
