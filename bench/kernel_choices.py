@@ -13,6 +13,9 @@ as it runs, in one run.
   main shell. The sandboxed kernel's main thread reads the shell channel itself until a
   client asks for a subshell (``sandbox_kernel/inside/kernel_app.py``); the kernelspec key
   ``subshells: false`` keeps it so for good.
+* Replies sent as they are made: ipykernel's shell stream queues each reply for its
+  loop's next turn, which comes after the ``idle`` that fast_io sends at once; the
+  sandboxed kernel's main thread sends it at once (``ReplyStream`` in kernel_app.py).
 
 This times ``1+1`` (``execute_interactive``, to the reply and the idle status) on six
 kernels, one sample of each per round in an order shuffled per round, so that the
@@ -30,7 +33,11 @@ alike:
 * ``sandboxed, all relayed``: a fifth one, started with the kernel's argument
   ``--SandboxedKernelApp.take_channels=False``: the channel relay keeps shell and IOPub
   too (their host connections cross the relay's process, as before the kernel took their
-  listeners over).
+  listeners over);
+* ``sandboxed, replies queued``: a sixth one, alike but for ``ReplyStream.at_once``
+  (``sandbox_kernel/inside/kernel_app.py``) turned off: each reply waits in the shell
+  stream's queue for the loop's next turn, or for the flush after ``idle``, as ipykernel
+  sends it.
 
 Each kernel has one client, so each publishes to one subscriber. Run from the project
 root::
@@ -64,11 +71,14 @@ KERNELS = (
     "sandboxed, handed",
     "sandboxed, no subshells",
     "sandboxed, all relayed",
+    "sandboxed, replies queued",
 )
 #: The start of the kernel whose relay keeps every channel.
 RELAY_ALL = {"extra_arguments": ["--SandboxedKernelApp.take_channels=False"]}
 #: Run in the second sandboxed kernel: every IOPub message through its IOPub thread.
 HAND_EVERY_MESSAGE = "import sys; sys.modules['sandbox_kernel_fast_io'].DIRECT_SENDS = False"
+#: Run in the last sandboxed kernel: its replies wait in its shell stream's queue.
+QUEUE_REPLIES = "type(get_ipython().kernel.shell_stream).at_once = False"
 
 
 def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dict[str, list[float]]:
@@ -76,8 +86,8 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
     with ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         quick = kernelspec_variant(kernel, "no-subshells", {"subshells": False}, folder)
-        progress(f"starting a local {baseline} kernel, four {kernel} kernels and a {quick} kernel")
-        specs = (baseline, kernel, kernel, kernel, quick, kernel)
+        progress(f"starting a local {baseline} kernel, five {kernel} kernels and a {quick} kernel")
+        specs = (baseline, kernel, kernel, kernel, quick, kernel, kernel)
         clients = {
             name: stack.enter_context(
                 running_kernel(spec, cwd, **(RELAY_ALL if name.endswith("relayed") else {}))
@@ -90,17 +100,19 @@ def measure(kernel: str, baseline: str, runs: int, warmup: int, cwd: str) -> dic
         if started.control_channel.get_msg(timeout=60)["content"].get("status") != "ok":
             msg = "cannot start the subshells of a sandboxed kernel"
             raise RuntimeError(msg)
-        reply = clients["sandboxed, handed"].execute_interactive(HAND_EVERY_MESSAGE, timeout=60)
-        if reply["content"]["status"] != "ok":
-            msg = f"cannot turn fast_io's direct sends off: {reply['content']}"
-            raise RuntimeError(msg)
+        set_up = {"sandboxed, handed": HAND_EVERY_MESSAGE, "sandboxed, replies queued": QUEUE_REPLIES}
+        for name, code in set_up.items():
+            reply = clients[name].execute_interactive(code, timeout=60)
+            if reply["content"]["status"] != "ok":
+                msg = f"cannot set up the kernel {name!r}: {reply['content']}"
+                raise RuntimeError(msg)
         times = in_turns(lambda name: execute_once(clients[name]), KERNELS, runs, warmup)
         progress("stopping the kernels")
     return times
 
 
 def format_table(times: dict[str, list[float]]) -> str:
-    sandboxed, started, handed, quick, relayed = (percentile(times[name], 50) for name in KERNELS[1:])
+    sandboxed, started, handed, quick, relayed, queued = (percentile(times[name], 50) for name in KERNELS[1:])
     footer = [
         f"The kernel holding the shell and IOPub listeners itself saves {relayed - sandboxed:.2f} ms at p50 "
         f"({(relayed - sandboxed) / relayed:.0%} of the round trip with every channel relayed).",
@@ -109,6 +121,8 @@ def format_table(times: dict[str, list[float]]) -> str:
         f"The main thread reading the shell channel until a subshell is asked for saves "
         f"{started - sandboxed:.2f} ms at p50 ({(started - sandboxed) / started:.0%} of the round trip "
         f"with subshells started); subshells: false differs by {quick - sandboxed:+.2f} ms.",
+        f"Sending each reply as it is made saves {queued - sandboxed:.2f} ms at p50 "
+        f"({(queued - sandboxed) / queued:.0%} of the round trip with replies queued).",
     ]
     return "\n".join([ratio_table(times, KERNELS, "kernel"), "", *footer])
 

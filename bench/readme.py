@@ -127,6 +127,14 @@ def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
     plain, mcp_floor = p(agents["MCP run_code, plain client"], 50) - raw, p(agents["MCP empty tool"], 50)
     t_local, t_sand = turns["local"], turns["sandboxed"]
     t_sub = turns["sandboxed, subshells started"]
+    queued = turns.get("sandboxed, replies queued")  # (none in a run kept from before it)
+    replies_says = (
+        f"The kernel sending each `ok` reply as it makes it, not after its `idle`, saves "
+        f"{p(queued, 50) - p(t_sand, 50):.1f} ms at p50 (`kernel_choices.py`, against a kernel of the same "
+        "run with its replies queued). "
+        if queued
+        else ""
+    )
     rows = density["rows"]
     # The most kernels measured both running and all frozen (density.py measures "running"
     # only up to its --unfrozen-max); without one, nan: nothing is written.
@@ -236,7 +244,7 @@ def render(results: dict[str, Any], when: str, loads: dict[str, float]) -> str:
         f"meter alone {meter:.1f} ms; the rest is the bridge's own sockets and checks (signatures, audit, "
         f"output limit, cleaning: {checks_ms:.2f} ms of a round trip, `bridge_checks.py`). A client inside "
         f"the sandbox on the kernel's own ports, which pays gVisor's wake-ups itself, takes {inside:.1f} ms. "
-        "A cold start is "
+        f"{replies_says}A cold start is "
         f"Docker and runsc starting a sandbox ({docker_true:.2f} s) and Python importing ipykernel "
         f"through gVisor's file system ({statistics.median(imports['runsc']):.1f} s against "
         f"{statistics.median(imports['host']):.1f} s on the host, `coldstart.py`): the warm pool is the "

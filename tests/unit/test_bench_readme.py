@@ -86,6 +86,7 @@ def results() -> dict[str, Any]:
             "local": [10.0, 10.0, 12.0],
             "sandboxed": [14.0, 14.0, 15.0],
             "sandboxed, subshells started": [16.0, 16.0, 18.0],
+            "sandboxed, replies queued": [14.4, 14.4, 15.0],
         },
         "roundtrip": {
             "local": [[5.0, 4.0, 0.6]] * 3,
@@ -195,6 +196,10 @@ def test_every_figure_of_the_section_is_the_runs_own(readme_bench: ModuleType) -
     )
     assert "(signatures, audit, output limit, cleaning: 0.60 ms of a round trip" in section
     assert "pays gVisor's wake-ups itself, takes 13.0 ms." in section
+    assert (
+        "The kernel sending each `ok` reply as it makes it, not after its `idle`, saves 0.4 ms at p50"
+        in section
+    )
     assert (
         "(0.36 s) and Python importing ipykernel through gVisor's file system (0.9 s against 0.2 s" in section
     )
