@@ -165,7 +165,11 @@ class KernelWithoutSubshells(IPythonKernel):
             return
         self._aborting = True
         self.log.info("Aborting queue")
-        stream.flush()  # what has arrived, read: queued behind the failing request
+        # What has arrived, read: queued behind the failing request. Read only: its reply
+        # waits in the stream's queue until the marker is queued too. ipykernel's flush
+        # sends it amid the reading, and a client's next request, sent once it had that
+        # reply, could be read before the marker and come back "aborted".
+        stream.flush(zmq.POLLIN)
 
         def queue_marker() -> None:  # the way each request read is queued
             stream._run_callback(callback, [zmq.Frame(b"stop aborting")])
@@ -284,13 +288,18 @@ class ReplyStream(ZMQStream):
         ):
             super().send_multipart(msg, flags, copy, track, callback, **kwargs)
             return
+        # A request that arrived meanwhile (while the cell ran) was signalled once, on an
+        # edge-triggered descriptor, and the send takes that signal: the stream looks again
+        # on its loop's next turn (asked first: an interrupt after the send cannot skip it).
+        self.io_loop.add_callback(self._look_again)
         try:
             send_whole(self.socket, msg)
         except zmq.ZMQError as exc:  # (as the stream's own send, which logs it and goes on)
             gen_log.error("SEND Error: %s", exc)
-        # A request that arrived meanwhile (while the cell ran) was signalled once, on an
-        # edge-triggered descriptor, and the send took that signal: the stream looks again.
-        self._update_handler(self._state)  # type: ignore[no-untyped-call]  # untyped upstream
+
+    def _look_again(self) -> None:
+        if self.socket is not None:
+            self._handle_events(self.socket, 0)  # type: ignore[no-untyped-call]  # untyped upstream
 
 
 def succeeded(frames: Any) -> bool:
