@@ -932,6 +932,20 @@ async def test_all_users_pools_together_keep_to_the_pool_ceilings(
     assert "not starting more" in caplog.text
 
 
+def _nudged(self: Any) -> asyncio.Future[None]:
+    """jupyter_server's nudge of a new connection, answered at once (the fake backend's
+    kernels answer nothing)."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
+
+def _alices_socket(gateway: Gateway, kernel_id: str) -> HTTPRequest:
+    """The request of a websocket of alice's to the kernel's channels, session ``S``."""
+    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
+    return HTTPRequest(url, headers={"Authorization": f"token {gateway.tokens['alice']}"})
+
+
 async def test_a_connection_replaced_before_it_opened_gives_the_kernel_no_second_client(
     serve: Callable[..., Awaitable[Gateway]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -959,11 +973,6 @@ async def test_a_connection_replaced_before_it_opened_gives_the_kernel_no_second
     first_registered, let_first_on = asyncio.Event(), asyncio.Event()
     register = StateOnConnectWebsocketConnection._register_session
 
-    def answered(self: ZMQChannelsWebsocketConnection) -> asyncio.Future[None]:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)  # (the nudge: the fake backend's kernels answer nothing)
-        return done
-
     async def slow_first(self: StateOnConnectWebsocketConnection) -> None:
         await register(self)
         if not first_registered.is_set():
@@ -971,12 +980,11 @@ async def test_a_connection_replaced_before_it_opened_gives_the_kernel_no_second
             await let_first_on.wait()  # e.g. its user's token still being asked about
 
     monkeypatch.setattr(StateOnConnectWebsocketConnection, "_register_session", slow_first)
-    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", answered)
-    headers = {"Authorization": f"token {gateway.tokens['alice']}"}
-    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
-    first = asyncio.ensure_future(websocket_connect(HTTPRequest(url, headers=headers)))
+    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", _nudged)
+    socket = _alices_socket(gateway, kernel_id)
+    first = asyncio.ensure_future(websocket_connect(socket))
     await asyncio.wait_for(first_registered.wait(), 30)
-    second = await websocket_connect(HTTPRequest(url, headers=headers))
+    second = await websocket_connect(socket)
     let_first_on.set()
     stale = await asyncio.wait_for(first, 30)
     assert await asyncio.wait_for(stale.read_message(), 10) is None, "the stale connection is closed"
@@ -1004,11 +1012,6 @@ async def test_a_connection_replaced_in_its_handshake_is_refused_before_it_opens
     asking: list[StateOnConnectWebsocketConnection] = []
     request = StateOnConnectWebsocketConnection.request_kernel_info
 
-    def answered(self: ZMQChannelsWebsocketConnection) -> asyncio.Future[None]:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)  # (the nudge: the fake backend's kernels answer nothing)
-        return done
-
     def slow_first(self: StateOnConnectWebsocketConnection) -> Any:
         if first_asked.is_set():
             return request(self)
@@ -1019,13 +1022,12 @@ async def test_a_connection_replaced_in_its_handshake_is_refused_before_it_opens
         return asyncio.ensure_future(let_first_on.wait())  # e.g. a kernel slow to answer
 
     monkeypatch.setattr(StateOnConnectWebsocketConnection, "request_kernel_info", slow_first)
-    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", answered)
-    headers = {"Authorization": f"token {gateway.tokens['alice']}"}
-    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
-    first = asyncio.ensure_future(websocket_connect(HTTPRequest(url, headers=headers)))
+    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", _nudged)
+    socket = _alices_socket(gateway, kernel_id)
+    first = asyncio.ensure_future(websocket_connect(socket))
     await asyncio.wait_for(first_asked.wait(), 30)
     asked = asking[0]._kernel_info_future
-    second = await websocket_connect(HTTPRequest(url, headers=headers))
+    second = await websocket_connect(socket)
     let_first_on.set()
     with pytest.raises(HTTPClientError) as refused:
         await asyncio.wait_for(first, 30)
@@ -1054,11 +1056,6 @@ async def test_a_replaced_connection_leaves_no_kernel_info_request_pending(
     prepared: list[StateOnConnectWebsocketConnection] = []
     prepare = StateOnConnectWebsocketConnection.prepare
 
-    def answered(self: ZMQChannelsWebsocketConnection) -> asyncio.Future[None]:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        done.set_result(None)  # (the nudge: the fake backend's kernels answer nothing)
-        return done
-
     async def slow_first(self: StateOnConnectWebsocketConnection) -> None:
         await prepare(self)  # registered, asked for the kernel_info, gave up waiting
         prepared.append(self)
@@ -1067,14 +1064,13 @@ async def test_a_replaced_connection_leaves_no_kernel_info_request_pending(
             await let_first_on.wait()
 
     monkeypatch.setattr(StateOnConnectWebsocketConnection, "prepare", slow_first)
-    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", answered)
-    headers = {"Authorization": f"token {gateway.tokens['alice']}"}
-    url = gateway.url.replace("http", "ws", 1) + f"/api/kernels/{kernel_id}/channels?session_id=S"
-    first = asyncio.ensure_future(websocket_connect(HTTPRequest(url, headers=headers)))
+    monkeypatch.setattr(ZMQChannelsWebsocketConnection, "nudge", _nudged)
+    socket = _alices_socket(gateway, kernel_id)
+    first = asyncio.ensure_future(websocket_connect(socket))
     await asyncio.wait_for(first_asked.wait(), 30)
     asked = prepared[0]._kernel_info_future
     assert gateway.km.get_kernel(kernel_id)._kernel_info_future is asked, "the kernel's pending request"
-    second = await websocket_connect(HTTPRequest(url, headers=headers))
+    second = await websocket_connect(socket)
     let_first_on.set()
     stale = await asyncio.wait_for(first, 30)
     assert await asyncio.wait_for(stale.read_message(), 10) is None, "the stale connection is closed"
