@@ -55,6 +55,7 @@ standard library, pyzmq and ipykernel only.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -337,6 +338,7 @@ def uninstall() -> None:
         _undo.pop()()
 
 
+@functools.cache
 def whole_message_sender() -> Callable[[Any, list[bytes]], None] | None:
     """A send of a message's frames on a ZeroMQ socket that no signal handler can stop
     between two frames; None where this pyzmq offers no way to it.
@@ -350,6 +352,7 @@ def whole_message_sender() -> Callable[[Any, list[bytes]], None] | None:
     never waits): no Python code runs between two frames, so no handler can. libzmq may
     refuse a frame with EINTR (a signal during its poll, on Linux; gVisor's poll with no
     timeout returns at once): the rest of the message then goes with signals blocked.
+    Made once: the IOPub sends here and the shell replies of kernel_app.py share it.
     """
     import ctypes
     import errno as errnos

@@ -323,17 +323,8 @@ def succeeded(frames: Any) -> bool:
 def whole_message_sender() -> Callable[[Any, list[bytes]], None] | None:
     """fast_io's send of a message that no signal handler can cut, once in_kernel_startup.py
     has loaded fast_io.py (None before, or where this pyzmq has none)."""
-    found = _sender
-    if not found:
-        module = sys.modules.get(FAST_IO_MODULE)
-        if module is None:
-            return None
-        found.append(module.whole_message_sender())
-    return found[0]
-
-
-#: fast_io's whole-message sender, once made (:func:`whole_message_sender`).
-_sender: list[Callable[[Any, list[bytes]], None] | None] = []
+    module = sys.modules.get(FAST_IO_MODULE)
+    return None if module is None else module.whole_message_sender()
 
 
 class HandOverStream(ReplyStream):

@@ -262,7 +262,6 @@ def reply_stream(
     """A ReplyStream on a ROUTER of a loop of this thread's, the DEALER it answers and that
     DEALER's identity, and the loop (not running); fast_io loaded, as in a sandbox."""
     monkeypatch.setitem(sys.modules, kernel_app.FAST_IO_MODULE, fast_io)
-    monkeypatch.setattr(kernel_app, "_sender", [])
     context = zmq.Context()
     router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
     router.bind("inproc://replies")
