@@ -1,0 +1,81 @@
+"""bench/zmq_io_thread.py: its hand-written side speaks ZeroMQ's wire format, so that what
+it measures against libzmq's I/O thread is the same messages reaching the same libzmq
+socket on the host.
+
+Here its server runs on this machine, in a thread, with a real libzmq client (the
+comparison with gVisor is the script's run, docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import zmq
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_zmq_io_thread", ROOT / "bench" / "zmq_io_thread.py")
+    assert spec
+    assert spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench"))  # as when it runs: it imports wakeups.py beside it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+@pytest.fixture
+def client(bench: ModuleType, tmp_path: Path) -> Iterator[Any]:
+    folder = str(tmp_path)
+    ended: list[int] = []
+    server = threading.Thread(target=lambda: ended.append(bench.serve(folder, 0.0)), daemon=True)
+    server.start()
+    for _ in range(500):
+        if (tmp_path / "ready").exists():
+            break
+        server.join(0.01)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    made = bench.Client(context, folder)
+    for way in made.out.values():
+        way.setsockopt(zmq.RCVTIMEO, 10_000)
+    yield made
+    made.stop()
+    server.join(10)
+    context.destroy(linger=0)
+    assert ended == [0], "the server did not stop when asked"
+
+
+def test_the_hand_written_frames_reach_a_libzmq_socket_whole(bench: ModuleType, client: Any) -> None:
+    for way_in in ("libzmq", "own"):
+        if way_in == "libzmq":
+            client.zmq_in.send(bench.OUT["own"])
+        else:
+            client.own_in.sendall(bench.frame(bench.OUT["own"], 0))
+        got = [client.out["own"].recv_multipart() for _ in range(bench.MESSAGES)]
+        assert got == [list(bench.FRAMES)] * bench.MESSAGES
+
+
+def test_every_way_in_and_out_answers_with_all_its_messages(bench: ModuleType, client: Any) -> None:
+    for way_in, way_out in bench.WAYS:
+        assert client.sample(way_in, way_out) > 0
+    client.zmq_in.send(bench.OUT["libzmq"])
+    got = [client.out["libzmq"].recv_multipart() for _ in range(bench.MESSAGES)]
+    assert got == [list(bench.FRAMES)] * bench.MESSAGES
+
+
+def test_a_frame_of_256_bytes_or_more_has_a_long_size(bench: ModuleType) -> None:
+    assert bench.frame(b"x" * 255, 0)[:2] == bytes([0, 255])
+    long = bench.frame(b"x" * 256, 1)
+    assert long[0] == 0x03
+    assert int.from_bytes(long[1:9], "big") == 256
