@@ -31,6 +31,7 @@ mark).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import socket
@@ -48,6 +49,8 @@ from wakeups import IMAGE, RUNTIMES, docker_options, kernel_seccomp_file, progre
 
 #: The ways in and out, in the table's order: (the request's way in, the messages' way out).
 WAYS = (("libzmq", "libzmq"), ("libzmq", "own"), ("libzmq", "mixed"), ("own", "libzmq"), ("own", "own"))
+#: The round trips in milliseconds, by (place, way in, way out).
+Samples = dict[tuple[str, str, str], list[float]]
 LABELS = {"libzmq": "libzmq's I/O thread", "own": "its own socket", "mixed": "its own, the reply by libzmq"}
 #: Messages per request, and the frames of each (a Jupyter message's sizes, roughly).
 MESSAGES = 5
@@ -213,9 +216,9 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[round(fraction * (len(ordered) - 1))]
 
 
-def measure(args: argparse.Namespace) -> dict[tuple[str, str, str], list[float]]:
+def measure(args: argparse.Namespace) -> Samples:
     places = ["host", args.runtime]
-    samples: dict[tuple[str, str, str], list[float]] = {(p, i, o): [] for p in places for i, o in WAYS}
+    samples: Samples = {(p, i, o): [] for p in places for i, o in WAYS}
     with tempfile.TemporaryDirectory(prefix="sandbox-kernel-zmq-io-") as top:
         folders = {place: os.path.join(top, str(n)) for n, place in enumerate(places)}
         for folder in folders.values():
@@ -236,7 +239,7 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, str, str], list[float]]
     return samples
 
 
-def report(samples: dict[tuple[str, str, str], list[float]], runtime: str, args: argparse.Namespace) -> str:
+def report(samples: Samples, runtime: str, args: argparse.Namespace) -> str:
     def p50(place: str, way: tuple[str, str]) -> float:
         return percentile(samples[(place, *way)], 0.5)
 
@@ -283,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work", type=float, default=0.0001, help="seconds of work before each message")
     parser.add_argument("--image", default=IMAGE, help="the kernel image to run in")
     parser.add_argument("--runtime", default=RUNTIMES[0], help="the Docker runtime (runsc) to compare")
+    parser.add_argument("--json", action="store_true", help="also print the samples as JSON")
     parser.add_argument("--serve", metavar="FOLDER", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -291,8 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve:
         return serve(args.serve, args.work)
-    print(report(measure(args), args.runtime, args))
+    samples = measure(args)
+    print(report(samples, args.runtime, args))
+    if args.json:
+        print(json.dumps(as_json(samples, args.runtime)))
     return 0
+
+
+def as_json(samples: Samples, runtime: str) -> dict[str, dict[str, list[float]]]:
+    """The samples by place ("host", "gvisor"), then by way ("IN OUT", e.g. "libzmq own")."""
+    places = {"host": "host", runtime: "gvisor"}
+    return {
+        name: {f"{way_in} {way_out}": samples[place, way_in, way_out] for way_in, way_out in WAYS}
+        for place, name in places.items()
+    }
 
 
 if __name__ == "__main__":
