@@ -1,5 +1,6 @@
-"""Unit-tier fixtures: a fake docker-py client, a guard that no test reaches a daemon, and a
-ZeroMQ context for the tests with real sockets (the bridge's, the meter's).
+"""Unit-tier fixtures: a fake docker-py client, a guard that no test reaches a daemon, a
+ZeroMQ context for the tests with real sockets (the bridge's, the meter's), and the
+benchmark scripts loaded as they run.
 
 The fake mimics the small part of docker-py that ``DockerBackend`` uses
 (``info``, ``images.get``, ``containers.create``, ``api.inspect_container/kill/logs/
@@ -10,11 +11,14 @@ recorded in ``FakeDockerClient.calls`` so a test can assert what was (not) done.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import docker
@@ -42,6 +46,28 @@ def ctx() -> Iterator[Ctx]:
     context: Ctx = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+@pytest.fixture(scope="session")
+def bench_script() -> Callable[[str], ModuleType]:
+    """Loads ``bench/NAME.py`` as it runs: with ``bench/`` on the path while it imports its
+    neighbours, and in ``sys.modules`` (its dataclasses look their module up)."""
+    folder = Path(__file__).resolve().parents[2] / "bench"
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+        assert spec
+        assert spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        sys.path.insert(0, str(folder))
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(folder))
+        return module
+
+    return load
 
 
 @dataclass

@@ -6,10 +6,9 @@ the README outside its markers touched."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,18 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def readme_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_readme", ROOT / "bench" / "readme.py")
-    assert spec
-    assert spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    sys.path.insert(0, str(ROOT / "bench"))  # as when it runs: its neighbours import each other
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+def readme_bench(bench_script: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_script("readme")
 
 
 def latency(

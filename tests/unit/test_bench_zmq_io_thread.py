@@ -7,10 +7,8 @@ comparison with gVisor is the script's run, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,21 +16,10 @@ from typing import Any
 import pytest
 import zmq
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_zmq_io_thread", ROOT / "bench" / "zmq_io_thread.py")
-    assert spec
-    assert spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))  # as when it runs: it imports wakeups.py beside it
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+def bench(bench_script: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_script("zmq_io_thread")
 
 
 @pytest.fixture
