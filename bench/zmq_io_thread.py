@@ -97,10 +97,14 @@ def message(frames: tuple[bytes, ...]) -> bytes:
 def accept_zmtp_peer(listener: socket.socket) -> socket.socket:
     """Accept one libzmq peer and greet it as a PUSH socket."""
     conn, _ = listener.accept()
-    conn.sendall(GREETING)
-    recv_exact(conn, len(GREETING))
-    conn.sendall(frame(READY, 0x04))
-    read_frame(conn)  # the peer's READY
+    try:
+        conn.sendall(GREETING)
+        recv_exact(conn, len(GREETING))
+        conn.sendall(frame(READY, 0x04))
+        read_frame(conn)  # the peer's READY
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 
@@ -112,39 +116,40 @@ def busy(seconds: float) -> None:
 
 def serve(folder: str, work: float) -> int:
     """The server: answers each request on either way in, by either way out, until STOP."""
-    context = zmq.Context()
-    zmq_in = context.socket(zmq.PULL)
-    zmq_in.bind(f"ipc://{folder}/zmq-in")
-    zmq_out = context.socket(zmq.PUSH)
-    zmq_out.bind(f"ipc://{folder}/zmq-out")
-    listeners = {}
-    for name in ("own-in", "own-out"):
-        listeners[name] = socket.socket(socket.AF_UNIX)
-        listeners[name].bind(f"{folder}/{name}")
-        listeners[name].listen(1)
-    with open(f"{folder}/ready", "w", encoding="utf-8"):
-        pass
-    own_in, _ = listeners["own-in"].accept()
-    own_out = accept_zmtp_peer(listeners["own-out"])
-    poller = zmq.Poller()
-    poller.register(zmq_in, zmq.POLLIN)
-    poller.register(own_in, zmq.POLLIN)
-    wire = message(FRAMES)
-    while True:
-        ready = dict(poller.poll())
-        try:
-            request = zmq_in.recv() if zmq_in in ready else read_frame(own_in)[1]
-        except EOFError:  # the client is gone: its STOP may still be on its way
-            break
-        if request == STOP:
-            break
-        for n in range(MESSAGES):
-            busy(work)
-            if request == OUT["libzmq"] or (request == OUT["mixed"] and n == REPLY):
-                zmq_out.send_multipart(FRAMES)
-            else:
-                own_out.sendall(wire)
-    context.destroy(linger=0)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with ExitStack() as held:
+        held.callback(context.destroy, linger=0)
+        zmq_in = context.socket(zmq.PULL)
+        zmq_in.bind(f"ipc://{folder}/zmq-in")
+        zmq_out = context.socket(zmq.PUSH)
+        zmq_out.bind(f"ipc://{folder}/zmq-out")
+        listeners = {}
+        for name in ("own-in", "own-out"):
+            listeners[name] = held.enter_context(socket.socket(socket.AF_UNIX))
+            listeners[name].bind(f"{folder}/{name}")
+            listeners[name].listen(1)
+        with open(f"{folder}/ready", "w", encoding="utf-8"):
+            pass
+        own_in = held.enter_context(listeners["own-in"].accept()[0])
+        own_out = held.enter_context(accept_zmtp_peer(listeners["own-out"]))
+        poller = zmq.Poller()
+        poller.register(zmq_in, zmq.POLLIN)
+        poller.register(own_in, zmq.POLLIN)
+        wire = message(FRAMES)
+        while True:
+            ready = dict(poller.poll())
+            try:
+                request = zmq_in.recv() if zmq_in in ready else read_frame(own_in)[1]
+            except EOFError:  # the client is gone: its STOP may still be on its way
+                break
+            if request == STOP:
+                break
+            for n in range(MESSAGES):
+                busy(work)
+                if request == OUT["libzmq"] or (request == OUT["mixed"] and n == REPLY):
+                    zmq_out.send_multipart(FRAMES)
+                else:
+                    own_out.sendall(wire)
     return 0
 
 
@@ -192,6 +197,7 @@ def server(place: str, folder: str, args: argparse.Namespace) -> Iterator[Client
                    "python", "/bench/zmq_io_thread.py", *serve_args]  # fmt: skip
     process = subprocess.Popen(command)  # noqa: S603
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    client: Client | None = None
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(f"{folder}/ready"):
@@ -204,6 +210,8 @@ def server(place: str, folder: str, args: argparse.Namespace) -> Iterator[Client
         client.stop()
         process.wait(timeout=30)
     finally:
+        if client is not None:
+            client.own_in.close()  # (closed already after a stop)
         if process.poll() is None:
             process.kill()
             if place != "host":

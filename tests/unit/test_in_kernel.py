@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -149,7 +150,16 @@ def started(monkeypatch: pytest.MonkeyPatch, packages: Path, tmp_path: Path) -> 
         monkeypatch.setenv("SANDBOX_KERNEL_POLICY", json.dumps({"memory": "1g", "cpus": 1.0, **policy}))
         monkeypatch.setenv("PYTHONSTARTUP", str(tmp_path / "startup.py"))
         namespace: dict[str, object] = {"__name__": "__main__"}
-        exec(compile((tmp_path / "startup.py").read_text(), "startup.py", "exec"), namespace)  # noqa: S102
+        code = compile((tmp_path / "startup.py").read_text(), "startup.py", "exec")
+        # No collection while it runs: an earlier test's garbage (an unclosed socket) warns
+        # as it is collected, and the warning's registry lands in the running code's globals.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            exec(code, namespace)  # noqa: S102
+        finally:
+            if collecting:
+                gc.enable()
         assert set(namespace) <= {"__name__", "__builtins__"}, (
             "start-up code must not litter the user's names"
         )
