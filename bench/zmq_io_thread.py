@@ -62,7 +62,13 @@ GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0
 READY = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 4) + b"PUSH"
 #: Requests: which way the messages go out, or stop.
 OUT = {"libzmq": b"z", "own": b"o", "mixed": b"m"}
+WAY_OUT = {request: way for way, request in OUT.items()}
 STOP = b"q"
+
+
+def by_libzmq(way_out: str, n: int) -> bool:
+    """Whether message ``n`` (from 0) of a request answered ``way_out`` goes by libzmq."""
+    return way_out == "libzmq" or (way_out == "mixed" and n == REPLY)
 
 
 def recv_exact(conn: socket.socket, size: int) -> bytes:
@@ -144,9 +150,10 @@ def serve(folder: str, work: float) -> int:
                 break
             if request == STOP:
                 break
+            way_out = WAY_OUT[request]
             for n in range(MESSAGES):
                 busy(work)
-                if request == OUT["libzmq"] or (request == OUT["mixed"] and n == REPLY):
+                if by_libzmq(way_out, n):
                     zmq_out.send_multipart(FRAMES)
                 else:
                     own_out.sendall(wire)
@@ -173,8 +180,7 @@ class Client:
         else:
             self.own_in.sendall(frame(OUT[way_out], 0))
         for n in range(MESSAGES):
-            by_libzmq = way_out == "libzmq" or (way_out == "mixed" and n == REPLY)
-            self.out["libzmq" if by_libzmq else "own"].recv_multipart()
+            self.out["libzmq" if by_libzmq(way_out, n) else "own"].recv_multipart()
         return (time.perf_counter() - start) * 1e3
 
     def stop(self) -> None:
@@ -219,11 +225,6 @@ def server(place: str, folder: str, args: argparse.Namespace) -> Iterator[Client
         context.destroy(linger=0)
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[round(fraction * (len(ordered) - 1))]
-
-
 def measure(args: argparse.Namespace) -> Samples:
     places = ["host", args.runtime]
     samples: Samples = {(p, i, o): [] for p in places for i, o in WAYS}
@@ -248,8 +249,12 @@ def measure(args: argparse.Namespace) -> Samples:
 
 
 def report(samples: Samples, runtime: str, args: argparse.Namespace) -> str:
+    # latency.py's percentile, which readme.py reads these samples with (imported here: it
+    # needs the host's packages, and the server's side of this file runs in the kernel image).
+    from latency import percentile
+
     def p50(place: str, way: tuple[str, str]) -> float:
-        return percentile(samples[(place, *way)], 0.5)
+        return percentile(samples[(place, *way)], 50)
 
     header = ["way in; way out", "host p50", "host p95", "gVisor p50", "gVisor p95", "gVisor/host p50"]
     lines = [header]
@@ -257,8 +262,8 @@ def report(samples: Samples, runtime: str, args: argparse.Namespace) -> str:
         host, box = samples[("host", *way)], samples[(runtime, *way)]
         lines.append([
             f"{LABELS[way[0]]}; {LABELS[way[1]]}",
-            *(f"{percentile(v, f):.2f}" for v in (host, box) for f in (0.5, 0.95)),
-            f"{percentile(box, 0.5) / percentile(host, 0.5):.2f}x",
+            *(f"{percentile(v, pct):.2f}" for v in (host, box) for pct in (50, 95)),
+            f"{percentile(box, 50) / percentile(host, 50):.2f}x",
         ])  # fmt: skip
     widths = [max(len(line[col]) for line in lines) for col in range(len(header))]
 
@@ -282,6 +287,15 @@ def report(samples: Samples, runtime: str, args: argparse.Namespace) -> str:
         f"With only the reply sent by libzmq, a round trip takes {p50(runtime, ('libzmq', 'mixed')):.2f} ms "
         f"at p50 under gVisor, against {p50(runtime, both):.2f} ms with every message sent by libzmq.",
     ])  # fmt: skip
+
+
+def as_json(samples: Samples, runtime: str) -> dict[str, dict[str, list[float]]]:
+    """The samples by place ("host", "gvisor"), then by way ("IN OUT", e.g. "libzmq own")."""
+    places = {"host": "host", runtime: "gvisor"}
+    return {
+        name: {f"{way_in} {way_out}": samples[place, way_in, way_out] for way_in, way_out in WAYS}
+        for place, name in places.items()
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -308,15 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(as_json(samples, args.runtime)))
     return 0
-
-
-def as_json(samples: Samples, runtime: str) -> dict[str, dict[str, list[float]]]:
-    """The samples by place ("host", "gvisor"), then by way ("IN OUT", e.g. "libzmq own")."""
-    places = {"host": "host", runtime: "gvisor"}
-    return {
-        name: {f"{way_in} {way_out}": samples[place, way_in, way_out] for way_in, way_out in WAYS}
-        for place, name in places.items()
-    }
 
 
 if __name__ == "__main__":
